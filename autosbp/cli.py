@@ -1,0 +1,59 @@
+"""The `autosbp` command: one subcommand per verb, each in the module that owns it.
+
+Lives here: argument dispatch, the console, and error handling (an `AutosbpError` prints its
+one-paragraph message without a traceback and exits 2). Each command module exposes
+`configure(parser)` and `run(args, console) -> int`; modules are imported only when their
+command runs, so `autosbp --help` stays fast and `train` alone pulls in the runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from autosbp.errors import AutosbpError
+
+# (command, module, one-line help). The module owns the command's arguments and behaviour.
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("capture", "autosbp.commands.capture", "capture a model and summarize its operator graph"),
+    ("profile", "costmodel.commands", "measure this machine's op and collective costs"),
+    ("profiles", "costmodel.commands", "list the shipped hardware profiles"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autosbp", description="Auto-parallel planning and execution for PyTorch training."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name, help_text in COMMANDS:
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.set_defaults(_module=module_name)
+        _module(module_name).configure(cmd, name)
+    return parser
+
+
+def _module(name: str):  # noqa: ANN202 - a command module (configure, run)
+    return importlib.import_module(name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    console = Console(stderr=False, highlight=False)
+    err_console = Console(stderr=True, highlight=False)
+    args = build_parser().parse_args(argv)
+    try:
+        return int(_module(args._module).run(args, console) or 0)
+    except AutosbpError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

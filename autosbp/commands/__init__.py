@@ -1,0 +1,1 @@
+"""CLI command modules: each has `configure(parser, name)` and `run(args, console) -> int`."""

@@ -1,15 +1,17 @@
 """The few error classes users see. Each message says what failed, why, and how to fix it.
 
-Lives here: the error hierarchy only. Raise these for bad user input (models, SBPs, profiles,
+Lives here: the error hierarchy of the planner side; the root (`AutosbpError`) and the errors of
+the bottom layer (`ProfileError`, `ExecutionError`) live in `costmodel.errors` so that costmodel
+can raise them without importing upward. Raise these for bad user input (models, SBPs, profiles,
 plans, CLI arguments); use `assert` for internal invariants. The CLI prints `AutosbpError`
 messages without a traceback and exits non-zero.
 """
 
 from __future__ import annotations
 
+from costmodel.errors import AutosbpError, ExecutionError, ProfileError
 
-class AutosbpError(Exception):
-    """Base of every user-facing error: the message is one paragraph (cause and fix)."""
+__all__ = ["AutosbpError", "CaptureError", "ExecutionError", "PlanError", "ProfileError", "SbpError"]
 
 
 class SbpError(AutosbpError, ValueError):
@@ -20,13 +22,5 @@ class CaptureError(AutosbpError):
     """A model that cannot be captured into an operator graph."""
 
 
-class ProfileError(AutosbpError):
-    """A hardware profile that is missing, malformed, or of another schema version."""
-
-
 class PlanError(AutosbpError):
     """No plan fits (memory), or a plan does not match the model, world size or profile."""
-
-
-class ExecutionError(AutosbpError):
-    """A distributed run failed: a timeout, a dead rank, a mismatched collective."""

@@ -1,0 +1,173 @@
+"""The strategy-choice ILP: pick one candidate per node, minimizing node + edge costs under memory.
+
+The whole formulation (tight edge / local-marginal-polytope form, no big-M):
+
+  variables   x[v, i] in {0, 1}     node v takes candidate i
+              y[e, i, j] in [0, 1]  edge e = (u, v) takes the pair (i, j); only allowed pairs exist
+  objective   min  sum_v sum_i c[v, i] x[v, i]  +  sum_e sum_(i,j) c[e, i, j] y[e, i, j]
+  one-hot     sum_i x[v, i] = 1                                   for every node v
+  marginals   sum_j y[e, i, j] = x[u, i]    for every edge e = (u, v) and candidate i of u
+              sum_i y[e, i, j] = x[v, j]    for every edge e = (u, v) and candidate j of v
+  memory      sum_v sum_i m[k, v, i] x[v, i] <= limit[k] - constant[k]   for every constraint k
+
+With x integral the marginals force y integral (row i of e holds x[u, i], column j holds x[v, j]),
+so only x needs integrality, and the LP relaxation is often integral already (autoparallel
+PR #484). A forbidden pair (i, j) has no y variable, which forbids choosing i and j together.
+
+Lives here: `Problem` (plain numbers: costs in seconds, memory in bytes), `solve` (OR-Tools MIP;
+SCIP by default, since HiGHS through pywraplp ignores the gap setting and prints a banner),
+`brute_force` (the oracle for tests). Lives elsewhere: turning a graph, a mesh and a cost model
+into a Problem (`planner`), reducing graphs before solving (`reduce`).
+Reference: design.md 3.5; autoparallel optimize_sharding.py; Alpa auto_sharding.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from ortools.linear_solver import pywraplp
+
+from autosbp.errors import PlanError
+
+Key = Hashable
+
+
+@dataclass(frozen=True)
+class MemoryConstraint:
+    """sum over nodes of bytes[v][chosen candidate] + constant_bytes <= limit_bytes."""
+
+    bytes_per_candidate: Mapping[Key, np.ndarray]
+    limit_bytes: float
+    constant_bytes: float = 0.0
+    name: str = "memory"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Costs per node candidate and per edge pair; `math.inf` in an edge matrix forbids a pair."""
+
+    node_costs: Mapping[Key, np.ndarray]
+    edge_costs: Mapping[tuple[Key, Key], np.ndarray] = field(default_factory=dict)
+    memory: Sequence[MemoryConstraint] = ()
+
+    def objective(self, choice: Mapping[Key, int]) -> float:
+        total = sum(float(c[choice[v]]) for v, c in self.node_costs.items())
+        total += sum(float(m[choice[u], choice[v]]) for (u, v), m in self.edge_costs.items())
+        return total
+
+    def feasible(self, choice: Mapping[Key, int], tol: float = 1e-6) -> bool:
+        if not math.isfinite(self.objective(choice)):
+            return False
+        for mem in self.memory:
+            used = mem.constant_bytes + sum(float(b[choice[v]]) for v, b in mem.bytes_per_candidate.items())
+            if used > mem.limit_bytes * (1 + tol):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class Solution:
+    choice: dict[Key, int]
+    objective: float
+    status: str  # "optimal" | "feasible"
+    gap: float
+    seconds: float
+
+
+def solve(
+    problem: Problem, *, time_limit_s: float = 60.0, solver: str = "SCIP", rel_gap: float = 1e-9
+) -> Solution:
+    """Solve `problem` to `rel_gap` (or to the best found within `time_limit_s`)."""
+    start = time.perf_counter()
+    mip = pywraplp.Solver.CreateSolver(solver)
+    if mip is None:
+        raise PlanError(f"OR-Tools has no {solver} solver here; use solver='CBC' or 'SCIP'.")
+    x = _add_node_variables(mip, problem)
+    objective = mip.Objective()
+    for v, costs in problem.node_costs.items():
+        for i, cost in enumerate(costs):
+            objective.SetCoefficient(x[v][i], float(cost))
+    for (u, v), matrix in problem.edge_costs.items():
+        _add_edge(mip, objective, x[u], x[v], matrix, f"{u}->{v}")
+    for mem in problem.memory:
+        _add_memory(mip, x, mem)
+    objective.SetMinimization()
+    mip.SetTimeLimit(int(time_limit_s * 1000))
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, rel_gap)
+    status = mip.Solve(params)
+    seconds = time.perf_counter() - start
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        raise PlanError("no strategy assignment satisfies the constraints (infeasible ILP).")
+    choice = {v: int(np.argmax([var.solution_value() for var in xs])) for v, xs in x.items()}
+    value = problem.objective(choice)
+    bound = objective.BestBound() if status != pywraplp.Solver.OPTIMAL else value
+    gap = 0.0 if status == pywraplp.Solver.OPTIMAL else abs(value - bound) / max(abs(value), 1e-30)
+    return Solution(choice, value, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds)
+
+
+def _add_node_variables(mip: pywraplp.Solver, problem: Problem) -> dict[Key, list[pywraplp.Variable]]:
+    x: dict[Key, list[pywraplp.Variable]] = {}
+    for v, costs in problem.node_costs.items():
+        if len(costs) == 0:
+            raise PlanError(f"node {v!r} has no candidate strategy.")
+        x[v] = [mip.BoolVar(f"x[{v}][{i}]") for i in range(len(costs))]
+        mip.Add(sum(x[v]) == 1)
+        for i, cost in enumerate(costs):
+            if not math.isfinite(cost):
+                x[v][i].SetUb(0)
+    return x
+
+
+def _add_edge(
+    mip: pywraplp.Solver,
+    objective: pywraplp.Objective,
+    xu: list[pywraplp.Variable],
+    xv: list[pywraplp.Variable],
+    matrix: np.ndarray,
+    name: str,
+) -> None:
+    assert matrix.shape == (len(xu), len(xv)), f"edge {name}: matrix {matrix.shape}"
+    rows: list[list[pywraplp.Variable]] = [[] for _ in xu]
+    cols: list[list[pywraplp.Variable]] = [[] for _ in xv]
+    for i, j in zip(*np.nonzero(np.isfinite(matrix)), strict=True):
+        y = mip.NumVar(0.0, 1.0, f"y[{name}][{i},{j}]")
+        objective.SetCoefficient(y, float(matrix[i, j]))
+        rows[i].append(y)
+        cols[j].append(y)
+    for i, var in enumerate(xu):
+        mip.Add(sum(rows[i]) == var) if rows[i] else var.SetUb(0)
+    for j, var in enumerate(xv):
+        mip.Add(sum(cols[j]) == var) if cols[j] else var.SetUb(0)
+
+
+def _add_memory(mip: pywraplp.Solver, x: dict[Key, list[pywraplp.Variable]], mem: MemoryConstraint) -> None:
+    terms = [
+        float(b) * x[v][i] for v, per in mem.bytes_per_candidate.items() for i, b in enumerate(per) if b
+    ]
+    # Scale by the limit so the solver's tolerances see numbers near 1.
+    scale = 1.0 / max(abs(mem.limit_bytes), 1.0)
+    mip.Add(sum(t * scale for t in terms) <= (mem.limit_bytes - mem.constant_bytes) * scale)
+
+
+def brute_force(problem: Problem) -> Solution:
+    """Enumerate every assignment (small problems only): the oracle for `solve`."""
+    start = time.perf_counter()
+    keys = list(problem.node_costs)
+    sizes = [len(problem.node_costs[k]) for k in keys]
+    assert math.prod(sizes) <= 2_000_000, f"brute force over {math.prod(sizes)} assignments"
+    best: tuple[float, dict[Key, int]] | None = None
+    for combo in itertools.product(*(range(s) for s in sizes)):
+        choice = dict(zip(keys, combo, strict=True))
+        if problem.feasible(choice):
+            value = problem.objective(choice)
+            if best is None or value < best[0]:
+                best = (value, choice)
+    if best is None:
+        raise PlanError("no strategy assignment satisfies the constraints (brute force).")
+    return Solution(best[1], best[0], "optimal", 0.0, time.perf_counter() - start)

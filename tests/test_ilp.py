@@ -1,0 +1,71 @@
+"""The strategy ILP equals brute-force enumeration on random small problems."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from autosbp.errors import PlanError
+from autosbp.ilp import MemoryConstraint, Problem, brute_force, solve
+
+
+def random_problem(seed: int, n_nodes: int, n_cands: int, *, memory: bool, forbid: float) -> Problem:
+    """A chain with random skip edges; costs, memory and forbidden pairs drawn from `seed`."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, n_cands + 1, size=n_nodes)
+    nodes = {v: rng.uniform(0, 10, size=sizes[v]) for v in range(n_nodes)}
+    edges = {}
+    for v in range(1, n_nodes):
+        for u in {v - 1, int(rng.integers(0, v))}:
+            m = rng.uniform(0, 10, size=(sizes[u], sizes[v]))
+            m[rng.random(m.shape) < forbid] = math.inf
+            edges[(u, v)] = m
+    mem = ()
+    if memory:
+        per = {v: rng.uniform(0, 100, size=sizes[v]) for v in range(n_nodes)}
+        lo = sum(p.min() for p in per.values())
+        hi = sum(p.max() for p in per.values())
+        mem = (MemoryConstraint(per, limit_bytes=lo + 0.3 * (hi - lo) + 0.123, constant_bytes=7.0),)
+    return Problem(nodes, edges, mem)
+
+
+CASES = [
+    pytest.param(seed, n, k, memory, forbid, id=f"s{seed}-n{n}-k{k}-{'mem' if memory else 'nomem'}-f{forbid}")
+    for seed in range(6)
+    for n, k in ((5, 3), (7, 2), (4, 4))
+    for memory in (False, True)
+    for forbid in (0.0, 0.3)
+]
+
+
+@pytest.mark.parametrize(("seed", "n", "k", "memory", "forbid"), CASES)
+def test_solve_equals_brute_force(seed: int, n: int, k: int, memory: bool, forbid: float) -> None:
+    problem = random_problem(seed, n, k, memory=memory, forbid=forbid)
+    try:
+        expected = brute_force(problem)
+    except PlanError:
+        with pytest.raises(PlanError):
+            solve(problem)
+        return
+    got = solve(problem)
+    assert got.status == "optimal"
+    assert problem.feasible(got.choice)
+    assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
+
+
+def test_memory_limit_changes_the_choice() -> None:
+    # Candidate 0 is fast and big, candidate 1 slow and small: the limit decides.
+    problem = Problem({"a": np.array([1.0, 5.0])})
+    assert solve(problem).choice == {"a": 0}
+    tight = Problem(problem.node_costs, memory=(MemoryConstraint({"a": np.array([100.0, 10.0])}, 50.0),))
+    assert solve(tight).choice == {"a": 1}
+
+
+def test_infeasible_raises_plan_error() -> None:
+    problem = Problem(
+        {"a": np.array([1.0]), "b": np.array([1.0])}, {("a", "b"): np.array([[math.inf]])}
+    )
+    with pytest.raises(PlanError, match="infeasible"):
+        solve(problem)

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _module(name: str):  # noqa: ANN202 - a command module (configure, run)
+def _module(name: str):
     return importlib.import_module(name)
 
 

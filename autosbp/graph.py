@@ -107,9 +107,17 @@ class OpGraph:
         digest = hashlib.sha256()
         for name in self.order:
             a = self.graph.nodes[name]
-            row = [name, a["op"], a["role"].value, [repr(t) for t in a["inputs"]],
-                   [repr(t) for t in a["outputs"]], a.get("name", "")]
+            row = [
+                name,
+                a["op"],
+                a["role"].value,
+                [repr(t) for t in a["inputs"]],
+                [repr(t) for t in a["outputs"]],
+                a.get("name", ""),
+            ]
             digest.update(json.dumps(row).encode())
             for src in sorted(self.graph.predecessors(name)):
-                digest.update(json.dumps([src, name, list(self.graph.edges[src, name]["uses"])]).encode())
+                digest.update(
+                    json.dumps([src, name, list(self.graph.edges[src, name]["uses"])]).encode()
+                )
         return digest.hexdigest()[:16]

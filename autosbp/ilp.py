@@ -64,7 +64,9 @@ class Problem:
         if not math.isfinite(self.objective(choice)):
             return False
         for mem in self.memory:
-            used = mem.constant_bytes + sum(float(b[choice[v]]) for v, b in mem.bytes_per_candidate.items())
+            used = mem.constant_bytes + sum(
+                float(b[choice[v]]) for v, b in mem.bytes_per_candidate.items()
+            )
             if used > mem.limit_bytes * (1 + tol):
                 return False
         return True
@@ -108,10 +110,14 @@ def solve(
     value = problem.objective(choice)
     bound = objective.BestBound() if status != pywraplp.Solver.OPTIMAL else value
     gap = 0.0 if status == pywraplp.Solver.OPTIMAL else abs(value - bound) / max(abs(value), 1e-30)
-    return Solution(choice, value, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds)
+    return Solution(
+        choice, value, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds
+    )
 
 
-def _add_node_variables(mip: pywraplp.Solver, problem: Problem) -> dict[Key, list[pywraplp.Variable]]:
+def _add_node_variables(
+    mip: pywraplp.Solver, problem: Problem
+) -> dict[Key, list[pywraplp.Variable]]:
     x: dict[Key, list[pywraplp.Variable]] = {}
     for v, costs in problem.node_costs.items():
         if len(costs) == 0:
@@ -146,9 +152,14 @@ def _add_edge(
         mip.Add(sum(cols[j]) == var) if cols[j] else var.SetUb(0)
 
 
-def _add_memory(mip: pywraplp.Solver, x: dict[Key, list[pywraplp.Variable]], mem: MemoryConstraint) -> None:
+def _add_memory(
+    mip: pywraplp.Solver, x: dict[Key, list[pywraplp.Variable]], mem: MemoryConstraint
+) -> None:
     terms = [
-        float(b) * x[v][i] for v, per in mem.bytes_per_candidate.items() for i, b in enumerate(per) if b
+        float(b) * x[v][i]
+        for v, per in mem.bytes_per_candidate.items()
+        for i, b in enumerate(per)
+        if b
     ]
     # Scale by the limit so the solver's tolerances see numbers near 1.
     scale = 1.0 / max(abs(mem.limit_bytes), 1.0)

@@ -94,7 +94,9 @@ def as_nd_sbp(value: Sbp | Sequence[Sbp] | str) -> NdSbp:
     nd = tuple(value)
     for item in nd:
         if not isinstance(item, Split | Broadcast | Partial):
-            raise SbpError(f"{item!r} is not an SBP; use S(dim), B or P (from autosbp import S, B, P).")
+            raise SbpError(
+                f"{item!r} is not an SBP; use S(dim), B or P (from autosbp import S, B, P)."
+            )
     return nd
 
 
@@ -141,7 +143,9 @@ def parse_nd_sbp(text: str) -> NdSbp:
     return tuple(out)
 
 
-def check_nd_sbp(nd_sbp: NdSbp, shape: Sequence[int], mesh_shape: Sequence[int], what: str = "tensor") -> None:
+def check_nd_sbp(
+    nd_sbp: NdSbp, shape: Sequence[int], mesh_shape: Sequence[int], what: str = "tensor"
+) -> None:
     """Raise SbpError unless `nd_sbp` fits a tensor of `shape` on a mesh of `mesh_shape`.
 
     Rules: one SBP per mesh dim; a split names an existing tensor dim; the split dim's length is
@@ -175,7 +179,9 @@ def split_factors(nd_sbp: Sequence[Sbp], mesh_shape: Sequence[int]) -> dict[int,
     return factors
 
 
-def local_shape(shape: Sequence[int], nd_sbp: Sequence[Sbp], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+def local_shape(
+    shape: Sequence[int], nd_sbp: Sequence[Sbp], mesh_shape: Sequence[int]
+) -> tuple[int, ...]:
     """Shape of one device's piece (even splits only)."""
     out = list(shape)
     for dim, parts in split_factors(nd_sbp, mesh_shape).items():

@@ -11,7 +11,9 @@ from autosbp.errors import PlanError
 from autosbp.ilp import MemoryConstraint, Problem, brute_force, solve
 
 
-def random_problem(seed: int, n_nodes: int, n_cands: int, *, memory: bool, forbid: float) -> Problem:
+def random_problem(
+    seed: int, n_nodes: int, n_cands: int, *, memory: bool, forbid: float
+) -> Problem:
     """A chain with random skip edges; costs, memory and forbidden pairs drawn from `seed`."""
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, n_cands + 1, size=n_nodes)
@@ -32,7 +34,9 @@ def random_problem(seed: int, n_nodes: int, n_cands: int, *, memory: bool, forbi
 
 
 CASES = [
-    pytest.param(seed, n, k, memory, forbid, id=f"s{seed}-n{n}-k{k}-{'mem' if memory else 'nomem'}-f{forbid}")
+    pytest.param(
+        seed, n, k, memory, forbid, id=f"s{seed}-n{n}-k{k}-{'mem' if memory else 'nomem'}-f{forbid}"
+    )
     for seed in range(6)
     for n, k in ((5, 3), (7, 2), (4, 4))
     for memory in (False, True)
@@ -59,7 +63,9 @@ def test_memory_limit_changes_the_choice() -> None:
     # Candidate 0 is fast and big, candidate 1 slow and small: the limit decides.
     problem = Problem({"a": np.array([1.0, 5.0])})
     assert solve(problem).choice == {"a": 0}
-    tight = Problem(problem.node_costs, memory=(MemoryConstraint({"a": np.array([100.0, 10.0])}, 50.0),))
+    tight = Problem(
+        problem.node_costs, memory=(MemoryConstraint({"a": np.array([100.0, 10.0])}, 50.0),)
+    )
     assert solve(tight).choice == {"a": 1}
 
 

@@ -1,0 +1,63 @@
+"""The actor firing rules give 1F1B from quotas: makespan, memory in flight, per-stage order."""
+
+from __future__ import annotations
+
+import pytest
+
+from autosbp.schedule import Phase, simulate, stage_orders
+
+
+@pytest.mark.parametrize(
+    ("stages", "micro", "tf", "tb"),
+    [
+        (1, 1, 1.0, 2.0),
+        (1, 4, 1.0, 2.0),
+        (2, 4, 1.0, 2.0),
+        (4, 8, 1.0, 2.0),
+        (4, 4, 3.0, 3.0),
+        (3, 7, 0.5, 1.5),
+    ],
+    ids=lambda v: str(v),
+)
+def test_uniform_stages_match_the_1f1b_formula(
+    stages: int, micro: int, tf: float, tb: float
+) -> None:
+    timeline = simulate(stages, micro, lambda _: tf, lambda _: tb)
+    # (M + S - 1) (tf + tb): Narayanan et al. 2021 (PipeDream-Flush / 1F1B), no transfer time.
+    assert timeline.makespan_s == pytest.approx((micro + stages - 1) * (tf + tb))
+    for s in range(stages):
+        assert timeline.max_in_flight(s) == min(stages - s, micro)
+        assert timeline.bubble_s(s) == pytest.approx((stages - 1) * (tf + tb))
+
+
+def test_gpipe_quota_keeps_every_micro_batch_in_flight() -> None:
+    stages, micro = 3, 5
+    timeline = simulate(stages, micro, lambda _: 1.0, lambda _: 2.0, quotas=[micro] * stages)
+    assert timeline.max_in_flight(0) == micro
+    one_f_one_b = simulate(stages, micro, lambda _: 1.0, lambda _: 2.0)
+    assert timeline.makespan_s >= one_f_one_b.makespan_s
+
+
+def test_transfer_time_delays_the_step() -> None:
+    fast = simulate(2, 4, lambda _: 1.0, lambda _: 2.0)
+    slow = simulate(2, 4, lambda _: 1.0, lambda _: 2.0, transfer_s=lambda _: 0.5)
+    # At least the first activation's and the last gradient's trip lie on the critical path.
+    assert slow.makespan_s >= fast.makespan_s + 2 * 0.5
+
+
+def test_stage_orders_are_one_forward_one_backward_in_steady_state() -> None:
+    orders = stage_orders(4, 8)
+    # Stage 0 warms up with S forwards, then alternates, then drains backwards.
+    assert orders[0][:4] == [(Phase.FORWARD, m) for m in range(4)]
+    assert orders[0][4:6] == [(Phase.BACKWARD, 0), (Phase.FORWARD, 4)]
+    assert orders[3][:4] == [
+        (Phase.FORWARD, 0),
+        (Phase.BACKWARD, 0),
+        (Phase.FORWARD, 1),
+        (Phase.BACKWARD, 1),
+    ]
+    for order in orders:
+        assert sorted(order, key=lambda x: (x[0].value, x[1])) == sorted(
+            [(Phase.FORWARD, m) for m in range(8)] + [(Phase.BACKWARD, m) for m in range(8)],
+            key=lambda x: (x[0].value, x[1]),
+        )

@@ -1,0 +1,241 @@
+"""The Plan: what the planner decided, as frozen values and as validated JSON (design 3.6).
+
+Lives here: the plan's dataclasses, `Plan.save` / `Plan.load` (JSON checked against the published
+schema in autosbp/schemas/plan.schema.json; loading never executes anything), the check that a
+plan belongs to a model, and `Plan.summary()`. Lives elsewhere: how a plan is found (`planner`),
+how it runs (runtime).
+
+Invariants: every SBP is stored as text (`"S(0)B"`) next to its DTensor names; a plan refuses a
+model whose graph fingerprint differs; a loaded plan equals the saved one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from autosbp.errors import PlanError
+from autosbp.sbp import dtensor_names, parse_nd_sbp
+
+FORMAT = "autosbp.plan"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The signature chosen for one op: the nd-SBP of each tensor input and output."""
+
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    stage: int = 0
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    sbp: str
+    stage: int
+    optimizer_state_sbp: str
+    shape: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    devices: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    blocks: tuple[int, ...] = ()
+    step_time_s: float = 0.0
+    peak_memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Predicted:
+    step_time_s: float
+    peak_memory_bytes: int
+    throughput_samples_per_s: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    status: str
+    gap: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_name: str
+    fingerprint: str
+    profile: str
+    device_count: int
+    memory_limit_bytes: int
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    mesh_dims: tuple[str, ...]
+    link_classes: tuple[str, ...]
+    stages: tuple[StagePlan, ...]
+    micro_batches: int
+    recompute: str
+    global_batch: int
+    dtype: str
+    optimizer: str
+    nodes: dict[str, NodePlan]
+    params: dict[str, ParamPlan]
+    predicted: Predicted
+    solver: SolverReport
+
+    # ---- JSON -------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": {"name": self.model_name, "fingerprint": self.fingerprint},
+            "cluster": {
+                "profile": self.profile,
+                "devices": self.device_count,
+                "memory_limit_bytes": self.memory_limit_bytes,
+            },
+            "strategy": self.strategy,
+            "mesh": {
+                "shape": list(self.mesh_shape),
+                "dims": list(self.mesh_dims),
+                "link_classes": list(self.link_classes),
+            },
+            "stages": [asdict(stage) for stage in self.stages],
+            "micro_batches": self.micro_batches,
+            "recompute": self.recompute,
+            "global_batch": self.global_batch,
+            "dtype": self.dtype,
+            "optimizer": self.optimizer,
+            "nodes": {name: _node_json(node) for name, node in self.nodes.items()},
+            "params": {name: asdict(p) for name, p in self.params.items()},
+            "predicted": asdict(self.predicted),
+            "solver": asdict(self.solver),
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the plan as JSON (atomically: a crash never leaves half a file)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise PlanError(
+                f"plan file {path} does not exist; make one with `autosbp plan`."
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise PlanError(
+                f"plan file {path} is not valid JSON ({exc.msg} at line {exc.lineno}); it may be "
+                "truncated: make it again with `autosbp plan`."
+            ) from None
+        return cls.from_json(data, source=str(path))
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "plan") -> Plan:
+        validate_plan_json(data, source)
+        return cls(
+            model_name=data["model"]["name"],
+            fingerprint=data["model"]["fingerprint"],
+            profile=data["cluster"]["profile"],
+            device_count=data["cluster"]["devices"],
+            memory_limit_bytes=data["cluster"]["memory_limit_bytes"],
+            strategy=data["strategy"],
+            mesh_shape=tuple(data["mesh"]["shape"]),
+            mesh_dims=tuple(data["mesh"]["dims"]),
+            link_classes=tuple(data["mesh"]["link_classes"]),
+            stages=tuple(
+                StagePlan(
+                    tuple(s["devices"]),
+                    tuple(s["mesh_shape"]),
+                    tuple(s["blocks"]),
+                    s["step_time_s"],
+                    s["peak_memory_bytes"],
+                )
+                for s in data["stages"]
+            ),
+            micro_batches=data["micro_batches"],
+            recompute=data["recompute"],
+            global_batch=data["global_batch"],
+            dtype=data["dtype"],
+            optimizer=data["optimizer"],
+            nodes={
+                name: NodePlan(n["op"], tuple(n["inputs"]), tuple(n["outputs"]), n["stage"])
+                for name, n in data["nodes"].items()
+            },
+            params={
+                name: ParamPlan(p["sbp"], p["stage"], p["optimizer_state_sbp"], tuple(p["shape"]))
+                for name, p in data["params"].items()
+            },
+            predicted=Predicted(**data["predicted"]),
+            solver=SolverReport(**data["solver"]),
+        )
+
+    # ---- use with a model --------------------------------------------------------------------
+
+    def check_model(self, fingerprint: str, model_name: str = "the model") -> None:
+        if fingerprint != self.fingerprint:
+            raise PlanError(
+                f"this plan was made for a model with graph fingerprint {self.fingerprint} "
+                f"({self.model_name}), but {model_name} has fingerprint {fingerprint}: the model or "
+                "its example input shapes changed. Make a new plan for this model."
+            )
+
+    def check_world(self, world_size: int) -> None:
+        if world_size != self.device_count:
+            raise PlanError(
+                f"this plan is for {self.device_count} devices but the job has {world_size} "
+                f"processes; launch with --nproc {self.device_count} or make a plan for {world_size}."
+            )
+
+
+def _node_json(node: NodePlan) -> dict[str, Any]:
+    return {
+        "op": node.op,
+        "inputs": list(node.inputs),
+        "outputs": list(node.outputs),
+        "inputs_dtensor": [dtensor_names(parse_nd_sbp(s)) for s in node.inputs],
+        "outputs_dtensor": [dtensor_names(parse_nd_sbp(s)) for s in node.outputs],
+        "stage": node.stage,
+    }
+
+
+def plan_schema() -> dict[str, Any]:
+    """The published JSON Schema of plan files."""
+    text = resources.files("autosbp").joinpath("schemas/plan.schema.json").read_text()
+    return json.loads(text)
+
+
+def validate_plan_json(data: Any, source: str = "plan") -> None:
+    if isinstance(data, dict) and data.get("format") != FORMAT:
+        raise PlanError(
+            f"{source} is not an autosbp plan (format {data.get('format')!r}, expected {FORMAT!r}); "
+            "pass a file written by `autosbp plan` or Plan.save()."
+        )
+    if isinstance(data, dict) and data.get("version") != VERSION:
+        raise PlanError(
+            f"{source} is plan version {data.get('version')!r} but this autosbp reads version "
+            f"{VERSION}; make the plan again with this version of autosbp."
+        )
+    try:
+        jsonschema.validate(data, plan_schema())
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
+        raise PlanError(
+            f"{source} does not match the plan schema at {where}: {exc.message}. The file was "
+            "edited or damaged; make it again with `autosbp plan`."
+        ) from None

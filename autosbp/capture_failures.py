@@ -1,0 +1,123 @@
+"""Why a model could not be exported: torch.export failures as one-paragraph `CaptureError`s.
+
+Lives here: `explain_export_failure`, which finds the user's frame (the innermost traceback frame
+outside torch, the stdlib and autosbp), the module that ran it (by identity in the model's
+`named_modules`), classifies the construct (an `if` on a tensor value, `.item()`, other) and
+names a fix; `unsupported_node_message` for exported constructs that are not ATen ops
+(torch.no_grad() or autocast inside forward, torch.cond). Lives elsewhere: the export call
+itself (`capture`).
+
+Invariants: the message is one paragraph with no torch traceback; the caller chains the original
+exception (`raise ... from exc`) so the full torch report stays available to debuggers.
+"""
+
+from __future__ import annotations
+
+import linecache
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import torch
+from torch import fx, nn
+
+from autosbp.errors import CaptureError
+
+__all__ = ["explain_export_failure", "unsupported_node_message"]
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+_AUTOSBP_DIR = str(Path(__file__).parent)
+
+
+def explain_export_failure(exc: Exception, model: nn.Module, name: str) -> CaptureError:
+    """One paragraph: which module and line, which construct, and what to do instead."""
+    frame = _user_frame(exc)
+    where = _describe_frame(frame, model) if frame else f"model `{name}`"
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() if frame else ""
+    construct, fix = _classify(exc, code)
+    detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return CaptureError(
+        f"Cannot capture model `{name}`: {construct} in {where}"
+        + (f" (`{code}`)" if code else "")
+        + f" cannot be traced, because capture runs forward on shape-only tensors whose values "
+        f"are unknown. Fix: {fix}. (torch.export said: {type(exc).__name__}: {detail})"
+    )
+
+
+def _user_frame(exc: BaseException) -> FrameType | None:
+    """The innermost traceback frame in user code (not torch, the stdlib or this module)."""
+    found = None
+    for frame, _ in _walk_tb(exc):
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_TORCH_DIR, _STDLIB_DIR, _AUTOSBP_DIR)):
+            found = frame
+    return found
+
+
+def _walk_tb(exc: BaseException) -> Iterator[tuple[FrameType, int]]:
+    tb = exc.__traceback__
+    while tb is not None:
+        yield tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+
+
+def _describe_frame(frame: FrameType, model: nn.Module) -> str:
+    location = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+    code = frame.f_code
+    owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None  # `self`
+    if isinstance(owner, nn.Module):
+        paths = {id(m): p for p, m in model.named_modules()}
+        path = paths.get(id(owner))
+        label = f"`{path}`" if path else "`<top>`" if path == "" else "a module"
+        return f"module {label} ({type(owner).__name__}.{code.co_name}, {location})"
+    return f"function `{code.co_name}` ({location})"
+
+
+_BRANCH_FIX = (
+    "compute both branches and select with `torch.where(cond, a, b)` (or a mask), or move the "
+    "decision out of forward (make it in the training loop or the constructor)"
+)
+_VALUE_FIX = (
+    "keep the value a tensor and use tensor ops (masks, `torch.where`, fixed-size slices) "
+    "instead of a Python number, or compute it outside forward and pass it to the constructor"
+)
+
+
+def _classify(exc: Exception, code: str) -> tuple[str, str]:
+    """(the construct, the fix) for an export failure at source line `code`."""
+    data_dependent = "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__
+    if not data_dependent:
+        return (
+            "an unsupported construct",
+            "rewrite that line with torch tensor ops (no numpy, no Python values read from "
+            "tensors, no shapes that depend on tensor values), or move it out of forward",
+        )
+    keyword = code.split(" ", 1)[0].rstrip(":")
+    if keyword in ("if", "elif", "while", "assert"):
+        return f"an `{keyword}` on a tensor value (data-dependent control flow)", _BRANCH_FIX
+    if any(s in code for s in (".item()", "int(", "float(", "bool(", ".tolist()")):
+        return "a Python number read from a tensor value (`.item()`, `int()` ...)", _VALUE_FIX
+    return "a Python decision or shape that depends on a tensor value", _BRANCH_FIX
+
+
+# Substrings of higher-order op names -> what the user wrote.
+_CONSTRUCTS = (
+    ("set_grad_enabled", "`torch.no_grad()` / `torch.enable_grad()` inside forward"),
+    ("autocast", "`torch.autocast` inside forward"),
+    ("cond", "`torch.cond`"),
+    ("checkpoint", "activation checkpointing inside forward"),
+)
+
+
+def unsupported_node_message(node: fx.Node) -> str:
+    """For an export node that is not an ATen op on tensors (a higher-order op, a Python value)."""
+    module = list((node.meta.get("nn_module_stack") or {"": ("", "")}).values())[-1][0]
+    target = str(getattr(node.target, "__name__", node.target))
+    construct = next((text for key, text in _CONSTRUCTS if key in target), f"`{target}`")
+    return (
+        f"Cannot capture: {construct} in module `{module or '<top>'}` is not a plain ATen op on "
+        "tensors, so autosbp cannot assign it SBP signatures. Move it out of forward (autosbp "
+        "plans gradients, precision and recomputation itself) or express it with tensor ops."
+    )

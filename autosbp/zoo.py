@@ -1,0 +1,405 @@
+"""The model zoo: small, deterministic training models that return their own loss.
+
+Lives here: `build_model(name, **kwargs) -> (model, example_inputs)` for the zoo models (`mlp`,
+`gpt`, `widedeep`, `resnet`), `load_model` (a zoo name or a user's `path/to/file.py:function`),
+and `parse_model_args` (the CLI's `--model-args k=v,...`). Lives elsewhere: capturing a model
+(`capture`), planning it (`planner`).
+
+Invariants: `model(*example_inputs)` returns the scalar training loss; the same (name, kwargs,
+seed) gives bit-identical weights and inputs, and leaves the global RNG untouched; no dropout, so
+training is deterministic; `device="meta"` builds parameters and inputs without memory. Models
+are in train mode and use only the ops of design.md section 6 (linear, layer norm, SDPA, GELU,
+embedding, conv2d, batch norm, cross-entropy ...). The GPT head is untied unless `tied=True`.
+Reference: nanoGPT (model.py) for `gpt`; Cheng et al. 2016 (Wide & Deep) for `widedeep`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import itertools
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autosbp.errors import CaptureError
+
+__all__ = ["ZOO_MODELS", "build_model", "load_model", "parse_model_args"]
+
+ModelAndInputs = tuple[nn.Module, tuple[torch.Tensor, ...]]
+
+
+# ----------------------------------------------------------------------------------------- mlp
+class MlpBlock(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc(x))
+
+
+class Mlp(nn.Module):
+    """in -> Linear -> [Linear + GELU] x layers -> Linear -> MSE against `target`."""
+
+    def __init__(self, features: int, hidden: int, layers: int, outputs: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(features, hidden)
+        self.blocks = nn.ModuleList(MlpBlock(hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, outputs)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.inp(x))
+        for block in self.blocks:
+            h = block(h)
+        return F.mse_loss(self.head(h), target)
+
+
+def _build_mlp(
+    g: torch.Generator,
+    *,
+    layers: int = 3,
+    hidden: int = 64,
+    features: int = 32,
+    outputs: int = 8,
+    batch: int = 8,
+) -> tuple[nn.Module, Callable[[], tuple[torch.Tensor, ...]]]:
+    model = Mlp(features, hidden, layers, outputs)
+    return model, lambda: (
+        torch.randn(batch, features, generator=g),
+        torch.randn(batch, outputs, generator=g),
+    )
+
+
+# ----------------------------------------------------------------------------------------- gpt
+class CausalSelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class GptMlp(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, 4 * hidden)
+        self.proj = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class GptBlock(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = CausalSelfAttention(hidden, heads)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = GptMlp(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Gpt(nn.Module):
+    """nanoGPT without dropout: token + position embeddings, blocks, final LN, LM head, CE."""
+
+    def __init__(
+        self, layers: int, hidden: int, heads: int, vocab: int, seq: int, tied: bool
+    ) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden)
+        self.wpe = nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList(GptBlock(hidden, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        if tied:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def _build_gpt(
+    g: torch.Generator,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    vocab: int = 128,
+    seq: int = 16,
+    batch: int = 4,
+    tied: bool = False,
+) -> tuple[nn.Module, Callable[[], tuple[torch.Tensor, ...]]]:
+    if hidden % heads:
+        raise CaptureError(f"gpt: hidden={hidden} must be divisible by heads={heads}.")
+    model = Gpt(layers, hidden, heads, vocab, seq, tied)
+    return model, lambda: (
+        torch.randint(0, vocab, (batch, seq), generator=g),
+        torch.randint(0, vocab, (batch, seq), generator=g),
+    )
+
+
+# ------------------------------------------------------------------------------------ widedeep
+class WideDeep(nn.Module):
+    """Wide (linear on dense features) + deep (MLP on dense + one embedding per table), BCE."""
+
+    def __init__(
+        self, tables: int, rows: int, dim: int, dense: int, hidden: int, layers: int
+    ) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.Embedding(rows, dim) for _ in range(tables))
+        self.wide = nn.Linear(dense, 1)
+        widths = [dense + tables * dim] + [hidden] * layers
+        self.deep = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
+        self.out = nn.Linear(hidden, 1)
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        embedded = [table(ids[:, i]) for i, table in enumerate(self.tables)]
+        h = torch.cat([dense, *embedded], dim=1)
+        for layer in self.deep:
+            h = F.relu(layer(h))
+        logit = self.wide(dense) + self.out(h)
+        return F.binary_cross_entropy_with_logits(logit, label)
+
+
+def _build_widedeep(
+    g: torch.Generator,
+    *,
+    tables: int = 4,
+    rows: int = 1000,
+    dim: int = 16,
+    dense: int = 13,
+    hidden: int = 64,
+    layers: int = 2,
+    batch: int = 8,
+) -> tuple[nn.Module, Callable[[], tuple[torch.Tensor, ...]]]:
+    model = WideDeep(tables, rows, dim, dense, hidden, layers)
+    return model, lambda: (
+        torch.randn(batch, dense, generator=g),
+        torch.randint(0, rows, (batch, tables), generator=g),
+        torch.randint(0, 2, (batch, 1), generator=g).float(),
+    )
+
+
+# -------------------------------------------------------------------------------------- resnet
+class ResBlock(nn.Module):
+    """relu(x + bn(conv(relu(bn(conv(x))))))."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(h)))
+
+
+class ResNet(nn.Module):
+    """Stem conv + BN + ReLU, residual blocks, global average pool, Linear, cross-entropy."""
+
+    def __init__(self, channels: int, blocks: int, classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.blocks = nn.ModuleList(ResBlock(channels) for _ in range(blocks))
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.stem(images)))
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.fc(h.mean(dim=(2, 3))), labels)
+
+
+def _build_resnet(
+    g: torch.Generator,
+    *,
+    channels: int = 8,
+    blocks: int = 2,
+    classes: int = 10,
+    image: int = 8,
+    batch: int = 4,
+) -> tuple[nn.Module, Callable[[], tuple[torch.Tensor, ...]]]:
+    model = ResNet(channels, blocks, classes)
+    return model, lambda: (
+        torch.randn(batch, 3, image, image, generator=g),
+        torch.randint(0, classes, (batch,), generator=g),
+    )
+
+
+# ------------------------------------------------------------------------------------- loading
+_BUILDERS: dict[str, Callable[..., tuple[nn.Module, Callable[[], tuple[torch.Tensor, ...]]]]] = {
+    "gpt": _build_gpt,
+    "mlp": _build_mlp,
+    "resnet": _build_resnet,
+    "widedeep": _build_widedeep,
+}
+ZOO_MODELS: tuple[str, ...] = tuple(sorted(_BUILDERS))
+
+
+def build_model(
+    name: str, *, device: str | torch.device = "cpu", seed: int = 0, **kwargs: Any
+) -> ModelAndInputs:
+    """A zoo model and its example inputs; weights and inputs depend only on (kwargs, seed).
+
+    Parameters are created under `torch.device(device)` ("meta": no memory); inputs are drawn on
+    the CPU from a generator seeded with `seed`, then moved to `device`.
+    """
+    builder = _BUILDERS.get(name)
+    if builder is None:
+        raise CaptureError(f"Unknown zoo model {name!r}: choose one of {', '.join(ZOO_MODELS)}.")
+    _check_kwargs(name, builder, kwargs)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model, make_inputs = builder(generator, **kwargs)
+    inputs = tuple(t.to(device) for t in make_inputs())
+    return model, inputs
+
+
+def _check_kwargs(name: str, builder: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    params = inspect.signature(builder).parameters
+    accepted = [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(kwargs) - {p.name for p in accepted})
+    if unknown:
+        options = ", ".join(f"{p.name}={p.default!r}" for p in accepted)
+        raise CaptureError(
+            f"Zoo model {name!r} has no argument {', '.join(map(repr, unknown))}; "
+            f"it accepts {options} (plus device and seed)."
+        )
+
+
+def load_model(
+    spec: str, model_args: dict[str, Any] | None = None, *, device: str | None = None
+) -> ModelAndInputs:
+    """A zoo name or `path/to/file.py:function`, called with `model_args`.
+
+    A file's function must return `(nn.Module, example_inputs)`; with `device` set it runs under
+    `torch.device(device)` (so "meta" builds it without parameter memory).
+    """
+    args = dict(model_args or {})
+    if spec in _BUILDERS:
+        return build_model(spec, device=device or "cpu", **args)
+    path_text, sep, func_name = spec.rpartition(":")
+    if not sep or not path_text.endswith(".py") or not func_name:
+        raise CaptureError(
+            f"Unknown model {spec!r}: give a zoo model ({', '.join(ZOO_MODELS)}) or "
+            "`path/to/file.py:function` where the function returns (model, example_inputs)."
+        )
+    func = _load_function(Path(path_text), func_name)
+    try:
+        inspect.signature(func).bind(**args)
+    except TypeError as exc:
+        raise CaptureError(
+            f"{func_name}{inspect.signature(func)} in {path_text} cannot take {args!r}: {exc}. "
+            "Check --model-args against the function's parameters."
+        ) from exc
+    with torch.device(device) if device else contextlib.nullcontext():
+        result = func(**args)
+    return _check_model_and_inputs(result, spec)
+
+
+def _load_function(path: Path, func_name: str) -> Callable[..., Any]:
+    if not path.is_file():
+        raise CaptureError(f"Model file {str(path)!r} does not exist (from the MODEL argument).")
+    module_name = f"autosbp_user_model_{abs(hash(path.resolve()))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise CaptureError(
+            f"Importing model file {str(path)!r} failed with {type(exc).__name__}: {exc}. "
+            f"Fix the file so that `python {path}` runs."
+        ) from exc
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        found = sorted(
+            n
+            for n, v in vars(module).items()
+            if inspect.isfunction(v) and v.__module__ == module_name
+        )
+        raise CaptureError(
+            f"Model file {str(path)!r} has no function {func_name!r}; its functions are: "
+            f"{', '.join(found) or 'none'}. Name one that returns (model, example_inputs)."
+        )
+    return func
+
+
+def _check_model_and_inputs(result: object, spec: str) -> ModelAndInputs:
+    if isinstance(result, tuple) and len(result) == 2:
+        model, inputs = result
+        tensors = isinstance(inputs, Sequence) and all(isinstance(t, torch.Tensor) for t in inputs)
+        if isinstance(model, nn.Module) and tensors:
+            return model, tuple(inputs)
+    raise CaptureError(
+        f"{spec} returned {_describe(result)}; it must return a pair (model, example_inputs): "
+        "an nn.Module whose forward returns the training loss, and a tuple of tensors."
+    )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)} ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def parse_model_args(text: str | None) -> dict[str, Any]:
+    """`"layers=2,hidden=64,tied=true,name=x"` -> {"layers": 2, ...}: int, float, bool or str."""
+    if not text:
+        return {}
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key.isidentifier() or not value:
+            raise CaptureError(
+                f"Bad --model-args item {item.strip()!r} in {text!r}: write key=value pairs "
+                "separated by commas, e.g. --model-args layers=4,hidden=256,tied=true."
+            )
+        if key in out:
+            raise CaptureError(f"--model-args gives {key!r} twice in {text!r}; give it once.")
+        out[key] = _parse_value(value)
+    return out
+
+
+def _parse_value(text: str) -> int | float | bool | str:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text

@@ -1,0 +1,193 @@
+"""SBP signature rules: which SBPs an op accepts, and how it runs on one device's shards.
+
+Lives here: the public queries the planner and runtime use.
+  has_rule(op)                          is there a rule for this ATen op name?
+  signatures_1d(node, mesh_dim_size)    the op's signatures for one mesh dim
+  nd_signatures(node, mesh_shape)       product over mesh dims, filtered by divisibility
+  local_op(node, nd_sig, mesh, coords)  the local kernel, built once per node and device
+  local_call(...)                       local_op(...)(local_inputs), for one-off calls
+  warn_unknown_ops(ops)                 one warning naming every op without a rule
+  mutated_inputs(node)                  inputs the op updates in place (keep their producer's SBP)
+Lives elsewhere: the rules, one module per op family (`pointwise`, `matmul`, `attention`,
+`reduction`, `norm`, `embedding`, `view`, `indexing`, `conv`, `loss`, `factory`, `boundary`),
+the registry that lists them (`registry`), the vocabulary (`core`), the test oracle (`oracle`).
+
+Invariants: every list holds the all-B signature first (for ops with tensors); no signature
+splits a dim that the mesh dim does not divide; no signature puts P on a tensor that is not
+floating point; lists are deduplicated and their order is deterministic. An op without a rule
+gets the all-B signature only (and runs unchanged on every device), never an error.
+For the planner and runtime: placeholders (parameters, buffers, inputs) list B and every S(d),
+never P, and have no local kernel (the runtime shards their values); the output node accepts B
+or P. P means a sum, except amax / amin which give P(max) / P(min). An input in
+`mutated_inputs` is updated in place, so it must reach the op without boxing. Call `local_op`
+once per node and device and reuse the LocalOp; `nd_signatures` is memoized on what rules read.
+References: design.md 3.3; OneFlow operator.cpp (`GetSbpSignaturesIf`, nD product and filter).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from autosbp.rules.core import (
+    LocalOp,
+    NdSignature,
+    Node,
+    Signature,
+    all_broadcast,
+    default_local_op,
+    mutated_inputs,
+)
+from autosbp.rules.registry import RULES
+from autosbp.sbp import Broadcast, NdSbp, Partial, Sbp, split_factors
+
+__all__ = [
+    "LocalOp",
+    "NdSignature",
+    "Signature",
+    "UnknownOpWarning",
+    "has_rule",
+    "local_call",
+    "local_op",
+    "mutated_inputs",
+    "nd_signatures",
+    "signatures_1d",
+    "warn_unknown_ops",
+]
+
+
+class UnknownOpWarning(UserWarning):
+    """Ops without an SBP rule: they get the all-B signature (correct, but never sharded)."""
+
+
+def has_rule(op: str) -> bool:
+    return op in RULES
+
+
+def signatures_1d(node: Node, mesh_dim_size: int) -> list[Signature]:
+    """The op's signatures on one mesh dim of `mesh_dim_size` devices (all-B first)."""
+    rule = RULES.get(node["op"])
+    if rule is None:
+        return [all_broadcast(node)]
+    out: dict[Signature, None] = {}
+    for sig in rule.signatures(node, mesh_dim_size):
+        as_nd = ([(s,) for s in sig.inputs], [(s,) for s in sig.outputs])
+        if _admissible(node, *as_nd, (mesh_dim_size,)):
+            out.setdefault(sig, None)
+    return list(out)
+
+
+def nd_signatures(node: Node, mesh_shape: Sequence[int]) -> list[NdSignature]:
+    """Product of the per-mesh-dim lists, filtered by divisibility on the whole mesh, deduplicated.
+
+    Order: itertools.product order of the 1D lists (outer mesh dim varies slowest), so the all-B
+    signature comes first. Memoized on what a rule reads (op, args, kwargs, tensor metas), so
+    the repeated layers of a model cost one computation.
+    """
+    mesh_shape = tuple(mesh_shape)
+    key = _memo_key(node, mesh_shape)
+    cached = _ND_MEMO.get(key) if key is not None else None
+    if cached is None:
+        cached = _product(node, mesh_shape)
+        if key is not None:
+            if len(_ND_MEMO) >= _ND_MEMO_LIMIT:
+                _ND_MEMO.clear()
+            _ND_MEMO[key] = cached
+    return list(cached)
+
+
+def _product(node: Node, mesh_shape: tuple[int, ...]) -> tuple[NdSignature, ...]:
+    lists = [signatures_1d(node, size) for size in mesh_shape]
+    out: dict[NdSignature, None] = {}
+    for combo in itertools.product(*lists):
+        nd = NdSignature.from_1d(combo)
+        if nd not in out and _admissible(node, nd.inputs, nd.outputs, mesh_shape):
+            out[nd] = None
+    return tuple(out)
+
+
+# (op, args, kwargs, inputs, outputs, mesh shape) -> signatures; cleared when it grows past the
+# limit (a bound on memory, far above the distinct nodes of one model: repeated layers repeat keys)
+_ND_MEMO: dict[Hashable, tuple[NdSignature, ...]] = {}
+_ND_MEMO_LIMIT = 100_000
+
+
+def _memo_key(node: Node, mesh_shape: tuple[int, ...]) -> Hashable | None:
+    parts = (node.get("args", ()), node.get("kwargs", {}))
+    key = (node["op"], _freeze(parts), tuple(node["inputs"]), tuple(node["outputs"]), mesh_shape)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable argument (e.g. a tensor constant): compute every time
+        return None
+    return key
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def local_op(
+    node: Node, nd_signature: NdSignature, mesh_shape: Sequence[int], coords: Sequence[int]
+) -> LocalOp:
+    """The op bound to the device at `coords`: call it with that device's local inputs.
+
+    Build it once per (node, signature, mesh, device) and call it every step: all argument
+    rewriting (local sizes, shard offsets, rescale factors) happens here, not in the call.
+    """
+    rule = RULES.get(node["op"])
+    if rule is None:
+        assert all(not _is_distributed(nd) for nd in nd_signature.inputs), (
+            f"{node['op']} has no rule: only its all-B signature can run"
+        )
+        return default_local_op(node)
+    return rule.build_local(node, nd_signature, tuple(mesh_shape), tuple(coords))
+
+
+def local_call(
+    node: Node,
+    nd_signature: NdSignature,
+    mesh_shape: Sequence[int],
+    coords: Sequence[int],
+    local_inputs: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    """Run the op on this device's shards and return its local outputs under `nd_signature`."""
+    return local_op(node, nd_signature, mesh_shape, coords)(local_inputs)
+
+
+def warn_unknown_ops(ops: Iterable[str]) -> tuple[str, ...]:
+    """Issue one UnknownOpWarning naming every op in `ops` without a rule; return those ops."""
+    unknown = tuple(sorted({op for op in ops if not has_rule(op)}))
+    if unknown:
+        message = (
+            f"{len(unknown)} op(s) have no SBP rule and will run replicated (all-B) on every "
+            f"device: {', '.join(unknown)}. The plan is correct but cannot shard them; add a rule "
+            "in autosbp/rules/ to do better."
+        )
+        warnings.warn(message, UnknownOpWarning, stacklevel=2)
+    return unknown
+
+
+def _is_distributed(nd_sbp: Sequence[Sbp]) -> bool:
+    return any(not isinstance(s, Broadcast) for s in nd_sbp)
+
+
+def _admissible(
+    node: Node, inputs: Sequence[NdSbp], outputs: Sequence[NdSbp], mesh_shape: tuple[int, ...]
+) -> bool:
+    """Every split divides its dim; no P on a tensor that is not floating point."""
+    pairs = zip((*node["inputs"], *node["outputs"]), (*inputs, *outputs), strict=True)
+    for meta, nd_sbp in pairs:
+        if any(isinstance(s, Partial) for s in nd_sbp) and not meta.dtype.is_floating_point:
+            return False
+        for dim, parts in split_factors(nd_sbp, mesh_shape).items():
+            if dim >= len(meta.shape) or meta.shape[dim] % parts:
+                return False
+    return True

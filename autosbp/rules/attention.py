@@ -1,0 +1,64 @@
+"""Scaled dot-product attention: aten.scaled_dot_product_attention on (..., L, E) tensors.
+
+Lives here: the rows of SDPA (query (..., L, E), key (..., S, E), value (..., S, Ev), optional
+attn_mask broadcastable to (..., L, S); output (..., L, Ev)). Lives elsewhere: attention written
+out as matmul + softmax (`matmul`, `reduction`), which composes from those rules.
+
+Rows, for one mesh dim:
+  batch dims (b, h, ...)   query, key, value S(i), mask S(i) or B where it broadcasts -> S(i):
+                           heads and sequences of the batch are independent (GQA: key / value
+                           heads split the same way; the divisibility filter checks their count)
+  query rows (L)           query S(-2), key and value B, mask S(-2) or B -> S(-2), only when not
+                           causal: every query row attends to all keys independently. With
+                           is_causal the mask depends on the global row index (not implemented).
+  linearity in value       query B, key B, value P, mask B -> P: out = softmax(q k^T) v
+  E (head dim)             never split: the scores need the whole dot product before softmax
+dropout_p > 0 draws a random mask: the rows hold in distribution, not bit for bit.
+"""
+
+from __future__ import annotations
+
+from autosbp.rules.core import (
+    Node,
+    OpRule,
+    Signature,
+    all_broadcast,
+    arg_shape,
+    bound_args,
+    make_signature,
+    out_shapes,
+)
+from autosbp.rules.pointwise import aligned_sbp
+from autosbp.sbp import B, P, S, Sbp
+
+
+def sdpa_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
+    args = bound_args(node)
+    out_shape = out_shapes(node)[0]
+    rank = len(out_shape)
+    mask_shape = arg_shape(node, "attn_mask")  # () without a mask: never consulted then
+    scores_shape = (*out_shape[:-1], arg_shape(node, "key")[-2])
+
+    def sig(q: Sbp, kv: Sbp, mask: Sbp, out: Sbp, value: Sbp | None = None) -> Signature:
+        by_name = {
+            "query": q,
+            "key": kv,
+            "value": kv if value is None else value,
+            "attn_mask": mask,
+        }
+        return make_signature(node, by_name, (out,))
+
+    sigs = [all_broadcast(node)]
+    for dim in range(rank - 2):
+        sigs.append(sig(S(dim), S(dim), aligned_sbp(mask_shape, scores_shape, dim), S(dim)))
+    if not args["is_causal"]:
+        sigs.append(
+            sig(S(rank - 2), B, aligned_sbp(mask_shape, scores_shape, rank - 2), S(rank - 2))
+        )
+    sigs.append(sig(B, B, B, P, value=P))
+    return sigs
+
+
+def rules() -> dict[str, OpRule]:
+    """This family's rows of the registry."""
+    return {"aten.scaled_dot_product_attention.default": OpRule(sdpa_signatures)}

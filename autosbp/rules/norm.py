@@ -1,0 +1,81 @@
+"""Normalizations: layer_norm / native_layer_norm / rms_norm, and batch_norm in its forms.
+
+Lives here: the rules of ops that normalize with statistics computed over some dims. Lives
+elsewhere: the pieces of a hand-written RMSNorm (pow, mean, rsqrt, mul: `pointwise`,
+`reduction`), which compose from their own rules.
+
+Rows, for one mesh dim:
+  layer / rms norm   leading dim i (i < rank - len(normalized_shape)) split: x S(i), weight and
+                     bias B -> S(i) (and mean / rstd S(i)). The normalized dims never split: the
+                     statistics need the whole row. No P (nonlinear).
+  batch_norm         channel dim 1 split: x S(1), weight, bias, running stats S(0) -> S(1); the
+                     statistics are per channel, so each device computes its channels exactly.
+                     Training mode uses the statistics of the batch, so the batch (and spatial)
+                     dims are NOT split: a local batch would normalize by local statistics
+                     (that is sync-BN, not implemented). In eval mode (training=False) the op is
+                     elementwise given the running stats: batch and spatial splits are added.
+References: OneFlow layer_norm_op.cpp; torch/distributed/tensor/_ops/_math_ops.py.
+"""
+
+from __future__ import annotations
+
+from autosbp.rules.core import (
+    Node,
+    OpRule,
+    Signature,
+    all_broadcast,
+    bound_args,
+    in_shapes,
+    make_signature,
+    out_shapes,
+)
+from autosbp.sbp import B, S, Sbp
+
+LAYER_NORMS = ("aten.layer_norm.default", "aten.native_layer_norm.default", "aten.rms_norm.default")
+
+BATCH_NORMS = (
+    "aten.batch_norm.default",
+    "aten.native_batch_norm.default",
+    "aten._native_batch_norm_legit_functional.default",
+    "aten._native_batch_norm_legit_no_training.default",
+)
+_STATS = ("weight", "bias", "running_mean", "running_var")
+
+
+def layer_norm_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
+    rank = len(in_shapes(node)[0])
+    leading = rank - len(bound_args(node)["normalized_shape"])
+    sigs = [all_broadcast(node)]
+    for dim in range(leading):
+        by_name: dict[str, Sbp] = {"input": S(dim), "weight": B, "bias": B}
+        # native_layer_norm's mean and rstd keep the leading dims (trailing dims become 1)
+        sigs.append(make_signature(node, by_name, (S(dim),) * len(node["outputs"])))
+    return sigs
+
+
+def batch_norm_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
+    args = bound_args(node)
+    training = args.get("training", False) is not False  # the legit_no_training form has no flag
+    rank = len(in_shapes(node)[0])
+    sigs = [all_broadcast(node)]
+    if rank > 1:
+        by_name: dict[str, Sbp] = {"input": S(1), **dict.fromkeys(_STATS, S(0))}
+        sigs.append(make_signature(node, by_name, _batch_norm_outputs(node, S(1), S(0))))
+    if not training:
+        for dim in (d for d in range(rank) if d != 1):
+            by_name = {"input": S(dim), **dict.fromkeys(_STATS, B)}
+            sigs.append(make_signature(node, by_name, _batch_norm_outputs(node, S(dim), B)))
+    return sigs
+
+
+def _batch_norm_outputs(node: Node, out: Sbp, per_channel: Sbp) -> tuple[Sbp, ...]:
+    """The first output is the normalized tensor; the others are per-channel vectors."""
+    shapes = out_shapes(node)
+    return (out, *(per_channel if len(s) == 1 else B for s in shapes[1:]))
+
+
+def rules() -> dict[str, OpRule]:
+    """This family's rows of the registry."""
+    table = dict.fromkeys(LAYER_NORMS, OpRule(layer_norm_signatures))
+    table.update(dict.fromkeys(BATCH_NORMS, OpRule(batch_norm_signatures)))
+    return table

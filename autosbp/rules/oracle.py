@@ -1,0 +1,166 @@
+"""The execution oracle of the rules: run a signature on simulated devices and assemble the result.
+
+Lives here: `node_from_call` (a node attrs dict, as capture would write it, from a plain call),
+`run_global` (the op on whole tensors), `shard_inputs` (every device's pieces, P as random addends)
+and `simulate` (shard, run `local_op` per device, check B copies agree, assemble). Used by the
+tests and by anyone adding a rule. Lives elsewhere: real multi-process execution (runtime), the
+DTensor peer check (tests/rules_helpers.py).
+
+Invariants: P inputs are random addends that sum to the global value, never "value on device 0,
+zeros elsewhere" only, so a rule that wrongly accepts P fails here; every B output is checked to
+be equal on all devices of its mesh dim (assembly alone would read just one of them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autosbp.graph import InputRef, Role, TensorMeta
+from autosbp.layout import assemble_tensor
+from autosbp.rules import local_op
+from autosbp.rules.core import NdSignature, Node, as_tuple, default_local_op, resolve_refs
+from autosbp.sbp import Broadcast, Mesh, NdSbp, Partial, Split
+
+
+def node_from_call(
+    target: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
+    """The node attrs dict for `target(*args, **kwargs)` and its tensor inputs in InputRef order.
+
+    Tensors (also inside lists) become InputRef(i) in order of appearance; outputs are measured by
+    running the call once on clones (so in-place ops leave the given tensors alone).
+    """
+    inputs: list[torch.Tensor] = []
+
+    def ref(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            inputs.append(value)
+            return InputRef(len(inputs) - 1)
+        if isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(ref(v) for v in value)
+        return value
+
+    node_args = tuple(ref(a) for a in args)
+    node_kwargs = {k: ref(v) for k, v in (kwargs or {}).items()}
+    node: dict[str, Any] = {
+        "op": str(target),
+        "role": Role.COMPUTE,
+        "target": target,
+        "args": node_args,
+        "kwargs": node_kwargs,
+        "inputs": tuple(TensorMeta(tuple(t.shape), t.dtype) for t in inputs),
+        "outputs": (),
+    }
+    outs = _call_raw(node, [t.clone() for t in inputs])
+    node["outputs"] = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in outs)
+    return node, tuple(inputs)
+
+
+def run_global(node: Node, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The op on whole tensors (one device): the reference every signature must reproduce."""
+    return default_local_op(node)([t.clone() for t in inputs])
+
+
+def shard_inputs(
+    tensor: torch.Tensor, nd_sbp: NdSbp, mesh_shape: Sequence[int], generator: torch.Generator
+) -> list[torch.Tensor]:
+    """The piece of every device (row-major mesh order); P mesh dims get random addends.
+
+    Devices that differ only in B coordinates hold identical pieces (the addends of a later P
+    mesh dim are drawn once per path of non-B choices), as a replicated tensor must.
+    """
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    pieces: list[tuple[torch.Tensor, tuple[int, ...]]] = [(tensor, ())]
+    for sbp, size in zip(nd_sbp, mesh_shape, strict=True):
+        cut = []
+        for piece, path in pieces:
+            if isinstance(sbp, Broadcast):
+                cut += [(piece, path)] * size
+                continue
+            gen = torch.Generator().manual_seed(hash((seed, *path)) & 0x7FFFFFFF)
+            parts = _cut(piece, sbp, size, gen)
+            cut += [(part, (*path, k)) for k, part in enumerate(parts)]
+        pieces = cut
+    return [piece.clone(memory_format=torch.contiguous_format) for piece, _ in pieces]
+
+
+@dataclass(frozen=True, slots=True)
+class Simulated:
+    """What `simulate` assembled: the op's outputs, and its inputs after the call (in-place ops
+    such as batch norm's running-stat updates show there)."""
+
+    outputs: tuple[torch.Tensor, ...]
+    inputs: tuple[torch.Tensor, ...]
+
+
+def simulate(
+    node: Node,
+    nd_sig: NdSignature,
+    mesh_shape: Sequence[int],
+    global_inputs: Sequence[torch.Tensor],
+    generator: torch.Generator | None = None,
+) -> Simulated:
+    """Run `nd_sig` on every simulated device of `mesh_shape` and assemble outputs and inputs."""
+    mesh = Mesh.of(tuple(mesh_shape))
+    gen = generator or torch.Generator().manual_seed(0)
+    per_input = [
+        shard_inputs(t, nd, mesh.shape, gen)
+        for t, nd in zip(global_inputs, nd_sig.inputs, strict=True)
+    ]
+    per_device = []
+    for index in range(mesh.size):
+        kernel = local_op(node, nd_sig, mesh.shape, mesh.coords(index))
+        per_device.append(kernel([pieces[index] for pieces in per_input]))
+    outs = []
+    for k, nd_sbp in enumerate(nd_sig.outputs):
+        pieces = [device_outs[k] for device_outs in per_device]
+        _check_broadcast_copies(node, pieces, nd_sbp, mesh)
+        outs.append(assemble_tensor(pieces, nd_sbp, mesh))
+    ins = [assemble_tensor(p, nd, mesh) for p, nd in zip(per_input, nd_sig.inputs, strict=True)]
+    return Simulated(tuple(outs), tuple(ins))
+
+
+def _cut(
+    piece: torch.Tensor, sbp: Split | Broadcast | Partial, size: int, gen: torch.Generator
+) -> list[torch.Tensor]:
+    if isinstance(sbp, Split):
+        return list(piece.chunk(size, dim=sbp.dim))
+    if isinstance(sbp, Broadcast) or sbp.op != "sum":
+        return [piece] * size  # max/min are idempotent: every device may hold the value
+    addends = [torch.randn(piece.shape, generator=gen, dtype=piece.dtype) for _ in range(size - 1)]
+    return [piece - sum(addends, torch.zeros_like(piece)), *addends]
+
+
+def _check_broadcast_copies(
+    node: Node, pieces: Sequence[torch.Tensor], nd_sbp: NdSbp, mesh: Mesh
+) -> None:
+    for index in range(mesh.size):
+        coords = mesh.coords(index)
+        for mesh_dim, sbp in enumerate(nd_sbp):
+            if isinstance(sbp, Broadcast) and coords[mesh_dim] != 0:
+                first = list(coords)
+                first[mesh_dim] = 0
+                other = pieces[mesh.index(first)]
+                if not _same(pieces[index], other):
+                    raise AssertionError(
+                        f"{node['op']}: B output differs on devices {tuple(first)} and {coords}"
+                    )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, math.sqrt(a.numel())))
+    return torch.equal(a, b)
+
+
+def _call_raw(node: Node, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    args = resolve_refs(node["args"], inputs)
+    kwargs = {k: resolve_refs(v, inputs) for k, v in node["kwargs"].items()}
+    return as_tuple(node["target"](*args, **kwargs))

@@ -1,0 +1,216 @@
+"""Profile JSON <-> frozen `Profile`, and the checks JSON Schema cannot express.
+
+Lives here: `profile_from_dict` (after schema validation: resolves named sources, checks that sizes
+in measured tables increase and that a multi-node topology has an inter_node link) and
+`profile_to_dict` (shared sources written once in `sources`, referenced by name), and
+`profile_error`, the one place a ProfileError message is phrased (file, JSON path, problem,
+expected, fix). Lives elsewhere: finding, reading and schema-validating files (`profile_io`).
+
+Invariants: `profile_from_dict(profile_to_dict(p)) == p`; the dict holds only JSON types.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from costmodel.errors import ProfileError
+from costmodel.profile import (
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    CollectiveCost,
+    CollectiveKind,
+    Device,
+    DType,
+    Efficiency,
+    Link,
+    LinkClass,
+    MeasuredTable,
+    PeakFlops,
+    Profile,
+    Quantity,
+    Source,
+    SourceKind,
+    Topology,
+)
+
+
+def profile_error(origin: str, path: str, problem: str, expected: str, fix: str) -> ProfileError:
+    """The message every profile problem gets: where (file and JSON path), what, expected, fix."""
+    return ProfileError(f"profile {origin}: at {path}: {problem}. Expected {expected}. Fix: {fix}")
+
+
+class _Decoder:
+    def __init__(self, origin: str, data: Mapping[str, Any]) -> None:
+        self.origin = origin
+        self.shared = {
+            name: _source(obj, name) for name, obj in dict(data.get("sources", {})).items()
+        }
+
+    def source(self, obj: Any, path: str) -> Source:
+        if isinstance(obj, dict):
+            return _source(obj, "")
+        if obj not in self.shared:
+            known = ", ".join(sorted(self.shared)) or "none"
+            raise profile_error(
+                self.origin,
+                path,
+                f"unknown source {obj!r} referenced",
+                f"an inline source object or one of the names in `sources` ({known})",
+                f"define {obj!r} under the top-level `sources`, or fix the name",
+            )
+        return self.shared[obj]
+
+    def quantity(self, obj: Mapping[str, Any], path: str) -> Quantity:
+        return Quantity(obj["value"], obj["unit"], self.source(obj["source"], f"{path}.source"))
+
+    def table(self, obj: Mapping[str, Any], path: str) -> MeasuredTable:
+        points = []
+        for group, pts in obj["points"].items():
+            sizes = [size for size, _ in pts]
+            if any(b <= a for a, b in itertools.pairwise(sizes)):
+                raise profile_error(
+                    self.origin,
+                    f"{path}.points.{group}",
+                    f"message sizes {sizes} do not increase",
+                    "[size, time] pairs sorted by strictly increasing size",
+                    "sort the points by size and drop repeated sizes",
+                )
+            points.append((int(group), tuple((s, t) for s, t in pts)))
+        points.sort()
+        source = self.source(obj["source"], f"{path}.source")
+        return MeasuredTable(obj["size_unit"], obj["time_unit"], source, tuple(points))
+
+    def link(self, link_class: LinkClass, obj: Mapping[str, Any], path: str) -> Link:
+        costs = []
+        for kind in CollectiveKind:
+            entry, where = obj["collectives"][kind.value], f"{path}.collectives.{kind.value}"
+            table = self.table(entry["table"], f"{where}.table") if "table" in entry else None
+            costs.append(
+                CollectiveCost(
+                    kind,
+                    self.quantity(entry["latency"], f"{where}.latency"),
+                    self.quantity(entry["bus_bandwidth"], f"{where}.bus_bandwidth"),
+                    table,
+                    entry.get("note", ""),
+                )
+            )
+        return Link(link_class, obj["medium"], tuple(costs))
+
+
+def _source(obj: Mapping[str, Any], name: str) -> Source:
+    fields = {key: obj[key] for key in ("ref", "why", "date", "command", "note") if key in obj}
+    return Source(SourceKind(obj["kind"]), name=name, **fields)
+
+
+def profile_from_dict(data: Mapping[str, Any], origin: str) -> Profile:
+    """A schema-valid profile dict as a `Profile`; ProfileError for the semantic faults left."""
+    dec = _Decoder(origin, data)
+    dev, eff, topo = data["device"], data["efficiency"], data["topology"]
+    peak = {
+        d: dec.quantity(dev["peak_flops"][d.value], f"$.device.peak_flops.{d.value}") for d in DType
+    }
+    device = Device(
+        dev["name"],
+        dec.quantity(dev["memory"], "$.device.memory"),
+        dec.quantity(dev["memory_bandwidth"], "$.device.memory_bandwidth"),
+        PeakFlops(peak[DType.FP32], peak[DType.BF16], peak[DType.FP16]),
+    )
+    efficiency = Efficiency(
+        *(
+            dec.quantity(eff[key], f"$.efficiency.{key}")
+            for key in ("matmul", "memory_bound", "op_overhead")
+        )
+    )
+    nodes = None if topo["nodes"] == "scalable" else dec.quantity(topo["nodes"], "$.topology.nodes")
+    topology = Topology(
+        dec.quantity(topo["devices_per_node"], "$.topology.devices_per_node"), nodes
+    )
+    links = tuple(
+        dec.link(lc, data["links"][lc.value], f"$.links.{lc.value}")
+        for lc in LinkClass
+        if lc.value in data["links"]
+    )
+    if (nodes is None or nodes.value > 1) and LinkClass.INTER_NODE.value not in data["links"]:
+        raise profile_error(
+            origin,
+            "$.links",
+            "the topology allows several nodes but no `inter_node` link is defined",
+            'links.inter_node when topology.nodes is "scalable" or more than 1',
+            "add links.inter_node (measured across hosts, or from the NIC spec), or set "
+            'topology.nodes to {"value": 1, "unit": "nodes", ...}',
+        )
+    return Profile(data["name"], data.get("description", ""), device, efficiency, topology, links)
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.shared: dict[str, dict[str, Any]] = {}
+
+    def source(self, source: Source) -> str | dict[str, Any]:
+        obj: dict[str, Any] = {"kind": source.kind.value}
+        for key in ("ref", "why", "date", "command", "note"):
+            if getattr(source, key):
+                obj[key] = getattr(source, key)
+        if not source.name:
+            return obj
+        previous = self.shared.setdefault(source.name, obj)
+        assert previous == obj, f"two different sources are both named {source.name!r}"
+        return source.name
+
+    def quantity(self, q: Quantity) -> dict[str, Any]:
+        return {"value": q.value, "unit": q.unit, "source": self.source(q.source)}
+
+    def collective(self, cost: CollectiveCost) -> dict[str, Any]:
+        obj: dict[str, Any] = {
+            "latency": self.quantity(cost.latency),
+            "bus_bandwidth": self.quantity(cost.bus_bandwidth),
+        }
+        if cost.table is not None:
+            t = cost.table
+            obj["table"] = {
+                "size_unit": t.size_unit,
+                "time_unit": t.time_unit,
+                "source": self.source(t.source),
+                "points": {str(g): [list(p) for p in pts] for g, pts in t.points},
+            }
+        if cost.note:
+            obj["note"] = cost.note
+        return obj
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """The JSON form of a profile (see costmodel/schemas/profile.schema.json)."""
+    enc = _Encoder()
+    d, e, t = profile.device, profile.efficiency, profile.topology
+    body = {
+        "device": {
+            "name": d.name,
+            "memory": enc.quantity(d.memory),
+            "memory_bandwidth": enc.quantity(d.memory_bandwidth),
+            "peak_flops": {dt.value: enc.quantity(d.peak_flops.for_dtype(dt)) for dt in DType},
+        },
+        "efficiency": {
+            "matmul": enc.quantity(e.matmul),
+            "memory_bound": enc.quantity(e.memory_bound),
+            "op_overhead": enc.quantity(e.op_overhead),
+        },
+        "topology": {
+            "devices_per_node": enc.quantity(t.devices_per_node),
+            "nodes": "scalable" if t.nodes is None else enc.quantity(t.nodes),
+        },
+        "links": {
+            link.link_class.value: {
+                "medium": link.medium,
+                "collectives": {c.kind.value: enc.collective(c) for c in link.collectives},
+            }
+            for link in profile.links
+        },
+    }
+    head = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": profile.name}
+    if profile.description:
+        head["description"] = profile.description
+    if enc.shared:
+        head["sources"] = enc.shared
+    return {**head, **body}

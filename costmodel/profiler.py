@@ -1,0 +1,295 @@
+"""Measure this machine: matmul, a memory-bound op, and every collective over sizes and groups.
+
+Lives here: what is measured (`ProfilerConfig`, `plan_items`), running it on N spawned ranks and
+aggregating (`measure`), and the raw results (`Measurements`). Lives elsewhere: how one rank times
+an item (`profiler_worker`), fitting and building the Profile (`fitting`), the plot (`plot`), the
+command line (`commands`).
+
+Timing recipe (nccl-tests and Galvatron, /work/shared/reference/profiling.md sections 1 and 3):
+warm-up calls; then a calibration call whose time (max over ranks) fixes k, the number of
+back-to-back calls per repeat (about 1 ms), and the number of repeats (a time budget per item);
+then per repeat: barrier, k calls, synchronize, time / k. A measurement is the median over repeats
+of the slowest rank's time: many short repeats let the median drop the ones where a rank was
+descheduled (2 ranks on 2 shared cores). Every rank measures at once (the groups of a layout
+run concurrently, as all groups of a mesh dim do). On CUDA: NCCL, device =
+local rank, torch.cuda.synchronize before reading the clock. Message sizes follow nccl-tests
+(see `costs`); collectives use fp32 buffers.
+
+Group layouts: for each divisor n >= 2 of nproc, the contiguous groups of n ranks and the strided
+ones (stride nproc / n); a layout whose groups cross a node boundary (devices_per_node) measures
+inter_node, else intra_node; one layout per (link class, n) is kept. send_recv runs on layouts of
+n = 2 (first rank sends to the second).
+
+Invariants: every rank runs the same items in the same order (the list is computed from the config
+alone); an op the backend lacks is recorded as unsupported, not fatal.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from costmodel.cluster import link_class_for_mesh_dim
+from costmodel.launch import run_workers
+from costmodel.profile import CollectiveKind, DType, LinkClass
+from costmodel.profiler_worker import profile_worker
+
+KIB_BYTES = 1024
+MIB_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GroupShape:
+    """Groups {base + i * stride : i < size} covering all ranks; `link_class` from the layout."""
+
+    size: int
+    stride: int
+    link_class: LinkClass
+
+    def groups(self, nproc: int) -> tuple[tuple[int, ...], ...]:
+        block = self.size * self.stride
+        return tuple(
+            tuple(outer * block + inner + i * self.stride for i in range(self.size))
+            for outer in range(nproc // block)
+            for inner in range(self.stride)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilerConfig:
+    """What to measure and how long to try; `for_mode` gives the CLI's default and --quick."""
+
+    nproc: int
+    backend: str
+    devices_per_node: int
+    quick: bool
+    collective_sizes_bytes: tuple[int, ...]
+    matmul_sizes: tuple[tuple[DType, tuple[int, ...]], ...]  # square n x n x n
+    elementwise_numels: tuple[int, ...]
+    warmup: int
+    target_repeat_s: float  # k back-to-back calls fill about this long
+    max_calls_per_repeat: int
+    budget_s: float  # per item: repeats fill about this long, within [min_repeats, max_repeats]
+    min_repeats: int
+    max_repeats: int
+    timeout_s: float
+    command: str  # how to reproduce, recorded in the profile's sources
+
+    @classmethod
+    def for_mode(
+        cls, nproc: int, backend: str, devices_per_node: int, quick: bool, command: str
+    ) -> ProfilerConfig:
+        cuda = backend == "nccl"
+        matmul: tuple[tuple[DType, tuple[int, ...]], ...]
+        if quick:
+            sizes = tuple(4 * KIB_BYTES * 16**i for i in range(4))  # 4 KiB .. 16 MiB
+        else:
+            sizes = tuple(4 * KIB_BYTES * 2**i for i in range(15))  # 4 KiB .. 64 MiB
+        if cuda:
+            big = (1024, 2048, 4096) if quick else (1024, 2048, 4096, 8192)
+            matmul = tuple((d, big) for d in DType)
+            numels = (2**24, 2**26) if quick else (2**22, 2**24, 2**26)
+        else:  # CPU: bf16 matmul has no fast kernel on most CPUs (about 1 GFLOP/s here)
+            matmul = (
+                (DType.FP32, (256, 512) if quick else (128, 256, 512, 1024)),
+                (DType.BF16, (64, 128) if quick else (64, 128, 256)),
+            )
+            numels = (2**20, 2**22) if quick else (2**18, 2**20, 2**22)
+        return cls(
+            nproc,
+            backend,
+            devices_per_node,
+            quick,
+            sizes,
+            matmul,
+            numels,
+            warmup=1 if quick else 2,
+            target_repeat_s=0.001,
+            max_calls_per_repeat=20,
+            budget_s=0.08 if quick else 0.4,
+            min_repeats=3 if quick else 5,
+            max_repeats=9 if quick else 31,
+            timeout_s=300.0 if quick else 900.0,
+            command=command,
+        )
+
+    def calls_and_repeats(self, call_s: float) -> tuple[int, int]:
+        """(back-to-back calls per repeat, repeats) for an op that takes about `call_s`."""
+        calls = int(
+            min(self.max_calls_per_repeat, max(1.0, self.target_repeat_s / max(call_s, 1e-9)))
+        )
+        repeats = int(self.budget_s / max(calls * call_s, 1e-9))
+        return calls, min(self.max_repeats, max(self.min_repeats, repeats))
+
+    def group_shapes(self) -> tuple[GroupShape, ...]:
+        """One layout per (link class, group size), contiguous before strided."""
+        shapes: dict[tuple[LinkClass, int], GroupShape] = {}
+        for size in (n for n in range(2, self.nproc + 1) if self.nproc % n == 0):
+            for stride in dict.fromkeys((1, self.nproc // size)):
+                mesh = (self.nproc // (size * stride), size, stride)
+                link = link_class_for_mesh_dim(mesh, 1, 0, self.devices_per_node)
+                shapes.setdefault((link, size), GroupShape(size, stride, link))
+        return tuple(shapes.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One thing to time. `op` is a CollectiveKind value, "matmul", "elementwise" or "overhead"."""
+
+    op: str
+    size: int  # collective: requested bytes; matmul: n; elementwise/overhead: numel
+    dtype: DType = DType.FP32
+    shape: GroupShape | None = None
+
+    @property
+    def label(self) -> str:
+        if self.shape is not None:
+            return f"{self.op} {self.shape.link_class.value} n={self.shape.size} {self.size} B"
+        return f"{self.op} {self.dtype.value} {self.size}"
+
+
+def plan_items(config: ProfilerConfig) -> tuple[Item, ...]:
+    """Everything to time, in the order every rank runs it."""
+    items = [Item("overhead", 1)]
+    items += [Item("matmul", n, dtype) for dtype, sizes in config.matmul_sizes for n in sizes]
+    items += [Item("elementwise", numel) for numel in config.elementwise_numels]
+    for shape in config.group_shapes():
+        for kind in CollectiveKind:
+            if kind is CollectiveKind.SEND_RECV and shape.size != 2:
+                continue
+            items += [
+                Item(kind.value, nbytes, shape=shape) for nbytes in config.collective_sizes_bytes
+            ]
+    return tuple(items)
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveSample:
+    kind: CollectiveKind
+    link_class: LinkClass
+    group_size: int
+    nbytes: int  # nccl-tests size per rank
+    time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeSample:
+    op: str  # "matmul" | "elementwise" | "overhead"
+    dtype: DType
+    shape: str  # "1024x1024x1024" or "numel=1048576"
+    flops: float
+    nbytes: float  # bytes read and written
+    time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Measurements:
+    config: ProfilerConfig
+    collectives: tuple[CollectiveSample, ...]
+    compute: tuple[ComputeSample, ...]
+    unsupported: tuple[CollectiveKind, ...]
+    device_name: str
+    memory_bytes: int  # per device
+    memory_how: str  # how memory_bytes was read
+    torch_version: str
+    threads_per_rank: int
+    started: str  # ISO 8601, UTC
+    seconds: float
+
+
+ProgressFn = Callable[[int, int, str], None]  # (done, total, label)
+
+
+def measure(config: ProfilerConfig, on_progress: ProgressFn | None = None) -> Measurements:
+    """Run `plan_items(config)` on `config.nproc` ranks and aggregate the timings."""
+    import torch.multiprocessing as mp
+
+    items = plan_items(config)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t0 = time.monotonic()
+    progress = mp.get_context("spawn").Queue() if on_progress is not None else None
+    stop = threading.Event()
+    pump = threading.Thread(target=_pump, args=(progress, on_progress, stop), daemon=True)
+    if progress is not None:
+        pump.start()
+    try:
+        per_rank = run_workers(
+            profile_worker,
+            config.nproc,
+            (config, items, progress),
+            backend=config.backend,
+            timeout_s=config.timeout_s,
+        )
+    finally:
+        stop.set()
+        if progress is not None:
+            pump.join(timeout=5)
+    return _aggregate(config, items, per_rank, started, time.monotonic() - t0)
+
+
+def _pump(progress: Any, on_progress: ProgressFn | None, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            done, total, label = progress.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if on_progress is not None:
+            on_progress(done, total, label)
+
+
+def _aggregate(
+    config: ProfilerConfig, items: Sequence[Item], per_rank: list[Any], started: Any, seconds: float
+) -> Measurements:
+    info = per_rank[0]["info"]
+    collectives, compute, unsupported = [], [], set()
+    for i, item in enumerate(items):
+        rows = [rank["results"][i] for rank in per_rank]
+        if any(row is None for row in rows):
+            unsupported.add(CollectiveKind(item.op))
+            continue
+        time_s = statistics.median(max(reps) for reps in zip(*(r[1] for r in rows), strict=True))
+        amount = rows[0][0]
+        if item.shape is not None:
+            collectives.append(
+                CollectiveSample(
+                    CollectiveKind(item.op),
+                    item.shape.link_class,
+                    item.shape.size,
+                    int(amount),
+                    time_s,
+                )
+            )
+        else:
+            compute.append(_compute_sample(item, time_s))
+    return Measurements(
+        config,
+        tuple(collectives),
+        tuple(compute),
+        tuple(k for k in CollectiveKind if k in unsupported),
+        info["device_name"],
+        info["memory_bytes"],
+        info["memory_how"],
+        info["torch_version"],
+        info["threads"],
+        started.isoformat(timespec="seconds"),
+        seconds,
+    )
+
+
+def _compute_sample(item: Item, time_s: float) -> ComputeSample:
+    elt = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2}[item.dtype]
+    if item.op == "matmul":
+        n = item.size
+        return ComputeSample(
+            "matmul", item.dtype, f"{n}x{n}x{n}", 2.0 * n**3, 3.0 * n * n * elt, time_s
+        )
+    numel = item.size
+    return ComputeSample(
+        item.op, item.dtype, f"numel={numel}", float(numel), 3.0 * numel * elt, time_s
+    )

@@ -1,0 +1,195 @@
+"""Profiles: shipped files load, save -> load is the identity, and bad files say what to fix."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from costmodel import ProfileError, SourceKind, load_profile, save_profile, shipped_profiles
+from costmodel.profile_io import profile_schema
+from costmodel.units import UNITS, Dimension
+
+SHIPPED = ("cpu-gloo", "dgx-a100", "dgx-h100", "dgx1-v100")
+
+
+def test_the_four_profiles_are_shipped() -> None:
+    assert set(SHIPPED) <= set(shipped_profiles())
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_save_then_load_is_identity(name: str, tmp_path: Path) -> None:
+    profile = load_profile(name)
+    path = save_profile(profile, tmp_path / f"{name}.json")
+    assert load_profile(path) == profile
+    assert json.loads(path.read_text()) == json.loads(shipped_profiles()[name].read_text())
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_number_cites_a_source(name: str) -> None:
+    for source in load_profile(name).sources():
+        assert source.describe().split(": ", 1)[1].strip()
+
+
+def test_spec_profiles_cite_specs_and_measured_cites_measurements() -> None:
+    assert SourceKind.SPEC in load_profile("dgx-a100").source_kinds()
+    assert SourceKind.MEASURED in load_profile("cpu-gloo").source_kinds()
+    cpu = load_profile("cpu-gloo")
+    assert cpu.link("intra_node").collective(cpu.link("intra_node").collectives[0].kind).table
+
+
+def test_schema_units_match_the_unit_tables() -> None:
+    defs = profile_schema()["$defs"]
+    by_def = {
+        "time": Dimension.TIME,
+        "bytes": Dimension.BYTES,
+        "bandwidth": Dimension.BANDWIDTH,
+        "flop_rate": Dimension.FLOP_RATE,
+        "ratio": Dimension.RATIO,
+        "devices": Dimension.DEVICES,
+        "nodes": Dimension.NODES,
+    }
+    for name, dim in by_def.items():
+        assert defs[name]["properties"]["unit"]["enum"] == list(UNITS[dim]), name
+
+
+def test_unknown_name_lists_the_shipped_ones() -> None:
+    with pytest.raises(ProfileError, match=r"no shipped profile named 'dgx-b200'.*dgx-a100"):
+        load_profile("dgx-b200")
+
+
+def test_profile_path_env_adds_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = load_profile("dgx-a100")
+    save_profile(profile, tmp_path / "my-cluster.json")
+    monkeypatch.setenv("AUTOSBP_PROFILE_PATH", str(tmp_path))
+    assert load_profile("my-cluster") == profile
+
+
+def _a100() -> dict:
+    return json.loads(shipped_profiles()["dgx-a100"].read_text())
+
+
+def _without_unit(d: dict) -> dict:
+    del d["device"]["memory"]["unit"]
+    return d
+
+
+def _with(path: str, value: object) -> Callable[[dict], dict]:
+    def edit(d: dict) -> dict:
+        *parents, leaf = path.split(".")
+        node = d
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+        return d
+
+    return edit
+
+
+def _table_not_sorted(d: dict) -> dict:
+    cost = d["links"]["intra_node"]["collectives"]["all_reduce"]
+    cost["table"] = {
+        "size_unit": "B",
+        "time_unit": "us",
+        "source": "a100-datasheet",
+        "points": {"8": [[4096, 10.0], [1024, 12.0]]},
+    }
+    return d
+
+
+def _drop_inter_node(d: dict) -> dict:
+    del d["links"]["inter_node"]
+    return d
+
+
+# (id, edit of a valid dict, JSON path in the message, words the message must contain)
+BAD_DICTS = [
+    ("missing-unit", _without_unit, "$.device.memory", ["missing unit", "GB", "GiB", "Fix"]),
+    ("wrong-version", _with("version", 2), "$.version", ["version 2", "version 1"]),
+    (
+        "wrong-type",
+        _with("device.peak_flops.bf16.value", "312"),
+        "$.device.peak_flops.bf16.value",
+        ["'312' is a str", "JSON number", "without quotes"],
+    ),
+    (
+        "unknown-link-class",
+        _with("links.nvlink", {"medium": "x", "collectives": {}}),
+        "$.links",
+        ["unknown link class 'nvlink'", "intra_node, inter_node"],
+    ),
+    (
+        "unknown-unit",
+        _with("device.memory_bandwidth.unit", "GHz"),
+        "$.device.memory_bandwidth.unit",
+        ["'GHz' is not allowed", "GB/s", "convert the value"],
+    ),
+    (
+        "unknown-source",
+        _with("device.memory.source", "a100-brochure"),
+        "$.device.memory.source",
+        ["unknown source 'a100-brochure'", "a100-datasheet"],
+    ),
+    (
+        "no-inter-node",
+        _drop_inter_node,
+        "$.links",
+        ["no `inter_node` link", "scalable"],
+    ),
+    (
+        "ratio-above-one",
+        _with("efficiency.matmul.value", 1.5),
+        "$.efficiency.matmul.value",
+        ["1.5 is out of range", "<= 1"],
+    ),
+    (
+        "spec-without-ref",
+        _with("sources.a100-datasheet", {"kind": "spec"}),
+        "$.sources['a100-datasheet']",
+        ["missing field 'ref'"],
+    ),
+    ("table-not-sorted", _table_not_sorted, "points.8", ["[4096, 1024] do not increase"]),
+    ("not-a-profile", _with("format", "galvatron"), "$.format", ["not an autosbp profile"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "json_path", "words"),
+    [pytest.param(e, p, w, id=i) for i, e, p, w in BAD_DICTS],
+)
+def test_bad_profile_names_file_path_and_fix(
+    edit: Callable[[dict], dict], json_path: str, words: list[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(edit(_a100())))
+    with pytest.raises(ProfileError) as info:
+        load_profile(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert f"at {json_path}" in message or json_path in message
+    assert "Fix:" in message
+    for word in words:
+        assert word in message
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        pytest.param(
+            '{"format": "autosbp.profile",, }', ["invalid JSON", "line 1"], id="malformed"
+        ),
+        pytest.param(None, ["ends early", "truncated"], id="truncated"),
+        pytest.param("[1, 2]", ["not an autosbp profile"], id="not-an-object"),
+    ],
+)
+def test_unreadable_json_is_explained(text: str | None, words: list[str], tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    full = shipped_profiles()["dgx-a100"].read_text()
+    path.write_text(full[: len(full) // 2] if text is None else text)
+    with pytest.raises(ProfileError) as info:
+        load_profile(path)
+    assert str(path) in str(info.value)
+    for word in words:
+        assert word in str(info.value)

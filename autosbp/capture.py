@@ -327,14 +327,11 @@ def _drop_tied_aliases(graph: nx.DiGraph, order: list[str], model: nn.Module) ->
 
 
 def _unknown_ops(ops: set[str]) -> tuple[str, ...]:
-    """The ops without an SBP rule (the planner gives them the all-B signature)."""
-    try:
-        from autosbp.rules import has_rule  # lazy: rules import capture's vocabulary, not capture
-    except ModuleNotFoundError as exc:  # a checkout without the rules package: nothing to report
-        if exc.name != "autosbp.rules":
-            raise
-        return ()
-    return tuple(sorted(op for op in ops if not has_rule(op)))
+    """The ops without an SBP rule (the planner gives them the all-B signature), named in one
+    warning."""
+    from autosbp.rules import warn_unknown_ops  # lazy: rules import torch-heavy op modules
+
+    return warn_unknown_ops(ops)
 
 
 # ------------------------------------------------------------------------------ interpreting

@@ -20,6 +20,8 @@ from autosbp.errors import AutosbpError
 # (command, module, one-line help). The module owns the command's arguments and behaviour.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("capture", "autosbp.commands.capture", "capture a model and summarize its operator graph"),
+    ("plan", "autosbp.commands.plan", "find the fastest plan that fits and write it as JSON"),
+    ("explain", "autosbp.commands.plan", "show the signatures a plan chose"),
     ("profile", "costmodel.commands", "measure this machine's op and collective costs"),
     ("profiles", "costmodel.commands", "list the shipped hardware profiles"),
 )

@@ -15,7 +15,7 @@ so only x needs integrality, and the LP relaxation is often integral already (au
 PR #484). A forbidden pair (i, j) has no y variable, which forbids choosing i and j together.
 
 Lives here: `Problem` (plain numbers: costs in seconds, memory in bytes), `solve` (OR-Tools MIP;
-SCIP by default, since HiGHS through pywraplp ignores the gap setting and prints a banner),
+CBC by default, fastest here; HiGHS through pywraplp ignores the gap setting and prints a banner),
 `brute_force` (the oracle for tests). Lives elsewhere: turning a graph, a mesh and a cost model
 into a Problem (`planner`), reducing graphs before solving (`reduce`).
 Reference: design.md 3.5; autoparallel optimize_sharding.py; Alpa auto_sharding.py.
@@ -82,47 +82,98 @@ class Solution:
 
 
 def solve(
-    problem: Problem, *, time_limit_s: float = 60.0, solver: str = "SCIP", rel_gap: float = 1e-9
+    problem: Problem, *, time_limit_s: float = 60.0, solver: str = "CBC", rel_gap: float = 1e-9
 ) -> Solution:
-    """Solve `problem` to `rel_gap` (or to the best found within `time_limit_s`)."""
+    """Solve `problem` to `rel_gap` (or to the best found within `time_limit_s`).
+
+    The LP relaxation goes first (GLOP): on these problems it is usually integral, and then its
+    solution is optimal for the ILP too (the LP bound equals an integral point). Otherwise the
+    MIP `solver` runs.
+    """
     start = time.perf_counter()
+    relaxed = _solve_once(
+        problem, "GLOP", integer=False, time_limit_s=time_limit_s, rel_gap=rel_gap
+    )
+    if relaxed is not None and _integral(relaxed[0]):
+        choice = _choice(relaxed[0])
+        return Solution(
+            choice, problem.objective(choice), "optimal", 0.0, time.perf_counter() - start
+        )
+    result = _solve_once(problem, solver, integer=True, time_limit_s=time_limit_s, rel_gap=rel_gap)
+    if result is None:
+        raise PlanError("no strategy assignment satisfies the constraints (infeasible ILP).")
+    x, status, bound = result
+    choice = _choice(x)
+    value = problem.objective(choice)
+    optimal = status == pywraplp.Solver.OPTIMAL
+    gap = 0.0 if optimal else abs(value - bound) / max(abs(value), 1e-30)
+    return Solution(
+        choice, value, "optimal" if optimal else "feasible", gap, time.perf_counter() - start
+    )
+
+
+Values = dict[Key, list[float]]
+
+
+def _solve_once(
+    problem: Problem, solver: str, *, integer: bool, time_limit_s: float, rel_gap: float
+) -> tuple[Values, int, float] | None:
+    """(x values, status, best bound), or None when infeasible or out of time with nothing."""
     mip = pywraplp.Solver.CreateSolver(solver)
     if mip is None:
         raise PlanError(f"OR-Tools has no {solver} solver here; use solver='CBC' or 'SCIP'.")
-    x = _add_node_variables(mip, problem)
+    x = _add_node_variables(mip, problem, integer)
     objective = mip.Objective()
+    scale = _objective_scale(problem)
     for v, costs in problem.node_costs.items():
         for i, cost in enumerate(costs):
-            objective.SetCoefficient(x[v][i], float(cost))
+            if math.isfinite(cost):
+                objective.SetCoefficient(x[v][i], float(cost) * scale)
     for (u, v), matrix in problem.edge_costs.items():
-        _add_edge(mip, objective, x[u], x[v], matrix, f"{u}->{v}")
+        _add_edge(mip, objective, x[u], x[v], matrix * scale, f"{u}->{v}")
     for mem in problem.memory:
         _add_memory(mip, x, mem)
     objective.SetMinimization()
     mip.SetTimeLimit(int(time_limit_s * 1000))
     params = pywraplp.MPSolverParameters()
-    params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, rel_gap)
+    if integer:
+        params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, rel_gap)
     status = mip.Solve(params)
-    seconds = time.perf_counter() - start
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        raise PlanError("no strategy assignment satisfies the constraints (infeasible ILP).")
-    choice = {v: int(np.argmax([var.solution_value() for var in xs])) for v, xs in x.items()}
-    value = problem.objective(choice)
-    bound = objective.BestBound() if status != pywraplp.Solver.OPTIMAL else value
-    gap = 0.0 if status == pywraplp.Solver.OPTIMAL else abs(value - bound) / max(abs(value), 1e-30)
-    return Solution(
-        choice, value, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds
-    )
+        return None
+    values = {v: [var.solution_value() for var in xs] for v, xs in x.items()}
+    bound = (objective.BestBound() if integer else objective.Value()) / scale
+    return values, status, bound
+
+
+def _objective_scale(problem: Problem) -> float:
+    """Costs are seconds, often 1e-6..1e-3: scale the largest to 1e3 so the solvers' absolute
+    tolerances (about 1e-6) are negligible beside every cost."""
+    finite = [
+        float(np.max(np.abs(a[np.isfinite(a)])))
+        for a in (*problem.node_costs.values(), *problem.edge_costs.values())
+        if np.isfinite(a).any()
+    ]
+    largest = max(finite, default=0.0)
+    return 1e3 / largest if largest > 0 else 1.0
+
+
+def _integral(values: Values, tol: float = 1e-6) -> bool:
+    return all(min(abs(a), abs(1 - a)) <= tol for xs in values.values() for a in xs)
+
+
+def _choice(values: Values) -> dict[Key, int]:
+    return {v: int(np.argmax(xs)) for v, xs in values.items()}
 
 
 def _add_node_variables(
-    mip: pywraplp.Solver, problem: Problem
+    mip: pywraplp.Solver, problem: Problem, integer: bool
 ) -> dict[Key, list[pywraplp.Variable]]:
     x: dict[Key, list[pywraplp.Variable]] = {}
     for v, costs in problem.node_costs.items():
         if len(costs) == 0:
             raise PlanError(f"node {v!r} has no candidate strategy.")
-        x[v] = [mip.BoolVar(f"x[{v}][{i}]") for i in range(len(costs))]
+        x[v] = [mip.Var(0.0, 1.0, integer, f"x[{v}][{i}]") for i in range(len(costs))]
         mip.Add(sum(x[v]) == 1)
         for i, cost in enumerate(costs):
             if not math.isfinite(cost):

@@ -12,6 +12,7 @@ model whose graph fingerprint differs; a loaded plan equals the saved one.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+from rich.table import Table
 
 from autosbp.errors import PlanError
 from autosbp.sbp import dtensor_names, parse_nd_sbp
@@ -185,6 +187,47 @@ class Plan:
             solver=SolverReport(**data["solver"]),
         )
 
+    # ---- for people ---------------------------------------------------------------------------
+
+    def summary(self, main_weights: int = 6) -> Table:
+        """A table per stage: devices, blocks, the SBP of the largest weights, time and memory."""
+        table = Table(
+            title=f"{self.model_name}: {self.strategy} plan on {self.device_count} x {self.profile}"
+        )
+        for column in (
+            "stage",
+            "devices",
+            "mesh",
+            "blocks",
+            "largest weights (SBP)",
+            "time/step",
+            "peak memory",
+        ):
+            table.add_column(column)
+        for index, stage in enumerate(self.stages):
+            weights = sorted(
+                ((name, p) for name, p in self.params.items() if p.stage == index),
+                key=lambda item: -math.prod(item[1].shape),
+            )[:main_weights]
+            table.add_row(
+                str(index),
+                _span(stage.devices),
+                "x".join(map(str, stage.mesh_shape)),
+                _span(stage.blocks) if stage.blocks else "-",
+                "\n".join(f"{name} {p.sbp}" for name, p in weights),
+                f"{stage.step_time_s * 1e3:.3f} ms",
+                f"{stage.peak_memory_bytes / 2**20:.1f} MiB",
+            )
+        breakdown = ", ".join(
+            f"{k.removesuffix('_s')} {v * 1e3:.3f} ms" for k, v in self.predicted.breakdown.items()
+        )
+        table.caption = (
+            f"step {self.predicted.step_time_s * 1e3:.3f} ms ({breakdown}); "
+            f"{self.predicted.throughput_samples_per_s:.1f} samples/s; micro-batches {self.micro_batches}; "
+            f"solver {self.solver.status}, gap {self.solver.gap:.2%}, {self.solver.seconds:.1f} s"
+        )
+        return table
+
     # ---- use with a model --------------------------------------------------------------------
 
     def check_model(self, fingerprint: str, model_name: str = "the model") -> None:
@@ -201,6 +244,13 @@ class Plan:
                 f"this plan is for {self.device_count} devices but the job has {world_size} "
                 f"processes; launch with --nproc {self.device_count} or make a plan for {world_size}."
             )
+
+
+def _span(values: tuple[int, ...]) -> str:
+    """`(0, 1, 2, 3)` -> `0-3`; other tuples as a comma list."""
+    if len(values) > 2 and list(values) == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    return ",".join(map(str, values))
 
 
 def _node_json(node: NodePlan) -> dict[str, Any]:

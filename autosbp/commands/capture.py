@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    add_model_arguments(parser)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """MODEL, --model-args and --meta: how every command that takes a model names it."""
     parser.add_argument(
         "model",
         metavar="MODEL",
@@ -39,13 +44,19 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     )
 
 
-def run(args: argparse.Namespace, console: Console) -> int:
-    from autosbp.capture import capture
+def load_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(model, example_inputs) named by the arguments of `add_model_arguments`."""
     from autosbp.zoo import load_model, parse_model_args
 
-    model, inputs = load_model(
+    return load_model(
         args.model, parse_model_args(args.model_args), device="meta" if args.meta else None
     )
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from autosbp.capture import capture
+
+    model, inputs = load_from_args(args)
     opgraph = capture(model, inputs, name=args.model)
     print_summary(opgraph, console)
     return 0

@@ -1,0 +1,107 @@
+"""`autosbp plan MODEL ...`: find a plan and write it as JSON; `autosbp explain plan.json`.
+
+Lives here: the two commands' arguments and output. Lives elsewhere: the search (`planner`),
+the plan format (`plan`), model loading (`zoo`), the model arguments (`commands.capture`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from autosbp.commands.capture import add_model_arguments, load_from_args
+from autosbp.errors import PlanError
+from autosbp.plan import Plan
+
+GIB = 2**30
+
+
+def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    if name == "explain":
+        parser.add_argument(
+            "plan", metavar="PLAN", help="a plan JSON file written by `autosbp plan`"
+        )
+        parser.add_argument("--node", help="show one node's signature (default: every parameter)")
+        return
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--profile", default="cpu-gloo", help="a shipped profile name or a profile JSON path"
+    )
+    parser.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        help="memory limit per device (default: the profile's minus 10%%)",
+    )
+    parser.add_argument(
+        "--global-batch", type=int, help="samples per step (default: the example inputs' batch)"
+    )
+    parser.add_argument("--strategy", default="auto", help="auto, dp, fsdp or megatron:tp=T,dp=D")
+    parser.add_argument(
+        "--recompute", default="none", choices=("none", "full", "selective", "auto")
+    )
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd_momentum"))
+    parser.add_argument(
+        "--time-limit-s", type=float, default=60.0, help="solver time limit per mesh shape"
+    )
+    parser.add_argument(
+        "--out", default="plan.json", help="where to write the plan (default: plan.json)"
+    )
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    if args.command == "explain":
+        return _explain(args, console)
+    from autosbp.capture import capture
+    from autosbp.planner.api import plan_graph
+
+    if args.recompute != "none":
+        raise PlanError(
+            f"--recompute {args.recompute} is not supported by this version of the planner yet "
+            "(single stage, no recomputation); use --recompute none."
+        )
+    model, inputs = load_from_args(args)
+    with console.status("capturing the model"):
+        graph = capture(model, inputs, name=args.model)
+    with console.status(f"planning for {args.devices} devices of {args.profile}"):
+        plan = plan_graph(
+            graph,
+            profile=args.profile,
+            devices=args.devices,
+            memory_limit=int(args.memory_gib * GIB) if args.memory_gib else None,
+            global_batch=args.global_batch,
+            optimizer=args.optimizer,
+            dtype=args.dtype,
+            strategy=args.strategy,
+            time_limit_s=args.time_limit_s,
+        )
+    console.print(plan.summary())
+    path = plan.save(args.out)
+    console.print(f"plan written to {path}")
+    return 0
+
+
+def _explain(args: argparse.Namespace, console: Console) -> int:
+    plan = Plan.load(Path(args.plan))
+    table = Table(
+        title=f"{plan.model_name}: signatures on mesh {'x'.join(map(str, plan.mesh_shape))}"
+    )
+    for column in ("node", "op", "inputs", "outputs"):
+        table.add_column(column)
+    if args.node is not None:
+        if args.node not in plan.nodes:
+            raise PlanError(
+                f"node {args.node!r} is not in {args.plan}; run `autosbp explain {args.plan}` to list nodes."
+            )
+        names = [args.node]
+    else:
+        names = list(plan.nodes)
+    for name in names:
+        node = plan.nodes[name]
+        table.add_row(name, node.op, " ".join(node.inputs), " ".join(node.outputs))
+    console.print(table)
+    return 0

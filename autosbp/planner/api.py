@@ -1,0 +1,134 @@
+"""`auto_parallelize`: model + example inputs + hardware -> the fastest plan that fits.
+
+Lives here: the public entry point (argument checks with clear errors, capture, search over
+mesh shapes, comparison with hand plans) and the adapter from a costmodel cluster to the
+planner's `Prices`. Lives elsewhere: the search and the ILP (`search`, `ilp`), the plan format
+(`plan`), prices (`costmodel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from autosbp.errors import PlanError
+from autosbp.graph import OpGraph
+from autosbp.plan import Plan
+from autosbp.planner.assemble import PlanContext, assemble_plan
+from autosbp.planner.search import best_over_meshes, hand_plan_allow, mesh_shapes
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Memory kept free for the framework, allocator fragmentation and transient buffers
+# (an assumption; PyTorch's caching allocator typically loses 5-10% to fragmentation).
+MEMORY_RESERVE_FRACTION = 0.1
+
+
+class ClusterPrices:
+    """The planner's `Prices` over a costmodel cluster (dtype names translated)."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+
+    def op_time_s(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+            dtype, "fp32"
+        )
+        return float(self.cluster.op_time_s(flops, nbytes, name))
+
+    def collective_time_s(
+        self, kind: str, message_bytes: float, group_size: int, link_class: str
+    ) -> float:
+        return float(self.cluster.collective_time_s(kind, message_bytes, group_size, link_class))
+
+    def p2p_time_s(self, nbytes: float, link_class: str) -> float:
+        return float(self.cluster.p2p_time_s(nbytes, link_class))
+
+
+def auto_parallelize(
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    profile: str = "cpu-gloo",
+    devices: int,
+    memory_limit: int | None = None,
+    global_batch: int | None = None,
+    optimizer: str = "adam",
+    dtype: str = "fp32",
+    strategy: str = "auto",
+    time_limit_s: float = 60.0,
+) -> Plan:
+    """Plan `model` (which returns its training loss) for `devices` devices of `profile`.
+
+    `memory_limit` (bytes per device) defaults to the profile's device memory minus a 10%
+    reserve. `global_batch` defaults to the batch of `example_inputs` (their first dim).
+    """
+    from autosbp.capture import capture
+
+    graph = capture(model, list(example_inputs))
+    return plan_graph(
+        graph, profile=profile, devices=devices, memory_limit=memory_limit, global_batch=global_batch,
+        optimizer=optimizer, dtype=dtype, strategy=strategy, time_limit_s=time_limit_s,
+    )  # fmt: skip
+
+
+def plan_graph(
+    graph: OpGraph,
+    *,
+    profile: str,
+    devices: int,
+    memory_limit: int | None,
+    global_batch: int | None,
+    optimizer: str,
+    dtype: str,
+    strategy: str,
+    time_limit_s: float,
+) -> Plan:
+    """`auto_parallelize` on an already captured graph."""
+    from costmodel import Cluster, load_profile
+
+    _check_request(devices, optimizer, dtype)
+    hw = load_profile(profile)
+    per_node = int(hw.topology.devices_per_node.value)
+    cluster = Cluster(hw, nodes=-(-devices // per_node))
+    limit = (
+        memory_limit
+        if memory_limit is not None
+        else int(cluster.memory_bytes * (1 - MEMORY_RESERVE_FRACTION))
+    )
+    allow, mesh_ok = hand_plan_allow(strategy)
+
+    def link_of(shape: tuple[int, ...], mesh_dim: int) -> str:
+        return cluster.link_class_for_mesh_dim(shape, mesh_dim).value
+
+    meshes = [m for m in mesh_shapes(devices, link_of) if mesh_ok(m)]
+    if not meshes:
+        raise PlanError(
+            f"strategy {strategy!r} needs a mesh that {devices} devices cannot form; check its degrees multiply to {devices}."
+        )
+    solved, solution = best_over_meshes(
+        graph, meshes, ClusterPrices(cluster), optimizer=optimizer, memory_limit_bytes=limit,
+        allow=allow, time_limit_s=time_limit_s,
+    )  # fmt: skip
+    batch = global_batch or _batch_of(graph)
+    ctx = PlanContext(hw.name, limit, strategy, batch, DTYPES[dtype], optimizer)
+    return assemble_plan(graph, solved, solution, ctx)
+
+
+def _check_request(devices: int, optimizer: str, dtype: str) -> None:
+    if not isinstance(devices, int) or devices < 1:
+        raise PlanError(f"devices must be a positive integer, got {devices!r}.")
+    if optimizer not in ("adam", "sgd", "sgd_momentum"):
+        raise PlanError(f"optimizer {optimizer!r} is not known; use adam, sgd or sgd_momentum.")
+    if dtype not in DTYPES:
+        raise PlanError(f"dtype {dtype!r} is not known; use one of {sorted(DTYPES)}.")
+
+
+def _batch_of(graph: OpGraph) -> int:
+    from autosbp.graph import Role
+
+    for _, attrs in graph.nodes(Role.INPUT):
+        if attrs["outputs"] and attrs["outputs"][0].shape:
+            return int(attrs["outputs"][0].shape[0])
+    return 1

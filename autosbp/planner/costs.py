@@ -1,0 +1,172 @@
+"""Price every strategy of every node and edge: the numbers the ILP chooses between.
+
+Lives here: per node, its candidate nd-signatures with compute time (forward + backward) and the
+bytes they keep on a device; per edge, the matrix of boxing times between the producer's output
+and the consumer's input; for parameters, the gradient synchronisation their layout implies.
+Lives elsewhere: the signatures (`rules`), the boxing chains (`boxing`), the hardware prices
+(`costmodel`, behind the `Prices` protocol), the ILP (`ilp`), the memory accounting (`memory`).
+
+Model (every constant states where it comes from):
+- compute: roofline `op_time_s(local_flops, local_bytes)`; local flops = flops x the smallest
+  local/global size ratio among the op's tensors (the share of the work one device does: 1/n for
+  data-, tensor- and contraction-split matmuls alike); local bytes = the local tensors' bytes.
+  Backward = BACKWARD_FACTOR x forward (2: a matmul's backward is two matmuls of the same size;
+  Narayanan et al. 2021 section 3.3 count 3x forward for forward + backward).
+- an edge u -> v, for each (output layout of u, input layout v needs): the forward boxing time
+  plus its backward, the boxing dual(dst) -> dual(src) (B <-> P, S stays), per micro-batch.
+- a parameter in layout p pays, once per step, the gradient sync dual(p) -> p (P -> B
+  all-reduce where the parameter is replicated: data parallel's all-reduce; nothing where it is
+  split: FSDP's reduce-scatter is already the backward of its all-gather), and its optimizer
+  update on the local shard (memory-bound: OPTIMIZER_BYTES_PER_ELEMENT).
+Node times of compute ops are per micro-batch; parameter times are per step: the problem builder
+scales them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from autosbp.boxing import plan_boxing
+from autosbp.boxing_steps import BoxingStep, StepKind, dual_nd_sbp
+from autosbp.errors import SbpError
+from autosbp.graph import OpGraph, Role, TensorMeta
+from autosbp.rules import NdSignature, nd_signatures
+from autosbp.sbp import Broadcast, Mesh, NdSbp, local_shape
+
+BACKWARD_FACTOR = 2.0  # backward time / forward time (derived: two matmuls per matmul)
+# Adam on an fp32 master copy reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per
+# element (derived); about 12 flops per element (derived from the update formula).
+OPTIMIZER_BYTES_PER_ELEMENT = 28
+OPTIMIZER_FLOPS_PER_ELEMENT = 12
+
+
+class Prices(Protocol):
+    """What the planner needs from a hardware profile (costmodel's cluster provides it)."""
+
+    def op_time_s(self, flops: float, nbytes: float, dtype: torch.dtype) -> float: ...
+
+    def collective_time_s(
+        self, kind: str, message_bytes: float, group_size: int, link_class: str
+    ) -> float: ...
+
+    def p2p_time_s(self, nbytes: float, link_class: str) -> float: ...
+
+
+@dataclass(frozen=True)
+class NodeStrategies:
+    """A node's candidates and their per-micro-batch compute time (forward + backward)."""
+
+    name: str
+    candidates: tuple[NdSignature, ...]
+    compute_s: np.ndarray
+
+
+class BoxingPricer:
+    """Boxing time between two layouts of one tensor on a mesh, cached (many edges repeat)."""
+
+    def __init__(self, prices: Prices, mesh: Mesh) -> None:
+        self.prices = prices
+        self.mesh = mesh
+        self._time = lru_cache(maxsize=None)(self._time_uncached)
+
+    def time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:
+        return self._time(src, dst, meta.shape, meta.dtype)
+
+    def _time_uncached(
+        self, src: NdSbp, dst: NdSbp, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> float:
+        if src == dst:
+            return 0.0
+        try:
+            steps = plan_boxing(src, dst, shape, self.mesh, dtype=dtype)
+        except SbpError:  # no chain exists (e.g. out of P(max)): the pair is forbidden
+            return math.inf
+        return sum(self.step_time_s(step) for step in steps)
+
+    def step_time_s(self, step: BoxingStep) -> float:
+        if step.kind is StepKind.LOCAL:
+            return 0.0  # a slice or a zero fill: negligible beside the ops around it
+        if step.kind is StepKind.SEND_RECV:
+            return self.prices.p2p_time_s(step.message_bytes, "inter_node")
+        assert step.link_class is not None
+        return self.prices.collective_time_s(
+            step.kind.value, step.message_bytes, step.group_size, step.link_class
+        )
+
+
+def node_strategies(graph: OpGraph, name: str, pricer: BoxingPricer) -> NodeStrategies:
+    """Candidates of node `name`: per micro-batch compute time, or per step for parameters."""
+    attrs = graph.graph.nodes[name]
+    mesh_shape = pricer.mesh.shape
+    candidates = tuple(_candidates(attrs, mesh_shape))
+    if attrs["role"] is Role.PARAMETER:
+        times = [
+            _parameter_step_s(attrs["outputs"][0], sig.outputs[0], pricer) for sig in candidates
+        ]
+    else:
+        times = [_compute_s(attrs, sig, mesh_shape, pricer.prices) for sig in candidates]
+    return NodeStrategies(name, candidates, np.array(times))
+
+
+def _parameter_step_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> float:
+    sync = pricer.time_s(dual_nd_sbp(nd_sbp), nd_sbp, meta)
+    local = math.prod(local_shape(meta.shape, nd_sbp, pricer.mesh.shape))
+    update = pricer.prices.op_time_s(
+        local * OPTIMIZER_FLOPS_PER_ELEMENT, local * OPTIMIZER_BYTES_PER_ELEMENT, torch.float32
+    )
+    return sync + update
+
+
+def _candidates(attrs: dict[str, Any], mesh_shape: tuple[int, ...]) -> list[NdSignature]:
+    sigs = nd_signatures(attrs, mesh_shape)
+    if attrs["role"] is Role.BUFFER:
+        # A buffer is state, not trained: keep it replicated (the runtime materializes it whole).
+        sigs = [s for s in sigs if all(isinstance(x, Broadcast) for x in s.outputs[0])]
+    return sigs
+
+
+def _compute_s(
+    attrs: dict[str, Any], sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
+) -> float:
+    if attrs["role"] is not Role.COMPUTE or (not attrs["flops"] and not attrs["bytes"]):
+        return 0.0
+    metas = (*attrs["inputs"], *attrs["outputs"])
+    layouts = (*sig.inputs, *sig.outputs)
+    share = 1.0
+    local_bytes = 0.0
+    for meta, nd in zip(metas, layouts, strict=True):
+        local = math.prod(local_shape(meta.shape, nd, mesh_shape))
+        share = min(share, local / max(meta.numel, 1))
+        local_bytes += local * meta.dtype.itemsize
+    dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
+    forward = prices.op_time_s(attrs["flops"] * share, local_bytes, dtype)
+    return forward * (1.0 + BACKWARD_FACTOR)
+
+
+def edge_matrix(
+    producer: NodeStrategies,
+    consumer: NodeStrategies,
+    uses: Sequence[tuple[int, int]],
+    metas: Sequence[TensorMeta],
+    pricer: BoxingPricer,
+) -> np.ndarray:
+    """Per micro-batch time of the boxings on edge producer -> consumer (forward and backward)
+    for every pair of their candidates. `uses` lists (producer output index, consumer input
+    index); `metas[k]` describes the tensor of use k."""
+    matrix = np.zeros((len(producer.candidates), len(consumer.candidates)))
+    for i, psig in enumerate(producer.candidates):
+        for j, csig in enumerate(consumer.candidates):
+            total = 0.0
+            for (out_idx, in_idx), meta in zip(uses, metas, strict=True):
+                src, dst = psig.outputs[out_idx], csig.inputs[in_idx]
+                total += pricer.time_s(src, dst, meta)
+                total += pricer.time_s(dual_nd_sbp(dst), dual_nd_sbp(src), meta)
+            matrix[i, j] = total
+    return matrix

@@ -1,0 +1,135 @@
+"""The planner: exact against brute force, and it rediscovers the known parallel strategies.
+
+Prices come from the shipped spec profile of a DGX A100 node (real numbers, not a stand-in);
+models are captured on the meta device, so big layer sizes cost nothing to build.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from autosbp.capture import capture
+from autosbp.errors import PlanError
+from autosbp.ilp import MemoryConstraint, Problem, brute_force, solve
+from autosbp.plan import Plan
+from autosbp.planner.api import ClusterPrices, plan_graph
+from autosbp.planner.search import build_problem
+from autosbp.sbp import Mesh, Split, parse_nd_sbp
+from autosbp.zoo import build_model
+from costmodel import Cluster, load_profile
+
+
+class TinyNet(nn.Module):
+    """Two linears and a loss: small enough to enumerate every signature assignment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16, bias=False)
+        self.fc2 = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.fc2(torch.relu(self.fc1(x))), target)
+
+
+def a100_prices() -> ClusterPrices:
+    return ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=1))
+
+
+def plan(
+    name: str, devices: int, strategy: str = "auto", memory: int | None = None, **kw: int
+) -> Plan:
+    model, inputs = build_model(name, device="meta", **kw)
+    return plan_graph(
+        capture(model, inputs), profile="dgx-a100", devices=devices, memory_limit=memory,
+        global_batch=None, optimizer="adam", dtype="fp32", strategy=strategy, time_limit_s=60,
+    )  # fmt: skip
+
+
+def tiny_problem(mesh: tuple[int, ...], memory_fraction: float | None) -> Problem:
+    model = TinyNet()
+    graph = capture(model, [torch.randn(8, 8), torch.randn(8, 4)])
+    limit = None
+    if memory_fraction is not None:
+        unlimited = build_problem(
+            graph, Mesh(mesh), a100_prices(), optimizer="adam", memory_limit_bytes=1.0
+        )
+        per = unlimited.problem.memory[0].bytes_per_candidate.values()
+        lo, hi = sum(float(np.min(b)) for b in per), sum(float(np.max(b)) for b in per)
+        limit = lo + memory_fraction * (hi - lo)
+    return build_problem(
+        graph, Mesh(mesh), a100_prices(), optimizer="adam", memory_limit_bytes=limit
+    ).problem
+
+
+@pytest.mark.parametrize(
+    ("mesh", "memory_fraction"),
+    [((2,), None), ((2,), 0.1), ((2,), 0.3), ((4,), 0.3)],
+    ids=["mesh2-nolimit", "mesh2-limit10", "mesh2-limit30", "mesh4-limit30"],
+)
+def test_planner_equals_brute_force(mesh: tuple[int, ...], memory_fraction: float | None) -> None:
+    problem = tiny_problem(mesh, memory_fraction)
+    assert math.prod(len(c) for c in problem.node_costs.values()) <= 2_000_000
+    expected = brute_force(problem)
+    got = solve(problem)
+    assert got.status == "optimal"
+    assert problem.feasible(got.choice)
+    assert got.objective == pytest.approx(expected.objective, rel=1e-9, abs=1e-12)
+
+
+def test_memory_limit_binds_in_the_brute_force_cases() -> None:
+    # Guard for the test above: the limits used there really exclude the unconstrained optimum.
+    free = solve(tiny_problem((4,), None))
+    tight = tiny_problem((4,), 0.1)
+    assert isinstance(tight.memory[0], MemoryConstraint)
+    assert not tight.feasible(free.choice)
+
+
+def test_megatron_tensor_parallel_emerges_on_big_layers() -> None:
+    p = plan("gpt", 8, layers=2, hidden=2048, heads=16, seq=512, vocab=1024, batch=8)
+    fc = parse_nd_sbp(p.params["blocks.0.mlp.fc.weight"].sbp)
+    proj = parse_nd_sbp(p.params["blocks.0.mlp.proj.weight"].sbp)
+    # Column parallel splits fc's output features (dim 0 of the [out, in] weight) on a mesh dim
+    # where proj is row parallel (split on its input features, dim 1): no activation boxing
+    # between them.
+    assert any(a == Split(0) and b == Split(1) for a, b in zip(fc, proj, strict=True)), (fc, proj)
+
+
+def test_hand_plans_are_priced_and_never_beat_auto() -> None:
+    kw = {"layers": 2, "hidden": 256, "heads": 8, "seq": 64, "vocab": 512, "batch": 8}
+    auto = plan("gpt", 4, **kw)
+    for strategy in ("dp", "fsdp", "megatron:tp=2,dp=2"):
+        hand = plan("gpt", 4, strategy, **kw)
+        assert hand.strategy == strategy
+        assert auto.predicted.step_time_s <= hand.predicted.step_time_s * (1 + 1e-9), strategy
+    dp = plan("gpt", 4, "dp", **kw)
+    assert all(p.sbp == "B" for p in dp.params.values())
+    fsdp = plan("gpt", 4, "fsdp", **kw)
+    assert all(p.sbp.startswith("S(") for p in fsdp.params.values())
+
+
+def test_widedeep_shards_its_embedding_tables() -> None:
+    p = plan("widedeep", 8)
+    tables = [name for name in p.params if name.startswith("tables.")]
+    assert tables
+    assert all("S(" in p.params[name].sbp for name in tables)
+
+
+def test_tight_memory_shards_parameters() -> None:
+    kw = {"layers": 2, "hidden": 256, "heads": 8, "seq": 64, "vocab": 512, "batch": 8}
+    free = plan("gpt", 2, **kw)
+    dp = plan("gpt", 2, "dp", **kw)
+    limit = int(0.7 * dp.predicted.peak_memory_bytes)
+    tight = plan("gpt", 2, memory=limit, **kw)
+    assert tight.predicted.peak_memory_bytes <= limit
+    assert any("S(" in p.sbp for p in tight.params.values())
+    assert tight.predicted.step_time_s >= free.predicted.step_time_s * (1 - 1e-9)
+
+
+def test_impossible_memory_limit_names_the_floor_and_the_consumers() -> None:
+    with pytest.raises(PlanError, match=r"needs at least .* GiB per device.*biggest consumers"):
+        plan("gpt", 2, memory=1 << 20, layers=2, hidden=256, heads=8, seq=64, vocab=512, batch=8)

@@ -11,10 +11,14 @@ from typing import Any
 from autosbp.errors import AutosbpError
 from autosbp.sbp import B, Mesh, P, S
 
-__all__ = ["AutosbpError", "B", "Mesh", "P", "S", "capture"]
+__all__ = ["AutosbpError", "B", "Engine", "Mesh", "P", "Plan", "S", "auto_parallelize", "capture"]
 
-# name -> module that defines it; imported lazily by __getattr__.
+# name -> module that defines it; imported lazily by __getattr__ (Engine lives in runtime, which
+# imports autosbp: loading it lazily keeps the arrows one-way at import time).
 _LAZY = {
+    "Engine": "runtime.engine",
+    "Plan": "autosbp.plan",
+    "auto_parallelize": "autosbp.planner.api",
     "capture": "autosbp.capture",
 }
 

@@ -96,6 +96,10 @@ class Plan:
     # ---- JSON -------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
+        """Plain JSON data (lists, not tuples): what `save` writes and `from_json` reads."""
+        return json.loads(json.dumps(self._json_fields()))
+
+    def _json_fields(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
             "version": VERSION,

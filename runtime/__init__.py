@@ -1,0 +1,20 @@
+"""runtime: executes a Plan on torch.distributed (design.md 3.7). Decides nothing.
+
+The public name is `Engine` (runtime.engine); it loads on first use, so importing a submodule
+such as `runtime.boxing` does not pull in the whole runtime.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["Engine"]
+
+_LAZY = {"Engine": "runtime.engine"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

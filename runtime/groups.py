@@ -15,8 +15,10 @@ Reference: torch.distributed.new_group; torch/distributed/device_mesh.py (one gr
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable
 
+import torch
 import torch.distributed as dist
 
 from autosbp.sbp import Mesh
@@ -37,7 +39,7 @@ class ProcessGroups:
         for mesh_dim in range(mesh.ndim):
             for ranks in mesh.groups(mesh_dim):
                 if len(ranks) > 1 and ranks not in self._groups:
-                    self._groups[ranks] = dist.new_group(list(ranks))
+                    self._groups[ranks] = dist.new_group(list(ranks), timeout=_world_timeout())
         self.meshes.append(mesh)
 
     def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
@@ -57,3 +59,9 @@ def build_groups(meshes: Iterable[Mesh]) -> ProcessGroups:
     for mesh in meshes:
         groups.add_mesh(mesh)
     return groups
+
+
+def _world_timeout() -> datetime.timedelta:
+    """The default group's timeout: new_group would otherwise take the backend's (30 min)."""
+    pg = dist.distributed_c10d._get_default_group()
+    return pg._get_backend(torch.device("cpu")).options._timeout

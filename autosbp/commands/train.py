@@ -1,0 +1,168 @@
+"""`autosbp train MODEL ...` and `autosbp demo`: plan, then train under the plan on N processes.
+
+Lives here: the two commands' arguments, making or loading the plan, and the per-step table
+(loss beside single-device training with --check). Lives elsewhere: the training loop
+(`runtime.train`, imported lazily: the CLI is the one place autosbp reaches into runtime),
+planning (`planner`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from autosbp.commands.capture import add_model_arguments
+from autosbp.errors import ExecutionError, PlanError
+from autosbp.plan import Plan
+
+CHECK_TOLERANCE = 1e-5  # relative; the issue's bar for "trains exactly like one device"
+DEMO_MODEL = ("gpt", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 16, "batch": 8})
+
+
+def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    if name == "demo":
+        parser.add_argument(
+            "--out", default="autosbp-out", help="folder for the plan (default: autosbp-out)"
+        )
+        parser.add_argument("--nproc", type=int, default=4, help="CPU processes (default: 4)")
+        parser.add_argument("--steps", type=int, default=20)
+        return
+    add_model_arguments(parser)
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes (devices)")
+    parser.add_argument(
+        "--plan",
+        default="auto",
+        help="a plan JSON file, or a strategy: auto, dp, fsdp, megatron:tp=T,dp=D",
+    )
+    parser.add_argument(
+        "--profile", default="cpu-gloo", help="profile used when --plan is a strategy"
+    )
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument(
+        "--check", action="store_true", help="train on one device beside it and compare every step"
+    )
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    if args.command == "demo":
+        return _demo(args, console)
+    if args.meta:
+        raise PlanError("`autosbp train` needs real parameters; drop --meta.")
+    from autosbp.zoo import parse_model_args
+
+    model_args = parse_model_args(args.model_args)
+    plan = _plan_for(args.model, model_args, args.plan, args.nproc, args.profile, console)
+    return _train_and_report(args.model, model_args, plan, args.steps, args.lr, args.check, console)
+
+
+def _plan_for(
+    model: str, model_args: dict, plan_arg: str, nproc: int, profile: str, console: Console
+) -> Plan:
+    if plan_arg.endswith(".json") or Path(plan_arg).is_file():
+        plan = Plan.load(plan_arg)
+        plan.check_world(nproc)
+        return plan
+    from autosbp.capture import capture
+    from autosbp.planner.api import plan_graph
+    from autosbp.zoo import load_model
+
+    with console.status(f"planning {model} ({plan_arg}) for {nproc} processes on {profile}"):
+        graph = capture(*load_model(model, model_args), name=model)
+        return plan_graph(
+            graph, profile=profile, devices=nproc, memory_limit=None, global_batch=None,
+            optimizer="adam", dtype="fp32", strategy=plan_arg, time_limit_s=60,
+        )  # fmt: skip
+
+
+def _train_and_report(
+    model: str, model_args: dict, plan: Plan, steps: int, lr: float, check: bool, console: Console
+) -> int:
+    from runtime.train import TrainSpec, train
+
+    if steps < 1:
+        raise PlanError(f"--steps must be at least 1, got {steps}.")
+    spec = TrainSpec(model, model_args, plan.to_json(), steps, lr=lr, check=check)
+    with console.status(f"training {steps} steps on {plan.device_count} processes"):
+        result = train(spec)
+    table = Table(
+        title=f"{model}: {plan.strategy} plan, mesh {'x'.join(map(str, plan.mesh_shape))}"
+    )
+    for column in (
+        "step",
+        "loss",
+        *(("one device", "loss rel diff", "max param rel diff") if check else ()),
+        "time",
+    ):
+        table.add_column(column, justify="right")
+    for record, seconds in zip(result.records, result.step_times_s, strict=True):
+        extra = ()
+        if check:
+            extra = (
+                f"{record.reference_loss:.6f}",
+                f"{record.loss_rel_diff:.1e}",
+                f"{record.max_param_rel_diff:.1e}",
+            )
+        table.add_row(str(record.step), f"{record.loss:.6f}", *extra, f"{seconds * 1e3:.1f} ms")
+    console.print(table)
+    if check and result.worst_rel_diff() > CHECK_TOLERANCE:
+        raise ExecutionError(
+            f"the plan's training differs from one device by {result.worst_rel_diff():.2e} (relative), "
+            f"above {CHECK_TOLERANCE:g}: a rule or boxing step is wrong for this model. Please report it "
+            "with the plan JSON."
+        )
+    if check:
+        excluded = result.records[-1].excluded_elements
+        console.print(
+            f"matches single-device training: worst relative difference {result.worst_rel_diff():.1e}"
+            + (
+                f" ({excluded} parameter elements with vanishing gradients left out; see runtime/train.py)"
+                if excluded
+                else ""
+            )
+        )
+    return 0
+
+
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    """Plan the demo GPT for N CPU processes, compare with hand plans, train it under the plan."""
+    name, model_args = DEMO_MODEL
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console.rule(f"1. plan a small GPT for {args.nproc} CPU processes (profile cpu-gloo)")
+    plan = _plan_for(name, model_args, "auto", args.nproc, "cpu-gloo", console)
+    console.print(plan.summary())
+    _compare_hand_plans(name, model_args, plan, args.nproc, console)
+    path = plan.save(out / "plan.json")
+    console.rule(f"2. train it {args.steps} steps under the plan, beside single-device training")
+    code = _train_and_report(name, model_args, plan, args.steps, 1e-2, True, console)
+    console.print(f"outputs in {out.resolve()}: plan.json (read it with `autosbp explain {path}`)")
+    return code
+
+
+def _compare_hand_plans(
+    name: str, model_args: dict, auto: Plan, nproc: int, console: Console
+) -> None:
+    table = Table(title="predicted step time: auto vs hand plans (same cost model)")
+    for column in ("strategy", "mesh", "step time", "vs auto"):
+        table.add_column(column, justify="right")
+    rows = [("auto", auto)]
+    for strategy in ("dp", "fsdp", f"megatron:tp=2,dp={nproc // 2}"):
+        try:
+            rows.append(
+                (strategy, _plan_for(name, model_args, strategy, nproc, "cpu-gloo", console))
+            )
+        except PlanError as exc:
+            console.print(f"{strategy}: {exc}")
+    for strategy, p in rows:
+        ratio = p.predicted.step_time_s / auto.predicted.step_time_s
+        table.add_row(
+            strategy,
+            "x".join(map(str, p.mesh_shape)),
+            f"{p.predicted.step_time_s * 1e3:.2f} ms",
+            f"{ratio:.2f}x",
+        )
+    console.print(table)

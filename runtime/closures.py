@@ -1,0 +1,135 @@
+"""The closures a rank's program runs every step: op kernels, boxings, buffer write-backs.
+
+Lives here: `Boxer` (plans a boxing chain once and returns the closure that runs it, dropping
+relabels) and the instruction makers (`compute_instruction`, `box_instruction`,
+`write_back_instruction`) that read and write a step's slot list. Lives elsewhere: which
+closures a program holds and in what order (`runtime.program`), the collectives
+(`runtime.boxing`), the local kernels (`autosbp.rules.local_op`).
+
+Invariants:
+- Everything that does not depend on the step's tensors is computed when a closure is made:
+  the chain of steps, the argument template of an op and the slots its tensors come from.
+- A step on a mesh dim of one device (a relabel: its piece is the whole tensor before and after)
+  is dropped; a chain of only relabels is the identity. So a one-process plan runs no boxing.
+- A kernel gives the same results as `LocalOp.__call__`; the fast path only precomputes where
+  the tensor arguments go (ops with tensors inside lists or keywords keep `LocalOp.__call__`).
+Reference: design.md 3.7 (boxing steps as autograd-aware collectives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autosbp.boxing import plan_boxing
+from autosbp.boxing_steps import BoxingStep, StepKind
+from autosbp.graph import InputRef
+from autosbp.rules import LocalOp
+from autosbp.rules.core import as_tuple
+from autosbp.sbp import Mesh, NdSbp
+from runtime.boxing import execute_boxing
+from runtime.groups import ProcessGroups
+
+__all__ = [
+    "Boxer",
+    "Instruction",
+    "Values",
+    "box_instruction",
+    "compute_instruction",
+    "write_back_instruction",
+]
+
+Values = list[Any]  # slot -> local tensor (None once dead)
+Instruction = Callable[[Values], None]
+TensorFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Boxer:
+    """Boxing on one mesh through its process groups (autograd-aware; run under no_grad for
+    gradient and state syncs)."""
+
+    mesh: Mesh
+    groups: ProcessGroups
+
+    def chain(
+        self, src: NdSbp, dst: NdSbp, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+    ) -> TensorFn:
+        """The closure taking this rank's piece in layout `src` to its piece in `dst`."""
+        steps = tuple(
+            step
+            for step in plan_boxing(src, dst, shape, self.mesh, dtype=dtype)
+            if not _is_relabel(step)
+        )
+        if not steps:
+            return _identity
+        groups = self.groups
+        return lambda x: execute_boxing(x, steps, groups)
+
+
+def _is_relabel(step: BoxingStep) -> bool:
+    return step.kind is StepKind.LOCAL and step.group_size == 1
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def box_instruction(box: TensorFn, src: int, dst: int) -> Instruction:
+    def run(values: Values) -> None:
+        values[dst] = box(values[src])
+
+    return run
+
+
+def write_back_instruction(box: TensorFn, copy: int, target: int) -> Instruction:
+    """Box the written copy back to the buffer's layout and copy it into the buffer."""
+
+    def run(values: Values) -> None:
+        with torch.no_grad():
+            values[target].copy_(box(values[copy]))
+
+    return run
+
+
+def compute_instruction(op: LocalOp, ins: tuple[int, ...], outs: tuple[int, ...]) -> Instruction:
+    """Run `op` on the tensors at slots `ins` (InputRef order); store its outputs at `outs`."""
+    refs = [(pos, arg.index) for pos, arg in enumerate(op.args) if isinstance(arg, InputRef)]
+    others = [arg for arg in op.args if not isinstance(arg, InputRef)]
+    if op.scale is not None or _holds_ref(others) or _holds_ref(list(op.kwargs.values())):
+        return _general_instruction(op, ins, outs)
+    fn, template, kwargs = op.fn, list(op.args), dict(op.kwargs)
+    binds = [(pos, ins[index]) for pos, index in refs]
+
+    def run(values: Values) -> None:
+        args = template.copy()
+        for pos, slot in binds:
+            args[pos] = values[slot]
+        results = as_tuple(fn(*args, **kwargs))
+        for slot, result in zip(outs, results, strict=True):
+            values[slot] = result
+
+    return run
+
+
+def _general_instruction(op: LocalOp, ins: tuple[int, ...], outs: tuple[int, ...]) -> Instruction:
+    def run(values: Values) -> None:
+        results = op([values[slot] for slot in ins])
+        for slot, result in zip(outs, results, strict=True):
+            values[slot] = result
+
+    return run
+
+
+def _holds_ref(values: Sequence[Any]) -> bool:
+    for value in values:
+        if isinstance(value, InputRef):
+            return True
+        if isinstance(value, list | tuple | dict):
+            items = value.values() if isinstance(value, dict) else value
+            if _holds_ref(list(items)):
+                return True
+    return False

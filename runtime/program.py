@@ -1,0 +1,320 @@
+"""One rank's program of a single-stage plan: the captured graph rewritten into prebuilt closures.
+
+Lives here: `read_signatures` (the plan's per-node SBP strings parsed and checked against the
+graph and the rules), `build_program` (slots, instructions and frees, built once) and `Program`
+(`run`: the forward of one step on this rank's local tensors). Lives elsewhere: the parameters'
+local shards, gradient sync and the optimizer (`runtime.engine`), the collectives
+(`runtime.boxing`), the local kernels (`autosbp.rules.local_op`), the single-device reference
+interpreter (`autosbp.capture.run_graph`, of which this is the distributed sibling).
+
+Invariants:
+- Every node's local kernel and every boxing chain is built here, once; `Program.run` only reads
+  and writes a list of slots, so the per-step Python cost is one closure call per node and per
+  boxing.
+- Nodes run in `graph.order` on every rank, and each boxing runs right before its first consumer:
+  collectives meet in the same order on every rank of a group.
+- A producer output boxed to one layout is boxed once per step, whatever the number of consumers
+  that need that layout (autograd sums their gradients before the backward collective).
+- A slot is cleared after its last reader, so a step holds no more activations than autograd saves.
+- An op that writes into a buffer input (batch norm's running stats, `add_` on a counter) that was
+  boxed for it writes into a copy; right after the op the copy is boxed back and copied into the
+  buffer (no grad), so buffers evolve exactly as in eager. Writes into boxed activations are
+  refused at build time.
+Reference: design.md 3.7; OneFlow paper section 3 (boxing inserted between mismatched SBPs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autosbp.boxing_steps import local_box
+from autosbp.errors import PlanError
+from autosbp.graph import OpGraph, Role, TensorMeta
+from autosbp.plan import Plan
+from autosbp.rules import NdSignature, local_op, nd_signatures
+from autosbp.rules.core import tensor_slots
+from autosbp.sbp import Mesh, NdSbp, Partial, format_nd_sbp, local_shape, parse_nd_sbp
+from runtime.closures import (
+    Boxer,
+    Instruction,
+    Values,
+    box_instruction,
+    compute_instruction,
+    write_back_instruction,
+)
+
+__all__ = ["Program", "build_program", "mutated_inputs", "read_signatures"]
+
+
+@dataclass(frozen=True, slots=True)
+class InputLoader:
+    """Cuts this rank's piece of user input number `position` into `slot`."""
+
+    position: int
+    slot: int
+    meta: TensorMeta
+    index: tuple[slice, ...] | None  # None: the whole tensor (B on every mesh dim)
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """The forward of one step: fill the inputs, run the instructions, return the local loss.
+
+    `template` holds the persistent tensors (parameters, buffers, constants) at their slots;
+    `steps[k]` runs, then the slots in `frees[k]` are cleared. The loss sits at `loss_slot` in
+    layout `loss_layout`.
+    """
+
+    template: tuple[Any, ...]
+    inputs: tuple[InputLoader, ...]
+    steps: tuple[Instruction, ...]
+    frees: tuple[tuple[int, ...], ...]
+    loss_slot: int
+    loss_layout: NdSbp
+    model_name: str
+
+    def run(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        values: Values = list(self.template)
+        self._load(values, batch)
+        for step, frees in zip(self.steps, self.frees, strict=True):
+            step(values)
+            for slot in frees:
+                values[slot] = None
+        return values[self.loss_slot]
+
+    def _load(self, values: Values, batch: Sequence[torch.Tensor]) -> None:
+        if len(batch) != len(self.inputs):
+            raise PlanError(
+                f"step() got {len(batch)} input tensors but model `{self.model_name}` takes "
+                f"{len(self.inputs)}; pass them in forward's order, like the example inputs."
+            )
+        for loader in self.inputs:
+            x = batch[loader.position]
+            if tuple(x.shape) != loader.meta.shape or x.dtype != loader.meta.dtype:
+                raise PlanError(
+                    f"input #{loader.position} of model `{self.model_name}` is "
+                    f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)} but the plan was "
+                    f"made for {loader.meta!r}; keep the batch shapes of the example inputs "
+                    "(or make a plan for the new shapes)."
+                )
+            values[loader.slot] = x if loader.index is None else x[loader.index]
+
+
+# ------------------------------------------------------------------------------ signatures
+def read_signatures(
+    graph: OpGraph, plan: Plan, mesh_shape: tuple[int, ...]
+) -> dict[str, NdSignature]:
+    """Every node's nd-signature from the plan, checked: same ops, and a signature the rules
+    offer for the node on this mesh (a plan edited by hand cannot run something wrong)."""
+    missing = [name for name in graph.order if name not in plan.nodes]
+    if missing:
+        raise PlanError(
+            f"the plan has no signature for {len(missing)} node(s) of `{graph.model_name}` "
+            f"({', '.join(missing[:5])}); it was made for another model: make a new plan."
+        )
+    out: dict[str, NdSignature] = {}
+    for name, attrs in graph.nodes():
+        node_plan = plan.nodes[name]
+        sig = NdSignature(
+            tuple(parse_nd_sbp(s) for s in node_plan.inputs),
+            tuple(parse_nd_sbp(s) for s in node_plan.outputs),
+        )
+        if node_plan.op != attrs["op"] or sig not in nd_signatures(attrs, mesh_shape):
+            raise PlanError(
+                f"the plan gives node {name!r} ({attrs['op']}, module "
+                f"`{attrs['module_path'] or '<top>'}`) the signature {sig!r} for op "
+                f"{node_plan.op}, which its rule does not offer on mesh {mesh_shape}; the plan "
+                "was edited or made by another autosbp version: make it again."
+            )
+        out[name] = sig
+    return out
+
+
+# ------------------------------------------------------------------------------ building
+@dataclass
+class _Builder:
+    """Assigns slots and emits instructions in program order."""
+
+    graph: OpGraph
+    signatures: Mapping[str, NdSignature]
+    mesh: Mesh
+    coords: tuple[int, ...]
+    boxer: Boxer
+    device: torch.device
+    slots: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+    boxed: dict[tuple[str, int, NdSbp], int] = dataclasses.field(default_factory=dict)
+    steps: list[Instruction] = dataclasses.field(default_factory=list)
+    reads: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    writes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    template: list[Any] = dataclasses.field(default_factory=list)
+
+    def new_slot(self, value: Any = None) -> int:
+        self.template.append(value)
+        return len(self.template) - 1
+
+    def layout(self, node: str, index: int) -> NdSbp:
+        return self.signatures[node].outputs[index]
+
+    def source(self, consumer: str, index: int, want: NdSbp) -> int:
+        """The slot holding input `index` of `consumer` in layout `want` (boxing it if needed)."""
+        found = self.graph.producers(consumer)[index]
+        assert found is not None, f"{consumer}: input {index} has no producer"
+        node, out = found
+        have = self.layout(node, out)
+        if have == want:
+            return self.slots[(node, out)]
+        key = (node, out, want)
+        if key not in self.boxed:
+            meta = self.graph.graph.nodes[node]["outputs"][out]
+            box = self.boxer.chain(have, want, meta.shape, meta.dtype)
+            src, dst = self.slots[(node, out)], self.new_slot()
+            self.emit(box_instruction(box, src, dst), (src,), (dst,))
+            self.boxed[key] = dst
+        return self.boxed[key]
+
+    def emit(self, step: Instruction, reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
+        self.steps.append(step)
+        self.reads.append(reads)
+        self.writes.append(writes)
+
+    def add_compute(self, name: str, attrs: Mapping[str, Any]) -> None:
+        sig = self.signatures[name]
+        ins = tuple(self.source(name, i, want) for i, want in enumerate(sig.inputs))
+        outs = tuple(self.new_slot() for _ in attrs["outputs"])
+        for index, slot in enumerate(outs):
+            self.slots[(name, index)] = slot
+        op = local_op(attrs, sig, self.mesh.shape, self.coords)
+        if op.kwargs.get("device") is not None:  # a factory op captured on another device
+            op = dataclasses.replace(op, kwargs={**op.kwargs, "device": self.device})
+        self.emit(compute_instruction(op, ins, outs), ins, outs)
+        for index in mutated_inputs(attrs):
+            self.write_back(name, index, ins[index])
+
+    def write_back(self, consumer: str, index: int, copy: int) -> None:
+        """After `consumer` wrote into input `index`: if that input was a boxed copy of a buffer,
+        box the copy back to the buffer's layout and copy it into the buffer."""
+        node, out = self.graph.producers(consumer)[index]  # type: ignore[misc]
+        target = self.slots[(node, out)]
+        if copy == target:
+            return  # the op wrote into the buffer itself
+        attrs = self.graph.graph.nodes[node]
+        if attrs["role"] is not Role.BUFFER:
+            raise PlanError(
+                f"not supported yet: node {consumer!r} ({self.graph.graph.nodes[consumer]['op']}) "
+                f"writes into its input {index}, which the plan re-lays out from {node!r}; only "
+                "buffers written in place can be re-laid out. Plan that op with the layout of "
+                "its input (or avoid the in-place op)."
+            )
+        meta = attrs["outputs"][0]
+        want = self.signatures[consumer].inputs[index]
+        box = self.boxer.chain(want, self.layout(node, out), meta.shape, meta.dtype)
+        self.emit(write_back_instruction(box, copy, target), (copy,), ())
+
+
+def build_program(
+    graph: OpGraph,
+    signatures: Mapping[str, NdSignature],
+    state: Mapping[str, torch.Tensor],
+    coords: tuple[int, ...],
+    boxer: Boxer,
+) -> Program:
+    """This rank's program. `state` maps every parameter/buffer/constant name of the graph to
+    this rank's local tensor in its plan layout."""
+    device = next(iter(state.values())).device if state else torch.device("cpu")
+    mesh = boxer.mesh
+    builder = _Builder(graph, signatures, mesh, coords, boxer, device)
+    inputs: list[InputLoader] = []
+    loss: tuple[int, NdSbp] | None = None
+    for name, attrs in graph.nodes():
+        role = attrs["role"]
+        if role in (Role.PARAMETER, Role.BUFFER):
+            builder.slots[(name, 0)] = builder.new_slot(state[attrs["name"]])
+        elif role is Role.INPUT:
+            slot = builder.new_slot()
+            builder.slots[(name, 0)] = slot
+            meta, layout = attrs["outputs"][0], builder.layout(name, 0)
+            inputs.append(
+                InputLoader(len(inputs), slot, meta, _input_index(meta, layout, mesh, coords))
+            )
+        elif role is Role.OUTPUT:
+            node, out = graph.producers(name)[0]  # type: ignore[misc]
+            loss = (builder.slots[(node, out)], builder.layout(node, out))
+        else:
+            builder.add_compute(name, attrs)
+    assert loss is not None, f"{graph.model_name}: the graph has no output node"
+    keep = {loss[0], *_persistent(builder.template)}
+    frees = _last_uses(builder.reads, builder.writes, keep)
+    return Program(
+        template=tuple(builder.template),
+        inputs=tuple(inputs),
+        steps=tuple(builder.steps),
+        frees=frees,
+        loss_slot=loss[0],
+        loss_layout=loss[1],
+        model_name=graph.model_name,
+    )
+
+
+def _input_index(
+    meta: TensorMeta, layout: NdSbp, mesh: Mesh, coords: tuple[int, ...]
+) -> tuple[slice, ...] | None:
+    if any(isinstance(sbp, Partial) for sbp in layout):
+        raise PlanError(
+            f"the plan gives a user input the layout {format_nd_sbp(layout)}; inputs are never P."
+        )
+    if local_shape(meta.shape, layout, mesh.shape) == meta.shape:
+        return None
+    return tuple(slice(start, stop) for start, stop in local_box(meta.shape, layout, mesh, coords))
+
+
+def _persistent(template: Sequence[Any]) -> set[int]:
+    return {slot for slot, value in enumerate(template) if value is not None}
+
+
+def _last_uses(
+    reads: Sequence[tuple[int, ...]], writes: Sequence[tuple[int, ...]], keep: set[int]
+) -> tuple[tuple[int, ...], ...]:
+    """frees[k]: the slots (not in `keep`) last used by instruction k; a slot nothing reads is
+    freed right after the instruction that writes it."""
+    last: dict[int, int] = {}
+    for k, (read, written) in enumerate(zip(reads, writes, strict=True)):
+        for slot in (*read, *written):
+            last[slot] = k
+    frees: list[list[int]] = [[] for _ in reads]
+    for slot, k in last.items():
+        if slot not in keep:
+            frees[k].append(slot)
+    return tuple(tuple(f) for f in frees)
+
+
+# Ops that write into inputs without saying so in their schema (CompositeImplicit ops whose
+# kernels call a mutating op): op -> the schema names of the inputs they write.
+HIDDEN_WRITES: dict[str, tuple[str, ...]] = {
+    "aten.batch_norm.default": ("running_mean", "running_var"),  # via _native_batch_norm_legit
+}
+
+
+def mutated_inputs(attrs: Mapping[str, Any]) -> tuple[int, ...]:
+    """InputRef indices of the tensor inputs the op writes into (schema `(a!)` or HIDDEN_WRITES)."""
+    target = attrs["target"]
+    if target is None:
+        return ()
+    hidden = HIDDEN_WRITES.get(attrs["op"], ())
+    written = {
+        a.name
+        for a in target._schema.arguments
+        if a.alias_info is not None and a.alias_info.is_write
+    }
+    slots = tensor_slots(attrs)
+    return tuple(
+        sorted(
+            slot
+            for name, slot in slots.items()
+            if isinstance(slot, int) and (name in written or name in hidden)
+        )
+    )

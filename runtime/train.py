@@ -1,0 +1,149 @@
+"""Train a model under a plan on N local processes, optionally checked against one device.
+
+Lives here: `TrainSpec` (what to train: a model spec the workers can rebuild, a plan, steps),
+`train_worker` (one rank: an Engine and, on rank 0 with `check`, a single-device reference that
+takes the same steps), `train` (launch, collect, one row per step). Used by `autosbp train` and
+`autosbp demo`. Lives elsewhere: the engine (`runtime.engine`), the launcher
+(`costmodel.launch`), model loading (`autosbp.zoo`).
+
+The batch is the model's example inputs at every step (the demo's task is to fit them), so the
+single-device reference sees exactly what the plan sees; parameters start from the same seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autosbp.plan import Plan
+from costmodel.launch import run_workers
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    model: str
+    model_args: dict[str, Any]
+    plan: dict[str, Any]  # Plan.to_json(): plain data crosses process boundaries
+    steps: int
+    lr: float = 1e-2
+    check: bool = False
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float
+    reference_loss: float | None = None
+    max_param_rel_diff: float | None = None
+    excluded_elements: int | None = None  # vanishing-gradient elements left out of the check
+
+    @property
+    def loss_rel_diff(self) -> float | None:
+        if self.reference_loss is None:
+            return None
+        return abs(self.loss - self.reference_loss) / max(abs(self.reference_loss), 1e-30)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    records: tuple[StepRecord, ...]
+    step_times_s: tuple[float, ...] = field(default=())
+
+    def worst_rel_diff(self) -> float:
+        diffs = [
+            d
+            for r in self.records
+            for d in (r.loss_rel_diff, r.max_param_rel_diff)
+            if d is not None
+        ]
+        return max(diffs, default=0.0)
+
+
+def train(spec: TrainSpec, on_step: Callable[[StepRecord], None] | None = None) -> TrainResult:
+    """Run `spec` on `plan.device_count` gloo processes and return rank 0's records."""
+    nproc = Plan.from_json(spec.plan).device_count
+    results = run_workers(train_worker, nproc, (spec,), timeout_s=spec.timeout_s)
+    records, times = results[0]
+    out = tuple(StepRecord(*row) for row in records)
+    for record in out:
+        if on_step is not None:
+            on_step(record)
+    return TrainResult(out, tuple(times))
+
+
+def train_worker(rank: int, world_size: int, spec: TrainSpec) -> tuple[list[tuple], list[float]]:
+    import time
+
+    from autosbp.zoo import load_model
+    from runtime.engine import Engine
+
+    model, inputs = load_model(spec.model, spec.model_args)
+    plan = Plan.from_json(spec.plan)
+    reference = _Reference(model, spec.lr) if spec.check and rank == 0 else None
+    engine = Engine(
+        model, plan, lambda params: torch.optim.Adam(params, lr=spec.lr), example_inputs=inputs
+    )
+    rows: list[tuple] = []
+    times: list[float] = []
+    for step in range(spec.steps):
+        start = time.perf_counter()
+        loss = engine.step(inputs)
+        times.append(time.perf_counter() - start)
+        full = engine.full_state_dict() if spec.check else None
+        if reference is not None and full is not None:
+            ref_loss = reference.step(inputs)
+            rows.append(
+                (step, loss, ref_loss, reference.max_rel_diff(full), reference.excluded_elements())
+            )
+        else:
+            rows.append((step, loss, None, None, None))
+    return rows, times
+
+
+# An element whose gradient stays below this fraction of its tensor's largest gradient at every
+# step is rounding noise in fp32 (e.g. an attention key bias, whose exact gradient is zero since
+# softmax ignores a constant per row). Adam divides by the gradient's own size and turns that
+# noise into steps of size lr, so such elements cannot match between any two summation orders;
+# the check compares the rest and reports how many it left out.
+VANISHING_GRAD_FRACTION = 1e-6
+
+
+class _Reference:
+    """The same model trained on one device with the same optimizer: the oracle."""
+
+    def __init__(self, model: torch.nn.Module, lr: float) -> None:
+        import copy
+
+        self.model = copy.deepcopy(model)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.vanishing = {
+            name: torch.ones_like(p, dtype=torch.bool) for name, p in self.model.named_parameters()
+        }
+
+    def step(self, inputs: Any) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(*inputs)
+        loss.backward()
+        for name, p in self.model.named_parameters():
+            grad = p.grad.abs() if p.grad is not None else torch.zeros_like(p)
+            self.vanishing[name] &= grad <= VANISHING_GRAD_FRACTION * grad.max()
+        self.optimizer.step()
+        return float(loss.detach())
+
+    def max_rel_diff(self, full: dict[str, torch.Tensor]) -> float:
+        """Largest ||p - q|| / ||q|| over parameters (q: the reference), on the elements whose
+        gradient is not rounding noise (see VANISHING_GRAD_FRACTION)."""
+        worst = 0.0
+        for name, ref in self.model.named_parameters():
+            keep = ~self.vanishing[name]
+            if keep.any():
+                got, want = full[name][keep], ref.detach()[keep]
+                worst = max(worst, float((got - want).norm() / want.norm().clamp_min(1e-30)))
+        return worst
+
+    def excluded_elements(self) -> int:
+        return int(sum(int(mask.sum()) for mask in self.vanishing.values()))

@@ -1,0 +1,248 @@
+"""The runtime's proof: training under a plan on 2 and 4 gloo processes equals one device.
+
+Oracle: the same zoo model, from the same initial weights, trained eagerly on one device with the
+same optimizer (Adam, lr 1e-2) for the same steps. Every plan (dp, fsdp, megatron:tp=2,dp=2,
+auto) must give the same losses and, per parameter or buffer, the same tensor after the steps
+(fp32: ||diff|| / ||tensor|| <= 1e-5). Also the refusals: a plan of another model, of another
+world size, with pipeline stages, or without a distributed world.
+
+How it runs: plans are made here (planning is deterministic up to the solver's time limit) and
+sent to the workers as JSON; one `run_workers` call per world size trains every case of that
+world (process start-up and the first capture cost seconds; the cases are cheap).
+Lives elsewhere: the workers (tests/runtime_workers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from autosbp.capture import capture
+from autosbp.errors import ExecutionError, PlanError
+from autosbp.graph import OpGraph
+from autosbp.plan import Plan
+from autosbp.planner.assemble import PlanContext, assemble_plan
+from autosbp.planner.search import best_over_meshes, hand_plan_allow, mesh_shapes
+from autosbp.zoo import build_model
+from costmodel.launch import run_workers
+from runtime import Engine
+from tests.runtime_workers import run_cases
+
+STEPS = 3
+LR = 1e-2
+REL_TOL = 1e-5
+PLAN_TIME_LIMIT_S = 30.0  # per mesh shape; a merely "feasible" plan still must train exactly
+WORKER_TIMEOUT_S = 120.0
+
+# Case name -> (zoo model, its arguments). Tiny sizes: every split the plans use divides (2x2
+# meshes, 2 heads over tp=2). gpt-tied shares the embedding with the LM head (one parameter).
+GPT = {"layers": 1, "hidden": 16, "heads": 2, "vocab": 32, "seq": 8, "batch": 4}
+WIDEDEEP = {"tables": 2, "rows": 64, "dim": 8, "dense": 8, "hidden": 16, "layers": 1, "batch": 8}
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mlp": ("mlp", {"layers": 2, "hidden": 16, "features": 8, "outputs": 4, "batch": 8}),
+    "gpt": ("gpt", GPT),
+    "gpt-tied": ("gpt", {**GPT, "tied": True}),
+    "widedeep": ("widedeep", WIDEDEEP),
+    "resnet": ("resnet", {"channels": 4, "blocks": 1, "classes": 4, "image": 4, "batch": 4}),
+}
+MEGATRON = "megatron:tp=2,dp=2"
+# (world size, model, strategy). widedeep has no fsdp plan: the planner's fsdp wants every
+# parameter split on mesh dim 0, and its (1,)-shaped output bias cannot be.
+TRAINING: list[tuple[int, str, str]] = [
+    *((2, model, s) for model in ("mlp", "gpt", "resnet") for s in ("dp", "fsdp", "auto")),
+    *((2, model, s) for model in ("gpt-tied", "widedeep") for s in ("dp", "auto")),
+    *(
+        (4, model, s)
+        for model in ("mlp", "gpt", "resnet")
+        for s in ("dp", "fsdp", MEGATRON, "auto")
+    ),
+    *((4, "widedeep", s) for s in ("dp", MEGATRON, "auto")),
+]
+# (id, model the Engine gets, (model, devices, strategy) the plan was made for, expected text)
+REFUSALS: list[tuple[str, str, tuple[str, int, str], str]] = [
+    ("foreign-model", "gpt", ("mlp", 2, "dp"), "fingerprint"),
+    ("wrong-world", "mlp", ("mlp", 4, "dp"), "--nproc 4"),
+]
+REFUSAL_WORLD = 2
+
+
+class AlphaBetaPrices:
+    """Made-up prices for planning in tests (any prices give valid plans): ops at 10 TFLOP/s and
+    1 GB/s with a 1 us floor; collectives and p2p at 10 us + bytes / (100 MB/s)."""
+
+    def op_time_s(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
+        return max(flops / 1e13, nbytes / 1e9, 1e-6)
+
+    def collective_time_s(
+        self, kind: str, message_bytes: float, group_size: int, link_class: str
+    ) -> float:
+        return 1e-5 + message_bytes / 1e8
+
+    def p2p_time_s(self, nbytes: float, link_class: str) -> float:
+        return 1e-5 + nbytes / 1e8
+
+
+# ------------------------------------------------------------------------------ planning
+def _build(model: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    zoo_name, kwargs = MODELS[model]
+    return build_model(zoo_name, seed=0, **kwargs)
+
+
+@cache
+def _graph(model: str) -> OpGraph:
+    module, inputs = _build(model)
+    return capture(module, inputs, name=MODELS[model][0])
+
+
+@cache
+def _plan_json(model: str, devices: int, strategy: str) -> dict[str, Any]:
+    graph = _graph(model)
+    allow, mesh_ok = hand_plan_allow(strategy)
+    meshes = [m for m in mesh_shapes(devices, lambda shape, mesh_dim: "intra_node") if mesh_ok(m)]
+    solved, solution = best_over_meshes(
+        graph, meshes, AlphaBetaPrices(), optimizer="adam", memory_limit_bytes=None,
+        allow=allow, time_limit_s=PLAN_TIME_LIMIT_S,
+    )  # fmt: skip
+    batch = MODELS[model][1]["batch"]
+    plan = assemble_plan(
+        graph, solved, solution, PlanContext("test", 0, strategy, batch, torch.float32, "adam")
+    )
+    return plan.to_json()  # plain JSON data, as a plan file holds
+
+
+def _case(case_id: str, model: str, plan: dict[str, Any]) -> dict[str, Any]:
+    zoo_name, kwargs = MODELS[model]
+    return {
+        "id": case_id,
+        "model": zoo_name,
+        "model_kwargs": kwargs,
+        "plan": plan,
+        "steps": STEPS,
+        "lr": LR,
+    }
+
+
+def _cases(world_size: int) -> list[dict[str, Any]]:
+    cases = [
+        _case(f"{model}-{s}", model, _plan_json(model, n, s))
+        for n, model, s in TRAINING
+        if n == world_size
+    ]
+    if world_size == REFUSAL_WORLD:
+        cases += [
+            _case(case_id, model, _plan_json(*made_for)) for case_id, model, made_for, _ in REFUSALS
+        ]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def worlds() -> Callable[[int], dict[str, list[dict[str, Any]]]]:
+    """world size -> {case id: the case's result on each rank}; each world is run once."""
+    done: dict[int, dict[str, list[dict[str, Any]]]] = {}
+
+    def get(world_size: int) -> dict[str, list[dict[str, Any]]]:
+        if world_size not in done:
+            cases = _cases(world_size)
+            per_rank = run_workers(run_cases, world_size, (cases,), timeout_s=WORKER_TIMEOUT_S)
+            done[world_size] = {c["id"]: [r[i] for r in per_rank] for i, c in enumerate(cases)}
+        return done[world_size]
+
+    return get
+
+
+# ------------------------------------------------------------------------------ the oracle
+@cache
+def _single_device(model: str) -> tuple[list[float], dict[str, np.ndarray]]:
+    module, inputs = _build(model)
+    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = module(*inputs)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: t.detach().numpy().copy() for name, t in module.state_dict().items()}
+
+
+def _comparable(model: str, name: str, tensor: np.ndarray) -> np.ndarray:
+    """The part of a tensor that is determined by training. GPT's attention key bias adds q.b_k
+    to every score of a row, which softmax ignores: its gradient is exactly 0, so in fp32 it is
+    rounding noise (~1e-9) and Adam, dividing by that noise's own size, turns it into steps of
+    up to lr in either direction. Nothing downstream depends on it (the loss is invariant)."""
+    if MODELS[model][0] == "gpt" and name.endswith("attn.qkv.bias"):
+        hidden = MODELS[model][1]["hidden"]
+        return np.concatenate([tensor[:hidden], tensor[2 * hidden :]])
+    return tensor
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    diff = np.linalg.norm((got - want).astype(np.float64).ravel())
+    return float(diff / max(np.linalg.norm(want.astype(np.float64).ravel()), 1e-30))
+
+
+# ------------------------------------------------------------------------------ tests
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("world_size", "model", "strategy"), TRAINING, ids=[f"{n}-{m}-{s}" for n, m, s in TRAINING]
+)
+def test_training_matches_single_device(
+    worlds: Callable[[int], Any], world_size: int, model: str, strategy: str
+) -> None:
+    per_rank = worlds(world_size)[f"{model}-{strategy}"]
+    assert "error" not in per_rank[0], per_rank[0]["error"]
+    want_losses, want_state = _single_device(model)
+    for rank, result in enumerate(per_rank):
+        assert result["losses"] == per_rank[0]["losses"], f"rank {rank} reports another loss"
+    got_losses = np.array(per_rank[0]["losses"])
+    np.testing.assert_allclose(got_losses, want_losses, rtol=REL_TOL, atol=0)
+    got_state = per_rank[0]["state"]
+    assert set(got_state) == set(want_state)
+    bad = {}
+    for name, want in want_state.items():
+        rel = _rel(_comparable(model, name, got_state[name]), _comparable(model, name, want))
+        if rel > REL_TOL:
+            bad[name] = rel
+    assert not bad, f"tensors differ from single-device training (||diff|| / ||tensor||): {bad}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("case_id", "expected"), [(c[0], c[3]) for c in REFUSALS], ids=[c[0] for c in REFUSALS]
+)
+def test_engine_refuses_mismatched_plan(
+    worlds: Callable[[int], Any], case_id: str, expected: str
+) -> None:
+    per_rank = worlds(REFUSAL_WORLD)[case_id]
+    for result in per_rank:
+        assert "error" in result and result["error"].startswith("PlanError"), result
+        assert expected in result["error"]
+
+
+def _mlp_plan(edit: str = "") -> Plan:
+    """The 2-device dp plan of mlp, with `edit` applied: "micro_batches" (2 of them) or
+    "stages" (the one stage listed twice)."""
+    data = dict(_plan_json("mlp", 2, "dp"))
+    if edit == "micro_batches":
+        data["micro_batches"] = 2
+    elif edit == "stages":
+        data["stages"] = data["stages"] * 2
+    return Plan.from_json(data)
+
+
+@pytest.mark.parametrize("edit", ["micro_batches", "stages"])
+def test_engine_refuses_pipelined_plan(edit: str) -> None:
+    module, inputs = _build("mlp")
+    with pytest.raises(PlanError, match="not supported yet: pipeline stages"):
+        Engine(module, _mlp_plan(edit), torch.optim.SGD, example_inputs=inputs)
+
+
+def test_engine_needs_a_distributed_world() -> None:
+    module, inputs = _build("mlp")
+    with pytest.raises(ExecutionError, match="torchrun"):
+        Engine(module, _mlp_plan(), torch.optim.SGD, example_inputs=inputs)

@@ -19,7 +19,7 @@ _LAZY = {
     "Engine": "runtime.engine",
     "Plan": "autosbp.plan",
     "auto_parallelize": "autosbp.planner.api",
-    "capture": "autosbp.capture",
+    "capture": "autosbp.capturing",
 }
 
 

@@ -4,7 +4,7 @@ Lives here: the checks that a plan fits this model and world, this rank's state 
 as the local shard of its plan SBP, a leaf that requires grad; buffers likewise), the step (the
 program's forward, the loss seed, backward, gradient sync, the optimizer) and `full_state_dict`.
 Lives elsewhere: the forward program (`runtime.program`), the collectives and process groups
-(`runtime.boxing`, `runtime.groups`), the plan (`autosbp.plan`), capture (`autosbp.capture`).
+(`runtime.boxing`, `runtime.groups`), the plan (`autosbp.plan`), capture (`autosbp.capturing`).
 
 Invariants:
 - Everything is planned in the constructor; `step` runs prebuilt closures only.
@@ -79,7 +79,7 @@ class Engine:
             )
         plan.check_world(dist.get_world_size())
         if graph is None:
-            from autosbp.capture import capture
+            from autosbp.capturing import capture
 
             graph = capture(model, list(example_inputs))
         plan.check_model(graph.fingerprint(), f"model `{graph.model_name}`")

@@ -5,7 +5,7 @@ graph and the rules), `build_program` (slots, instructions and frees, built once
 (`run`: the forward of one step on this rank's local tensors). Lives elsewhere: the parameters'
 local shards, gradient sync and the optimizer (`runtime.engine`), the collectives
 (`runtime.boxing`), the local kernels (`autosbp.rules.local_op`), the single-device reference
-interpreter (`autosbp.capture.run_graph`, of which this is the distributed sibling).
+interpreter (`autosbp.capturing.run_graph`, of which this is the distributed sibling).
 
 Invariants:
 - Every node's local kernel and every boxing chain is built here, once; `Program.run` only reads

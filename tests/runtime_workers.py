@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from autosbp.capture import capture
+from autosbp.capturing import capture
 from autosbp.errors import AutosbpError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from autosbp.capture import capture
+from autosbp.capturing import capture
 from autosbp.errors import PlanError
 from autosbp.ilp import MemoryConstraint, Problem, brute_force, solve
 from autosbp.plan import Plan

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from autosbp.capture import capture
+from autosbp.capturing import capture
 from autosbp.graph import OpGraph, Role
 from autosbp.rules import has_rule, nd_signatures
 from autosbp.rules.oracle import run_global, simulate

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from autosbp.capture import capture
+from autosbp.capturing import capture
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan

@@ -54,7 +54,7 @@ def load_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from autosbp.capture import capture
+    from autosbp.capturing import capture
 
     model, inputs = load_from_args(args)
     opgraph = capture(model, inputs, name=args.model)

@@ -56,7 +56,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "explain":
         return _explain(args, console)
-    from autosbp.capture import capture
+    from autosbp.capturing import capture
     from autosbp.planner.api import plan_graph
 
     if args.recompute != "none":

@@ -66,7 +66,7 @@ def _plan_for(
         plan = Plan.load(plan_arg)
         plan.check_world(nproc)
         return plan
-    from autosbp.capture import capture
+    from autosbp.capturing import capture
     from autosbp.planner.api import plan_graph
     from autosbp.zoo import load_model
 

@@ -64,7 +64,7 @@ def auto_parallelize(
     `memory_limit` (bytes per device) defaults to the profile's device memory minus a 10%
     reserve. `global_batch` defaults to the batch of `example_inputs` (their first dim).
     """
-    from autosbp.capture import capture
+    from autosbp.capturing import capture
 
     graph = capture(model, list(example_inputs))
     return plan_graph(

@@ -38,7 +38,8 @@ def tie_blocks(graph: OpGraph) -> dict[str, str]:
 
 
 def _same_shape(graph: OpGraph, a: list[str], b: list[str]) -> bool:
-    """Same length, and position by position the same op, role and tensor metadata."""
+    """Same length, and position by position the same op, role, arguments and tensor metadata
+    (so the same candidates and prices: the planner computes them once per representative)."""
     if len(a) != len(b):
         return False
     nodes = graph.graph.nodes

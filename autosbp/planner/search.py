@@ -77,28 +77,29 @@ def build_problem(
     exist for representatives only, whose costs and memory add up those of their tied nodes."""
     pricer = BoxingPricer(prices, mesh)
     rep = tie_blocks(graph)
+    copies = Counter(rep.values())
     strategies: dict[str, NodeStrategies] = {}
     node_costs: dict[str, np.ndarray] = {}
     node_bytes: dict[str, np.ndarray] = {}
     for name, attrs in graph.nodes():
+        if rep[name] != name:  # a tied node is its representative's twin (same op, args, tensors)
+            strategies[name] = strategies[rep[name]]
+            continue
         found = _restricted(node_strategies(graph, name, pricer), attrs, allow)
-        r = rep[name]
-        assert r == name or found.candidates == strategies[r].candidates, f"{name} tied to {r}"
         strategies[name] = found
-        memory = np.array(
-            [
-                candidate_bytes(attrs, sig, mesh.shape, optimizer=optimizer, in_flight=1)
-                for sig in found.candidates
-            ]
-        )
-        node_costs[r] = node_costs.get(r, 0.0) + found.compute_s
-        node_bytes[r] = node_bytes.get(r, 0.0) + memory
+        memory = [candidate_bytes(attrs, sig, mesh.shape, optimizer=optimizer, in_flight=1) for sig in found.candidates]
+        node_costs[name] = found.compute_s * copies[name]
+        node_bytes[name] = np.array(memory) * copies[name]
     edges: dict[tuple[str, str], np.ndarray] = {}
+    matrices: dict[tuple, np.ndarray] = {}
     for u, v, data in graph.graph.edges(data=True):
         uses = data["uses"]
-        metas = [graph.graph.nodes[u]["outputs"][out_idx] for out_idx, _ in uses]
-        matrix = edge_matrix(strategies[u], strategies[v], uses, metas, pricer)
+        metas = tuple(graph.graph.nodes[u]["outputs"][out_idx] for out_idx, _ in uses)
         key = (rep[u], rep[v])
+        cache_key = (key, tuple(uses), metas)
+        if cache_key not in matrices:  # the same edge in every tied block: priced once
+            matrices[cache_key] = edge_matrix(strategies[u], strategies[v], uses, metas, pricer)
+        matrix = matrices[cache_key]
         if key[0] == key[1]:  # same position in two tied blocks: both take the same candidate
             node_costs[key[0]] = node_costs[key[0]] + np.diag(matrix)
         else:

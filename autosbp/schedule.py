@@ -18,6 +18,9 @@ Rules (OneFlow's actor model, Yuan et al. 2021 section 4):
   frees a register, so it never delays the pipeline) and ties break by micro-batch order.
 - A cross-stage transfer takes `transfer_s` after its producer ends (send/recv on a link that
   overlaps with compute).
+- Gradient sync runs after backward, fused: gradients that need the same collective are synced
+  together in flat buckets of at most GRAD_BUCKET_BYTES (as DDP does), so a parameter pays its
+  bytes and only its share of a collective's fixed latency.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+GRAD_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MB), torch docs
 
 
 class Phase(enum.Enum):

@@ -35,6 +35,7 @@ from autosbp.layout import shard_tensor
 from autosbp.plan import Plan
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Broadcast, Mesh, NdSbp, P, Partial, format_nd_sbp
+from autosbp.schedule import GRAD_BUCKET_BYTES
 from runtime.closures import Boxer
 from runtime.groups import build_groups
 from runtime.program import Program, build_program, read_signatures
@@ -42,7 +43,6 @@ from runtime.program import Program, build_program, read_signatures
 __all__ = ["Engine"]
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-BUCKET_CAP_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25), from torch's docs
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +218,7 @@ def _grad_buckets(
     make_sync: BucketSync,
 ) -> tuple[GradBucket, ...]:
     """Parameters that are B on a mesh dim of more than one device, grouped by (which mesh dims
-    those are, dtype) in graph order, cut into buckets of at most BUCKET_CAP_BYTES."""
+    those are, dtype) in graph order, cut into buckets of at most GRAD_BUCKET_BYTES."""
     current: dict[tuple[tuple[bool, ...], torch.dtype], list[torch.Tensor]] = {}
     buckets: list[tuple[tuple[bool, ...], list[torch.Tensor]]] = []
     for name, param in params.items():
@@ -229,7 +229,7 @@ def _grad_buckets(
         if not any(broadcast):
             continue  # split (or alone) on every mesh dim: the gradient is already in place
         members = current.get((broadcast, param.dtype))
-        if members is None or sum(p.nbytes for p in members) + param.nbytes > BUCKET_CAP_BYTES:
+        if members is None or sum(p.nbytes for p in members) + param.nbytes > GRAD_BUCKET_BYTES:
             members = current[(broadcast, param.dtype)] = []
             buckets.append((broadcast, members))
         members.append(param)

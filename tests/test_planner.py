@@ -99,6 +99,15 @@ def test_megatron_tensor_parallel_emerges_on_big_layers() -> None:
     assert any(a == Split(0) and b == Split(1) for a, b in zip(fc, proj, strict=True)), (fc, proj)
 
 
+def test_small_model_with_big_batch_gets_data_parallel_compute() -> None:
+    p = plan("mlp", 8, hidden=1024, batch=16384)
+    linears = [n for n in p.nodes.values() if n.op == "aten.linear.default"]
+    assert linears
+    # Every matmul takes batch-split activations and the whole weight: data parallelism (the
+    # weights may be stored sharded between steps, ZeRO-3 style, and gathered for use).
+    assert all(n.inputs[0] == "S(0)" and n.inputs[1] == "B" for n in linears), linears
+
+
 def test_hand_plans_are_priced_and_never_beat_auto() -> None:
     kw = {"layers": 2, "hidden": 256, "heads": 8, "seq": 64, "vocab": 512, "batch": 8}
     auto = plan("gpt", 4, **kw)
@@ -113,7 +122,9 @@ def test_hand_plans_are_priced_and_never_beat_auto() -> None:
 
 
 def test_widedeep_shards_its_embedding_tables() -> None:
-    p = plan("widedeep", 8)
+    # Recommender-sized tables (1M rows x 64): replicating them would all-reduce 256 MB of
+    # gradient per table and step.
+    p = plan("widedeep", 8, rows=1_000_000, dim=64, batch=512)
     tables = [name for name in p.params if name.startswith("tables.")]
     assert tables
     assert all("S(" in p.params[name].sbp for name in tables)

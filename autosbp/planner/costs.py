@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -39,6 +39,7 @@ from autosbp.errors import SbpError
 from autosbp.graph import OpGraph, Role, TensorMeta
 from autosbp.rules import NdSignature, nd_signatures
 from autosbp.sbp import Broadcast, Mesh, NdSbp, local_shape
+from autosbp.schedule import GRAD_BUCKET_BYTES
 
 BACKWARD_FACTOR = 2.0  # backward time / forward time (derived: two matmuls per matmul)
 # Adam on an fp32 master copy reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per
@@ -90,6 +91,19 @@ class BoxingPricer:
             return math.inf
         return sum(self.step_time_s(step) for step in steps)
 
+    def bucketed_time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:
+        """Like `time_s`, for a gradient synced inside a fused bucket: each collective's fixed
+        latency (its time for 1 byte) is paid in proportion to the share of a bucket the tensor
+        fills (schedule.GRAD_BUCKET_BYTES)."""
+        if src == dst:
+            return 0.0
+        share = min(1.0, meta.nbytes / GRAD_BUCKET_BYTES)
+        total = 0.0
+        for step in plan_boxing(src, dst, meta.shape, self.mesh, dtype=meta.dtype):
+            latency = self.step_time_s(replace(step, message_bytes=1))
+            total += self.step_time_s(step) - latency + share * latency
+        return total
+
     def step_time_s(self, step: BoxingStep) -> float:
         if step.kind is StepKind.LOCAL:
             return 0.0  # a slice or a zero fill: negligible beside the ops around it
@@ -116,7 +130,7 @@ def node_strategies(graph: OpGraph, name: str, pricer: BoxingPricer) -> NodeStra
 
 
 def _parameter_step_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> float:
-    sync = pricer.time_s(dual_nd_sbp(nd_sbp), nd_sbp, meta)
+    sync = pricer.bucketed_time_s(dual_nd_sbp(nd_sbp), nd_sbp, meta)
     local = math.prod(local_shape(meta.shape, nd_sbp, pricer.mesh.shape))
     update = pricer.prices.op_time_s(
         local * OPTIMIZER_FLOPS_PER_ELEMENT, local * OPTIMIZER_BYTES_PER_ELEMENT, torch.float32

@@ -87,7 +87,10 @@ def build_problem(
             continue
         found = _restricted(node_strategies(graph, name, pricer), attrs, allow)
         strategies[name] = found
-        memory = [candidate_bytes(attrs, sig, mesh.shape, optimizer=optimizer, in_flight=1) for sig in found.candidates]
+        memory = [
+            candidate_bytes(attrs, sig, mesh.shape, optimizer=optimizer, in_flight=1)
+            for sig in found.candidates
+        ]
         node_costs[name] = found.compute_s * copies[name]
         node_bytes[name] = np.array(memory) * copies[name]
     edges: dict[tuple[str, str], np.ndarray] = {}

@@ -11,7 +11,9 @@ from typing import Any
 from autosbp.errors import AutosbpError
 from autosbp.sbp import B, Mesh, P, S
 
-__all__ = ["AutosbpError", "B", "Engine", "Mesh", "P", "Plan", "S", "auto_parallelize", "capture"]
+__all__ = [
+    "AutosbpError", "B", "Engine", "Mesh", "P", "Plan", "S", "auto_parallelize", "capture", "explain",
+]  # fmt: skip
 
 # name -> module that defines it; imported lazily by __getattr__ (Engine lives in runtime, which
 # imports autosbp: loading it lazily keeps the arrows one-way at import time).
@@ -20,6 +22,7 @@ _LAZY = {
     "Plan": "autosbp.plan",
     "auto_parallelize": "autosbp.planner.api",
     "capture": "autosbp.capturing",
+    "explain": "autosbp.explanation",
 }
 
 

@@ -37,6 +37,19 @@ class NodePlan:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     stage: int = 0
+    tied_to: str = ""  # the node of the first repeated block whose choice this one shares
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One signature a node could have taken, priced with every other choice kept.
+
+    `step_time_s` is None where the signature cannot be combined with its neighbours' choices.
+    """
+
+    signature: str
+    step_time_s: float | None
+    memory_delta_bytes: int
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,7 @@ class Plan:
     params: dict[str, ParamPlan]
     predicted: Predicted
     solver: SolverReport
+    alternatives: dict[str, tuple[Alternative, ...]] = field(default_factory=dict)
 
     # ---- JSON -------------------------------------------------------------------------------
 
@@ -125,14 +139,25 @@ class Plan:
             "params": {name: asdict(p) for name, p in self.params.items()},
             "predicted": asdict(self.predicted),
             "solver": asdict(self.solver),
+            "alternatives": {
+                name: [asdict(a) for a in alts] for name, alts in self.alternatives.items()
+            },
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the plan as JSON (atomically: a crash never leaves half a file)."""
         path = Path(path)
+        text = json.dumps(self.to_json(), indent=1) + "\n"
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise PlanError(
+                f"cannot write the plan to {path} ({exc.strerror or exc}); choose a path in an "
+                "existing, writable directory (`--out` on the command line)."
+            ) from exc
         return path
 
     @classmethod
@@ -143,6 +168,12 @@ class Plan:
         except FileNotFoundError:
             raise PlanError(
                 f"plan file {path} does not exist; make one with `autosbp plan`."
+            ) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise PlanError(
+                f"plan file {path} cannot be read ({reason}); pass a plan JSON file written by "
+                "`autosbp plan`."
             ) from None
         except json.JSONDecodeError as exc:
             raise PlanError(
@@ -180,7 +211,13 @@ class Plan:
             dtype=data["dtype"],
             optimizer=data["optimizer"],
             nodes={
-                name: NodePlan(n["op"], tuple(n["inputs"]), tuple(n["outputs"]), n["stage"])
+                name: NodePlan(
+                    n["op"],
+                    tuple(n["inputs"]),
+                    tuple(n["outputs"]),
+                    n["stage"],
+                    n.get("tied_to", ""),
+                )
                 for name, n in data["nodes"].items()
             },
             params={
@@ -189,6 +226,10 @@ class Plan:
             },
             predicted=Predicted(**data["predicted"]),
             solver=SolverReport(**data["solver"]),
+            alternatives={
+                name: tuple(Alternative(**a) for a in alts)
+                for name, alts in data.get("alternatives", {}).items()
+            },
         )
 
     # ---- for people ---------------------------------------------------------------------------
@@ -265,6 +306,7 @@ def _node_json(node: NodePlan) -> dict[str, Any]:
         "inputs_dtensor": [dtensor_names(parse_nd_sbp(s)) for s in node.inputs],
         "outputs_dtensor": [dtensor_names(parse_nd_sbp(s)) for s in node.outputs],
         "stage": node.stage,
+        **({"tied_to": node.tied_to} if node.tied_to else {}),
     }
 
 

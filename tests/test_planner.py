@@ -144,3 +144,23 @@ def test_tight_memory_shards_parameters() -> None:
 def test_impossible_memory_limit_names_the_floor_and_the_consumers() -> None:
     with pytest.raises(PlanError, match=r"needs at least .* GiB per device.*biggest consumers"):
         plan("gpt", 2, memory=1 << 20, layers=2, hidden=256, heads=8, seq=64, vocab=512, batch=8)
+
+
+def test_explain_prices_the_alternatives_of_a_node(tmp_path) -> None:
+    from autosbp import explain
+
+    p = plan("gpt", 4, layers=2, hidden=256, heads=8, seq=64, vocab=512, batch=8)
+    p = Plan.load(p.save(tmp_path / "plan.json"))  # the alternatives survive the JSON round trip
+    tied = next(name for name, node in p.nodes.items() if node.tied_to)
+    why = explain(p, tied)
+    assert why.decided_at == p.nodes[tied].tied_to
+    finite = [a.step_time_s for a in why.alternatives if a.step_time_s is not None]
+    chosen = f"({', '.join(p.nodes[tied].inputs)} -> {', '.join(p.nodes[tied].outputs)})"
+    # The plan is optimal, so no single switch is predicted faster, and the chosen one is listed.
+    assert min(finite) == pytest.approx(p.predicted.step_time_s, rel=1e-9)
+    assert any(
+        a.signature == chosen and a.step_time_s == pytest.approx(p.predicted.step_time_s)
+        for a in why.alternatives
+    )
+    with pytest.raises(PlanError, match="Did you mean"):
+        explain(p, tied[:-1] + "x")

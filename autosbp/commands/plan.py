@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments, load_from_args
 from autosbp.errors import PlanError
 from autosbp.plan import Plan
@@ -30,14 +31,18 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--profile", default="cpu-gloo", help="a shipped profile name or a profile JSON path"
     )
-    parser.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
+    parser.add_argument(
+        "--devices", type=positive_int, required=True, help="number of devices to plan for"
+    )
     parser.add_argument(
         "--memory-gib",
-        type=float,
+        type=positive_float,
         help="memory limit per device (default: the profile's minus 10%%)",
     )
     parser.add_argument(
-        "--global-batch", type=int, help="samples per step (default: the example inputs' batch)"
+        "--global-batch",
+        type=positive_int,
+        help="samples per step (default: the example inputs' batch)",
     )
     parser.add_argument("--strategy", default="auto", help="auto, dp, fsdp or megatron:tp=T,dp=D")
     parser.add_argument(
@@ -46,7 +51,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd_momentum"))
     parser.add_argument(
-        "--time-limit-s", type=float, default=60.0, help="solver time limit per mesh shape"
+        "--time-limit-s", type=positive_float, default=60.0, help="solver time limit per mesh shape"
     )
     parser.add_argument(
         "--out", default="plan.json", help="where to write the plan (default: plan.json)"
@@ -72,7 +77,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             graph,
             profile=args.profile,
             devices=args.devices,
-            memory_limit=int(args.memory_gib * GIB) if args.memory_gib else None,
+            memory_limit=None if args.memory_gib is None else int(args.memory_gib * GIB),
             global_batch=args.global_batch,
             optimizer=args.optimizer,
             dtype=args.dtype,
@@ -87,21 +92,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 def _explain(args: argparse.Namespace, console: Console) -> int:
     plan = Plan.load(Path(args.plan))
+    if args.node is not None:
+        from autosbp.explanation import explain
+
+        console.print(explain(plan, args.node).table())
+        return 0
     table = Table(
         title=f"{plan.model_name}: signatures on mesh {'x'.join(map(str, plan.mesh_shape))}"
     )
     for column in ("node", "op", "inputs", "outputs"):
         table.add_column(column)
-    if args.node is not None:
-        if args.node not in plan.nodes:
-            raise PlanError(
-                f"node {args.node!r} is not in {args.plan}; run `autosbp explain {args.plan}` to list nodes."
-            )
-        names = [args.node]
-    else:
-        names = list(plan.nodes)
-    for name in names:
-        node = plan.nodes[name]
+    for name, node in plan.nodes.items():
         table.add_row(name, node.op, " ".join(node.inputs), " ".join(node.outputs))
     console.print(table)
     return 0

@@ -6,13 +6,15 @@ Lives elsewhere: the search (`search`), the plan format (`plan`).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from autosbp.graph import OpGraph, Role
 from autosbp.ilp import Solution
-from autosbp.plan import NodePlan, ParamPlan, Plan, Predicted, SolverReport, StagePlan
+from autosbp.plan import Alternative, NodePlan, ParamPlan, Plan, Predicted, SolverReport, StagePlan
 from autosbp.planner.memory import candidate_bytes
 from autosbp.planner.search import MeshProblem
 from autosbp.sbp import format_nd_sbp
@@ -43,10 +45,12 @@ def assemble_plan(
     for name, strategies in solved.strategies.items():
         attrs = graph.graph.nodes[name]
         sig = solved.choice_of(solution, name)
+        rep = solved.representative[name]
         nodes[name] = NodePlan(
             attrs["op"],
             tuple(format_nd_sbp(nd) for nd in sig.inputs),
             tuple(format_nd_sbp(nd) for nd in sig.outputs),
+            tied_to="" if rep == name else rep,
         )
         peak += candidate_bytes(attrs, sig, mesh.shape, optimizer=ctx.optimizer, in_flight=1)
         own = float(strategies.compute_s[strategies.candidates.index(sig)])
@@ -87,4 +91,41 @@ def assemble_plan(
             },
         ),
         solver=SolverReport(solution.status, solution.gap, solution.seconds),
+        alternatives=alternatives(solved, solution),
     )
+
+
+def alternatives(
+    solved: MeshProblem, solution: Solution, keep: int = 8
+) -> dict[str, tuple[Alternative, ...]]:
+    """Per representative node, its `keep` cheapest signatures (the chosen one included), each
+    priced as the step time if the node (and its tied copies) switched to it alone."""
+    problem = solved.problem
+    neighbours: dict[str, list[tuple[np.ndarray, str, bool]]] = defaultdict(list)
+    for (u, v), matrix in problem.edge_costs.items():
+        neighbours[u].append((matrix, v, True))
+        neighbours[v].append((matrix, u, False))
+    memory = problem.memory[0].bytes_per_candidate if problem.memory else {}
+    out: dict[str, tuple[Alternative, ...]] = {}
+    for v, costs in problem.node_costs.items():
+        chosen = solution.choice[v]
+        marginal = np.array(costs, dtype=float)
+        for matrix, other, outgoing in neighbours[v]:
+            marginal = marginal + (
+                matrix[:, solution.choice[other]] if outgoing else matrix[solution.choice[other], :]
+            )
+        step = solution.objective - marginal[chosen] + marginal
+        mem = np.asarray(memory.get(v, np.zeros(len(costs))), dtype=float)
+        order = sorted(range(len(costs)), key=lambda i: (not np.isfinite(step[i]), step[i]))[:keep]
+        if chosen not in order:
+            order[-1] = chosen
+        candidates = solved.strategies[v].candidates
+        out[v] = tuple(
+            Alternative(
+                repr(candidates[i]),
+                float(step[i]) if np.isfinite(step[i]) else None,
+                int(mem[i] - mem[chosen]),
+            )
+            for i in order
+        )
+    return out

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from costmodel.errors import AutosbpError, ExecutionError, ProfileError
 
-__all__ = ["AutosbpError", "CaptureError", "ExecutionError", "PlanError", "ProfileError", "SbpError"]
+__all__ = [
+    "AutosbpError", "CaptureError", "ExecutionError", "NoFitError", "PlanError", "ProfileError",
+    "SbpError",
+]  # fmt: skip
 
 
 class SbpError(AutosbpError, ValueError):
@@ -24,3 +27,7 @@ class CaptureError(AutosbpError):
 
 class PlanError(AutosbpError):
     """No plan fits (memory), or a plan does not match the model, world size or profile."""
+
+
+class NoFitError(PlanError):
+    """No plan of the searched space fits in the memory limit (the message names the floor)."""

@@ -35,7 +35,7 @@ from autosbp.layout import shard_tensor
 from autosbp.plan import Plan
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Broadcast, Mesh, NdSbp, P, Partial, format_nd_sbp
-from autosbp.schedule import GRAD_BUCKET_BYTES
+from autosbp.schedule import GRAD_BUCKET_BYTES, split_micro_batches
 from runtime.closures import Boxer
 from runtime.groups import build_groups
 from runtime.program import Program, build_program, read_signatures
@@ -78,10 +78,11 @@ class Engine:
                 "dist.init_process_group first."
             )
         plan.check_world(dist.get_world_size())
-        if graph is None:
+        self.micro_batches = plan.micro_batches
+        if graph is None:  # the program runs one micro-batch: capture at that size
             from autosbp.capturing import capture
 
-            graph = capture(model, list(example_inputs))
+            graph = capture(model, list(split_micro_batches(example_inputs, self.micro_batches)[0]))
         plan.check_model(graph.fingerprint(), f"model `{graph.model_name}`")
         self.plan, self.graph = plan, graph
         self.mesh = Mesh(plan.mesh_shape, plan.mesh_dims, plan.stages[0].devices, plan.link_classes)
@@ -105,13 +106,17 @@ class Engine:
     # ---- one step --------------------------------------------------------------------------
 
     def step(self, batch: Sequence[torch.Tensor]) -> float:
-        """One training step on the global `batch` (the same tensors on every rank): forward,
-        backward, gradient sync, optimizer step. Returns the full loss."""
+        """One training step on the global `batch` (the same tensors on every rank): forward and
+        backward of each micro-batch (gradients accumulate, each loss scaled by 1/micro-batches:
+        the loss must be a mean over the batch), gradient sync, optimizer step. Returns the full
+        loss (the mean over micro-batches)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.program.run(batch)
-        with torch.no_grad():
-            value = float(self._loss_value(loss.detach()))
-        self._seed(loss).backward()
+        value = 0.0
+        for micro_batch in split_micro_batches(batch, self.micro_batches):
+            loss = self.program.run(micro_batch)
+            with torch.no_grad():
+                value += float(self._loss_value(loss.detach())) / self.micro_batches
+            (self._seed(loss) * (1.0 / self.micro_batches)).backward()
         with torch.no_grad():
             for bucket in self._buckets:
                 _sync_bucket(bucket)
@@ -144,11 +149,11 @@ class Engine:
 
 
 def _check_scope(plan: Plan) -> None:
-    if len(plan.stages) != 1 or plan.micro_batches != 1:
+    if len(plan.stages) != 1:
         raise PlanError(
-            f"not supported yet: pipeline stages. This plan has {len(plan.stages)} stage(s) and "
-            f"{plan.micro_batches} micro-batch(es); this runtime runs one stage with one "
-            "micro-batch. Make a plan with one stage and micro_batches=1 for now."
+            f"not supported yet: pipeline stages. This plan has {len(plan.stages)} stages; this "
+            "runtime runs plans of one stage (micro-batches accumulate gradients). Make a plan "
+            "with one stage for now."
         )
 
 

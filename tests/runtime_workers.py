@@ -21,6 +21,7 @@ from autosbp.capturing import capture
 from autosbp.errors import AutosbpError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan
+from autosbp.schedule import split_micro_batches
 from autosbp.zoo import build_model
 from runtime import Engine
 
@@ -36,9 +37,11 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, A
     results = []
     for case in cases:
         model, inputs = build_model(case["model"], seed=0, **case["model_kwargs"])
-        key = (case["model"], repr(sorted(case["model_kwargs"].items())))
-        if key not in graphs:
-            graphs[key] = capture(model, inputs, name=case["model"])
+        micro_batches = case["plan"]["micro_batches"]
+        key = (case["model"], repr(sorted(case["model_kwargs"].items())), micro_batches)
+        if key not in graphs:  # the Engine runs one micro-batch: its graph is at that size
+            micro = split_micro_batches(inputs, micro_batches)[0]
+            graphs[key] = capture(model, micro, name=case["model"])
         try:
             results.append(_train(case, model, inputs, graphs[key], rank))
         except AutosbpError as exc:

@@ -141,6 +141,21 @@ def test_tight_memory_shards_parameters() -> None:
     assert tight.predicted.step_time_s >= free.predicted.step_time_s * (1 - 1e-9)
 
 
+def test_tight_memory_adds_micro_batches() -> None:
+    from autosbp import auto_parallelize
+
+    model, inputs = build_model(
+        "gpt", device="meta", layers=2, hidden=256, heads=8, seq=256, vocab=512, batch=16
+    )
+    free = auto_parallelize(model, inputs, profile="dgx-a100", devices=2)
+    limit = free.predicted.peak_memory_bytes // 2
+    tight = auto_parallelize(model, inputs, profile="dgx-a100", devices=2, memory_limit=limit)
+    assert free.micro_batches == 1
+    assert tight.micro_batches > 1
+    assert tight.predicted.peak_memory_bytes <= limit
+    assert tight.global_batch == free.global_batch == 16
+
+
 def test_impossible_memory_limit_names_the_floor_and_the_consumers() -> None:
     with pytest.raises(PlanError, match=r"needs at least .* GiB per device.*biggest consumers"):
         plan("gpt", 2, memory=1 << 20, layers=2, hidden=256, heads=8, seq=64, vocab=512, batch=8)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from autosbp.errors import PlanError
+from autosbp.errors import NoFitError, PlanError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan
 from autosbp.planner.assemble import PlanContext, assemble_plan
@@ -58,19 +58,48 @@ def auto_parallelize(
     dtype: str = "fp32",
     strategy: str = "auto",
     time_limit_s: float = 60.0,
+    micro_batches: int | None = None,
+    name: str | None = None,
 ) -> Plan:
-    """Plan `model` (which returns its training loss) for `devices` devices of `profile`.
+    """Plan `model` (which returns its training loss, a mean over the batch) for `devices`
+    devices of `profile`; `example_inputs` are one global batch (dim 0).
 
     `memory_limit` (bytes per device) defaults to the profile's device memory minus a 10%
-    reserve. `global_batch` defaults to the batch of `example_inputs` (their first dim).
+    reserve. `micro_batches` (gradient accumulation) defaults to the fewest that fit: 1, 2, 4,
+    ... while they divide the batch (with one pipeline stage, more micro-batches only save
+    activation memory, so the fewest that fit is the fastest choice).
     """
     from autosbp.capturing import capture
+    from autosbp.schedule import split_micro_batches
 
-    graph = capture(model, list(example_inputs))
-    return plan_graph(
-        graph, profile=profile, devices=devices, memory_limit=memory_limit, global_batch=global_batch,
-        optimizer=optimizer, dtype=dtype, strategy=strategy, time_limit_s=time_limit_s,
-    )  # fmt: skip
+    batch = int(example_inputs[0].shape[0]) if example_inputs and example_inputs[0].dim() else 1
+    counts = [micro_batches] if micro_batches is not None else _micro_batch_counts(example_inputs)
+    last_error: NoFitError | None = None
+    for count in counts:
+        graph = capture(model, list(split_micro_batches(example_inputs, count)[0]), name=name)
+        try:
+            return plan_graph(
+                graph, profile=profile, devices=devices, memory_limit=memory_limit,
+                global_batch=global_batch or batch, optimizer=optimizer, dtype=dtype,
+                strategy=strategy, time_limit_s=time_limit_s, micro_batches=count,
+            )  # fmt: skip
+        except NoFitError as exc:  # does not fit: try more micro-batches
+            last_error = exc
+    assert last_error is not None
+    raise last_error
+
+
+def _micro_batch_counts(example_inputs: Sequence[torch.Tensor]) -> list[int]:
+    """1, 2, 4, ... while every input's dim 0 divides evenly (only 1 for unbatched inputs)."""
+    sizes = {int(x.shape[0]) if x.dim() else 0 for x in example_inputs}
+    if len(sizes) != 1 or 0 in sizes:
+        return [1]
+    batch = sizes.pop()
+    counts, count = [], 1
+    while count <= batch and batch % count == 0:
+        counts.append(count)
+        count *= 2
+    return counts
 
 
 def plan_graph(
@@ -84,11 +113,13 @@ def plan_graph(
     dtype: str,
     strategy: str,
     time_limit_s: float,
+    micro_batches: int = 1,
 ) -> Plan:
-    """`auto_parallelize` on an already captured graph."""
+    """`auto_parallelize` on an already captured graph of one micro-batch."""
     from costmodel import Cluster, load_profile
 
     _check_request(devices, optimizer, dtype)
+    _check_limits(memory_limit, global_batch, time_limit_s)
     hw = load_profile(profile)
     per_node = int(hw.topology.devices_per_node.value)
     cluster = Cluster(hw, nodes=-(-devices // per_node))
@@ -109,20 +140,37 @@ def plan_graph(
         )
     solved, solution = best_over_meshes(
         graph, meshes, ClusterPrices(cluster), optimizer=optimizer, memory_limit_bytes=limit,
-        allow=allow, time_limit_s=time_limit_s,
+        allow=allow, time_limit_s=time_limit_s, micro_batches=micro_batches,
     )  # fmt: skip
-    batch = global_batch or _batch_of(graph)
-    ctx = PlanContext(hw.name, limit, strategy, batch, DTYPES[dtype], optimizer)
+    batch = global_batch or _batch_of(graph) * micro_batches
+    ctx = PlanContext(hw.name, limit, strategy, batch, DTYPES[dtype], optimizer, micro_batches)
     return assemble_plan(graph, solved, solution, ctx)
 
 
 def _check_request(devices: int, optimizer: str, dtype: str) -> None:
     if not isinstance(devices, int) or devices < 1:
-        raise PlanError(f"devices must be a positive integer, got {devices!r}.")
+        raise PlanError(
+            f"devices must be a positive integer, got {devices!r}; pass the number of devices "
+            "to plan for, e.g. devices=8 (`--devices 8` on the command line)."
+        )
     if optimizer not in ("adam", "sgd", "sgd_momentum"):
         raise PlanError(f"optimizer {optimizer!r} is not known; use adam, sgd or sgd_momentum.")
     if dtype not in DTYPES:
         raise PlanError(f"dtype {dtype!r} is not known; use one of {sorted(DTYPES)}.")
+
+
+def _check_limits(memory_limit: int | None, global_batch: int | None, time_limit_s: float) -> None:
+    """Sizes and limits that must be > 0 when given (None: the default)."""
+    for name, value, flag in (
+        ("memory_limit", memory_limit, "--memory-gib"),
+        ("global_batch", global_batch, "--global-batch"),
+        ("time_limit_s", time_limit_s, "--time-limit-s"),
+    ):
+        if value is not None and not value > 0:
+            raise PlanError(
+                f"{name} must be positive, got {value!r}; pass a positive value or leave it out "
+                f"for the default (`{flag}` on the command line)."
+            )
 
 
 def _batch_of(graph: OpGraph) -> int:

@@ -32,6 +32,7 @@ class PlanContext:
     global_batch: int
     dtype: torch.dtype
     optimizer: str
+    micro_batches: int = 1
 
 
 def assemble_plan(
@@ -73,7 +74,7 @@ def assemble_plan(
         mesh_dims=mesh.dim_names,
         link_classes=mesh.link_classes,
         stages=(StagePlan(mesh.device_ids, mesh.shape, blocks, solution.objective, int(peak)),),
-        micro_batches=1,
+        micro_batches=ctx.micro_batches,
         recompute="none",
         global_batch=ctx.global_batch,
         dtype=DTYPE_NAMES[ctx.dtype],

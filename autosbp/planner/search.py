@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autosbp.errors import PlanError
+from autosbp.errors import NoFitError, PlanError
 from autosbp.graph import OpGraph, Role
 from autosbp.ilp import MemoryConstraint, Problem, Solution, solve
 from autosbp.planner.costs import BoxingPricer, NodeStrategies, Prices, edge_matrix, node_strategies
@@ -72,9 +72,12 @@ def build_problem(
     optimizer: str,
     memory_limit_bytes: float | None,
     allow: Allow | None = None,
+    micro_batches: int = 1,
 ) -> MeshProblem:
-    """The ILP of `graph` on `mesh`, with repeated blocks tied (`reduce.tie_blocks`): variables
-    exist for representatives only, whose costs and memory add up those of their tied nodes."""
+    """The ILP of `graph` (one micro-batch) on `mesh`, with repeated blocks tied
+    (`reduce.tie_blocks`): variables exist for representatives only, whose costs and memory add
+    up those of their tied nodes. Ops and boxings run once per micro-batch; a parameter's
+    gradient sync and update once per step; one micro-batch's activations live at a time."""
     pricer = BoxingPricer(prices, mesh)
     rep = tie_blocks(graph)
     copies = Counter(rep.values())
@@ -91,7 +94,8 @@ def build_problem(
             candidate_bytes(attrs, sig, mesh.shape, optimizer=optimizer, in_flight=1)
             for sig in found.candidates
         ]
-        node_costs[name] = found.compute_s * copies[name]
+        runs = 1 if attrs["role"] is Role.PARAMETER else micro_batches
+        node_costs[name] = found.compute_s * copies[name] * runs
         node_bytes[name] = np.array(memory) * copies[name]
     edges: dict[tuple[str, str], np.ndarray] = {}
     matrices: dict[tuple, np.ndarray] = {}
@@ -101,7 +105,9 @@ def build_problem(
         key = (rep[u], rep[v])
         cache_key = (key, tuple(uses), metas)
         if cache_key not in matrices:  # the same edge in every tied block: priced once
-            matrices[cache_key] = edge_matrix(strategies[u], strategies[v], uses, metas, pricer)
+            matrices[cache_key] = micro_batches * edge_matrix(
+                strategies[u], strategies[v], uses, metas, pricer
+            )
         matrix = matrices[cache_key]
         if key[0] == key[1]:  # same position in two tied blocks: both take the same candidate
             node_costs[key[0]] = node_costs[key[0]] + np.diag(matrix)
@@ -191,6 +197,7 @@ def best_over_meshes(
     memory_limit_bytes: float | None,
     allow: Allow | None,
     time_limit_s: float,
+    micro_batches: int = 1,
 ) -> tuple[MeshProblem, Solution]:
     best: tuple[MeshProblem, Solution] | None = None
     tried = []
@@ -202,17 +209,20 @@ def best_over_meshes(
             optimizer=optimizer,
             memory_limit_bytes=memory_limit_bytes,
             allow=allow,
+            micro_batches=micro_batches,
         )
         tried.append(mp)
         sol = solve_mesh(mp, time_limit_s)
         if sol is not None and (best is None or sol.objective < best[1].objective - 1e-15):
             best = (mp, sol)
     if best is None:
-        raise PlanError(_no_fit_message(graph, tried, memory_limit_bytes))
+        raise NoFitError(_no_fit_message(graph, tried, memory_limit_bytes, micro_batches))
     return best
 
 
-def _no_fit_message(graph: OpGraph, tried: Sequence[MeshProblem], limit: float | None) -> str:
+def _no_fit_message(
+    graph: OpGraph, tried: Sequence[MeshProblem], limit: float | None, micro_batches: int
+) -> str:
     """Why nothing fits: the least memory any plan could need, and what takes it."""
     floors = []
     for mp in tried:
@@ -236,7 +246,8 @@ def _no_fit_message(graph: OpGraph, tried: Sequence[MeshProblem], limit: float |
     )
     return (
         f"no plan fits in {limit / 2**30:.3f} GiB per device: even the most sharded plan (mesh "
-        f"{'x'.join(map(str, mesh.shape))}) needs at least {need / 2**30:.3f} GiB per device. The "
+        f"{'x'.join(map(str, mesh.shape))}, {micro_batches} micro-batch(es)) needs at least "
+        f"{need / 2**30:.3f} GiB per device. The "
         f"biggest consumers there: {consumers}. Raise --memory-gib, use more devices, a smaller "
         "batch, or an optimizer with fewer states (sgd)."
     )

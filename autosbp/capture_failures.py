@@ -4,8 +4,9 @@ Lives here: `explain_export_failure`, which finds the user's frame (the innermos
 outside torch, the stdlib and autosbp), the module that ran it (by identity in the model's
 `named_modules`), classifies the construct (an `if` on a tensor value, `.item()`, other) and
 names a fix; `unsupported_node_message` for exported constructs that are not ATen ops
-(torch.no_grad() or autocast inside forward, torch.cond). Lives elsewhere: the export call
-itself (`capture`).
+(torch.no_grad() or autocast inside forward, torch.cond); `torch_report_held_back`, which keeps
+torch's own failure report (logged tracebacks, a printed partial graph) off the console. Lives
+elsewhere: the export call itself (`capture`).
 
 Invariants: the message is one paragraph with no torch traceback; the caller chains the original
 exception (`raise ... from exc`) so the full torch report stays available to debuggers.
@@ -13,7 +14,11 @@ exception (`raise ... from exc`) so the full torch report stays available to deb
 
 from __future__ import annotations
 
+import contextlib
+import io
 import linecache
+import logging
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +29,7 @@ from torch import fx, nn
 
 from autosbp.errors import CaptureError
 
-__all__ = ["explain_export_failure", "unsupported_node_message"]
+__all__ = ["explain_export_failure", "torch_report_held_back", "unsupported_node_message"]
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
@@ -36,14 +41,31 @@ def explain_export_failure(exc: Exception, model: nn.Module, name: str) -> Captu
     frame = _user_frame(exc)
     where = _describe_frame(frame, model) if frame else f"model `{name}`"
     code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() if frame else ""
-    construct, fix = _classify(exc, code)
+    construct, why, fix = _classify(exc, code)
     detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
     return CaptureError(
         f"Cannot capture model `{name}`: {construct} in {where}"
         + (f" (`{code}`)" if code else "")
-        + f" cannot be traced, because capture runs forward on shape-only tensors whose values "
-        f"are unknown. Fix: {fix}. (torch.export said: {type(exc).__name__}: {detail})"
+        + f" {why}. Fix: {fix}. (torch.export said: {type(exc).__name__}: {detail})"
     )
+
+
+@contextlib.contextmanager
+def torch_report_held_back() -> Iterator[None]:
+    """Around torch.export: hold back torch's own report of a failure (meta-kernel tracebacks in
+    its logs, the partial graph it prints to stderr), which the CaptureError replaces with one
+    paragraph while chaining the exception. On success, what was printed is passed on; torch's
+    log records below CRITICAL are dropped (loggers set by TORCH_LOGS keep their levels)."""
+    torch_log = logging.getLogger("torch")
+    level = torch_log.level
+    printed = io.StringIO()
+    torch_log.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    finally:
+        torch_log.setLevel(level)
+    sys.stderr.write(printed.getvalue())
 
 
 def _user_frame(exc: BaseException) -> FrameType | None:
@@ -85,21 +107,31 @@ _VALUE_FIX = (
 )
 
 
-def _classify(exc: Exception, code: str) -> tuple[str, str]:
-    """(the construct, the fix) for an export failure at source line `code`."""
+_VALUES_UNKNOWN = (
+    "cannot be traced, because capture runs forward on shape-only tensors whose values are unknown"
+)
+
+
+def _classify(exc: Exception, code: str) -> tuple[str, str, str]:
+    """(the construct, why it failed, the fix) for an export failure at source line `code`."""
     data_dependent = "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__
     if not data_dependent:
         return (
-            "an unsupported construct",
-            "rewrite that line with torch tensor ops (no numpy, no Python values read from "
-            "tensors, no shapes that depend on tensor values), or move it out of forward",
+            "a call",
+            "failed while forward was traced on the example inputs",
+            "first check that `model(*example_inputs)` runs without capture (the example inputs "
+            "must have the shapes and dtypes forward expects); if it does, rewrite that line "
+            "with torch tensor ops (no numpy, no Python values read from tensors, no shapes that "
+            "depend on tensor values), or move it out of forward",
         )
     keyword = code.split(" ", 1)[0].rstrip(":")
     if keyword in ("if", "elif", "while", "assert"):
-        return f"an `{keyword}` on a tensor value (data-dependent control flow)", _BRANCH_FIX
+        construct = f"an `{keyword}` on a tensor value (data-dependent control flow)"
+        return construct, _VALUES_UNKNOWN, _BRANCH_FIX
     if any(s in code for s in (".item()", "int(", "float(", "bool(", ".tolist()")):
-        return "a Python number read from a tensor value (`.item()`, `int()` ...)", _VALUE_FIX
-    return "a Python decision or shape that depends on a tensor value", _BRANCH_FIX
+        construct = "a Python number read from a tensor value (`.item()`, `int()` ...)"
+        return construct, _VALUES_UNKNOWN, _VALUE_FIX
+    return "a Python decision or shape that depends on a tensor value", _VALUES_UNKNOWN, _BRANCH_FIX
 
 
 # Substrings of higher-order op names -> what the user wrote.

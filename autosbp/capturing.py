@@ -23,6 +23,7 @@ Reference: torch.export programming model (training IR); OneFlow paper section 3
 
 from __future__ import annotations
 
+import inspect
 import operator
 import time
 from collections import defaultdict
@@ -36,7 +37,11 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autosbp.blocks import assign_blocks
-from autosbp.capture_failures import explain_export_failure, unsupported_node_message
+from autosbp.capture_failures import (
+    explain_export_failure,
+    torch_report_held_back,
+    unsupported_node_message,
+)
 from autosbp.errors import CaptureError
 from autosbp.flops import count_flops
 from autosbp.graph import InputRef, OpGraph, Role, TensorMeta
@@ -60,7 +65,7 @@ def capture(
     be exported or does not return a scalar.
     """
     name = name or type(model).__name__
-    args = _check_inputs(example_inputs, name)
+    args = _check_inputs(model, example_inputs, name)
     start = time.perf_counter()
     program = _export(model, args, name)
     _check_loss(program, name)
@@ -69,7 +74,14 @@ def capture(
     return opgraph
 
 
-def _check_inputs(example_inputs: Sequence[torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
+def _check_inputs(
+    model: nn.Module, example_inputs: Sequence[torch.Tensor], name: str
+) -> tuple[torch.Tensor, ...]:
+    if not isinstance(model, nn.Module):
+        raise CaptureError(
+            f"capture needs an nn.Module, got {type(model).__name__} `{name}`; wrap it in a module "
+            "whose forward returns the training loss."
+        )
     args = tuple(example_inputs)
     bad = [
         f"#{i} ({type(a).__name__})" for i, a in enumerate(args) if not isinstance(a, torch.Tensor)
@@ -79,12 +91,24 @@ def _check_inputs(example_inputs: Sequence[torch.Tensor], name: str) -> tuple[to
             f"Example inputs of model `{name}` must all be tensors; {', '.join(bad)} is not. "
             "Pass non-tensor settings to the model's constructor instead of to forward."
         )
+    try:
+        signature = inspect.signature(model.forward)
+    except ValueError:  # not introspectable: export reports a mismatch itself
+        return args
+    try:
+        signature.bind(*args)
+    except TypeError as exc:
+        raise CaptureError(
+            f"Model `{name}`: forward{signature} cannot take the "
+            f"{len(args)} example input(s) ({exc}); pass one example tensor per forward argument."
+        ) from None
     return args
 
 
 def _export(model: nn.Module, args: tuple[torch.Tensor, ...], name: str) -> ExportedProgram:
     try:
-        return torch.export.export(model, args, strict=False)
+        with torch_report_held_back():
+            return torch.export.export(model, args, strict=False)
     except Exception as exc:
         raise explain_export_failure(exc, model, name) from exc
 

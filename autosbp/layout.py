@@ -18,15 +18,29 @@ from collections.abc import Sequence
 
 import torch
 
-from autosbp.sbp import Broadcast, Mesh, NdSbp, Partial, Split, check_nd_sbp
+from autosbp.errors import SbpError
+from autosbp.sbp import Broadcast, Mesh, NdSbp, Partial, Sbp, Split, as_nd_sbp, check_nd_sbp
 
 
 def shard_tensor(
-    tensor: torch.Tensor, nd_sbp: NdSbp, mesh: Mesh | Sequence[int], coords: Sequence[int]
+    tensor: torch.Tensor,
+    nd_sbp: NdSbp | Sequence[Sbp] | str,
+    mesh: Mesh | Sequence[int],
+    coords: Sequence[int],
 ) -> torch.Tensor:
-    """The piece of `tensor` that the device at mesh `coords` holds under `nd_sbp`."""
+    """The piece of `tensor` that the device at mesh `coords` holds under `nd_sbp` (an nD SBP
+    or its text, e.g. "S(0)B")."""
     mesh = Mesh.of(mesh)
+    nd_sbp = as_nd_sbp(nd_sbp)
     check_nd_sbp(nd_sbp, tensor.shape, mesh.shape)
+    coords = tuple(coords)
+    if len(coords) != mesh.ndim or not all(
+        0 <= c < n for c, n in zip(coords, mesh.shape, strict=True)
+    ):
+        raise SbpError(
+            f"coords {coords} are not a device of mesh {mesh.shape}; give one coordinate per "
+            f"mesh dim, each in 0..size-1 (e.g. {(0,) * mesh.ndim})."
+        )
     piece = tensor
     for sbp, size, coord in zip(nd_sbp, mesh.shape, coords, strict=True):
         if isinstance(sbp, Split):

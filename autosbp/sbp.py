@@ -117,6 +117,11 @@ _TOKEN = re.compile(
 
 def parse_nd_sbp(text: str) -> NdSbp:
     """Parse `"S(0)B"`, `"P(max)"`, or DTensor names (`"Shard(0),Replicate()"`)."""
+    if not isinstance(text, str):
+        raise SbpError(
+            f"SBP text must be a string like 'S(0)B', got {type(text).__name__} {text!r}; "
+            "pass text, or a tuple of S(dim), B and P."
+        )
     body = text.replace(" ", "").strip("()[]") if text.startswith(("(", "[")) else text.strip()
     body = body.replace(",", "")
     out: list[Sbp] = []
@@ -207,9 +212,15 @@ class Mesh:
     link_classes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        shape = tuple(int(s) for s in self.shape)
+        try:
+            shape = tuple(int(s) for s in self.shape)
+        except (TypeError, ValueError):
+            shape = ()
         if not shape or any(s < 1 for s in shape):
-            raise SbpError(f"mesh shape {self.shape} must be a non-empty tuple of positive sizes.")
+            raise SbpError(
+                f"mesh shape {self.shape!r} must be a non-empty tuple of positive sizes, "
+                "e.g. Mesh((2, 2)) for 4 devices."
+            )
         object.__setattr__(self, "shape", shape)
         names = tuple(self.dim_names) or tuple(f"d{i}" for i in range(len(shape)))
         ids = tuple(self.device_ids) or tuple(range(math.prod(shape)))

@@ -276,11 +276,19 @@ def build_model(
         raise CaptureError(f"Unknown zoo model {name!r}: choose one of {', '.join(ZOO_MODELS)}.")
     _check_kwargs(name, builder, kwargs)
     generator = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model, make_inputs = builder(generator, **kwargs)
-    inputs = tuple(t.to(device) for t in make_inputs())
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.device(device):
+                model, make_inputs = builder(generator, **kwargs)
+        inputs = tuple(t.to(device) for t in make_inputs())
+    except (TypeError, ValueError, RuntimeError) as exc:
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise CaptureError(
+            f"Zoo model {name!r} cannot be built with {given or 'its defaults'}: "
+            f"{type(exc).__name__}: {exc}. Check the values of --model-args: sizes are positive "
+            "whole numbers."
+        ) from exc
     return model, inputs
 
 
@@ -321,14 +329,24 @@ def load_model(
             f"{func_name}{inspect.signature(func)} in {path_text} cannot take {args!r}: {exc}. "
             "Check --model-args against the function's parameters."
         ) from exc
-    with torch.device(device) if device else contextlib.nullcontext():
-        result = func(**args)
+    try:
+        with torch.device(device) if device else contextlib.nullcontext():
+            result = func(**args)
+    except Exception as exc:
+        raise CaptureError(
+            f"Calling {func_name}({', '.join(f'{k}={v!r}' for k, v in args.items())}) from "
+            f"{path_text} failed with {type(exc).__name__}: {exc}. Fix the function (or "
+            "--model-args) so that it returns (model, example_inputs)."
+        ) from exc
     return _check_model_and_inputs(result, spec)
 
 
 def _load_function(path: Path, func_name: str) -> Callable[..., Any]:
     if not path.is_file():
-        raise CaptureError(f"Model file {str(path)!r} does not exist (from the MODEL argument).")
+        raise CaptureError(
+            f"Model file {str(path)!r} (from the MODEL argument) does not exist (looked for "
+            f"{path.resolve()}); check the path, or give a zoo model ({', '.join(ZOO_MODELS)})."
+        )
     module_name = f"autosbp_user_model_{abs(hash(path.resolve()))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     assert module_spec is not None and module_spec.loader is not None
@@ -371,7 +389,8 @@ def _check_model_and_inputs(result: object, spec: str) -> ModelAndInputs:
 def _describe(value: object) -> str:
     if isinstance(value, tuple):
         return f"a tuple of {len(value)} ({', '.join(type(v).__name__ for v in value)})"
-    return f"a {type(value).__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def parse_model_args(text: str | None) -> dict[str, Any]:

@@ -65,7 +65,11 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ProfileError(f"profile {path}: cannot be read ({exc.strerror}).") from exc
+        raise ProfileError(
+            f"profile {path}: cannot be read ({exc.strerror}). Pass the path of a profile JSON "
+            "file (write one with `autosbp profile --out PATH`) or a shipped name: "
+            f"{', '.join(sorted(shipped_profiles())) or 'none'}."
+        ) from exc
     data = _parse_json(text, str(path))
     _check_format(data, str(path))
     _check_schema(data, str(path))

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from autosbp.commands import positive_int
 from autosbp.commands.capture import add_model_arguments
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.plan import Plan
@@ -27,11 +28,15 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument(
             "--out", default="autosbp-out", help="folder for the plan (default: autosbp-out)"
         )
-        parser.add_argument("--nproc", type=int, default=4, help="CPU processes (default: 4)")
-        parser.add_argument("--steps", type=int, default=20)
+        parser.add_argument(
+            "--nproc", type=positive_int, default=4, help="CPU processes (default: 4)"
+        )
+        parser.add_argument("--steps", type=positive_int, default=20)
         return
     add_model_arguments(parser)
-    parser.add_argument("--nproc", type=int, required=True, help="number of processes (devices)")
+    parser.add_argument(
+        "--nproc", type=positive_int, required=True, help="number of processes (devices)"
+    )
     parser.add_argument(
         "--plan",
         default="auto",
@@ -40,7 +45,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--profile", default="cpu-gloo", help="profile used when --plan is a strategy"
     )
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=positive_int, default=10)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument(
         "--check", action="store_true", help="train on one device beside it and compare every step"
@@ -65,6 +70,7 @@ def _plan_for(
     if plan_arg.endswith(".json") or Path(plan_arg).is_file():
         plan = Plan.load(plan_arg)
         plan.check_world(nproc)
+        _check_plan_model(plan, model, model_args)
         return plan
     from autosbp.capturing import capture
     from autosbp.planner.api import plan_graph
@@ -78,13 +84,21 @@ def _plan_for(
         )  # fmt: skip
 
 
+def _check_plan_model(plan: Plan, model: str, model_args: dict) -> None:
+    """Refuse a plan made for another model here, before any process starts (a worker would
+    refuse it too, but only after launching, as a failed rank)."""
+    from autosbp.capturing import capture
+    from autosbp.zoo import load_model
+
+    graph = capture(*load_model(model, model_args, device="meta"), name=model)
+    plan.check_model(graph.fingerprint(), f"model `{model}`")
+
+
 def _train_and_report(
     model: str, model_args: dict, plan: Plan, steps: int, lr: float, check: bool, console: Console
 ) -> int:
     from runtime.train import TrainSpec, train
 
-    if steps < 1:
-        raise PlanError(f"--steps must be at least 1, got {steps}.")
     spec = TrainSpec(model, model_args, plan.to_json(), steps, lr=lr, check=check)
     with console.status(f"training {steps} steps on {plan.device_count} processes"):
         result = train(spec)

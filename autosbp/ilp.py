@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from autosbp.errors import PlanError
+from autosbp.errors import NoFitError, PlanError
 
 Key = Hashable
 
@@ -94,14 +94,19 @@ def solve(
     relaxed = _solve_once(
         problem, "GLOP", integer=False, time_limit_s=time_limit_s, rel_gap=rel_gap
     )
-    if relaxed is not None and _integral(relaxed[0]):
+    if not isinstance(relaxed, int) and _integral(relaxed[0]):
         choice = _choice(relaxed[0])
         return Solution(
             choice, problem.objective(choice), "optimal", 0.0, time.perf_counter() - start
         )
     result = _solve_once(problem, solver, integer=True, time_limit_s=time_limit_s, rel_gap=rel_gap)
-    if result is None:
-        raise PlanError("no strategy assignment satisfies the constraints (infeasible ILP).")
+    if result == pywraplp.Solver.INFEASIBLE:
+        raise NoFitError("no strategy assignment satisfies the constraints (infeasible ILP).")
+    if isinstance(result, int):
+        raise PlanError(
+            f"the {solver} solver found no assignment within {time_limit_s:g} s (status {result}); "
+            "raise the time limit (--time-limit-s)."
+        )
     x, status, bound = result
     choice = _choice(x)
     value = problem.objective(choice)
@@ -117,8 +122,9 @@ Values = dict[Key, list[float]]
 
 def _solve_once(
     problem: Problem, solver: str, *, integer: bool, time_limit_s: float, rel_gap: float
-) -> tuple[Values, int, float] | None:
-    """(x values, status, best bound), or None when infeasible or out of time with nothing."""
+) -> tuple[Values, int, float] | int:
+    """(x values, status, best bound), or the solver's status when it has no solution
+    (pywraplp.Solver.INFEASIBLE, or NOT_SOLVED when out of time)."""
     mip = pywraplp.Solver.CreateSolver(solver)
     if mip is None:
         raise PlanError(f"OR-Tools has no {solver} solver here; use solver='CBC' or 'SCIP'.")
@@ -140,7 +146,7 @@ def _solve_once(
         params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, rel_gap)
     status = mip.Solve(params)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        return None
+        return int(status)
     values = {v: [var.solution_value() for var in xs] for v, xs in x.items()}
     bound = (objective.BestBound() if integer else objective.Value()) / scale
     return values, status, bound
@@ -231,5 +237,5 @@ def brute_force(problem: Problem) -> Solution:
             if best is None or value < best[0]:
                 best = (value, choice)
     if best is None:
-        raise PlanError("no strategy assignment satisfies the constraints (brute force).")
+        raise NoFitError("no strategy assignment satisfies the constraints (brute force).")
     return Solution(best[1], best[0], "optimal", 0.0, time.perf_counter() - start)

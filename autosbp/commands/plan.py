@@ -48,6 +48,11 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--recompute", default="none", choices=("none", "full", "selective", "auto")
     )
+    parser.add_argument(
+        "--micro-batches",
+        type=positive_int,
+        help="gradient-accumulation steps per batch (default: the fewest that fit in memory)",
+    )
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd_momentum"))
     parser.add_argument(
@@ -61,8 +66,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "explain":
         return _explain(args, console)
-    from autosbp.capturing import capture
-    from autosbp.planner.api import plan_graph
+    from autosbp.planner.api import auto_parallelize
 
     if args.recompute != "none":
         raise PlanError(
@@ -70,11 +74,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "(single stage, no recomputation); use --recompute none."
         )
     model, inputs = load_from_args(args)
-    with console.status("capturing the model"):
-        graph = capture(model, inputs, name=args.model)
     with console.status(f"planning for {args.devices} devices of {args.profile}"):
-        plan = plan_graph(
-            graph,
+        plan = auto_parallelize(
+            model,
+            inputs,
+            name=args.model,
+            micro_batches=args.micro_batches,
             profile=args.profile,
             devices=args.devices,
             memory_limit=None if args.memory_gib is None else int(args.memory_gib * GIB),

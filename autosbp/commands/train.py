@@ -72,25 +72,25 @@ def _plan_for(
         plan.check_world(nproc)
         _check_plan_model(plan, model, model_args)
         return plan
-    from autosbp.capturing import capture
-    from autosbp.planner.api import plan_graph
+    from autosbp.planner.api import auto_parallelize
     from autosbp.zoo import load_model
 
     with console.status(f"planning {model} ({plan_arg}) for {nproc} processes on {profile}"):
-        graph = capture(*load_model(model, model_args), name=model)
-        return plan_graph(
-            graph, profile=profile, devices=nproc, memory_limit=None, global_batch=None,
-            optimizer="adam", dtype="fp32", strategy=plan_arg, time_limit_s=60,
-        )  # fmt: skip
+        module, inputs = load_model(model, model_args)
+        return auto_parallelize(
+            module, inputs, profile=profile, devices=nproc, strategy=plan_arg, name=model
+        )
 
 
 def _check_plan_model(plan: Plan, model: str, model_args: dict) -> None:
     """Refuse a plan made for another model here, before any process starts (a worker would
     refuse it too, but only after launching, as a failed rank)."""
     from autosbp.capturing import capture
+    from autosbp.schedule import split_micro_batches
     from autosbp.zoo import load_model
 
-    graph = capture(*load_model(model, model_args, device="meta"), name=model)
+    module, inputs = load_model(model, model_args, device="meta")
+    graph = capture(module, split_micro_batches(inputs, plan.micro_batches)[0], name=model)
     plan.check_model(graph.fingerprint(), f"model `{model}`")
 
 

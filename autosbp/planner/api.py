@@ -72,6 +72,8 @@ def auto_parallelize(
     from autosbp.capturing import capture
     from autosbp.schedule import split_micro_batches
 
+    _check_request(devices, optimizer, dtype)  # before the capture, which can take a while
+    _check_limits(memory_limit, global_batch, time_limit_s)
     batch = int(example_inputs[0].shape[0]) if example_inputs and example_inputs[0].dim() else 1
     counts = [micro_batches] if micro_batches is not None else _micro_batch_counts(example_inputs)
     last_error: NoFitError | None = None

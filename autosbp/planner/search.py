@@ -137,7 +137,7 @@ def solve_mesh(mesh_problem: MeshProblem, time_limit_s: float) -> Solution | Non
         return None
     try:
         return solve(mesh_problem.problem, time_limit_s=time_limit_s)
-    except PlanError:
+    except NoFitError:
         return None
 
 
@@ -156,6 +156,10 @@ def hand_plan_allow(strategy: str) -> tuple[Allow | None, Callable[[Mesh], bool]
         return _allow(param=lambda nd: isinstance(nd[0], Split)), lambda m: m.ndim == 1
     if strategy.startswith("megatron:"):
         tp, dp = _megatron_degrees(strategy)
+        if tp == 1:  # no tensor parallelism: plain data parallelism
+            return hand_plan_allow("dp")[0], lambda m: m.shape == (dp,)
+        if dp == 1:  # tensor parallelism alone: every device sees the whole batch
+            return _allow(data=lambda nd: nd == (Broadcast(),)), lambda m: m.shape == (tp,)
         # Megatron: data split on the outer (dp) mesh dim, weights replicated there and split by
         # the tensor-parallel rules on the inner (tp) mesh dim; the ILP picks column vs row.
         allow = _allow(
@@ -167,11 +171,30 @@ def hand_plan_allow(strategy: str) -> tuple[Allow | None, Callable[[Mesh], bool]
 
 
 def _megatron_degrees(strategy: str) -> tuple[int, int]:
+    """(tp, dp) of `megatron:tp=T,dp=D`; pipeline degrees are refused until stages exist."""
     try:
-        fields = dict(item.split("=") for item in strategy.removeprefix("megatron:").split(","))
-        return int(fields.get("tp", 1)), int(fields.get("dp", 1))
+        fields = {
+            k: int(v)
+            for k, v in (item.split("=") for item in strategy.removeprefix("megatron:").split(","))
+        }
     except ValueError:
         raise PlanError(f"cannot read {strategy!r}; write it like megatron:tp=2,dp=2.") from None
+    if "pp" in fields and fields["pp"] != 1:
+        raise PlanError(
+            f"{strategy!r} asks for pipeline stages (pp), which this planner does not search yet; "
+            "use megatron:tp=T,dp=D."
+        )
+    unknown = sorted(set(fields) - {"tp", "dp", "pp"})
+    if unknown:
+        raise PlanError(
+            f"{strategy!r} has unknown degree(s) {unknown}; write it like megatron:tp=2,dp=2."
+        )
+    tp, dp = fields.get("tp", 1), fields.get("dp", 1)
+    if tp < 1 or dp < 1:
+        raise PlanError(
+            f"{strategy!r}: degrees must be positive; write it like megatron:tp=2,dp=2."
+        )
+    return tp, dp
 
 
 def _allow(param: Callable | None = None, data: Callable | None = None) -> Allow:
@@ -241,16 +264,23 @@ def _no_fit_message(
     top = sorted(per_node.items(), key=lambda kv: -kv[1])[:5]
     tied = Counter(mesh_problem.representative.values())
     consumers = ", ".join(
-        f"{_label(graph, v)}{f' (and {tied[v] - 1} tied copies)' if tied[v] > 1 else ''} {b / 2**20:.1f} MiB"
+        f"{_label(graph, v)}{f' (and {tied[v] - 1} tied copies)' if tied[v] > 1 else ''} {_size(b)}"
         for v, b in top
     )
     return (
-        f"no plan fits in {limit / 2**30:.3f} GiB per device: even the most sharded plan (mesh "
+        f"no plan fits in {_size(limit)} per device: even the most sharded plan (mesh "
         f"{'x'.join(map(str, mesh.shape))}, {micro_batches} micro-batch(es)) needs at least "
-        f"{need / 2**30:.3f} GiB per device. The "
+        f"{_size(need)} per device. The "
         f"biggest consumers there: {consumers}. Raise --memory-gib, use more devices, a smaller "
         "batch, or an optimizer with fewer states (sgd)."
     )
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def _label(graph: OpGraph, node: str) -> str:

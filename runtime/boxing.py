@@ -94,8 +94,11 @@ class _BoxingHop(torch.autograd.Function):
         return run_step(grad.contiguous(), dual_step(ctx.step), ctx.groups), None, None
 
 
-def run_step(x: torch.Tensor, step: BoxingStep, groups: ProcessGroups) -> torch.Tensor:
-    """One step on this rank (which takes part in it), without autograd."""
+def run_step(
+    x: torch.Tensor, step: BoxingStep, groups: ProcessGroups, *, donate: bool = False
+) -> torch.Tensor:
+    """One step on this rank (which takes part in it), without autograd. With `donate`, the
+    caller gives up `x`: an all-reduce then runs in place instead of on a copy."""
     rank = dist.get_rank()
     if step.kind is StepKind.SEND_RECV:
         return _send_recv(x, step, rank)
@@ -107,7 +110,7 @@ def run_step(x: torch.Tensor, step: BoxingStep, groups: ProcessGroups) -> torch.
     group = groups.get(_group_ranks(mesh, mesh_dim, coords))
     a, b, p = step.src_sbp, step.dst_sbp, step.group_size
     if step.kind is StepKind.ALL_REDUCE:
-        out = x.clone(memory_format=torch.contiguous_format)
+        out = x if donate and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=group)
         return out
     if step.kind is StepKind.ALL_GATHER:

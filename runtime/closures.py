@@ -30,7 +30,7 @@ from autosbp.graph import InputRef
 from autosbp.rules import LocalOp
 from autosbp.rules.core import as_tuple
 from autosbp.sbp import Mesh, NdSbp
-from runtime.boxing import execute_boxing
+from runtime.boxing import execute_boxing, run_step
 from runtime.groups import ProcessGroups
 
 __all__ = [
@@ -56,9 +56,17 @@ class Boxer:
     groups: ProcessGroups
 
     def chain(
-        self, src: NdSbp, dst: NdSbp, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+        self,
+        src: NdSbp,
+        dst: NdSbp,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        *,
+        donate: bool = False,
     ) -> TensorFn:
-        """The closure taking this rank's piece in layout `src` to its piece in `dst`."""
+        """The closure taking this rank's piece in layout `src` to its piece in `dst`. With
+        `donate` it runs without autograd and may reuse its input's memory (the caller must not
+        read the input afterwards): for buffers made to be synced, like gradient buckets."""
         steps = tuple(
             step
             for step in plan_boxing(src, dst, shape, self.mesh, dtype=dtype)
@@ -67,7 +75,18 @@ class Boxer:
         if not steps:
             return _identity
         groups = self.groups
+        if donate:
+            return lambda x: _run_donated(x, steps, groups)
         return lambda x: execute_boxing(x, steps, groups)
+
+
+def _run_donated(
+    x: torch.Tensor, steps: tuple[BoxingStep, ...], groups: ProcessGroups
+) -> torch.Tensor:
+    with torch.no_grad():
+        for step in steps:
+            x = run_step(x, step, groups, donate=True)
+    return x
 
 
 def _is_relabel(step: BoxingStep) -> bool:

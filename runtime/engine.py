@@ -145,7 +145,7 @@ class Engine:
         """A flat buffer of local gradients is P on the mesh dims where its parameters are B,
         and whole (B) on the others (each rank's buffer is its own shards): box it to all-B."""
         src = tuple(P if b else B for b in broadcast)
-        return self.boxer.chain(src, (B,) * self.mesh.ndim, (numel,), dtype)
+        return self.boxer.chain(src, (B,) * self.mesh.ndim, (numel,), dtype, donate=True)
 
 
 def _check_scope(plan: Plan) -> None:

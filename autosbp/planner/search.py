@@ -26,7 +26,7 @@ from autosbp.planner.costs import BoxingPricer, NodeStrategies, Prices, edge_mat
 from autosbp.planner.memory import candidate_bytes
 from autosbp.planner.reduce import tie_blocks
 from autosbp.rules import NdSignature
-from autosbp.sbp import Broadcast, Mesh, Split
+from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
 
 Allow = Callable[[dict, NdSignature], bool]  # may this node (attrs) take this candidate?
 
@@ -123,9 +123,18 @@ def build_problem(
 
 
 def _restricted(found: NodeStrategies, attrs: dict, allow: Allow | None) -> NodeStrategies:
+    """The candidates a hand plan allows. A parameter the plan would split but whose dims the
+    mesh does not divide (a (1,)-shaped bias) stays replicated rather than making the plan
+    impossible."""
     if allow is None:
         return found
     keep = [i for i, sig in enumerate(found.candidates) if allow(attrs, sig)]
+    if not keep and attrs["role"] is Role.PARAMETER:
+        keep = [
+            i
+            for i, sig in enumerate(found.candidates)
+            if all(isinstance(s, Broadcast) for s in sig.outputs[0])
+        ]
     return NodeStrategies(
         found.name, tuple(found.candidates[i] for i in keep), found.compute_s[keep]
     )
@@ -150,20 +159,22 @@ def hand_plan_allow(strategy: str) -> tuple[Allow | None, Callable[[Mesh], bool]
         return None, lambda mesh: True
     if strategy == "dp":
         return _allow(
-            param=lambda nd: all(isinstance(s, Broadcast) for s in nd)
+            param=lambda nd, shape: all(isinstance(s, Broadcast) for s in nd)
         ), lambda m: m.ndim == 1
     if strategy == "fsdp":
-        return _allow(param=lambda nd: isinstance(nd[0], Split)), lambda m: m.ndim == 1
+        return _allow(param=lambda nd, shape: isinstance(nd[0], Split)), lambda m: m.ndim == 1
     if strategy.startswith("megatron:"):
         tp, dp = _megatron_degrees(strategy)
         if tp == 1:  # no tensor parallelism: plain data parallelism
             return hand_plan_allow("dp")[0], lambda m: m.shape == (dp,)
+        # Megatron: every weight matrix (and embedding table) split on the tp mesh dim, the ILP
+        # picking which dim (column or row parallel); vectors (biases, norms) free; data split
+        # on the dp mesh dim, where weights are replicated.
         if dp == 1:  # tensor parallelism alone: every device sees the whole batch
-            return _allow(data=lambda nd: nd == (Broadcast(),)), lambda m: m.shape == (tp,)
-        # Megatron: data split on the outer (dp) mesh dim, weights replicated there and split by
-        # the tensor-parallel rules on the inner (tp) mesh dim; the ILP picks column vs row.
+            allow = _allow(param=_tensor_parallel(0), data=lambda nd: nd == (Broadcast(),))
+            return allow, lambda m: m.shape == (tp,)
         allow = _allow(
-            param=lambda nd: isinstance(nd[0], Broadcast),
+            param=lambda nd, shape: isinstance(nd[0], Broadcast) and _tensor_parallel(1)(nd, shape),
             data=lambda nd: nd == (Split(0), Broadcast()),
         )
         return allow, lambda m: m.shape == (dp, tp)
@@ -197,10 +208,18 @@ def _megatron_degrees(strategy: str) -> tuple[int, int]:
     return tp, dp
 
 
+def _tensor_parallel(mesh_dim: int) -> Callable[[NdSbp, tuple[int, ...]], bool]:
+    """Matrices split on `mesh_dim`; vectors anything."""
+    return lambda nd, shape: len(shape) < 2 or isinstance(nd[mesh_dim], Split)
+
+
 def _allow(param: Callable | None = None, data: Callable | None = None) -> Allow:
+    """`param(nd_sbp, shape) -> bool` filters parameter layouts, `data(nd_sbp)` input layouts
+    (default: the batch split on every mesh dim)."""
+
     def allow(attrs: dict, sig: NdSignature) -> bool:
         if attrs["role"] is Role.PARAMETER and param is not None:
-            return bool(param(sig.outputs[0]))
+            return bool(param(sig.outputs[0], attrs["outputs"][0].shape))
         if attrs["role"] is Role.INPUT:
             nd = sig.outputs[0]
             if data is not None:

@@ -31,6 +31,7 @@ from autosbp.sbp import Mesh, parse_nd_sbp
 from costmodel.launch import run_workers
 from runtime.checkpoint import MANIFEST, read_manifest
 from tests.checkpoint_workers import run_checkpoint_cases
+from tests.oracle import train_single_device
 from tests.test_runtime import MEGATRON, MODELS, _build, _comparable, _plan_json, _rel
 
 SAVED, RESUMED = 2, 2
@@ -137,16 +138,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list
 
 
 def _single_device(steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
-    module, inputs = _build("gpt")
-    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = module(*inputs)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {name: t.detach().numpy().copy() for name, t in module.state_dict().items()}
+    return train_single_device(*_build("gpt"), steps=steps, lr=LR)
 
 
 # ------------------------------------------------------------------------------------ tests

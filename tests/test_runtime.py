@@ -33,6 +33,7 @@ from autosbp.schedule import split_micro_batches
 from autosbp.zoo import build_model
 from costmodel.launch import run_workers
 from runtime import Engine
+from tests.oracle import train_single_device
 from tests.runtime_workers import run_cases
 
 STEPS = 3
@@ -165,16 +166,7 @@ def worlds() -> Callable[[int], dict[str, list[dict[str, Any]]]]:
 # ------------------------------------------------------------------------------ the oracle
 @cache
 def _single_device(model: str) -> tuple[list[float], dict[str, np.ndarray]]:
-    module, inputs = _build(model)
-    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = module(*inputs)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {name: t.detach().numpy().copy() for name, t in module.state_dict().items()}
+    return train_single_device(*_build(model), steps=STEPS, lr=LR)
 
 
 def _comparable(model: str, name: str, tensor: np.ndarray) -> np.ndarray:

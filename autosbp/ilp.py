@@ -26,15 +26,16 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from ortools.linear_solver import pywraplp
 
 from autosbp.errors import NoFitError, PlanError
 
-Key = Hashable
+Key = Any  # a node's name (str) in the planner; any hashable value in tests
 
 
 @dataclass(frozen=True)

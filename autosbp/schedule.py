@@ -36,7 +36,9 @@ from autosbp.errors import SbpError
 GRAD_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MB), torch docs
 
 
-def split_micro_batches(inputs: Sequence[torch.Tensor], micro_batches: int) -> list[tuple[torch.Tensor, ...]]:
+def split_micro_batches(
+    inputs: Sequence[torch.Tensor], micro_batches: int
+) -> list[tuple[torch.Tensor, ...]]:
     """Cut every input along dim 0 (the batch) into `micro_batches` equal, consecutive pieces.
 
     Training on the pieces one after another, each loss scaled by 1/micro_batches, gives the
@@ -170,13 +172,16 @@ def _ready(
 ) -> list[tuple[Phase, float]]:
     """The actors of stage `s` whose inputs are produced and output registers free, with the
     time their last input arrives (registers are checked as of the last decision)."""
-    out = []
+    out: list[tuple[Phase, float]] = []
     fwd, bwd = next_fwd[s], next_bwd[s]
-    in_flight = fwd - bwd
-    if fwd < micro_batches and in_flight < quotas[s] and act_ready[s][fwd] is not None:
-        out.append((Phase.FORWARD, act_ready[s][fwd]))
-    if bwd < fwd and grad_ready[s][bwd] is not None:
-        out.append((Phase.BACKWARD, grad_ready[s][bwd]))
+    if fwd < micro_batches and fwd - bwd < quotas[s]:
+        arrived = act_ready[s][fwd]
+        if arrived is not None:
+            out.append((Phase.FORWARD, arrived))
+    if bwd < fwd:
+        arrived = grad_ready[s][bwd]
+        if arrived is not None:
+            out.append((Phase.BACKWARD, arrived))
     return out
 
 

@@ -113,7 +113,7 @@ def _train_and_report(
     ):
         table.add_column(column, justify="right")
     for record, seconds in zip(result.records, result.step_times_s, strict=True):
-        extra = ()
+        extra: tuple[str, ...] = ()
         if check:
             extra = (
                 f"{record.reference_loss:.6f}",

@@ -63,7 +63,7 @@ from autosbp.sbp import Mesh, parse_nd_sbp  # noqa: E402
 from autosbp.zoo import build_model  # noqa: E402
 from costmodel import Cluster, load_profile  # noqa: E402
 from costmodel.launch import run_workers  # noqa: E402
-from runtime.train import TrainSpec, train  # noqa: E402
+from runtime.train import TrainSpec, adam, train  # noqa: E402
 
 PROFILE = "cpu-gloo"
 TARGET_REL_ERROR = 0.15  # the target for the median |relative error|
@@ -238,7 +238,7 @@ def phase_worker(rank: int, world_size: int, job: PhaseJob) -> list[tuple[dict, 
     for case, plan_json in zip(job.cases, job.plans, strict=True):
         model, inputs = build_model(case.zoo_name, **case.model_args)
         engine = Engine(
-            model, Plan.from_json(plan_json), lambda ps: torch.optim.Adam(ps, lr=LR),
+            model, Plan.from_json(plan_json), lambda ps: adam(ps, LR),
             example_inputs=inputs,
         )  # fmt: skip
         state_bytes = sum(t.nbytes for t in engine.state.values())

@@ -46,7 +46,7 @@ from autosbp.errors import CaptureError
 from autosbp.flops import count_flops
 from autosbp.graph import InputRef, OpGraph, Role, TensorMeta
 
-__all__ = ["capture", "run_graph"]
+__all__ = ["capture", "capture_micro_batch", "run_graph"]
 
 _INPUT_ROLES = {
     InputKind.PARAMETER: Role.PARAMETER,
@@ -72,6 +72,20 @@ def capture(
     opgraph = _build_opgraph(program, model, name)
     opgraph.meta["capture_s"] = time.perf_counter() - start
     return opgraph
+
+
+def capture_micro_batch(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    micro_batches: int = 1,
+    *,
+    name: str | None = None,
+) -> OpGraph:
+    """The graph of one micro-batch of `example_inputs` (a global batch): what a plan with
+    `micro_batches` is made for, and what the runtime runs once per micro-batch."""
+    from autosbp.schedule import split_micro_batches
+
+    return capture(model, list(split_micro_batches(example_inputs, micro_batches)[0]), name=name)
 
 
 def _check_inputs(

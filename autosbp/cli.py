@@ -23,7 +23,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("plan", "autosbp.commands.plan", "find the fastest plan that fits and write it as JSON"),
     ("explain", "autosbp.commands.plan", "show the signatures a plan chose"),
     ("train", "autosbp.commands.train", "train a model under a plan on N local processes"),
-    ("demo", "autosbp.commands.train", "plan a small GPT for 4 CPU processes and train it under the plan"),
+    (
+        "demo",
+        "autosbp.commands.train",
+        "plan a small GPT for 4 CPU processes and train it under the plan",
+    ),
     ("profile", "costmodel.commands", "measure this machine's op and collective costs"),
     ("profiles", "costmodel.commands", "list the shipped hardware profiles"),
 )

@@ -80,9 +80,9 @@ class Engine:
         plan.check_world(dist.get_world_size())
         self.micro_batches = plan.micro_batches
         if graph is None:  # the program runs one micro-batch: capture at that size
-            from autosbp.capturing import capture
+            from autosbp.capturing import capture_micro_batch
 
-            graph = capture(model, list(split_micro_batches(example_inputs, self.micro_batches)[0]))
+            graph = capture_micro_batch(model, example_inputs, self.micro_batches)
         plan.check_model(graph.fingerprint(), f"model `{graph.model_name}`")
         self.plan, self.graph = plan, graph
         self.mesh = Mesh(plan.mesh_shape, plan.mesh_dims, plan.stages[0].devices, plan.link_classes)

@@ -17,11 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from autosbp.capturing import capture
+from autosbp.capturing import capture_micro_batch
 from autosbp.errors import AutosbpError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan
-from autosbp.schedule import split_micro_batches
 from autosbp.zoo import build_model
 from runtime import Engine
 
@@ -40,8 +39,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, A
         micro_batches = case["plan"]["micro_batches"]
         key = (case["model"], repr(sorted(case["model_kwargs"].items())), micro_batches)
         if key not in graphs:  # the Engine runs one micro-batch: its graph is at that size
-            micro = split_micro_batches(inputs, micro_batches)[0]
-            graphs[key] = capture(model, micro, name=case["model"])
+            graphs[key] = capture_micro_batch(model, inputs, micro_batches, name=case["model"])
         try:
             results.append(_train(case, model, inputs, graphs[key], rank))
         except AutosbpError as exc:

@@ -23,13 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-from autosbp.capturing import capture
+from autosbp.capturing import capture_micro_batch
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan
 from autosbp.planner.assemble import PlanContext, assemble_plan
 from autosbp.planner.search import best_over_meshes, hand_plan_allow, mesh_shapes
-from autosbp.schedule import split_micro_batches
 from autosbp.zoo import build_model
 from costmodel.launch import run_workers
 from runtime import Engine
@@ -103,7 +102,7 @@ def _build(model: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
 @cache
 def _graph(model: str, micro_batches: int = 1) -> OpGraph:
     module, inputs = _build(model)
-    return capture(module, split_micro_batches(inputs, micro_batches)[0], name=MODELS[model][0])
+    return capture_micro_batch(module, inputs, micro_batches, name=MODELS[model][0])
 
 
 @cache

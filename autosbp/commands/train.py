@@ -85,12 +85,11 @@ def _plan_for(
 def _check_plan_model(plan: Plan, model: str, model_args: dict) -> None:
     """Refuse a plan made for another model here, before any process starts (a worker would
     refuse it too, but only after launching, as a failed rank)."""
-    from autosbp.capturing import capture
-    from autosbp.schedule import split_micro_batches
+    from autosbp.capturing import capture_micro_batch
     from autosbp.zoo import load_model
 
     module, inputs = load_model(model, model_args, device="meta")
-    graph = capture(module, split_micro_batches(inputs, plan.micro_batches)[0], name=model)
+    graph = capture_micro_batch(module, inputs, plan.micro_batches, name=model)
     plan.check_model(graph.fingerprint(), f"model `{model}`")
 
 

@@ -16,10 +16,10 @@ import torch
 from autosbp.errors import NoFitError, PlanError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan
-from autosbp.planner.assemble import PlanContext, assemble_plan
+from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
 from autosbp.planner.search import best_over_meshes, hand_plan_allow, mesh_shapes
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers
 # (an assumption; PyTorch's caching allocator typically loses 5-10% to fragmentation).
 MEMORY_RESERVE_FRACTION = 0.1
@@ -32,9 +32,7 @@ class ClusterPrices:
         self.cluster = cluster
 
     def op_time_s(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
-        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-            dtype, "fp32"
-        )
+        name = DTYPE_NAMES.get(dtype, "fp32")
         return float(self.cluster.op_time_s(flops, nbytes, name))
 
     def collective_time_s(
@@ -69,8 +67,7 @@ def auto_parallelize(
     ... while they divide the batch (with one pipeline stage, more micro-batches only save
     activation memory, so the fewest that fit is the fastest choice).
     """
-    from autosbp.capturing import capture
-    from autosbp.schedule import split_micro_batches
+    from autosbp.capturing import capture_micro_batch
 
     _check_request(devices, optimizer, dtype)  # before the capture, which can take a while
     _check_limits(memory_limit, global_batch, time_limit_s)
@@ -78,7 +75,7 @@ def auto_parallelize(
     counts = [micro_batches] if micro_batches is not None else _micro_batch_counts(example_inputs)
     last_error: NoFitError | None = None
     for count in counts:
-        graph = capture(model, list(split_micro_batches(example_inputs, count)[0]), name=name)
+        graph = capture_micro_batch(model, example_inputs, count, name=name)
         try:
             return plan_graph(
                 graph, profile=profile, devices=devices, memory_limit=memory_limit,

@@ -22,23 +22,12 @@ from typing import Any
 
 import torch
 
+from autosbp.flops import op_family
 from autosbp.graph import Role
 from autosbp.rules import NdSignature
 from autosbp.sbp import local_shape
 
 OPTIMIZER_STATES = {"adam": 2, "sgd_momentum": 1, "sgd": 0}
-
-# Ops whose output aliases an input (no new memory), or that only reshape metadata.
-VIEW_OPS = frozenset(
-    f"aten.{name}"
-    for name in (
-        "view.default", "_unsafe_view.default", "reshape.default", "t.default",
-        "transpose.int", "permute.default", "expand.default", "slice.Tensor", "select.int",
-        "unsqueeze.default", "squeeze.dim", "squeeze.dims", "split.Tensor", "split_with_sizes.default",
-        "alias.default", "detach.default", "flatten.using_ints", "contiguous.default",
-        "_assert_tensor_metadata.default",
-    )
-)  # fmt: skip
 
 
 def parameter_bytes_per_element(dtype: torch.dtype, optimizer: str) -> int:
@@ -68,7 +57,7 @@ def candidate_bytes(
             math.prod(local_shape(meta.shape, signature.outputs[0], mesh_shape))
             * meta.dtype.itemsize
         )
-    if role is not Role.COMPUTE or attrs["op"] in VIEW_OPS:
+    if role is not Role.COMPUTE or op_family(attrs["op"]) == "view":  # views alias their input
         return 0.0
     saved = sum(
         math.prod(local_shape(meta.shape, nd, mesh_shape)) * meta.dtype.itemsize

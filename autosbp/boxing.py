@@ -249,9 +249,16 @@ def _hops_along(paths: Paths, state: Code, reverse: bool) -> tuple[Hop, ...]:
 def _chain_same(
     src: Code, dst: Code, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
 ) -> tuple[Hop, ...]:
-    paths = _shortest_paths(src, shape, mesh_shape, reverse=False, target=dst)
+    paths = _paths_from(src, shape, mesh_shape)
     assert dst in paths, f"no chain {src} -> {dst}: every state reaches all-B and back"
     return _hops_along(paths, dst, reverse=False)
+
+
+@lru_cache(maxsize=4096)
+def _paths_from(src: Code, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Paths:
+    """Every best path from `src` (one search serves every destination: a settled state's
+    path is the same whether the search stops there or runs on)."""
+    return _shortest_paths(src, shape, mesh_shape, reverse=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
 from autosbp.errors import AutosbpError
 
@@ -22,6 +23,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("capture", "autosbp.commands.capture", "capture a model and summarize its operator graph"),
     ("plan", "autosbp.commands.plan", "find the fastest plan that fits and write it as JSON"),
     ("explain", "autosbp.commands.plan", "show the signatures a plan chose"),
+    (
+        "show",
+        "autosbp.commands.show",
+        "show a plan's predicted step timeline, beside a measured trace",
+    ),
     ("train", "autosbp.commands.train", "train a model under a plan on N local processes"),
     (
         "demo",
@@ -56,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(_module(args._module).run(args, console) or 0)
     except AutosbpError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted")

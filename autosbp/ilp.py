@@ -9,6 +9,10 @@ The whole formulation (tight edge / local-marginal-polytope form, no big-M):
   marginals   sum_j y[e, i, j] = x[u, i]    for every edge e = (u, v) and candidate i of u
               sum_i y[e, i, j] = x[v, j]    for every edge e = (u, v) and candidate j of v
   memory      sum_v sum_i m[k, v, i] x[v, i] <= limit[k] - constant[k]   for every constraint k
+  max terms   + w[t] z[t],  z[t] >= (the node + edge costs of part p)  for every part p of term t
+
+A max term prices the slowest of several parts (a pipeline: the slowest stage sets the steady
+state, `MaxTerm`); z[t] is continuous and, minimized, equals the largest part.
 
 With x integral the marginals force y integral (row i of e holds x[u, i], column j holds x[v, j]),
 so only x needs integrality, and the LP relaxation is often integral already (autoparallel
@@ -49,16 +53,41 @@ class MemoryConstraint:
 
 
 @dataclass(frozen=True)
+class Costs:
+    """Node-candidate and edge-pair costs; `value` prices one assignment."""
+
+    node_costs: Mapping[Key, np.ndarray]
+    edge_costs: Mapping[tuple[Key, Key], np.ndarray] = field(default_factory=dict)
+
+    def value(self, choice: Mapping[Key, int]) -> float:
+        total = sum(float(c[choice[v]]) for v, c in self.node_costs.items())
+        total += sum(float(m[choice[u], choice[v]]) for (u, v), m in self.edge_costs.items())
+        return total
+
+
+@dataclass(frozen=True)
+class MaxTerm:
+    """`weight` x the largest of `parts`. Every edge of a part must be an edge of the Problem
+    (its matrix there says which pairs are allowed)."""
+
+    weight: float
+    parts: Sequence[Costs]
+
+
+@dataclass(frozen=True)
 class Problem:
-    """Costs per node candidate and per edge pair; `math.inf` in an edge matrix forbids a pair."""
+    """Costs per node candidate and per edge pair; `math.inf` in an edge matrix forbids a pair.
+    The objective adds `max_terms` to the node and edge costs."""
 
     node_costs: Mapping[Key, np.ndarray]
     edge_costs: Mapping[tuple[Key, Key], np.ndarray] = field(default_factory=dict)
     memory: Sequence[MemoryConstraint] = ()
+    max_terms: Sequence[MaxTerm] = ()
 
     def objective(self, choice: Mapping[Key, int]) -> float:
-        total = sum(float(c[choice[v]]) for v, c in self.node_costs.items())
-        total += sum(float(m[choice[u], choice[v]]) for (u, v), m in self.edge_costs.items())
+        total = Costs(self.node_costs, self.edge_costs).value(choice)
+        for term in self.max_terms:
+            total += term.weight * max(part.value(choice) for part in term.parts)
         return total
 
     def feasible(self, choice: Mapping[Key, int], tol: float = 1e-6) -> bool:
@@ -136,8 +165,12 @@ def _solve_once(
         for i, cost in enumerate(costs):
             if math.isfinite(cost):
                 objective.SetCoefficient(x[v][i], float(cost) * scale)
-    for (u, v), matrix in problem.edge_costs.items():
-        _add_edge(mip, objective, x[u], x[v], matrix * scale, f"{u}->{v}")
+    y = {
+        (u, v): _add_edge(mip, objective, x[u], x[v], matrix * scale, f"{u}->{v}")
+        for (u, v), matrix in problem.edge_costs.items()
+    }
+    for k, term in enumerate(problem.max_terms):
+        _add_max_term(mip, objective, x, y, term, scale, f"max{k}")
     for mem in problem.memory:
         _add_memory(mip, x, mem)
     objective.SetMinimization()
@@ -156,11 +189,13 @@ def _solve_once(
 def _objective_scale(problem: Problem) -> float:
     """Costs are seconds, often 1e-6..1e-3: scale the largest to 1e3 so the solvers' absolute
     tolerances (about 1e-6) are negligible beside every cost."""
-    finite = [
-        float(np.max(np.abs(a[np.isfinite(a)])))
-        for a in (*problem.node_costs.values(), *problem.edge_costs.values())
-        if np.isfinite(a).any()
-    ]
+    arrays = [*problem.node_costs.values(), *problem.edge_costs.values()]
+    for term in problem.max_terms:
+        for part in term.parts:
+            arrays += [
+                c * term.weight for c in (*part.node_costs.values(), *part.edge_costs.values())
+            ]
+    finite = [float(np.max(np.abs(a[np.isfinite(a)]))) for a in arrays if np.isfinite(a).any()]
     largest = max(finite, default=0.0)
     return 1e3 / largest if largest > 0 else 1.0
 
@@ -181,7 +216,9 @@ def _add_node_variables(
         if len(costs) == 0:
             raise PlanError(f"node {v!r} has no candidate strategy.")
         x[v] = [mip.Var(0.0, 1.0, integer, f"x[{v}][{i}]") for i in range(len(costs))]
-        mip.Add(sum(x[v]) == 1)
+        one_hot = mip.Constraint(1.0, 1.0)
+        for var in x[v]:
+            one_hot.SetCoefficient(var, 1.0)
         for i, cost in enumerate(costs):
             if not math.isfinite(cost):
                 x[v][i].SetUb(0)
@@ -195,33 +232,73 @@ def _add_edge(
     xv: list[pywraplp.Variable],
     matrix: np.ndarray,
     name: str,
-) -> None:
+) -> dict[tuple[int, int], pywraplp.Variable]:
+    """The pair variables y[i, j] of the allowed pairs, tied to their endpoints' marginals."""
     assert matrix.shape == (len(xu), len(xv)), f"edge {name}: matrix {matrix.shape}"
     rows: list[list[pywraplp.Variable]] = [[] for _ in xu]
     cols: list[list[pywraplp.Variable]] = [[] for _ in xv]
+    pairs: dict[tuple[int, int], pywraplp.Variable] = {}
     for i, j in zip(*np.nonzero(np.isfinite(matrix)), strict=True):
-        y = mip.NumVar(0.0, 1.0, f"y[{name}][{i},{j}]")
+        y = pairs[int(i), int(j)] = mip.NumVar(0.0, 1.0, f"y[{name}][{i},{j}]")
         objective.SetCoefficient(y, float(matrix[i, j]))
         rows[i].append(y)
         cols[j].append(y)
-    for i, var in enumerate(xu):
-        mip.Add(sum(rows[i]) == var) if rows[i] else var.SetUb(0)
-    for j, var in enumerate(xv):
-        mip.Add(sum(cols[j]) == var) if cols[j] else var.SetUb(0)
+    for members, ends in ((rows, xu), (cols, xv)):
+        for ys, var in zip(members, ends, strict=True):
+            if ys:
+                _add_sum_equals(mip, ys, var)
+            else:
+                var.SetUb(0)
+    return pairs
+
+
+def _add_sum_equals(
+    mip: pywraplp.Solver, terms: list[pywraplp.Variable], var: pywraplp.Variable
+) -> None:
+    """sum(terms) == var, through the constraint API (the natural `sum(...) == var` builds
+    expression trees, which dominated building large problems)."""
+    row = mip.Constraint(0.0, 0.0)
+    for y in terms:
+        row.SetCoefficient(y, 1.0)
+    row.SetCoefficient(var, -1.0)
+
+
+def _add_max_term(
+    mip: pywraplp.Solver,
+    objective: pywraplp.Objective,
+    x: dict[Key, list[pywraplp.Variable]],
+    y: Mapping[tuple[Key, Key], dict[tuple[int, int], pywraplp.Variable]],
+    term: MaxTerm,
+    scale: float,
+    name: str,
+) -> None:
+    """z >= every part's cost (scaled like the objective); z costs `weight` in the objective."""
+    z = mip.NumVar(0.0, mip.infinity(), name)
+    objective.SetCoefficient(z, term.weight)
+    for part in term.parts:
+        row = mip.Constraint(0.0, mip.infinity())  # z - part >= 0
+        row.SetCoefficient(z, 1.0)
+        for v, costs in part.node_costs.items():
+            for i, c in enumerate(costs):
+                if c and math.isfinite(c):
+                    row.SetCoefficient(x[v][i], -float(c) * scale)
+        for edge, matrix in part.edge_costs.items():
+            assert edge in y, f"max term edge {edge} is not an edge of the problem"
+            for (i, j), var in y[edge].items():
+                if matrix[i, j]:
+                    row.SetCoefficient(var, -float(matrix[i, j]) * scale)
 
 
 def _add_memory(
     mip: pywraplp.Solver, x: dict[Key, list[pywraplp.Variable]], mem: MemoryConstraint
 ) -> None:
-    terms = [
-        float(b) * x[v][i]
-        for v, per in mem.bytes_per_candidate.items()
-        for i, b in enumerate(per)
-        if b
-    ]
     # Scale by the limit so the solver's tolerances see numbers near 1.
     scale = 1.0 / max(abs(mem.limit_bytes), 1.0)
-    mip.Add(sum(t * scale for t in terms) <= (mem.limit_bytes - mem.constant_bytes) * scale)
+    row = mip.Constraint(-mip.infinity(), (mem.limit_bytes - mem.constant_bytes) * scale)
+    for v, per in mem.bytes_per_candidate.items():
+        for i, b in enumerate(per):
+            if b:
+                row.SetCoefficient(x[v][i], float(b) * scale)
 
 
 def brute_force(problem: Problem) -> Solution:

@@ -62,11 +62,20 @@ class ParamPlan:
 
 @dataclass(frozen=True)
 class StagePlan:
+    """One pipeline stage: its devices (row-major over `mesh_shape`), the repeated blocks it runs,
+    and the predicted per-micro-batch times the actor simulation replays (`forward_s`,
+    `backward_s` incl. boxing and recomputation, `send_s` to the next stage, one way) and the
+    per-step `update_s` (gradient sync + optimizer). `step_time_s`: the stage's busy time."""
+
     devices: tuple[int, ...]
     mesh_shape: tuple[int, ...]
     blocks: tuple[int, ...] = ()
     step_time_s: float = 0.0
     peak_memory_bytes: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    send_s: float = 0.0
+    update_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -196,13 +205,7 @@ class Plan:
             mesh_dims=tuple(data["mesh"]["dims"]),
             link_classes=tuple(data["mesh"]["link_classes"]),
             stages=tuple(
-                StagePlan(
-                    tuple(s["devices"]),
-                    tuple(s["mesh_shape"]),
-                    tuple(s["blocks"]),
-                    s["step_time_s"],
-                    s["peak_memory_bytes"],
-                )
+                StagePlan(**{**s, **{k: tuple(s[k]) for k in ("devices", "mesh_shape", "blocks")}})
                 for s in data["stages"]
             ),
             micro_batches=data["micro_batches"],

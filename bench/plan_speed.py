@@ -61,7 +61,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = [(layers, measure(layers)) for layers in args.layers]
     base = rows[0][1]["search_s"]
-    print(f"{'layers':>6} {'capture s':>10} {'search s':>9} {'vs first':>8} {'status':>8} {'gap':>7} {'mesh':>8} {'pred step s':>11}")
+    print(
+        f"{'layers':>6} {'capture s':>10} {'search s':>9} {'vs first':>8} {'status':>8} {'gap':>7} {'mesh':>8} {'pred step s':>11}"
+    )
     for layers, r in rows:
         print(
             f"{layers:>6} {r['capture_s']:>10.1f} {r['search_s']:>9.1f} {r['search_s'] / base:>7.2f}x "

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from autosbp.boxing import plan_boxing
 from autosbp.boxing_steps import BoxingStep, StepKind
@@ -38,6 +39,7 @@ __all__ = [
     "Instruction",
     "Values",
     "box_instruction",
+    "checkpoint_instruction",
     "compute_instruction",
     "write_back_instruction",
 ]
@@ -139,6 +141,43 @@ def _general_instruction(op: LocalOp, ins: tuple[int, ...], outs: tuple[int, ...
         results = op([values[slot] for slot in ins])
         for slot, result in zip(outs, results, strict=True):
             values[slot] = result
+
+    return run
+
+
+def checkpoint_instruction(
+    steps: Sequence[Instruction],
+    frees: Sequence[tuple[int, ...]],
+    ins: tuple[int, ...],
+    outs: tuple[int, ...],
+    template: Sequence[Any],
+    persistent: set[int],
+) -> Instruction:
+    """`steps` as one activation-checkpointed step (torch.utils.checkpoint, non-reentrant):
+    it reads slots `ins` (and persistent ones: parameters, buffers, constants), writes `outs`,
+    and in backward runs `steps` again from the saved `ins`. Collectives inside it run again in
+    backward too, in the same order on every rank of the stage."""
+    size = len(template)
+    fixed = [(slot, template[slot]) for slot in sorted(persistent)]
+
+    def segment(*tensors: Any) -> tuple[Any, ...]:
+        values: Values = [None] * size
+        for slot, value in fixed:
+            values[slot] = value
+        for slot, value in zip(ins, tensors, strict=True):
+            values[slot] = value
+        for step, free in zip(steps, frees, strict=True):
+            step(values)
+            for slot in free:
+                values[slot] = None
+        return tuple(values[slot] for slot in outs)
+
+    def run(values: Values) -> None:
+        results = torch.utils.checkpoint.checkpoint(
+            segment, *(values[slot] for slot in ins), use_reentrant=False
+        )
+        for slot, value in zip(outs, results, strict=True):
+            values[slot] = value
 
     return run
 

@@ -1,28 +1,40 @@
-"""`Engine`: train a model under a single-stage Plan on every rank of a torch.distributed world.
+"""`Engine`: train a model under a Plan on every rank of a torch.distributed world.
 
-Lives here: the checks that a plan fits this model and world, this rank's state (each parameter
-as the local shard of its plan SBP, a leaf that requires grad; buffers likewise), the step (the
-program's forward, the loss seed, backward, gradient sync, the optimizer) and `full_state_dict`.
-Lives elsewhere: the forward program (`runtime.program`), the collectives and process groups
-(`runtime.boxing`, `runtime.groups`), the plan (`autosbp.plan`), capture (`autosbp.capturing`).
+Lives here: the checks that a plan fits this model and world, this rank's stage and state (each
+parameter of its stage as the local shard of its plan SBP, a leaf that requires grad; buffers
+likewise), the step (the stage's 1F1B order of forwards and backwards per micro-batch, the
+cross-stage sends and receives, the loss seed, gradient sync, the optimizer) and
+`full_state_dict`. Lives elsewhere: the stage's program (`runtime.program`), the firing order
+(`autosbp.schedule.stage_orders`), the collectives and process groups (`runtime.boxing`,
+`runtime.groups`), the plan (`autosbp.plan`), capture (`autosbp.capturing`).
 
 Invariants:
 - Everything is planned in the constructor; `step` runs prebuilt closures only.
-- The loss (layout L) is boxed to P on every mesh dim before backward, and every rank seeds 1:
-  the backward of that boxing (B -> P keeps the seed on coordinate 0 of each B mesh dim) makes
-  the seeds sum to exactly one, so a replicated loss is not counted once per device.
+- Each stage runs the firing order the actor rules give it (`stage_orders`): receives block,
+  sends do not (isend, waited for at the end of the step), so the order cannot deadlock. A
+  value crossing stages keeps its layout: device i of one stage sends its local piece to device
+  i of the other, and the gradient comes back the same way.
+- The loss (layout L, on the last stage) is boxed to P on every mesh dim before backward, and
+  every rank seeds 1: the backward of that boxing (B -> P keeps the seed on coordinate 0 of each
+  B mesh dim) makes the seeds sum to exactly one, so a replicated loss is not counted once per
+  device. Every rank returns the loss (broadcast from the last stage).
 - A parameter in layout p ends backward with its gradient in dual(p) (P where p has B, S where p
-  has S); the sync boxes dual(p) -> p (an all-reduce over p's B mesh dims). Gradients with the
-  same B mesh dims and dtype are synced together in flat buckets (as DDP does), in graph order.
+  has S); the sync boxes dual(p) -> p (an all-reduce over p's B mesh dims of its stage).
+  Gradients with the same B mesh dims and dtype are synced together in flat buckets (as DDP
+  does), in graph order. A parameter read on a later stage (a tied embedding) is sent there
+  every micro-batch and its gradient sent back.
 - The optimizer steps on local shards: exact for elementwise optimizers (SGD, Adam, AdamW), not
   for ones that take norms across a whole tensor (LAMB, gradient clipping by global norm).
-- Every wait is a collective of the process groups, bounded by the world's timeout.
-Reference: design.md 3.7; torch DDP's gradient buckets (`bucket_cap_mb`, 25 MB by default).
+- Every wait is bounded by the world's timeout.
+Reference: design.md 3.7; Narayanan et al. 2021 (1F1B); torch DDP's gradient buckets
+(`bucket_cap_mb`, 25 MB by default).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,15 +42,16 @@ import torch.distributed as dist
 from torch import nn
 
 from autosbp.errors import ExecutionError, PlanError
-from autosbp.graph import OpGraph, Role
+from autosbp.graph import OpGraph, Role, TensorMeta
 from autosbp.layout import shard_tensor
 from autosbp.plan import Plan
 from autosbp.rules import NdSignature
-from autosbp.sbp import B, Broadcast, Mesh, NdSbp, P, Partial, format_nd_sbp
-from autosbp.schedule import GRAD_BUCKET_BYTES, split_micro_batches
+from autosbp.sbp import B, Broadcast, Mesh, NdSbp, P, Partial, format_nd_sbp, local_shape
+from autosbp.schedule import GRAD_BUCKET_BYTES, Phase, split_micro_batches, stage_orders
+from autosbp.timeline import Recorder
 from runtime.closures import Boxer
-from runtime.groups import build_groups
-from runtime.program import Program, build_program, read_signatures
+from runtime.groups import build_groups, world_timeout
+from runtime.program import Program, build_program, read_signatures, stage_boundaries
 
 __all__ = ["Engine"]
 
@@ -58,7 +71,8 @@ class Engine:
 
     `optimizer_factory(local_params)` builds the optimizer over this rank's shards;
     `example_inputs` are the inputs the plan was made with (their shapes are checked); `graph`
-    is an already captured graph of `model` to skip capturing again.
+    is an already captured graph of one micro-batch of `model` to skip capturing again;
+    `recorder` (autosbp.timeline.Recorder) records every actor firing of every step.
     """
 
     def __init__(
@@ -69,8 +83,9 @@ class Engine:
         *,
         example_inputs: Sequence[torch.Tensor],
         graph: OpGraph | None = None,
+        recorder: Recorder | None = None,
     ) -> None:
-        _check_scope(plan)
+        _check_stages(plan)
         if not dist.is_available() or not dist.is_initialized():
             raise ExecutionError(
                 "Engine needs an initialized torch.distributed world; launch with torchrun "
@@ -85,57 +100,159 @@ class Engine:
             graph = capture_micro_batch(model, example_inputs, self.micro_batches)
         plan.check_model(graph.fingerprint(), f"model `{graph.model_name}`")
         self.plan, self.graph = plan, graph
-        self.mesh = Mesh(plan.mesh_shape, plan.mesh_dims, plan.stages[0].devices, plan.link_classes)
         self.rank = dist.get_rank()
-        self.coords = self.mesh.coords(self.mesh.device_ids.index(self.rank))
+        meshes = [
+            Mesh(plan.mesh_shape, plan.mesh_dims, stage.devices, plan.link_classes)
+            for stage in plan.stages
+        ]
+        self.stage = next(s for s, mesh in enumerate(meshes) if self.rank in mesh.device_ids)
+        self.mesh = meshes[self.stage]
+        self.index = self.mesh.device_ids.index(self.rank)
+        self.coords = self.mesh.coords(self.index)
         self.signatures = read_signatures(graph, plan, self.mesh.shape)
-        self.boxer = Boxer(self.mesh, build_groups([self.mesh]))
+        stage_of = {name: node.stage for name, node in plan.nodes.items()}
+        self.boxer = Boxer(self.mesh, build_groups(meshes))
         self.layouts = _state_layouts(graph, self.signatures, plan)
         self.shapes = {a["name"]: a["outputs"][0].shape for _, a in graph.nodes() if a["name"]}
-        self.state = _materialize(model, graph, self.layouts, self.mesh, self.coords)
-        self.parameters = {name: self.state[name] for name in _names(graph, Role.PARAMETER)}
-        self.program: Program = build_program(
-            graph, self.signatures, self.state, self.coords, self.boxer
+        self.owner = {
+            attrs["name"]: stage_of[node]
+            for node, attrs in graph.nodes()
+            if attrs["role"] in (Role.PARAMETER, Role.BUFFER)
+        }
+        self.state = _materialize(
+            model,
+            graph,
+            self.layouts,
+            self.mesh,
+            self.coords,
+            lambda n: self.owner[n] == self.stage,
         )
-        loss_layout, ndim = self.program.loss_layout, self.mesh.ndim
-        self._seed = self.boxer.chain(loss_layout, (P,) * ndim, ())
-        self._loss_value = self.boxer.chain(loss_layout, (B,) * ndim, ())
+        self.parameters = {
+            name: self.state[name] for name in _names(graph, Role.PARAMETER) if name in self.state
+        }
+        self.program: Program = build_program(
+            graph, self.signatures, self.state, self.coords, self.boxer,
+            stage_of=stage_of, stage=self.stage, recompute=plan.recompute,
+        )  # fmt: skip
+        self._links = _links(graph, self.signatures, stage_of, meshes, self.stage, self.index)
+        self._order = stage_orders(len(meshes), self.micro_batches)[self.stage]
+        self._last_stage = meshes[stage_of["output"]] if "output" in stage_of else meshes[-1]
+        ndim = self.mesh.ndim
+        loss_layout = self.program.loss_layout
+        if loss_layout is not None:
+            self._seed = self.boxer.chain(loss_layout, (P,) * ndim, ())
+            self._loss_value = self.boxer.chain(loss_layout, (B,) * ndim, ())
         self._buckets = _grad_buckets(self.parameters, self.layouts, self.mesh, self._bucket_sync)
         self.optimizer = optimizer_factory(list(self.parameters.values()))
+        self.recorder = recorder
+        self._span = recorder.span if recorder is not None else _no_span
+        self._timeout = world_timeout()
 
     # ---- one step --------------------------------------------------------------------------
 
     def step(self, batch: Sequence[torch.Tensor]) -> float:
-        """One training step on the global `batch` (the same tensors on every rank): forward and
-        backward of each micro-batch (gradients accumulate, each loss scaled by 1/micro-batches:
-        the loss must be a mean over the batch), gradient sync, optimizer step. Returns the full
-        loss (the mean over micro-batches)."""
+        """One training step on the global `batch` (the same tensors on every rank): this
+        stage's forward and backward of each micro-batch in its 1F1B order (`stage_orders`),
+        activations and gradients exchanged with the other stages, gradients accumulated (each
+        loss scaled by 1/micro-batches: the loss must be a mean over the batch), gradient sync,
+        optimizer step. Returns the full loss (the mean over micro-batches) on every rank."""
         self.optimizer.zero_grad(set_to_none=True)
-        value = 0.0
-        for micro_batch in split_micro_batches(batch, self.micro_batches):
-            loss = self.program.run(micro_batch)
-            with torch.no_grad():
-                value += float(self._loss_value(loss.detach())) / self.micro_batches
-            (self._seed(loss) * (1.0 / self.micro_batches)).backward()
-        with torch.no_grad():
+        pieces = split_micro_batches(batch, self.micro_batches)
+        in_flight: dict[
+            int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]
+        ] = {}
+        sends: list[tuple[dist.Work, torch.Tensor]] = []
+        value = torch.zeros(())
+        for phase, mb in self._order:
+            if phase is Phase.FORWARD:
+                received = self._receive(mb, backward=False)
+                with self._span("forward", mb):
+                    loss, exports = self.program.run(pieces[mb], received)
+                sends += self._send(exports, backward=False)
+                in_flight[mb] = (received, exports, loss)
+                if loss is not None:
+                    with torch.no_grad():
+                        value += self._loss_value(loss.detach()) / self.micro_batches
+            else:
+                received, exports, loss = in_flight.pop(mb)
+                grads = self._receive(mb, backward=True)
+                with self._span("backward", mb):
+                    _backward(
+                        self._seed(loss) * (1.0 / self.micro_batches) if loss is not None else None,
+                        exports,
+                        grads,
+                    )
+                sends += self._send(
+                    [x.grad if x.grad is not None else torch.zeros_like(x) for x in received
+                     if x.is_floating_point()],
+                    backward=True,
+                )  # fmt: skip
+        for work, _ in sends:
+            work.wait(self._timeout)
+        with torch.no_grad(), self._span("grad_sync"):
             for bucket in self._buckets:
                 _sync_bucket(bucket)
-        self.optimizer.step()
-        return value
+        with self._span("optimizer"):
+            self.optimizer.step()
+        if len(self.plan.stages) > 1:  # every rank returns the loss of the last stage
+            dist.broadcast(value, src=self._last_stage.device_ids[0])
+        return float(value)
+
+    def _receive(self, mb: int, *, backward: bool) -> list[torch.Tensor]:
+        """This micro-batch's values from earlier stages (forward), or the gradients of the
+        values this stage sent (backward), in `stage_boundaries` order."""
+        links = self._links.grads_in if backward else self._links.values_in
+        if not links:
+            return []
+        out = []
+        with self._span("recv", mb):
+            for peer, metas in links:
+                for meta in metas:
+                    buffer = torch.empty(meta.shape, dtype=meta.dtype)
+                    _p2p(dist.irecv, buffer, peer, int(backward)).wait(self._timeout)
+                    if not backward and buffer.is_floating_point():
+                        buffer.requires_grad_(True)
+                    out.append(buffer)
+        return out
+
+    def _send(
+        self, tensors: Sequence[torch.Tensor], *, backward: bool
+    ) -> list[tuple[dist.Work, torch.Tensor]]:
+        links = self._links.grads_out if backward else self._links.values_out
+        works, position = [], 0
+        for peer, metas in links:
+            for _ in metas:
+                tensor = tensors[position].detach().contiguous()
+                position += 1
+                works.append((_p2p(dist.isend, tensor, peer, int(backward)), tensor))
+        assert position == len(tensors), f"sent {position} of {len(tensors)} values"
+        return works
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer assembled whole (tied names included). A collective: every
         rank must call it, and every rank gets the full tensors."""
         out: dict[str, torch.Tensor] = {}
+        staged = len(self.plan.stages) > 1
         with torch.no_grad():
-            for name, local in self.state.items():
+            for name, owner in self.owner.items():
                 shape, layout = self.shapes[name], self.layouts[name]
-                gather = self.boxer.chain(layout, (B,) * self.mesh.ndim, shape, local.dtype)
-                out[name] = gather(local.detach()).clone()
+                if name in self.state:
+                    local = self.state[name]
+                    gather = self.boxer.chain(layout, (B,) * self.mesh.ndim, shape, local.dtype)
+                    whole = gather(local.detach()).clone()
+                else:
+                    whole = torch.empty(shape, dtype=self._dtype_of(name))
+                if staged:
+                    dist.broadcast(whole, src=self.plan.stages[owner].devices[0])
+                out[name] = whole
         for alias, kept in self.graph.meta.get("tied", {}).items():
             if kept in out:
                 out[alias] = out[kept]
         return out
+
+    def _dtype_of(self, name: str) -> torch.dtype:
+        node = next(n for n, a in self.graph.nodes() if a["name"] == name)
+        return self.graph.graph.nodes[node]["outputs"][0].dtype
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -148,12 +265,102 @@ class Engine:
         return self.boxer.chain(src, (B,) * self.mesh.ndim, (numel,), dtype, donate=True)
 
 
-def _check_scope(plan: Plan) -> None:
-    if len(plan.stages) != 1:
+def _p2p(
+    op: Callable[..., dist.Work | None], tensor: torch.Tensor, peer: int, tag: int
+) -> dist.Work:
+    """One isend/irecv with a global peer rank (a tag per direction: 0 values, 1 gradients)."""
+    work = op(tensor, peer, tag=tag)
+    assert work is not None, "isend/irecv returned no work: is this rank in the default group?"
+    return work
+
+
+@contextlib.contextmanager
+def _no_span(kind: str, micro_batch: int | None = None) -> Iterator[None]:
+    yield
+
+
+def _backward(
+    seed: torch.Tensor | None, exports: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> None:
+    """Backward of one micro-batch on one stage: from the loss seed (last stage) and from the
+    gradients later stages sent for this stage's exports (floating values only, in order)."""
+    roots: list[torch.Tensor] = []
+    root_grads: list[torch.Tensor | None] = []
+    if seed is not None:
+        roots.append(seed)
+        root_grads.append(None)
+    floating = [x for x in exports if x.is_floating_point()]
+    for tensor, grad in zip(floating, grads, strict=True):
+        if tensor.requires_grad:
+            roots.append(tensor)
+            root_grads.append(grad)
+    if roots:
+        torch.autograd.backward(roots, root_grads)
+
+
+@dataclass(frozen=True)
+class _Links:
+    """Peers and local tensor metas of this rank's cross-stage traffic, in exchange order:
+    values in (from earlier stages), values out, gradients in (for values out, floating only),
+    gradients out (for values in, floating only)."""
+
+    values_in: tuple[tuple[int, tuple[TensorMeta, ...]], ...]
+    values_out: tuple[tuple[int, tuple[TensorMeta, ...]], ...]
+    grads_in: tuple[tuple[int, tuple[TensorMeta, ...]], ...]
+    grads_out: tuple[tuple[int, tuple[TensorMeta, ...]], ...]
+
+
+def _links(
+    graph: OpGraph,
+    signatures: Mapping[str, NdSignature],
+    stage_of: Mapping[str, int],
+    meshes: Sequence[Mesh],
+    stage: int,
+    index: int,
+) -> _Links:
+    """Device `index` of one stage talks to device `index` of another: a value keeps its layout
+    across stages (every stage has the same mesh shape), so each sends its own local piece."""
+
+    def local(value: tuple[str, int]) -> TensorMeta:
+        node, out = value
+        meta = graph.graph.nodes[node]["outputs"][out]
+        layout = signatures[node].outputs[out]
+        return TensorMeta(local_shape(meta.shape, layout, meshes[stage].shape), meta.dtype)
+
+    values_in, values_out = [], []
+    for (src, dst), values in sorted(stage_boundaries(graph, stage_of).items()):
+        metas = tuple(local(v) for v in values)
+        if dst == stage:
+            values_in.append((meshes[src].device_ids[index], metas))
+        if src == stage:
+            values_out.append((meshes[dst].device_ids[index], metas))
+
+    def floating(links: list) -> tuple:
+        kept = [
+            (peer, tuple(m for m in metas if m.dtype.is_floating_point)) for peer, metas in links
+        ]
+        return tuple((peer, metas) for peer, metas in kept if metas)
+
+    return _Links(tuple(values_in), tuple(values_out), floating(values_out), floating(values_in))
+
+
+def _check_stages(plan: Plan) -> None:
+    """Stages must split the devices 0..N-1 between them, each on a mesh of the plan's shape."""
+    devices = [d for stage in plan.stages for d in stage.devices]
+    size = math.prod(plan.mesh_shape)
+    if sorted(devices) != list(range(plan.device_count)) or any(
+        len(stage.devices) != size for stage in plan.stages
+    ):
         raise PlanError(
-            f"not supported yet: pipeline stages. This plan has {len(plan.stages)} stages; this "
-            "runtime runs plans of one stage (micro-batches accumulate gradients). Make a plan "
-            "with one stage for now."
+            f"the plan's stages {[list(s.devices) for s in plan.stages]} do not split devices "
+            f"0..{plan.device_count - 1} into meshes of shape {plan.mesh_shape}; the plan was "
+            "edited or damaged: make it again with `autosbp plan`."
+        )
+    bad = sorted({n.stage for n in plan.nodes.values()} - set(range(len(plan.stages))))
+    if bad:
+        raise PlanError(
+            f"the plan puts nodes on stage(s) {bad} but has {len(plan.stages)} stage(s); the "
+            "plan was edited or damaged: make it again with `autosbp plan`."
         )
 
 
@@ -191,8 +398,10 @@ def _materialize(
     layouts: Mapping[str, NdSbp],
     mesh: Mesh,
     coords: tuple[int, ...],
+    here: Callable[[str], bool],
 ) -> dict[str, torch.Tensor]:
-    """This rank's shard of every parameter (a fresh leaf that requires grad) and buffer."""
+    """This rank's shard of every parameter (a fresh leaf that requires grad) and buffer of
+    its stage (`here(name)`)."""
     sources: dict[str, torch.Tensor] = dict(graph.meta.get("constants", {}))
     sources.update(model.named_buffers(remove_duplicate=False))
     sources.update(model.named_parameters(remove_duplicate=False))
@@ -201,6 +410,8 @@ def _materialize(
         if attrs["role"] not in (Role.PARAMETER, Role.BUFFER):
             continue
         name = attrs["name"]
+        if not here(name):
+            continue
         full = sources[name].detach()
         if full.is_meta:
             raise ExecutionError(

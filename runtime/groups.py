@@ -24,7 +24,7 @@ import torch.distributed as dist
 from autosbp.sbp import Mesh
 from costmodel.errors import ExecutionError
 
-__all__ = ["ProcessGroups", "build_groups"]
+__all__ = ["ProcessGroups", "build_groups", "world_timeout"]
 
 
 class ProcessGroups:
@@ -39,7 +39,7 @@ class ProcessGroups:
         for mesh_dim in range(mesh.ndim):
             for ranks in mesh.groups(mesh_dim):
                 if len(ranks) > 1 and ranks not in self._groups:
-                    self._groups[ranks] = dist.new_group(list(ranks), timeout=_world_timeout())
+                    self._groups[ranks] = dist.new_group(list(ranks), timeout=world_timeout())
         self.meshes.append(mesh)
 
     def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
@@ -61,7 +61,7 @@ def build_groups(meshes: Iterable[Mesh]) -> ProcessGroups:
     return groups
 
 
-def _world_timeout() -> datetime.timedelta:
+def world_timeout() -> datetime.timedelta:
     """The default group's timeout: new_group would otherwise take the backend's (30 min)."""
     pg = dist.distributed_c10d._get_default_group()
     return pg._get_backend(torch.device("cpu")).options._timeout

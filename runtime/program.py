@@ -36,6 +36,7 @@ from autosbp.boxing_steps import local_box
 from autosbp.errors import PlanError
 from autosbp.graph import OpGraph, Role, TensorMeta
 from autosbp.plan import Plan
+from autosbp.planner.pipeline import recomputed
 from autosbp.rules import NdSignature, local_op, nd_signatures
 from autosbp.rules.core import tensor_slots
 from autosbp.sbp import Mesh, NdSbp, Partial, format_nd_sbp, local_shape, parse_nd_sbp
@@ -44,6 +45,7 @@ from runtime.closures import (
     Instruction,
     Values,
     box_instruction,
+    checkpoint_instruction,
     compute_instruction,
     write_back_instruction,
 )
@@ -61,37 +63,51 @@ class InputLoader:
     index: tuple[slice, ...] | None  # None: the whole tensor (B on every mesh dim)
 
 
+Value = tuple[str, int]  # (producer node, output index)
+
+
 @dataclass(frozen=True, slots=True)
 class Program:
-    """The forward of one step: fill the inputs, run the instructions, return the local loss.
+    """One stage's forward of one micro-batch: fill the inputs and the values received from
+    earlier stages, run the instructions, return the local loss (None on stages without it) and
+    the values later stages need.
 
     `template` holds the persistent tensors (parameters, buffers, constants) at their slots;
     `steps[k]` runs, then the slots in `frees[k]` are cleared. The loss sits at `loss_slot` in
-    layout `loss_layout`.
+    layout `loss_layout`; `imports[k]` is the slot of the k-th received value, `exports[k]` of
+    the k-th sent one (`stage_boundaries` orders both).
     """
 
     template: tuple[Any, ...]
     inputs: tuple[InputLoader, ...]
     steps: tuple[Instruction, ...]
     frees: tuple[tuple[int, ...], ...]
-    loss_slot: int
-    loss_layout: NdSbp
+    loss_slot: int | None
+    loss_layout: NdSbp | None
     model_name: str
+    num_inputs: int = 0  # the model's user inputs (a stage may read only some)
+    imports: tuple[int, ...] = ()
+    exports: tuple[int, ...] = ()
 
-    def run(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    def run(
+        self, batch: Sequence[torch.Tensor], received: Sequence[torch.Tensor] = ()
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         values: Values = list(self.template)
         self._load(values, batch)
+        for slot, value in zip(self.imports, received, strict=True):
+            values[slot] = value
         for step, frees in zip(self.steps, self.frees, strict=True):
             step(values)
             for slot in frees:
                 values[slot] = None
-        return values[self.loss_slot]
+        loss = values[self.loss_slot] if self.loss_slot is not None else None
+        return loss, [values[slot] for slot in self.exports]
 
     def _load(self, values: Values, batch: Sequence[torch.Tensor]) -> None:
-        if len(batch) != len(self.inputs):
+        if len(batch) != self.num_inputs:
             raise PlanError(
                 f"step() got {len(batch)} input tensors but model `{self.model_name}` takes "
-                f"{len(self.inputs)}; pass them in forward's order, like the example inputs."
+                f"{self.num_inputs}; pass them in forward's order, like the example inputs."
             )
         for loader in self.inputs:
             x = batch[loader.position]
@@ -151,7 +167,9 @@ class _Builder:
     steps: list[Instruction] = dataclasses.field(default_factory=list)
     reads: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     writes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    owners: list[str] = dataclasses.field(default_factory=list)  # the node each step serves
     template: list[Any] = dataclasses.field(default_factory=list)
+    current: str = ""
 
     def new_slot(self, value: Any = None) -> int:
         self.template.append(value)
@@ -178,11 +196,13 @@ class _Builder:
         return self.boxed[key]
 
     def emit(self, step: Instruction, reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
+        self.owners.append(self.current)
         self.steps.append(step)
         self.reads.append(reads)
         self.writes.append(writes)
 
     def add_compute(self, name: str, attrs: Mapping[str, Any]) -> None:
+        self.current = name
         sig = self.signatures[name]
         ins = tuple(self.source(name, i, want) for i, want in enumerate(sig.inputs))
         outs = tuple(self.new_slot() for _ in attrs["outputs"])
@@ -216,48 +236,154 @@ class _Builder:
         self.emit(write_back_instruction(box, copy, target), (copy,), ())
 
 
+def stage_boundaries(
+    graph: OpGraph, stage_of: Mapping[str, int] | None
+) -> dict[tuple[int, int], list[Value]]:
+    """(sending stage, receiving stage) -> the values it carries, in graph order: every output
+    of a non-input node read on a later stage (user inputs are read by each stage itself)."""
+    out: dict[tuple[int, int], list[Value]] = {}
+    if stage_of is None:
+        return out
+    for name in graph.order:
+        if graph.graph.nodes[name]["role"] is Role.INPUT:
+            continue
+        readers: dict[tuple[int, int], None] = {}
+        for v in graph.graph.successors(name):
+            if stage_of[v] != stage_of[name]:
+                for out_idx, _ in graph.graph.edges[name, v]["uses"]:
+                    readers[(stage_of[v], out_idx)] = None
+        for reader, out_idx in sorted(readers):
+            out.setdefault((stage_of[name], reader), []).append((name, out_idx))
+    return out
+
+
 def build_program(
     graph: OpGraph,
     signatures: Mapping[str, NdSignature],
     state: Mapping[str, torch.Tensor],
     coords: tuple[int, ...],
     boxer: Boxer,
+    *,
+    stage_of: Mapping[str, int] | None = None,
+    stage: int = 0,
+    recompute: str = "none",
 ) -> Program:
-    """This rank's program. `state` maps every parameter/buffer/constant name of the graph to
-    this rank's local tensor in its plan layout."""
+    """This rank's program for `stage` (every node when `stage_of` is None). `state` maps every
+    parameter/buffer/constant name of the stage to this rank's local tensor in its plan layout.
+    `recompute` (a plan's mode) wraps each run of recomputed steps in activation checkpointing."""
     device = next(iter(state.values())).device if state else torch.device("cpu")
     mesh = boxer.mesh
     builder = _Builder(graph, signatures, mesh, coords, boxer, device)
+    here = _stage_nodes(graph, stage_of, stage)
+    boundaries = stage_boundaries(graph, stage_of)
+    imports = [
+        builder.slots.setdefault(value, builder.new_slot())
+        for (src, dst), values in sorted(boundaries.items())
+        if dst == stage
+        for value in values
+    ]
     inputs: list[InputLoader] = []
     loss: tuple[int, NdSbp] | None = None
-    for name, attrs in graph.nodes():
-        role = attrs["role"]
-        if role in (Role.PARAMETER, Role.BUFFER):
-            builder.slots[(name, 0)] = builder.new_slot(state[attrs["name"]])
-        elif role is Role.INPUT:
+    for position, (name, attrs) in enumerate(graph.nodes(Role.INPUT)):
+        if name in here:
             slot = builder.new_slot()
             builder.slots[(name, 0)] = slot
             meta, layout = attrs["outputs"][0], builder.layout(name, 0)
             inputs.append(
-                InputLoader(len(inputs), slot, meta, _input_index(meta, layout, mesh, coords))
+                InputLoader(position, slot, meta, _input_index(meta, layout, mesh, coords))
             )
+    for name, attrs in graph.nodes():
+        role = attrs["role"]
+        if name not in here or role is Role.INPUT:
+            continue
+        if role in (Role.PARAMETER, Role.BUFFER):
+            builder.slots[(name, 0)] = builder.new_slot(state[attrs["name"]])
         elif role is Role.OUTPUT:
             node, out = graph.producers(name)[0]  # type: ignore[misc]
             loss = (builder.slots[(node, out)], builder.layout(node, out))
         else:
             builder.add_compute(name, attrs)
-    assert loss is not None, f"{graph.model_name}: the graph has no output node"
-    keep = {loss[0], *_persistent(builder.template)}
+    exports = [
+        builder.slots[value]
+        for (src, dst), values in sorted(boundaries.items())
+        if src == stage
+        for value in values
+    ]
+    keep = {*exports, *_persistent(builder.template)} | ({loss[0]} if loss else set())
     frees = _last_uses(builder.reads, builder.writes, keep)
+    steps, frees = _checkpointed(builder, frees, keep, recompute)
     return Program(
         template=tuple(builder.template),
         inputs=tuple(inputs),
-        steps=tuple(builder.steps),
+        steps=steps,
         frees=frees,
-        loss_slot=loss[0],
-        loss_layout=loss[1],
+        loss_slot=loss[0] if loss else None,
+        loss_layout=loss[1] if loss else None,
         model_name=graph.model_name,
+        num_inputs=sum(1 for _ in graph.nodes(Role.INPUT)),
+        imports=tuple(imports),
+        exports=tuple(exports),
     )
+
+
+def _checkpointed(
+    builder: _Builder,
+    frees: tuple[tuple[int, ...], ...],
+    keep: set[int],
+    recompute: str,
+) -> tuple[tuple[Instruction, ...], tuple[tuple[int, ...], ...]]:
+    """The steps with every maximal run of recomputed steps of one block (`planner.pipeline.
+    recomputed`; ops that write into inputs never are) replaced by one checkpointed step: its
+    inputs are saved, what it computes is dropped after forward and recomputed in backward."""
+    nodes = builder.graph.graph.nodes
+
+    def group(k: int) -> int | None:
+        attrs = nodes[builder.owners[k]] if builder.owners[k] else None
+        if attrs is None or mutated_inputs(attrs) or not recomputed(attrs, recompute):
+            return None
+        return attrs["block"]
+
+    steps: list[Instruction] = []
+    out_frees: list[tuple[int, ...]] = []
+    k, n = 0, len(builder.steps)
+    while k < n:
+        block = group(k)
+        end = k + 1
+        while block is not None and end < n and group(end) == block:
+            end += 1
+        if block is None or end - k < 2:
+            steps.append(builder.steps[k])
+            out_frees.append(frees[k])
+            k = end
+            continue
+        written = {s for j in range(k, end) for s in builder.writes[j]}
+        read = {s for j in range(k, end) for s in builder.reads[j]}
+        persistent = _persistent(builder.template)
+        ins = tuple(sorted(read - written - persistent))
+        later = {s for j in range(end, n) for s in builder.reads[j]} | keep
+        outs = tuple(sorted(written & later))
+        inner = tuple(tuple(s for s in frees[j] if s not in outs) for j in range(k, end))
+        steps.append(
+            checkpoint_instruction(
+                builder.steps[k:end], inner, ins, outs, builder.template, persistent
+            )
+        )
+        out_frees.append(tuple(s for j in range(k, end) for s in frees[j] if s in set(ins)))
+        k = end
+    return tuple(steps), tuple(out_frees)
+
+
+def _stage_nodes(graph: OpGraph, stage_of: Mapping[str, int] | None, stage: int) -> set[str]:
+    """The nodes `stage` runs, and the user inputs it reads."""
+    if stage_of is None:
+        return set(graph.order)
+    here = {name for name in graph.order if stage_of[name] == stage}
+    for name, _ in graph.nodes(Role.INPUT):
+        if any(stage_of[v] == stage for v in graph.graph.successors(name)):
+            here.add(name)
+        else:
+            here.discard(name)
+    return here
 
 
 def _input_index(

@@ -8,18 +8,27 @@ takes the same steps), `train` (launch, collect, one row per step). Used by `aut
 
 The batch is the model's example inputs at every step (the demo's task is to fit them), so the
 single-device reference sees exactly what the plan sees; parameters start from the same seed.
+A testing hook, `FAULT_ENV`, makes one rank fail at one step (tests/test_failures.py).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from autosbp.errors import ExecutionError
 from autosbp.plan import Plan
 from costmodel.launch import run_workers
+
+FAULT_ENV = "AUTOSBP_FAULT"
+"""Testing hook: "rank=R,step=S,kind=K" makes rank R fail just before its step S (0-based) by K:
+`exit` (os._exit(1)), `kill` (SIGKILL to itself) or `raise` (a RuntimeError). Tests use it to
+check that one failed rank stops the whole job with a message naming it."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,7 @@ def adam(params: Any, lr: float) -> torch.optim.Adam:
 def train(spec: TrainSpec, on_step: Callable[[StepRecord], None] | None = None) -> TrainResult:
     """Run `spec` on `plan.device_count` gloo processes and return rank 0's records."""
     nproc = Plan.from_json(spec.plan).device_count
-    results = run_workers(train_worker, nproc, (spec,), timeout_s=spec.timeout_s)
+    results = run_workers(train_worker, nproc, (spec,), timeout_s=spec.timeout_s, job="training")
     records, times = results[0]
     out = tuple(StepRecord(*row) for row in records)
     for record in out:
@@ -94,6 +103,7 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> tuple[list[tupl
     rows: list[tuple] = []
     times: list[float] = []
     for step in range(spec.steps):
+        _inject_fault(rank, step)
         start = time.perf_counter()
         loss = engine.step(inputs)
         times.append(time.perf_counter() - start)
@@ -106,6 +116,29 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> tuple[list[tupl
         else:
             rows.append((step, loss, None, None, None))
     return rows, times
+
+
+def _inject_fault(rank: int, step: int) -> None:
+    """Fail here if FAULT_ENV names this rank and step (a testing hook)."""
+    value = os.environ.get(FAULT_ENV)
+    if not value:
+        return
+    try:
+        fields = dict(item.split("=", 1) for item in value.split(","))
+        at, kind = (int(fields["rank"]), int(fields["step"])), fields["kind"]
+    except (KeyError, ValueError):
+        raise ExecutionError(
+            f"{FAULT_ENV}={value!r} is not rank=R,step=S,kind=K (K: exit, kill or raise)."
+        ) from None
+    if (rank, step) != at:
+        return
+    if kind == "exit":
+        os._exit(1)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "raise":
+        raise RuntimeError(f"fault injected by {FAULT_ENV}={value}")
+    raise ExecutionError(f"{FAULT_ENV}={value!r}: unknown kind {kind!r} (exit, kill or raise).")
 
 
 # fp32 cannot resolve a gradient below about this fraction of its tensor's largest one (its

@@ -225,19 +225,20 @@ CLI_CASES = [
     ),
     pytest.param(
         ["plan", "mlp", "--devices", "2", "--strategy", "zigzag"], ("unknown strategy 'zigzag'",),
-        ("megatron:tp=T,dp=D",), id="plan-unknown-strategy",
+        ("megatron:tp=T,pp=P,dp=D",), id="plan-unknown-strategy",
     ),
     pytest.param(
         ["plan", "mlp", "--devices", "4", "--strategy", "megatron:tp=x"],
-        ("cannot read 'megatron:tp=x'",), ("megatron:tp=2,dp=2",), id="plan-malformed-megatron",
+        ("cannot read 'megatron:tp=x'",), ("megatron:tp=2,pp=2,dp=1",), id="plan-malformed-megatron",
     ),
     pytest.param(
         ["plan", "mlp", "--devices", "4", "--strategy", "megatron:tp=3,dp=2"],
         ("cannot form",), ("multiply to 4",), id="plan-megatron-degrees-not-devices",
     ),
     pytest.param(
-        ["plan", "mlp", "--devices", "2", "--recompute", "full"], ("not supported",),
-        ("--recompute none",), id="plan-recompute-not-supported",
+        ["plan", "mlp", "--devices", "8", "--strategy", "megatron:tp=1,pp=8,dp=1"],
+        ("8 pipeline stages need at least 8 repeated blocks",), ("use fewer stages",),
+        id="plan-more-stages-than-blocks",
     ),
     pytest.param(
         ["plan", "mlp", "--devices", "2", "--out", "nodir/plan.json"],

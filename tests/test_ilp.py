@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from autosbp.errors import PlanError
-from autosbp.ilp import MemoryConstraint, Problem, brute_force, solve
+from autosbp.ilp import Costs, MaxTerm, MemoryConstraint, Problem, brute_force, solve
 
 
 def random_problem(
@@ -56,6 +56,49 @@ def test_solve_equals_brute_force(seed: int, n: int, k: int, memory: bool, forbi
     got = solve(problem)
     assert got.status == "optimal"
     assert problem.feasible(got.choice)
+    assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
+
+
+def with_stages(problem: Problem, seed: int, stages: int, micro_batches: int) -> Problem:
+    """`problem` priced as a pipeline: nodes dealt to `stages` in order, each part the costs of
+    its stage; objective = sum of parts + (micro_batches - 1) x the slowest part + the slowest
+    of random per-stage update costs (as the planner builds it)."""
+    rng = np.random.default_rng(seed + 1000)
+    n = len(problem.node_costs)
+    stage_of = {v: v * stages // n for v in problem.node_costs}
+    parts = [
+        Costs(
+            {v: c for v, c in problem.node_costs.items() if stage_of[v] == s},
+            {e: m for e, m in problem.edge_costs.items() if stage_of[e[1]] == s},
+        )
+        for s in range(stages)
+    ]
+    updates = [
+        Costs({v: rng.uniform(0, 30, size=len(c)) for v, c in part.node_costs.items()})
+        for part in parts
+    ]
+    return Problem(
+        problem.node_costs,
+        problem.edge_costs,
+        problem.memory,
+        (MaxTerm(micro_batches - 1, parts), MaxTerm(1.0, updates)),
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize(("stages", "micro_batches"), [(2, 4), (3, 2)])
+def test_max_terms_equal_brute_force(seed: int, stages: int, micro_batches: int) -> None:
+    problem = with_stages(
+        random_problem(seed, 6, 3, memory=seed % 2 == 0, forbid=0.2), seed, stages, micro_batches
+    )
+    try:
+        expected = brute_force(problem)
+    except PlanError:
+        with pytest.raises(PlanError):
+            solve(problem)
+        return
+    got = solve(problem)
+    assert got.status == "optimal"
     assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
 
 

@@ -15,6 +15,7 @@ Lives elsewhere: the workers (tests/runtime_workers.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -28,7 +29,7 @@ from autosbp.errors import ExecutionError, PlanError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan
 from autosbp.planner.assemble import PlanContext, assemble_plan
-from autosbp.planner.search import best_over_meshes, hand_plan_allow, mesh_shapes
+from autosbp.planner.search import search, strategy_space
 from autosbp.zoo import build_model
 from costmodel.launch import run_workers
 from runtime import Engine
@@ -49,6 +50,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mlp": ("mlp", {"layers": 2, "hidden": 16, "features": 8, "outputs": 4, "batch": 8}),
     "gpt": ("gpt", GPT),
     "gpt-tied": ("gpt", {**GPT, "tied": True}),
+    "gpt-2l": ("gpt", {**GPT, "layers": 2}),
+    "gpt-2l-tied": ("gpt", {**GPT, "layers": 2, "tied": True}),
     "widedeep": ("widedeep", WIDEDEEP),
     "resnet": ("resnet", {"channels": 4, "blocks": 1, "classes": 4, "image": 4, "batch": 4}),
 }
@@ -68,6 +71,18 @@ TRAINING: list[tuple[int, str, str]] = [
     (2, "gpt", "dp/mb2"),
     (2, "mlp", "auto/mb4"),
     (4, "gpt", f"{MEGATRON}/mb2"),
+    # Pipelines (1F1B): 2 stages with 4 micro-batches; an embedding tied across stages (the
+    # last stage receives the weight and sends its gradient back); stages of 2 devices each.
+    (2, "gpt-2l", "megatron:tp=1,pp=2,dp=1/mb4"),
+    (2, "gpt-2l-tied", "megatron:tp=1,pp=2,dp=1/mb2"),
+    (2, "gpt-2l", "auto/mb2"),
+    (4, "gpt-2l", "megatron:tp=2,pp=2,dp=1/mb2"),
+    (4, "gpt-2l", "megatron:tp=1,pp=2,dp=2/mb2"),
+    # Recomputation ("/full", "/selective"): checkpointed runs of each block, recomputed in
+    # backward (with tensor parallelism, their collectives run again).
+    (2, "gpt-2l", "megatron:tp=1,pp=2,dp=1/mb2/full"),
+    (4, "gpt-2l", "megatron:tp=2,pp=2,dp=1/mb2/selective"),
+    (2, "mlp", "dp/full"),
 ]
 # (id, model the Engine gets, (model, devices, strategy) the plan was made for, expected text)
 REFUSALS: list[tuple[str, str, tuple[str, int, str], str]] = [
@@ -107,19 +122,20 @@ def _graph(model: str, micro_batches: int = 1) -> OpGraph:
 
 @cache
 def _plan_json(model: str, devices: int, strategy_mb: str) -> dict[str, Any]:
-    strategy, _, mb = strategy_mb.partition("/mb")
-    micro_batches = int(mb or 1)
+    strategy, *options = strategy_mb.split("/")
+    micro_batches = next((int(o[2:]) for o in options if o.startswith("mb")), 1)
+    recompute = next((o for o in options if o in ("selective", "full")), "none")
     graph = _graph(model, micro_batches)
-    allow, mesh_ok = hand_plan_allow(strategy)
-    meshes = [m for m in mesh_shapes(devices, lambda shape, mesh_dim: "intra_node") if mesh_ok(m)]
-    solved, solution = best_over_meshes(
-        graph, meshes, AlphaBetaPrices(), optimizer="adam", memory_limit_bytes=None,
-        allow=allow, time_limit_s=PLAN_TIME_LIMIT_S, micro_batches=micro_batches,
-    )  # fmt: skip
+    space = dataclasses.replace(
+        strategy_space(strategy, recompute, max_stages=2), micro_batches=(micro_batches,)
+    )
     batch = MODELS[model][1]["batch"]
-    ctx = PlanContext("test", 0, strategy, batch, torch.float32, "adam", micro_batches)
-    plan = assemble_plan(graph, solved, solution, ctx)
-    return plan.to_json()  # plain JSON data, as a plan file holds
+    found = search(
+        lambda count: graph, batch, devices, AlphaBetaPrices(), lambda shape, mesh_dim: "intra_node",
+        space, optimizer="adam", memory_limit_bytes=None, time_limit_s=PLAN_TIME_LIMIT_S,
+    )  # fmt: skip
+    ctx = PlanContext("test", 0, strategy, batch, torch.float32, "adam")
+    return assemble_plan(found, ctx).to_json()  # plain JSON data, as a plan file holds
 
 
 def _case(case_id: str, model: str, plan: dict[str, Any]) -> dict[str, Any]:
@@ -230,9 +246,9 @@ def _mlp_plan(edit: str = "") -> Plan:
     return Plan.from_json(data)
 
 
-def test_engine_refuses_pipelined_plan() -> None:
+def test_engine_refuses_overlapping_stages() -> None:
     module, inputs = _build("mlp")
-    with pytest.raises(PlanError, match="not supported yet: pipeline stages"):
+    with pytest.raises(PlanError, match="stages"):
         Engine(module, _mlp_plan("stages"), torch.optim.SGD, example_inputs=inputs)
 
 

@@ -14,7 +14,6 @@ from rich.table import Table
 
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments, load_from_args
-from autosbp.errors import PlanError
 from autosbp.plan import Plan
 
 GIB = 2**30
@@ -44,9 +43,16 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         type=positive_int,
         help="samples per step (default: the example inputs' batch)",
     )
-    parser.add_argument("--strategy", default="auto", help="auto, dp, fsdp or megatron:tp=T,dp=D")
     parser.add_argument(
-        "--recompute", default="none", choices=("none", "full", "selective", "auto")
+        "--strategy",
+        default="auto",
+        help="auto, dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M] (M micro-batches)",
+    )
+    parser.add_argument(
+        "--recompute",
+        default="auto",
+        choices=("auto", "none", "selective", "full"),
+        help="activation recomputation (default: auto, the fastest that fits)",
     )
     parser.add_argument(
         "--micro-batches",
@@ -68,13 +74,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return _explain(args, console)
     from autosbp.planner.api import auto_parallelize
 
-    if args.recompute != "none":
-        raise PlanError(
-            f"--recompute {args.recompute} is not supported by this version of the planner yet "
-            "(single stage, no recomputation); use --recompute none."
-        )
     model, inputs = load_from_args(args)
-    with console.status(f"planning for {args.devices} devices of {args.profile}"):
+    with console.status(f"planning for {args.devices} devices of {args.profile}") as status:
         plan = auto_parallelize(
             model,
             inputs,
@@ -87,7 +88,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             optimizer=args.optimizer,
             dtype=args.dtype,
             strategy=args.strategy,
+            recompute=args.recompute,
             time_limit_s=args.time_limit_s,
+            progress=lambda text: status.update(f"planning: {text}"),
         )
     console.print(plan.summary())
     path = plan.save(args.out)

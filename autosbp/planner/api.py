@@ -8,16 +8,17 @@ planner's `Prices`. Lives elsewhere: the search and the ILP (`search`, `ilp`), t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from autosbp.errors import NoFitError, PlanError
+from autosbp.errors import PlanError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
-from autosbp.planner.search import best_over_meshes, hand_plan_allow, mesh_shapes
+from autosbp.planner.search import GraphFor, search, strategy_space
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers
@@ -55,50 +56,54 @@ def auto_parallelize(
     optimizer: str = "adam",
     dtype: str = "fp32",
     strategy: str = "auto",
+    recompute: str = "auto",
     time_limit_s: float = 60.0,
     micro_batches: int | None = None,
     name: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan `model` (which returns its training loss, a mean over the batch) for `devices`
     devices of `profile`; `example_inputs` are one global batch (dim 0).
 
     `memory_limit` (bytes per device) defaults to the profile's device memory minus a 10%
-    reserve. `micro_batches` (gradient accumulation) defaults to the fewest that fit: 1, 2, 4,
-    ... while they divide the batch (with one pipeline stage, more micro-batches only save
-    activation memory, so the fewest that fit is the fastest choice).
+    reserve. The search chooses pipeline stages, the mesh of each stage, one signature per op,
+    the micro-batch count (unless `micro_batches` is given) and the recomputation (`recompute`:
+    auto, none, selective or full); `strategy` restricts it to a hand plan (dp, fsdp,
+    megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model.
     """
-    from autosbp.capturing import capture_micro_batch
+    from autosbp.rebatch import micro_batch_graphs
 
     _check_request(devices, optimizer, dtype)  # before the capture, which can take a while
     _check_limits(memory_limit, global_batch, time_limit_s)
     batch = int(example_inputs[0].shape[0]) if example_inputs and example_inputs[0].dim() else 1
-    counts = [micro_batches] if micro_batches is not None else _micro_batch_counts(example_inputs)
-    last_error: NoFitError | None = None
-    for count in counts:
-        graph = capture_micro_batch(model, example_inputs, count, name=name)
-        try:
-            return plan_graph(
-                graph, profile=profile, devices=devices, memory_limit=memory_limit,
-                global_batch=global_batch or batch, optimizer=optimizer, dtype=dtype,
-                strategy=strategy, time_limit_s=time_limit_s, micro_batches=count,
-            )  # fmt: skip
-        except NoFitError as exc:  # does not fit: try more micro-batches
-            last_error = exc
-    assert last_error is not None
-    raise last_error
+    counts = (micro_batches,) if micro_batches is not None else _micro_batch_counts(example_inputs)
+    graphs: dict[int, OpGraph] = {}
+
+    def graph_for(count: int) -> OpGraph:
+        if count not in graphs:  # every count at once: two exports, the rest rebatched
+            if progress:
+                progress(f"capturing micro-batches of {', '.join(map(str, counts))}")
+            graphs.update(micro_batch_graphs(model, example_inputs, counts, name=name))
+        return graphs[count]
+
+    return _plan(
+        graph_for, counts, profile=profile, devices=devices, memory_limit=memory_limit,
+        global_batch=global_batch or batch, optimizer=optimizer, dtype=dtype, strategy=strategy,
+        recompute=recompute, time_limit_s=time_limit_s, progress=progress,
+    )  # fmt: skip
 
 
-def _micro_batch_counts(example_inputs: Sequence[torch.Tensor]) -> list[int]:
+def _micro_batch_counts(example_inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """1, 2, 4, ... while every input's dim 0 divides evenly (only 1 for unbatched inputs)."""
     sizes = {int(x.shape[0]) if x.dim() else 0 for x in example_inputs}
     if len(sizes) != 1 or 0 in sizes:
-        return [1]
+        return (1,)
     batch = sizes.pop()
     counts, count = [], 1
     while count <= batch and batch % count == 0:
         counts.append(count)
         count *= 2
-    return counts
+    return tuple(counts)
 
 
 def plan_graph(
@@ -113,8 +118,32 @@ def plan_graph(
     strategy: str,
     time_limit_s: float,
     micro_batches: int = 1,
+    recompute: str = "auto",
 ) -> Plan:
-    """`auto_parallelize` on an already captured graph of one micro-batch."""
+    """`auto_parallelize` on an already captured graph of one micro-batch (of `micro_batches`)."""
+    batch = global_batch or _batch_of(graph) * micro_batches
+    return _plan(
+        lambda count: graph, (micro_batches,), profile=profile, devices=devices,
+        memory_limit=memory_limit, global_batch=batch, optimizer=optimizer, dtype=dtype,
+        strategy=strategy, recompute=recompute, time_limit_s=time_limit_s,
+    )  # fmt: skip
+
+
+def _plan(
+    graph_for: GraphFor,
+    counts: tuple[int, ...],
+    *,
+    profile: str,
+    devices: int,
+    memory_limit: int | None,
+    global_batch: int,
+    optimizer: str,
+    dtype: str,
+    strategy: str,
+    recompute: str,
+    time_limit_s: float,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
     from costmodel import Cluster, load_profile
 
     _check_request(devices, optimizer, dtype)
@@ -127,23 +156,22 @@ def plan_graph(
         if memory_limit is not None
         else int(cluster.memory_bytes * (1 - MEMORY_RESERVE_FRACTION))
     )
-    allow, mesh_ok = hand_plan_allow(strategy)
+    first = graph_for(counts[0])
+    blocks = len({a["block"] for _, a in first.nodes() if a.get("block") is not None})
+    space = strategy_space(strategy, recompute, blocks)
+    if space.micro_batches is None:  # the strategy names no count (mb=M): search them
+        space = dataclasses.replace(space, micro_batches=counts)
 
     def link_of(shape: tuple[int, ...], mesh_dim: int) -> str:
         return cluster.link_class_for_mesh_dim(shape, mesh_dim).value
 
-    meshes = [m for m in mesh_shapes(devices, link_of) if mesh_ok(m)]
-    if not meshes:
-        raise PlanError(
-            f"strategy {strategy!r} needs a mesh that {devices} devices cannot form; check its degrees multiply to {devices}."
-        )
-    solved, solution = best_over_meshes(
-        graph, meshes, ClusterPrices(cluster), optimizer=optimizer, memory_limit_bytes=limit,
-        allow=allow, time_limit_s=time_limit_s, micro_batches=micro_batches,
+    found = search(
+        graph_for, global_batch, devices, ClusterPrices(cluster), link_of, space,
+        optimizer=optimizer, memory_limit_bytes=limit, time_limit_s=time_limit_s,
+        devices_per_node=per_node, progress=progress,
     )  # fmt: skip
-    batch = global_batch or _batch_of(graph) * micro_batches
-    ctx = PlanContext(hw.name, limit, strategy, batch, DTYPES[dtype], optimizer, micro_batches)
-    return assemble_plan(graph, solved, solution, ctx)
+    ctx = PlanContext(hw.name, limit, strategy, global_batch, DTYPES[dtype], optimizer)
+    return assemble_plan(found, ctx)
 
 
 def _check_request(devices: int, optimizer: str, dtype: str) -> None:

@@ -6,17 +6,15 @@ Lives elsewhere: the search (`search`), the plan format (`plan`).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from autosbp.graph import OpGraph, Role
-from autosbp.ilp import Solution
+from autosbp.graph import Role
+from autosbp.ilp import Costs, Solution
 from autosbp.plan import Alternative, NodePlan, ParamPlan, Plan, Predicted, SolverReport, StagePlan
-from autosbp.planner.memory import candidate_bytes
-from autosbp.planner.search import MeshProblem
+from autosbp.planner.search import Found, MeshProblem
 from autosbp.sbp import format_nd_sbp
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -32,101 +30,138 @@ class PlanContext:
     global_batch: int
     dtype: torch.dtype
     optimizer: str
-    micro_batches: int = 1
 
 
-def assemble_plan(
-    graph: OpGraph, solved: MeshProblem, solution: Solution, ctx: PlanContext
-) -> Plan:
-    mesh = solved.mesh
+def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
+    graph, solved, solution, pred = found.graph, found.problem, found.solution, found.prediction
+    mesh, split = solved.mesh, solved.split
     nodes: dict[str, NodePlan] = {}
     params: dict[str, ParamPlan] = {}
-    compute_s = param_s = 0.0
-    peak = 0.0
-    for name, strategies in solved.strategies.items():
+    for name in graph.order:
         attrs = graph.graph.nodes[name]
         sig = solved.choice_of(solution, name)
         rep = solved.representative[name]
+        stage = split.stage_of[name]
         nodes[name] = NodePlan(
             attrs["op"],
             tuple(format_nd_sbp(nd) for nd in sig.inputs),
             tuple(format_nd_sbp(nd) for nd in sig.outputs),
+            stage,
             tied_to="" if rep == name else rep,
         )
-        peak += candidate_bytes(attrs, sig, mesh.shape, optimizer=ctx.optimizer, in_flight=1)
-        own = float(strategies.compute_s[strategies.candidates.index(sig)])
         if attrs["role"] is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])
-            params[attrs["name"]] = ParamPlan(sbp, 0, sbp, tuple(attrs["outputs"][0].shape))
-            param_s += own
-        else:
-            compute_s += own
-    comm_s = solution.objective - compute_s - param_s
-    blocks = tuple(sorted({a["block"] for _, a in graph.nodes() if a.get("block") is not None}))
+            params[attrs["name"]] = ParamPlan(sbp, stage, sbp, tuple(attrs["outputs"][0].shape))
+    per_stage = mesh.size
+    m = solved.micro_batches
+    stages = tuple(
+        StagePlan(
+            devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
+            mesh_shape=mesh.shape,
+            blocks=split.blocks[s],
+            step_time_s=m * (pred.forward_s[s] + pred.backward_s[s]) + pred.update_s[s],
+            peak_memory_bytes=int(pred.peak_bytes[s]),
+            forward_s=pred.forward_s[s],
+            backward_s=pred.backward_s[s],
+            send_s=pred.send_s[s],
+            update_s=pred.update_s[s],
+        )
+        for s in range(split.num_stages)
+    )
     return Plan(
         model_name=graph.model_name,
         fingerprint=graph.fingerprint(),
         profile=ctx.profile,
-        device_count=mesh.size,
+        device_count=mesh.size * split.num_stages,
         memory_limit_bytes=ctx.memory_limit_bytes,
         strategy=ctx.strategy,
         mesh_shape=mesh.shape,
         mesh_dims=mesh.dim_names,
         link_classes=mesh.link_classes,
-        stages=(StagePlan(mesh.device_ids, mesh.shape, blocks, solution.objective, int(peak)),),
-        micro_batches=ctx.micro_batches,
-        recompute="none",
+        stages=stages,
+        micro_batches=m,
+        recompute=solved.recompute,
         global_batch=ctx.global_batch,
         dtype=DTYPE_NAMES[ctx.dtype],
         optimizer=ctx.optimizer,
         nodes=nodes,
         params=params,
         predicted=Predicted(
-            step_time_s=solution.objective,
-            peak_memory_bytes=int(peak),
-            throughput_samples_per_s=ctx.global_batch / max(solution.objective, 1e-12),
-            breakdown={
-                "compute_s": compute_s,
-                "comm_s": comm_s,
-                "optimizer_and_grad_sync_s": param_s,
-            },
+            step_time_s=pred.step_time_s,
+            peak_memory_bytes=int(max(pred.peak_bytes)),
+            throughput_samples_per_s=ctx.global_batch / max(pred.step_time_s, 1e-12),
+            breakdown=breakdown(found),
         ),
         solver=SolverReport(solution.status, solution.gap, solution.seconds),
         alternatives=alternatives(solved, solution),
     )
 
 
+def breakdown(found: Found) -> dict[str, float]:
+    """Where the step goes on its busiest stage: compute (with recomputation) and boxing for all
+    micro-batches, the per-step gradient sync + optimizer, and the rest of the step (pipeline
+    bubble and transfers)."""
+    solved, choice, pred = found.problem, found.solution.choice, found.prediction
+    costs = solved.stage_costs
+    s = max(range(solved.split.num_stages), key=lambda k: costs.busy[k].value(choice))
+    m = solved.micro_batches
+    compute = m * Costs(costs.busy[s].node_costs).value(choice)
+    comm = m * Costs({}, costs.busy[s].edge_costs).value(choice)
+    update = pred.update_s[s]
+    return {
+        "compute_s": compute,
+        "comm_s": comm,
+        "optimizer_and_grad_sync_s": update,
+        "bubble_and_transfer_s": max(0.0, pred.step_time_s - compute - comm - update),
+    }
+
+
 def alternatives(
     solved: MeshProblem, solution: Solution, keep: int = 8
 ) -> dict[str, tuple[Alternative, ...]]:
     """Per representative node, its `keep` cheapest signatures (the chosen one included), each
-    priced as the step time if the node (and its tied copies) switched to it alone."""
-    problem = solved.problem
-    neighbours: dict[str, list[tuple[np.ndarray, str, bool]]] = defaultdict(list)
-    for (u, v), matrix in problem.edge_costs.items():
-        neighbours[u].append((matrix, v, True))
-        neighbours[v].append((matrix, u, False))
-    memory = problem.memory[0].bytes_per_candidate if problem.memory else {}
+    priced as the ILP objective if the node (and its tied copies) switched to it alone."""
+    problem, choice = solved.problem, solution.choice
+    memory = problem.memory
     out: dict[str, tuple[Alternative, ...]] = {}
-    for v, costs in problem.node_costs.items():
-        chosen = solution.choice[v]
-        marginal = np.array(costs, dtype=float)
-        for matrix, other, outgoing in neighbours[v]:
-            marginal = marginal + (
-                matrix[:, solution.choice[other]] if outgoing else matrix[solution.choice[other], :]
+    linear = Costs(problem.node_costs, problem.edge_costs)
+    for v in problem.node_costs:
+        chosen = choice[v]
+        objective = _switched(linear, v, choice)
+        for term in problem.max_terms:
+            parts = np.array([_switched(part, v, choice) for part in term.parts])
+            objective = objective + term.weight * parts.max(axis=0)
+        mem = np.zeros(len(objective))
+        if memory:  # the tightest stage's bytes
+            per_stage = np.array(
+                [_switched(Costs(c.bytes_per_candidate), v, choice) for c in memory]
             )
-        step = solution.objective - marginal[chosen] + marginal
-        mem = np.asarray(memory.get(v, np.zeros(len(costs))), dtype=float)
-        order = sorted(range(len(costs)), key=lambda i: (not np.isfinite(step[i]), step[i]))[:keep]
+            mem = per_stage.max(axis=0)
+        order = sorted(
+            range(len(objective)),
+            key=lambda i: (not np.isfinite(objective[i]), objective[i]),
+        )[:keep]
         if chosen not in order:
             order[-1] = chosen
         candidates = solved.strategies[v].candidates
         out[v] = tuple(
             Alternative(
                 repr(candidates[i]),
-                float(step[i]) if np.isfinite(step[i]) else None,
+                float(objective[i]) if np.isfinite(objective[i]) else None,
                 int(mem[i] - mem[chosen]),
             )
             for i in order
         )
     return out
+
+
+def _switched(costs: Costs, v: str, choice: dict[str, int]) -> np.ndarray:
+    """The value of `costs` for each candidate of `v`, every other node keeping its choice."""
+    base = costs.value(choice)
+    marginal = np.array(costs.node_costs[v], dtype=float)
+    for (a, b), matrix in costs.edge_costs.items():
+        if a == v:
+            marginal = marginal + matrix[:, choice[b]]
+        elif b == v:
+            marginal = marginal + matrix[choice[a], :]
+    return base - marginal[choice[v]] + marginal

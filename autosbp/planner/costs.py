@@ -170,10 +170,12 @@ def edge_matrix(
     uses: Sequence[tuple[int, int]],
     metas: Sequence[TensorMeta],
     pricer: BoxingPricer,
+    *,
+    forward_only: bool = False,
 ) -> np.ndarray:
-    """Per micro-batch time of the boxings on edge producer -> consumer (forward and backward)
-    for every pair of their candidates. `uses` lists (producer output index, consumer input
-    index); `metas[k]` describes the tensor of use k."""
+    """Per micro-batch time of the boxings on edge producer -> consumer (forward and backward,
+    or the forward alone) for every pair of their candidates. `uses` lists (producer output
+    index, consumer input index); `metas[k]` describes the tensor of use k."""
     matrix = np.zeros((len(producer.candidates), len(consumer.candidates)))
     for i, psig in enumerate(producer.candidates):
         for j, csig in enumerate(consumer.candidates):
@@ -181,6 +183,7 @@ def edge_matrix(
             for (out_idx, in_idx), meta in zip(uses, metas, strict=True):
                 src, dst = psig.outputs[out_idx], csig.inputs[in_idx]
                 total += pricer.time_s(src, dst, meta)
-                total += pricer.time_s(dual_nd_sbp(dst), dual_nd_sbp(src), meta)
+                if not forward_only:
+                    total += pricer.time_s(dual_nd_sbp(dst), dual_nd_sbp(src), meta)
             matrix[i, j] = total
     return matrix

@@ -13,6 +13,7 @@ every gradient sync and optimizer update, one after another on each device.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,24 +22,60 @@ import numpy as np
 
 from autosbp.errors import NoFitError, PlanError
 from autosbp.graph import OpGraph, Role
-from autosbp.ilp import MemoryConstraint, Problem, Solution, solve
-from autosbp.planner.costs import BoxingPricer, NodeStrategies, Prices, edge_matrix, node_strategies
+from autosbp.ilp import Costs, MaxTerm, MemoryConstraint, Problem, Solution, solve
+from autosbp.planner.costs import (
+    BACKWARD_FACTOR,
+    BoxingPricer,
+    NodeStrategies,
+    Prices,
+    edge_matrix,
+    node_strategies,
+)
 from autosbp.planner.memory import candidate_bytes
+from autosbp.planner.pipeline import (
+    RECOMPUTE_MODES,
+    StageSplit,
+    in_flight,
+    read_outside_block,
+    recomputed,
+    split_stages,
+)
 from autosbp.planner.reduce import tie_blocks
 from autosbp.rules import NdSignature
-from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
+from autosbp.sbp import Broadcast, Mesh, NdSbp, Split, local_shape
+from autosbp.schedule import simulate
 
 Allow = Callable[[dict, NdSignature], bool]  # may this node (attrs) take this candidate?
 
 
 @dataclass(frozen=True)
-class MeshProblem:
-    """The ILP of one (graph, mesh) with the candidates behind its indices."""
+class StageCosts:
+    """Per pipeline stage, the ILP-keyed costs that make up its times (seconds), for pricing a
+    solution: `busy` one micro-batch's forward + backward (+ recomputation), `forward` its
+    forward part, `send` the one-way transfer of its outputs to later stages per micro-batch,
+    `update` the per-step gradient sync and optimizer; and its memory constraint."""
 
-    mesh: Mesh
+    busy: tuple[Costs, ...]
+    forward: tuple[Costs, ...]
+    send: tuple[Costs, ...]
+    update: tuple[Costs, ...]
+    memory: tuple[MemoryConstraint, ...]
+
+
+@dataclass(frozen=True)
+class MeshProblem:
+    """The ILP of one (graph, stage mesh, stages, micro-batches, recomputation) with the
+    candidates behind its indices."""
+
+    mesh: Mesh  # every stage's mesh shape (stage s runs on its own devices)
     strategies: dict[str, NodeStrategies]  # every node (tied nodes share their representative's)
     problem: Problem  # keyed by representative nodes
     representative: dict[str, str]
+    split: StageSplit
+    stage_costs: StageCosts
+    micro_batches: int = 1
+    recompute: str = "none"
+    graph: OpGraph | None = None
 
     def choice_of(self, solution: Solution, name: str) -> NdSignature:
         return self.strategies[name].candidates[solution.choice[self.representative[name]]]
@@ -47,12 +84,17 @@ class MeshProblem:
 LinkOf = Callable[[tuple[int, ...], int], str]  # (mesh shape, mesh dim) -> link class name
 
 
-def mesh_shapes(devices: int, link_of: LinkOf) -> list[Mesh]:
-    """The 1D mesh and every 2D factorization of `devices` (row-major over node-major device
-    ids, so the inner mesh dim stays inside a node when it fits); each mesh dim gets the link
-    class its groups cross."""
+def mesh_shapes(devices: int, link_of: LinkOf, devices_per_node: int | None = None) -> list[Mesh]:
+    """The 1D mesh and the 2D factorizations of `devices` (row-major over node-major device
+    ids) whose inner dim stays inside a node (divides `devices_per_node`; every factorization
+    when None); each mesh dim gets the link class its groups cross."""
+    inner_ok = (
+        (lambda n: True) if devices_per_node is None else (lambda n: devices_per_node % n == 0)
+    )
     shapes = [(devices,)] + [
-        (devices // inner, inner) for inner in range(2, devices) if devices % inner == 0
+        (devices // inner, inner)
+        for inner in range(2, devices)
+        if devices % inner == 0 and inner_ok(inner)
     ]
     return [
         Mesh(
@@ -64,6 +106,44 @@ def mesh_shapes(devices: int, link_of: LinkOf) -> list[Mesh]:
     ]
 
 
+@dataclass(frozen=True)
+class Priced:
+    """Prices of a graph on a stage mesh that do not depend on stages, micro-batches or
+    recomputation: candidates, and for every edge its boxing matrix (forward + backward, and
+    forward alone), per micro-batch."""
+
+    mesh: Mesh
+    representative: dict[str, str]
+    strategies: dict[str, NodeStrategies]
+    edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
+
+
+def price_graph(graph: OpGraph, mesh: Mesh, prices: Prices, allow: Allow | None = None) -> Priced:
+    """Candidates of every representative node (`reduce.tie_blocks`) and every edge's boxing
+    matrices; the same edge in every tied block is priced once."""
+    pricer = BoxingPricer(prices, mesh)
+    rep = tie_blocks(graph)
+    strategies: dict[str, NodeStrategies] = {}
+    for name, attrs in graph.nodes():
+        if rep[name] == name:
+            strategies[name] = _restricted(node_strategies(graph, name, pricer), attrs, allow)
+    for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
+        strategies[name] = strategies[rep[name]]
+    matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+    for u, v, data in graph.graph.edges(data=True):
+        uses = data["uses"]
+        metas = tuple(graph.graph.nodes[u]["outputs"][out_idx] for out_idx, _ in uses)
+        cache_key = (rep[u], rep[v], tuple(uses), metas)
+        if cache_key not in matrices:
+            matrices[cache_key] = tuple(  # type: ignore[assignment]
+                edge_matrix(strategies[u], strategies[v], uses, metas, pricer, forward_only=f)
+                for f in (False, True)
+            )
+        edges[(u, v)] = matrices[cache_key]
+    return Priced(mesh, rep, strategies, edges)
+
+
 def build_problem(
     graph: OpGraph,
     mesh: Mesh,
@@ -73,53 +153,189 @@ def build_problem(
     memory_limit_bytes: float | None,
     allow: Allow | None = None,
     micro_batches: int = 1,
+    split: StageSplit | None = None,
+    recompute: str = "none",
+    stage_link: str = "inter_node",
+    priced: Priced | None = None,
 ) -> MeshProblem:
-    """The ILP of `graph` (one micro-batch) on `mesh`, with repeated blocks tied
-    (`reduce.tie_blocks`): variables exist for representatives only, whose costs and memory add
-    up those of their tied nodes. Ops and boxings run once per micro-batch; a parameter's
-    gradient sync and update once per step; one micro-batch's activations live at a time."""
-    pricer = BoxingPricer(prices, mesh)
-    rep = tie_blocks(graph)
-    copies = Counter(rep.values())
-    strategies: dict[str, NodeStrategies] = {}
-    node_costs: dict[str, np.ndarray] = {}
-    node_bytes: dict[str, np.ndarray] = {}
+    """The ILP of `graph` (one micro-batch) with `split`'s stages, each on a mesh like `mesh`.
+
+    Objective (Narayanan et al. 2021 section 2.2 for 1F1B): the sum of every stage's
+    per-micro-batch time, plus (micro_batches - 1) x the slowest stage's (the steady state),
+    plus each cross-stage tensor's transfer both ways (fill and drain), plus the slowest stage's
+    per-step gradient sync and optimizer update. With one stage: micro_batches x the stage time
+    plus its update, every op, boxing, sync and update one after another. Memory: one
+    constraint per stage, activations x the micro-batches in flight there (`in_flight`).
+    """
+    split = split or split_stages(graph, 1)
+    priced = priced or price_graph(graph, mesh, prices, allow)
+    pricer_p2p = _P2P(prices, mesh, stage_link)
+    stages = range(split.num_stages)
+    busy = [_Acc() for _ in stages]
+    forward = [_Acc() for _ in stages]
+    send = [_Acc() for _ in stages]
+    update = [_Acc() for _ in stages]
+    memory = [_Acc() for _ in stages]
+    rep, stage_of, strategies = priced.representative, split.stage_of, priced.strategies
     for name, attrs in graph.nodes():
-        if rep[name] != name:  # a tied node is its representative's twin (same op, args, tensors)
-            strategies[name] = strategies[rep[name]]
+        r, s = rep[name], stage_of[name]
+        found = strategies[name]
+        k = in_flight(s, split.num_stages)
+        if attrs["role"] is Role.PARAMETER:
+            update[s].node(r, found.compute_s)
+        elif attrs["role"] is Role.COMPUTE:
+            fwd = found.compute_s / (1.0 + BACKWARD_FACTOR)
+            again = recomputed(attrs, recompute)
+            busy[s].node(r, found.compute_s + (fwd if again else 0.0))
+            forward[s].node(r, fwd)
+        if attrs["role"] is Role.COMPUTE and recomputed(attrs, recompute):
+            saved = _bytes(attrs, found, mesh, optimizer)
+            kept = k if recompute == "full" and read_outside_block(graph, name) else 0
+            memory[s].node(r, saved * kept)
+            memory[s].transient(r, saved)  # one block rematerialized at a time
+        else:
+            memory[s].node(
+                r,
+                _bytes(attrs, found, mesh, optimizer)
+                * (1 if attrs["role"] is not Role.COMPUTE else k),
+            )
+    sent: set[tuple[str, int, int]] = set()
+    for (u, v), (both, fwd_only) in priced.edges.items():
+        su, sv = stage_of[u], stage_of[v]
+        key = (rep[u], rep[v])
+        busy[sv].edge(key, both)
+        forward[sv].edge(key, fwd_only)
+        if recomputed(graph.graph.nodes[v], recompute):
+            busy[sv].edge(key, fwd_only)
+        if su == sv or graph.graph.nodes[u]["role"] is Role.INPUT:
             continue
-        found = _restricted(node_strategies(graph, name, pricer), attrs, allow)
-        strategies[name] = found
-        memory = [
+        for out_idx, _ in graph.graph.edges[u, v]["uses"]:
+            if (u, out_idx, sv) in sent:
+                continue
+            sent.add((u, out_idx, sv))
+            meta = graph.graph.nodes[u]["outputs"][out_idx]
+            local = pricer_p2p.local_bytes(strategies[u], out_idx, meta)
+            send[sv - 1].node(rep[u], pricer_p2p.time_s(local))
+            memory[sv].node(rep[u], local * in_flight(sv, split.num_stages))
+    keys = list(dict.fromkeys(rep[n] for n in graph.order))
+    sizes = {r: len(strategies[r].candidates) for r in keys}
+    busy_c = tuple(a.costs(sizes) for a in busy)
+    update_c = tuple(a.costs(sizes) for a in update)
+    send_c = tuple(a.costs(sizes) for a in send)
+    m = micro_batches
+    if split.num_stages == 1:
+        node_costs = {r: m * busy_c[0].node_costs[r] + update_c[0].node_costs[r] for r in keys}
+        edge_costs = {e: m * c for e, c in busy_c[0].edge_costs.items()}
+        max_terms: tuple[MaxTerm, ...] = ()
+    else:
+        node_costs = {
+            r: sum(c.node_costs[r] for c in busy_c) + 2 * sum(c.node_costs[r] for c in send_c)
+            for r in keys
+        }
+        edge_costs = _sum_edges(busy_c)
+        max_terms = (MaxTerm(m - 1, busy_c), MaxTerm(1.0, update_c))
+    constraints = (
+        tuple(
+            MemoryConstraint(a.memory_bytes(sizes), memory_limit_bytes, name=f"stage {s} memory")
+            for s, a in enumerate(memory)
+        )
+        if memory_limit_bytes is not None
+        else ()
+    )
+    stage_costs = StageCosts(
+        busy_c,
+        tuple(a.costs(sizes) for a in forward),
+        send_c,
+        update_c,
+        tuple(
+            MemoryConstraint(
+                a.memory_bytes(sizes), memory_limit_bytes or math.inf, name=f"stage {s}"
+            )
+            for s, a in enumerate(memory)
+        ),
+    )
+    problem = Problem(node_costs, edge_costs, constraints, max_terms)
+    return MeshProblem(
+        mesh, strategies, problem, rep, split, stage_costs, micro_batches, recompute, graph
+    )
+
+
+def _bytes(attrs: dict, found: NodeStrategies, mesh: Mesh, optimizer: str) -> np.ndarray:
+    """Per candidate, the bytes one device keeps for this node with one micro-batch in flight."""
+    return np.array(
+        [
             candidate_bytes(attrs, sig, mesh.shape, optimizer=optimizer, in_flight=1)
             for sig in found.candidates
         ]
-        runs = 1 if attrs["role"] is Role.PARAMETER else micro_batches
-        node_costs[name] = found.compute_s * copies[name] * runs
-        node_bytes[name] = np.array(memory) * copies[name]
-    edges: dict[tuple[str, str], np.ndarray] = {}
-    matrices: dict[tuple, np.ndarray] = {}
-    for u, v, data in graph.graph.edges(data=True):
-        uses = data["uses"]
-        metas = tuple(graph.graph.nodes[u]["outputs"][out_idx] for out_idx, _ in uses)
-        key = (rep[u], rep[v])
-        cache_key = (key, tuple(uses), metas)
-        if cache_key not in matrices:  # the same edge in every tied block: priced once
-            matrices[cache_key] = micro_batches * edge_matrix(
-                strategies[u], strategies[v], uses, metas, pricer
-            )
-        matrix = matrices[cache_key]
-        if key[0] == key[1]:  # same position in two tied blocks: both take the same candidate
-            node_costs[key[0]] = node_costs[key[0]] + np.diag(matrix)
+    )
+
+
+class _Acc:
+    """Sums node arrays and edge matrices per representative (tied copies add up); an edge
+    between two copies of one node (same position in two blocks) lands on the node's diagonal.
+    `transient` keeps the largest single copy (one block rematerialized at a time)."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, np.ndarray] = {}
+        self.edges: dict[tuple[str, str], np.ndarray] = {}
+        self.peaks: dict[str, np.ndarray] = {}
+
+    def node(self, key: str, values: np.ndarray | float) -> None:
+        if key in self.nodes:
+            self.nodes[key] = self.nodes[key] + values
         else:
-            edges[key] = edges[key] + matrix if key in edges else matrix
-    memory_constraints: tuple[MemoryConstraint, ...] = ()
-    if memory_limit_bytes is not None:
-        memory_constraints = (
-            MemoryConstraint(node_bytes, memory_limit_bytes, name="device memory"),
+            self.nodes[key] = np.asarray(values, dtype=float) + 0.0
+
+    def edge(self, key: tuple[str, str], matrix: np.ndarray) -> None:
+        if key[0] == key[1]:
+            self.node(key[0], np.diag(matrix))
+        elif key in self.edges:
+            self.edges[key] = self.edges[key] + matrix
+        else:
+            self.edges[key] = matrix
+
+    def transient(self, key: str, values: np.ndarray) -> None:
+        self.peaks[key] = np.maximum(self.peaks[key], values) if key in self.peaks else values
+
+    def costs(self, sizes: dict[str, int]) -> Costs:
+        nodes = {r: np.broadcast_to(self.nodes.get(r, 0.0), (n,)) + 0.0 for r, n in sizes.items()}
+        return Costs(nodes, dict(self.edges))
+
+    def memory_bytes(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+        out = {}
+        for r, n in sizes.items():
+            total = np.broadcast_to(self.nodes.get(r, 0.0), (n,)) + self.peaks.get(r, 0.0)
+            out[r] = np.asarray(total, dtype=float) + 0.0
+        return out
+
+
+def _sum_edges(parts: Sequence[Costs]) -> dict[tuple[str, str], np.ndarray]:
+    out: dict[tuple[str, str], np.ndarray] = {}
+    for part in parts:
+        for key, matrix in part.edge_costs.items():
+            out[key] = out[key] + matrix if key in out else matrix
+    return out
+
+
+class _P2P:
+    """Cross-stage transfer: device i of one stage sends its local piece to device i of the
+    next (every stage has the same mesh shape, and a tensor keeps its layout across)."""
+
+    def __init__(self, prices: Prices, mesh: Mesh, link: str) -> None:
+        self.prices, self.mesh, self.link = prices, mesh, link
+
+    def local_bytes(self, found: NodeStrategies, out_idx: int, meta) -> np.ndarray:
+        return np.array(
+            [
+                math.prod(local_shape(meta.shape, sig.outputs[out_idx], self.mesh.shape))
+                * meta.dtype.itemsize
+                for sig in found.candidates
+            ],
+            dtype=float,
         )
-    problem = Problem(node_costs, edges, memory_constraints)
-    return MeshProblem(mesh, strategies, problem, rep)
+
+    def time_s(self, nbytes: np.ndarray) -> np.ndarray:
+        return np.array([self.prices.p2p_time_s(float(b), self.link) for b in nbytes])
 
 
 def _restricted(found: NodeStrategies, attrs: dict, allow: Allow | None) -> NodeStrategies:
@@ -153,59 +369,68 @@ def solve_mesh(mesh_problem: MeshProblem, time_limit_s: float) -> Solution | Non
 # ---- hand plans as restrictions ---------------------------------------------------------------
 
 
-def hand_plan_allow(strategy: str) -> tuple[Allow | None, Callable[[Mesh], bool]]:
-    """(candidate filter, mesh filter) of a named strategy; `auto` restricts nothing."""
+def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | None = None) -> Space:
+    """What `strategy` lets the search choose (`auto` restricts nothing; stage counts up to
+    `max_stages` then). `recompute`: a mode, or `auto` for every mode."""
+    modes: tuple[str, ...]
+    if recompute == "auto":
+        modes = RECOMPUTE_MODES
+    elif recompute in RECOMPUTE_MODES:
+        modes = (recompute,)
+    else:
+        raise PlanError(
+            f"recompute {recompute!r} is not known; use auto, {', '.join(RECOMPUTE_MODES)}."
+        )
     if strategy == "auto":
-        return None, lambda mesh: True
+        return Space(tuple(range(1, (max_stages or 1) + 1)), modes)
     if strategy == "dp":
-        return _allow(
-            param=lambda nd, shape: all(isinstance(s, Broadcast) for s in nd)
-        ), lambda m: m.ndim == 1
+        return Space(
+            (1,), modes, allow=_allow(param=lambda nd, shape: all(isinstance(s, Broadcast) for s in nd)),
+            mesh_ok=lambda m: m.ndim == 1,
+        )  # fmt: skip
     if strategy == "fsdp":
-        return _allow(param=lambda nd, shape: isinstance(nd[0], Split)), lambda m: m.ndim == 1
+        return Space(
+            (1,), modes, allow=_allow(param=lambda nd, shape: isinstance(nd[0], Split)),
+            mesh_ok=lambda m: m.ndim == 1,
+        )  # fmt: skip
     if strategy.startswith("megatron:"):
-        tp, dp = _megatron_degrees(strategy)
-        if tp == 1:  # no tensor parallelism: plain data parallelism
-            return hand_plan_allow("dp")[0], lambda m: m.shape == (dp,)
+        tp, pp, dp, mb = _megatron_degrees(strategy)
+        counts = (mb,) if mb is not None else None
+        if tp == 1:  # no tensor parallelism: plain data parallelism in each stage
+            allow = _allow(param=lambda nd, shape: all(isinstance(s, Broadcast) for s in nd))
+            return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp,))
         # Megatron: every weight matrix (and embedding table) split on the tp mesh dim, the ILP
         # picking which dim (column or row parallel); vectors (biases, norms) free; data split
         # on the dp mesh dim, where weights are replicated.
         if dp == 1:  # tensor parallelism alone: every device sees the whole batch
             allow = _allow(param=_tensor_parallel(0), data=lambda nd: nd == (Broadcast(),))
-            return allow, lambda m: m.shape == (tp,)
+            return Space((pp,), modes, counts, allow, lambda m: m.shape == (tp,))
         allow = _allow(
             param=lambda nd, shape: isinstance(nd[0], Broadcast) and _tensor_parallel(1)(nd, shape),
             data=lambda nd: nd == (Split(0), Broadcast()),
         )
-        return allow, lambda m: m.shape == (dp, tp)
-    raise PlanError(f"unknown strategy {strategy!r}; use auto, dp, fsdp or megatron:tp=T,dp=D.")
+        return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp, tp))
+    raise PlanError(
+        f"unknown strategy {strategy!r}; use auto, dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M]."
+    )
 
 
-def _megatron_degrees(strategy: str) -> tuple[int, int]:
-    """(tp, dp) of `megatron:tp=T,dp=D`; pipeline degrees are refused until stages exist."""
+def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None]:
+    """(tp, pp, dp, mb) of `megatron:tp=T,pp=P,dp=D,mb=M` (each optional: 1, mb searched)."""
+    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4 optional)"
     try:
         fields = {
             k: int(v)
             for k, v in (item.split("=") for item in strategy.removeprefix("megatron:").split(","))
         }
     except ValueError:
-        raise PlanError(f"cannot read {strategy!r}; write it like megatron:tp=2,dp=2.") from None
-    if "pp" in fields and fields["pp"] != 1:
-        raise PlanError(
-            f"{strategy!r} asks for pipeline stages (pp), which this planner does not search yet; "
-            "use megatron:tp=T,dp=D."
-        )
-    unknown = sorted(set(fields) - {"tp", "dp", "pp"})
+        raise PlanError(f"cannot read {strategy!r}; {example}.") from None
+    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb"})
     if unknown:
-        raise PlanError(
-            f"{strategy!r} has unknown degree(s) {unknown}; write it like megatron:tp=2,dp=2."
-        )
-    tp, dp = fields.get("tp", 1), fields.get("dp", 1)
-    if tp < 1 or dp < 1:
-        raise PlanError(
-            f"{strategy!r}: degrees must be positive; write it like megatron:tp=2,dp=2."
-        )
-    return tp, dp
+        raise PlanError(f"{strategy!r} has unknown degree(s) {unknown}; {example}.")
+    if any(v < 1 for v in fields.values()):
+        raise PlanError(f"{strategy!r}: degrees must be positive; {example}.")
+    return fields.get("tp", 1), fields.get("pp", 1), fields.get("dp", 1), fields.get("mb")
 
 
 def _tensor_parallel(mesh_dim: int) -> Callable[[NdSbp, tuple[int, ...]], bool]:
@@ -230,6 +455,188 @@ def _allow(param: Callable | None = None, data: Callable | None = None) -> Allow
     return allow
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """A solved problem priced as the actor system runs it (`schedule.simulate`): per stage its
+    per-micro-batch forward/backward, transfer to the next stage and per-step update (seconds)
+    and peak bytes; the step time is when the last stage finishes its update."""
+
+    step_time_s: float
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    send_s: tuple[float, ...]
+    update_s: tuple[float, ...]
+    peak_bytes: tuple[float, ...]
+    bubble_s: tuple[float, ...]
+
+
+def predict(mp: MeshProblem, solution: Solution) -> Prediction:
+    costs, choice = mp.stage_costs, solution.choice
+    fwd = tuple(c.value(choice) for c in costs.forward)
+    busy = tuple(c.value(choice) for c in costs.busy)
+    send = tuple(c.value(choice) for c in costs.send)
+    update = tuple(c.value(choice) for c in costs.update)
+    bwd = tuple(b - f for b, f in zip(busy, fwd, strict=True))
+    timeline = simulate(
+        mp.split.num_stages, mp.micro_batches, fwd.__getitem__, bwd.__getitem__, send.__getitem__
+    )
+    ends = [
+        max(f.end_s for f in timeline.firings if f.stage == s) + update[s]
+        for s in range(mp.split.num_stages)
+    ]
+    peaks = tuple(
+        mem.constant_bytes + sum(float(b[choice[v]]) for v, b in mem.bytes_per_candidate.items())
+        for mem in costs.memory
+    )
+    bubbles = tuple(timeline.bubble_s(s) for s in range(mp.split.num_stages))
+    return Prediction(max(ends), fwd, bwd, send, update, peaks, bubbles)
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may choose: stage counts, micro-batch counts (None: powers of two that
+    divide the batch), recomputation modes, and the hand-plan restrictions."""
+
+    stage_counts: tuple[int, ...]
+    recompute: tuple[str, ...]
+    micro_batches: tuple[int, ...] | None = None
+    allow: Allow | None = None
+    mesh_ok: Callable[[Mesh], bool] = lambda mesh: True
+
+
+@dataclass(frozen=True)
+class Found:
+    problem: MeshProblem
+    solution: Solution
+    prediction: Prediction
+    graph: OpGraph
+
+
+GraphFor = Callable[[int], OpGraph]  # micro-batch count -> the graph of one micro-batch
+
+
+def search(
+    graph_for: GraphFor,
+    batch: int,
+    devices: int,
+    prices: Prices,
+    link_of: LinkOf,
+    space: Space,
+    *,
+    optimizer: str,
+    memory_limit_bytes: float | None,
+    time_limit_s: float,
+    devices_per_node: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Found:
+    """The fastest plan (by `predict`) over stage counts x stage meshes x micro-batch counts x
+    recomputation modes, each signature choice from the ILP.
+
+    Micro-batch counts are tried in increasing order. With one stage, more micro-batches only
+    save memory, so the search stops at the first count where a plan fits without
+    recomputation. With stages, more micro-batches shrink the bubble but add per-micro-batch
+    overheads: the search stops once a count is slower than the one before (the step time is
+    taken to be unimodal in the count; a heuristic, stated in the plan's breakdown).
+    """
+    best: Found | None = None
+    tried: list[MeshProblem] = []
+    refused: list[str] = []
+    counts = space.micro_batches or _powers_of_two_dividing(batch)
+    for num_stages in space.stage_counts:
+        if devices % num_stages:
+            refused.append(f"{num_stages} stages do not divide {devices} devices")
+            continue
+        stage_devices = devices // num_stages
+
+        def stage_link(shape: tuple[int, ...], dim: int, p: int = num_stages) -> str:
+            return link_of((p, *shape), dim + 1)
+
+        meshes = [
+            m for m in mesh_shapes(stage_devices, stage_link, devices_per_node) if space.mesh_ok(m)
+        ]
+        across = link_of((num_stages, stage_devices), 0)
+        previous: float | None = None
+        for count in counts:
+            if num_stages > 1 and count < num_stages:
+                continue
+            graph = graph_for(count)
+            try:
+                split = split_stages(graph, num_stages)
+            except PlanError as exc:
+                refused.append(str(exc))
+                break
+            best_here, fits_plainly = None, False
+            for mesh in meshes:
+                if progress:
+                    progress(
+                        f"stages {num_stages}, mesh {'x'.join(map(str, mesh.shape))}, "
+                        f"{count} micro-batches"
+                    )
+                priced = price_graph(graph, mesh, prices, space.allow)
+                for mode in space.recompute:
+                    mp = build_problem(
+                        graph, mesh, prices, optimizer=optimizer,
+                        memory_limit_bytes=memory_limit_bytes, allow=space.allow,
+                        micro_batches=count, split=split, recompute=mode, stage_link=across,
+                        priced=priced,
+                    )  # fmt: skip
+                    tried.append(mp)
+                    if best is not None and lower_bound(mp) >= best.prediction.step_time_s:
+                        continue  # cannot beat the best plan so far: skip the solve
+                    solution = solve_mesh(mp, time_limit_s)
+                    if solution is None:
+                        continue
+                    fits_plainly |= mode == "none"
+                    found = Found(mp, solution, predict(mp, solution), graph)
+                    if best_here is None or _faster(found, best_here):
+                        best_here = found
+            if best_here is not None and (best is None or _faster(best_here, best)):
+                best = best_here
+            if best_here is None:
+                continue
+            time_here = best_here.prediction.step_time_s
+            if num_stages == 1 and fits_plainly:
+                break
+            if num_stages > 1 and previous is not None and time_here > previous:
+                break
+            previous = time_here
+    if best is None and not tried and not refused:
+        raise PlanError(
+            f"the strategy needs a mesh that {devices} devices cannot form; check that its "
+            f"degrees multiply to {devices}."
+        )
+    if best is None:
+        raise NoFitError(_no_fit_message(tried, memory_limit_bytes, refused))
+    return best
+
+
+def lower_bound(mp: MeshProblem) -> float:
+    """A step time no plan of `mp` can beat: some stage must run all its micro-batches and its
+    update, each node at its cheapest candidate, with no boxing, transfers or bubble."""
+    costs = mp.stage_costs
+
+    def cheapest(part: Costs) -> float:
+        return sum(float(np.min(c)) for c in part.node_costs.values() if len(c))
+
+    return max(
+        mp.micro_batches * cheapest(busy) + cheapest(update)
+        for busy, update in zip(costs.busy, costs.update, strict=True)
+    )
+
+
+def _faster(a: Found, b: Found) -> bool:
+    return a.prediction.step_time_s < b.prediction.step_time_s * (1 - 1e-12)
+
+
+def _powers_of_two_dividing(batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... while they divide `batch`."""
+    counts, count = [], 1
+    while count <= batch and batch % count == 0:
+        counts.append(count)
+        count *= 2
+    return tuple(counts)
+
+
 def best_over_meshes(
     graph: OpGraph,
     meshes: Sequence[Mesh],
@@ -241,55 +648,58 @@ def best_over_meshes(
     time_limit_s: float,
     micro_batches: int = 1,
 ) -> tuple[MeshProblem, Solution]:
+    """The best single-stage plan of `graph` (one micro-batch of `micro_batches`) over `meshes`,
+    without recomputation."""
     best: tuple[MeshProblem, Solution] | None = None
     tried = []
     for mesh in meshes:
         mp = build_problem(
-            graph,
-            mesh,
-            prices,
-            optimizer=optimizer,
-            memory_limit_bytes=memory_limit_bytes,
-            allow=allow,
-            micro_batches=micro_batches,
-        )
+            graph, mesh, prices, optimizer=optimizer, memory_limit_bytes=memory_limit_bytes,
+            allow=allow, micro_batches=micro_batches,
+        )  # fmt: skip
         tried.append(mp)
         sol = solve_mesh(mp, time_limit_s)
         if sol is not None and (best is None or sol.objective < best[1].objective - 1e-15):
             best = (mp, sol)
     if best is None:
-        raise NoFitError(_no_fit_message(graph, tried, memory_limit_bytes, micro_batches))
+        raise NoFitError(_no_fit_message(tried, memory_limit_bytes, []))
     return best
 
 
 def _no_fit_message(
-    graph: OpGraph, tried: Sequence[MeshProblem], limit: float | None, micro_batches: int
+    tried: Sequence[MeshProblem], limit: float | None, refused: Sequence[str]
 ) -> str:
     """Why nothing fits: the least memory any plan could need, and what takes it."""
     floors = []
     for mp in tried:
-        if not mp.problem.memory:
-            continue
-        per_node = {
-            v: float(np.min(b))
-            for v, b in mp.problem.memory[0].bytes_per_candidate.items()
-            if len(b)
-        }
-        floors.append((sum(per_node.values()), mp, per_node))
+        for mem in mp.problem.memory:
+            per_node = {v: float(np.min(b)) for v, b in mem.bytes_per_candidate.items() if len(b)}
+            floors.append((sum(per_node.values()), mp, per_node, mem.name))
+    if not tried and refused:
+        return "; ".join(refused)
     if limit is None or not floors:
         return "no plan exists for this model on these devices (no signature fits some op)."
-    need, mesh_problem, per_node = min(floors, key=lambda f: f[0])
-    mesh = mesh_problem.mesh
+    # Per problem its tightest stage; over problems the least of those.
+    tightest: dict[int, tuple] = {}
+    for floor in floors:
+        key = id(floor[1])
+        if key not in tightest or floor[0] > tightest[key][0]:
+            tightest[key] = floor
+    need, mesh_problem, per_node, stage = min(tightest.values(), key=lambda f: f[0])
+    graph_nodes = mesh_problem.representative
     top = sorted(per_node.items(), key=lambda kv: -kv[1])[:5]
-    tied = Counter(mesh_problem.representative.values())
+    tied = Counter(graph_nodes.values())
     consumers = ", ".join(
-        f"{_label(graph, v)}{f' (and {tied[v] - 1} tied copies)' if tied[v] > 1 else ''} {_size(b)}"
+        f"{_label(mesh_problem.graph, v)}"
+        f"{f' (and {tied[v] - 1} tied copies)' if tied[v] > 1 else ''} {_size(b)}"
         for v, b in top
+        if b > 0
     )
     return (
         f"no plan fits in {_size(limit)} per device: even the most sharded plan (mesh "
-        f"{'x'.join(map(str, mesh.shape))}, {micro_batches} micro-batch(es)) needs at least "
-        f"{_size(need)} per device. The "
+        f"{'x'.join(map(str, mesh_problem.mesh.shape))}, {mesh_problem.split.num_stages} "
+        f"stage(s), {mesh_problem.micro_batches} micro-batch(es), recompute "
+        f"{mesh_problem.recompute}) needs at least {_size(need)} per device ({stage}). The "
         f"biggest consumers there: {consumers}. Raise --memory-gib, use more devices, a smaller "
         "batch, or an optimizer with fewer states (sgd)."
     )
@@ -302,6 +712,8 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def _label(graph: OpGraph, node: str) -> str:
+def _label(graph: OpGraph | None, node: str) -> str:
+    if graph is None:
+        return node
     attrs = graph.graph.nodes[node]
     return attrs.get("name") or attrs.get("module_path") or node

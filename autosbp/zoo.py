@@ -292,6 +292,19 @@ def build_model(
     return model, inputs
 
 
+# GPT-3 175B as trained by Brown et al. 2020 (table 2.1) and Narayanan et al. 2021 (the
+# Megatron-LM scaling runs): global batch 1536 sequences of 2048 tokens.
+GPT3_175B: dict[str, int] = {
+    "layers": 96, "hidden": 12288, "heads": 96, "seq": 2048, "vocab": 51200, "batch": 1536,
+}  # fmt: skip
+
+
+def gpt3_175b(layers: int = GPT3_175B["layers"]) -> ModelAndInputs:
+    """GPT-3 175B (or the same width with fewer `layers`) on the meta device, in bf16."""
+    model, inputs = build_model("gpt", device="meta", **{**GPT3_175B, "layers": layers})
+    return model.to(torch.bfloat16), inputs
+
+
 def _check_kwargs(name: str, builder: Callable[..., Any], kwargs: dict[str, Any]) -> None:
     params = inspect.signature(builder).parameters
     accepted = [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]

@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import torch
 
 from autosbp.errors import ExecutionError
 from autosbp.plan import Plan
+from autosbp.timeline import Event
 from costmodel.launch import run_workers
 
 FAULT_ENV = "AUTOSBP_FAULT"
@@ -40,6 +41,7 @@ class TrainSpec:
     lr: float = 1e-2
     check: bool = False
     timeout_s: float = 300.0
+    trace: bool = False  # record every actor firing of every rank (TrainResult.events)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class StepRecord:
 class TrainResult:
     records: tuple[StepRecord, ...]
     step_times_s: tuple[float, ...] = field(default=())
+    events: tuple[Event, ...] = field(default=())  # every rank's firings, with TrainSpec.trace
 
     def worst_rel_diff(self) -> float:
         diffs = [
@@ -79,27 +82,41 @@ def adam(params: Any, lr: float) -> torch.optim.Adam:
 
 
 def train(spec: TrainSpec, on_step: Callable[[StepRecord], None] | None = None) -> TrainResult:
-    """Run `spec` on `plan.device_count` gloo processes and return rank 0's records."""
+    """Run `spec` on `plan.device_count` gloo processes and return rank 0's records (and every
+    rank's firings with `spec.trace`)."""
     nproc = Plan.from_json(spec.plan).device_count
     results = run_workers(train_worker, nproc, (spec,), timeout_s=spec.timeout_s, job="training")
-    records, times = results[0]
+    records, times, _ = results[0]
     out = tuple(StepRecord(*row) for row in records)
     for record in out:
         if on_step is not None:
             on_step(record)
-    return TrainResult(out, tuple(times))
+    events = tuple(Event(*row) for _, _, rows in results for row in rows)
+    return TrainResult(out, tuple(times), events)
 
 
-def train_worker(rank: int, world_size: int, spec: TrainSpec) -> tuple[list[tuple], list[float]]:
+def train_worker(
+    rank: int, world_size: int, spec: TrainSpec
+) -> tuple[list[tuple], list[float], list[tuple]]:
     import time
 
+    import torch.distributed as dist
+
+    from autosbp.timeline import Recorder
     from autosbp.zoo import load_model
     from runtime.engine import Engine
 
     model, inputs = load_model(spec.model, spec.model_args)
     plan = Plan.from_json(spec.plan)
     reference = _Reference(model, spec.lr) if spec.check and rank == 0 else None
-    engine = Engine(model, plan, lambda params: adam(params, spec.lr), example_inputs=inputs)
+    recorder = None
+    if spec.trace:
+        dist.barrier()  # one origin for every rank (perf_counter is one clock per machine)
+        stage = next(s for s, st in enumerate(plan.stages) if rank in st.devices)
+        recorder = Recorder(rank, stage)
+    engine = Engine(
+        model, plan, lambda params: adam(params, spec.lr), example_inputs=inputs, recorder=recorder
+    )
     rows: list[tuple] = []
     times: list[float] = []
     for step in range(spec.steps):
@@ -115,7 +132,8 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> tuple[list[tupl
             )
         else:
             rows.append((step, loss, None, None, None))
-    return rows, times
+    events = [astuple(e) for e in recorder.events] if recorder is not None else []
+    return rows, times, events
 
 
 def _inject_fault(rank: int, step: int) -> None:

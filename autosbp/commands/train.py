@@ -40,7 +40,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--plan",
         default="auto",
-        help="a plan JSON file, or a strategy: auto, dp, fsdp, megatron:tp=T,dp=D",
+        help="a plan JSON file, or a strategy: auto, dp, fsdp, megatron:tp=T,pp=P,dp=D[,mb=M]",
     )
     parser.add_argument(
         "--profile", default="cpu-gloo", help="profile used when --plan is a strategy"
@@ -49,6 +49,9 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument(
         "--check", action="store_true", help="train on one device beside it and compare every step"
+    )
+    parser.add_argument(
+        "--trace", type=Path, help="write every rank's actor firings as a Chrome trace (JSON)"
     )
 
 
@@ -61,7 +64,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     model_args = parse_model_args(args.model_args)
     plan = _plan_for(args.model, model_args, args.plan, args.nproc, args.profile, console)
-    return _train_and_report(args.model, model_args, plan, args.steps, args.lr, args.check, console)
+    return _train_and_report(
+        args.model, model_args, plan, args.steps, args.lr, args.check, console, trace=args.trace
+    )
 
 
 def _plan_for(
@@ -94,13 +99,35 @@ def _check_plan_model(plan: Plan, model: str, model_args: dict) -> None:
 
 
 def _train_and_report(
-    model: str, model_args: dict, plan: Plan, steps: int, lr: float, check: bool, console: Console
+    model: str,
+    model_args: dict,
+    plan: Plan,
+    steps: int,
+    lr: float,
+    check: bool,
+    console: Console,
+    *,
+    trace: Path | None = None,
+    timeline: Path | None = None,
 ) -> int:
+    """Train under `plan`; with `trace`/`timeline`, write the measured firings as a Chrome trace
+    and the predicted-vs-measured timeline PNG."""
+    from autosbp.timeline import draw_timelines, predicted_events, write_chrome_trace
     from runtime.train import TrainSpec, train
 
-    spec = TrainSpec(model, model_args, plan.to_json(), steps, lr=lr, check=check)
+    recording = trace is not None or timeline is not None
+    spec = TrainSpec(model, model_args, plan.to_json(), steps, lr=lr, check=check, trace=recording)
     with console.status(f"training {steps} steps on {plan.device_count} processes"):
         result = train(spec)
+    if trace is not None:
+        write_chrome_trace(trace, list(result.events), metadata={"plan": plan.strategy})
+        console.print(f"Chrome trace of every firing written to {trace} (open it in Perfetto)")
+    if timeline is not None:
+        draw_timelines(
+            timeline, predicted_events(plan), list(result.events),
+            title=f"{model}: {plan.strategy} plan, predicted vs measured (last step)",
+        )  # fmt: skip
+        console.print(f"predicted vs measured timeline written to {timeline}")
     table = Table(
         title=f"{model}: {plan.strategy} plan, mesh {'x'.join(map(str, plan.mesh_shape))}"
     )

@@ -18,7 +18,7 @@ from autosbp.errors import PlanError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
-from autosbp.planner.search import GraphFor, search, strategy_space
+from autosbp.planner.search import GraphFor, powers_of_two_dividing, search, strategy_space
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers
@@ -98,12 +98,7 @@ def _micro_batch_counts(example_inputs: Sequence[torch.Tensor]) -> tuple[int, ..
     sizes = {int(x.shape[0]) if x.dim() else 0 for x in example_inputs}
     if len(sizes) != 1 or 0 in sizes:
         return (1,)
-    batch = sizes.pop()
-    counts, count = [], 1
-    while count <= batch and batch % count == 0:
-        counts.append(count)
-        count *= 2
-    return tuple(counts)
+    return powers_of_two_dividing(sizes.pop())
 
 
 def plan_graph(

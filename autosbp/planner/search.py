@@ -541,7 +541,7 @@ def search(
     best: Found | None = None
     tried: list[MeshProblem] = []
     refused: list[str] = []
-    counts = space.micro_batches or _powers_of_two_dividing(batch)
+    counts = space.micro_batches or powers_of_two_dividing(batch)
     for num_stages in space.stage_counts:
         if devices % num_stages:
             refused.append(f"{num_stages} stages do not divide {devices} devices")
@@ -628,42 +628,13 @@ def _faster(a: Found, b: Found) -> bool:
     return a.prediction.step_time_s < b.prediction.step_time_s * (1 - 1e-12)
 
 
-def _powers_of_two_dividing(batch: int) -> tuple[int, ...]:
+def powers_of_two_dividing(batch: int) -> tuple[int, ...]:
     """1, 2, 4, ... while they divide `batch`."""
     counts, count = [], 1
     while count <= batch and batch % count == 0:
         counts.append(count)
         count *= 2
     return tuple(counts)
-
-
-def best_over_meshes(
-    graph: OpGraph,
-    meshes: Sequence[Mesh],
-    prices: Prices,
-    *,
-    optimizer: str,
-    memory_limit_bytes: float | None,
-    allow: Allow | None,
-    time_limit_s: float,
-    micro_batches: int = 1,
-) -> tuple[MeshProblem, Solution]:
-    """The best single-stage plan of `graph` (one micro-batch of `micro_batches`) over `meshes`,
-    without recomputation."""
-    best: tuple[MeshProblem, Solution] | None = None
-    tried = []
-    for mesh in meshes:
-        mp = build_problem(
-            graph, mesh, prices, optimizer=optimizer, memory_limit_bytes=memory_limit_bytes,
-            allow=allow, micro_batches=micro_batches,
-        )  # fmt: skip
-        tried.append(mp)
-        sol = solve_mesh(mp, time_limit_s)
-        if sol is not None and (best is None or sol.objective < best[1].objective - 1e-15):
-            best = (mp, sol)
-    if best is None:
-        raise NoFitError(_no_fit_message(tried, memory_limit_bytes, []))
-    return best
 
 
 def _no_fit_message(

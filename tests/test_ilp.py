@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from autosbp.errors import PlanError
-from autosbp.ilp import Costs, MaxTerm, MemoryConstraint, Problem, brute_force, solve
+from autosbp.ilp import (
+    Costs,
+    MaxTerm,
+    MemoryConstraint,
+    Problem,
+    brute_force,
+    solve,
+    solve_below,
+)
 
 
 def random_problem(
@@ -100,6 +108,28 @@ def test_max_terms_equal_brute_force(seed: int, stages: int, micro_batches: int)
     got = solve(problem)
     assert got.status == "optimal"
     assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("above", [0.9, 0.99, 1.01, 1.5])
+def test_solve_below_cuts_off_only_what_cannot_win(seed: int, stages: int, above: float) -> None:
+    # None only when no assignment beats the cutoff; otherwise the optimum itself.
+    problem = random_problem(seed, 6, 3, memory=True, forbid=0.2)
+    if stages > 1:
+        problem = with_stages(problem, seed, stages, micro_batches=4)
+    try:
+        expected = brute_force(problem)
+    except PlanError:
+        return
+    cutoff = expected.objective * above
+    got = solve_below(problem, cutoff)
+    if got is None:
+        assert expected.objective >= cutoff * (1 - 1e-9)
+    else:
+        assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
+    if above > 1:
+        assert got is not None  # the optimum beats the cutoff: it must not be cut off
 
 
 def test_memory_limit_changes_the_choice() -> None:

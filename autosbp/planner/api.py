@@ -9,7 +9,7 @@ planner's `Prices`. Lives elsewhere: the search and the ILP (`search`, `ilp`), t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -116,11 +116,37 @@ def plan_graph(
     recompute: str = "auto",
 ) -> Plan:
     """`auto_parallelize` on an already captured graph of one micro-batch (of `micro_batches`)."""
-    batch = global_batch or _batch_of(graph) * micro_batches
+    return plan_graphs(
+        {micro_batches: graph}, profile=profile, devices=devices, memory_limit=memory_limit,
+        global_batch=global_batch, optimizer=optimizer, dtype=dtype, strategy=strategy,
+        time_limit_s=time_limit_s, recompute=recompute,
+    )  # fmt: skip
+
+
+def plan_graphs(
+    graphs: Mapping[int, OpGraph],
+    *,
+    profile: str,
+    devices: int,
+    memory_limit: int | None,
+    global_batch: int | None,
+    optimizer: str,
+    dtype: str,
+    strategy: str,
+    time_limit_s: float,
+    recompute: str = "auto",
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """`auto_parallelize` on already captured graphs: micro-batch count -> the graph of one
+    micro-batch (`rebatch.micro_batch_graphs`); the search tries these counts."""
+    counts = tuple(sorted(graphs))
+    if not counts:
+        raise PlanError("no graph to plan; capture the model first (rebatch.micro_batch_graphs).")
+    batch = global_batch or _batch_of(graphs[counts[0]]) * counts[0]
     return _plan(
-        lambda count: graph, (micro_batches,), profile=profile, devices=devices,
+        graphs.__getitem__, counts, profile=profile, devices=devices,
         memory_limit=memory_limit, global_batch=batch, optimizer=optimizer, dtype=dtype,
-        strategy=strategy, recompute=recompute, time_limit_s=time_limit_s,
+        strategy=strategy, recompute=recompute, time_limit_s=time_limit_s, progress=progress,
     )  # fmt: skip
 
 

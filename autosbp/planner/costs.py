@@ -25,7 +25,7 @@ scales them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Protocol
@@ -177,13 +177,30 @@ def edge_matrix(
     or the forward alone) for every pair of their candidates. `uses` lists (producer output
     index, consumer input index); `metas[k]` describes the tensor of use k."""
     matrix = np.zeros((len(producer.candidates), len(consumer.candidates)))
-    for i, psig in enumerate(producer.candidates):
-        for j, csig in enumerate(consumer.candidates):
-            total = 0.0
-            for (out_idx, in_idx), meta in zip(uses, metas, strict=True):
-                src, dst = psig.outputs[out_idx], csig.inputs[in_idx]
-                total += pricer.time_s(src, dst, meta)
-                if not forward_only:
-                    total += pricer.time_s(dual_nd_sbp(dst), dual_nd_sbp(src), meta)
-            matrix[i, j] = total
+    for (out_idx, in_idx), meta in zip(uses, metas, strict=True):
+        # Candidates share layouts: price each distinct (output, input) pair once.
+        srcs, src_of = _distinct(sig.outputs[out_idx] for sig in producer.candidates)
+        dsts, dst_of = _distinct(sig.inputs[in_idx] for sig in consumer.candidates)
+        table = np.array(
+            [
+                [
+                    pricer.time_s(src, dst, meta)
+                    + (
+                        0.0
+                        if forward_only
+                        else pricer.time_s(dual_nd_sbp(dst), dual_nd_sbp(src), meta)
+                    )
+                    for dst in dsts
+                ]
+                for src in srcs
+            ]
+        ).reshape(len(srcs), len(dsts))
+        matrix += table[np.ix_(src_of, dst_of)]
     return matrix
+
+
+def _distinct(layouts: Iterable[NdSbp]) -> tuple[list[NdSbp], np.ndarray]:
+    """The distinct layouts, and for each given one its index among them."""
+    index: dict[NdSbp, int] = {}
+    of = [index.setdefault(layout, len(index)) for layout in layouts]
+    return list(index), np.array(of, dtype=int)

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+import torch
 
 from autosbp.errors import NoFitError, PlanError
 from autosbp.graph import OpGraph, Role
-from autosbp.ilp import Costs, MaxTerm, MemoryConstraint, Problem, Solution, solve
+from autosbp.ilp import Costs, MaxTerm, MemoryConstraint, Problem, Solution, solve_below
 from autosbp.planner.costs import (
     BACKWARD_FACTOR,
     BoxingPricer,
@@ -109,18 +111,39 @@ def mesh_shapes(devices: int, link_of: LinkOf, devices_per_node: int | None = No
 @dataclass(frozen=True)
 class Priced:
     """Prices of a graph on a stage mesh that do not depend on stages, micro-batches or
-    recomputation: candidates, and for every edge its boxing matrix (forward + backward, and
-    forward alone), per micro-batch."""
+    recomputation: candidates, and (computed on first use: most configurations of a search are
+    ruled out by their node prices alone) every edge's boxing matrices, forward + backward and
+    forward alone, per micro-batch."""
 
     mesh: Mesh
     representative: dict[str, str]
     strategies: dict[str, NodeStrategies]
-    edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
+    graph: OpGraph
+    pricer: BoxingPricer
+
+    @cached_property
+    def edges(self) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
+        """The same edge in every tied block is priced once."""
+        graph, rep, strategies = self.graph, self.representative, self.strategies
+        matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        for u, v, data in graph.graph.edges(data=True):
+            uses = data["uses"]
+            metas = tuple(graph.graph.nodes[u]["outputs"][out_idx] for out_idx, _ in uses)
+            cache_key = (rep[u], rep[v], tuple(uses), metas)
+            if cache_key not in matrices:
+                matrices[cache_key] = tuple(  # type: ignore[assignment]
+                    edge_matrix(
+                        strategies[u], strategies[v], uses, metas, self.pricer, forward_only=f
+                    )
+                    for f in (False, True)
+                )
+            edges[(u, v)] = matrices[cache_key]
+        return edges
 
 
 def price_graph(graph: OpGraph, mesh: Mesh, prices: Prices, allow: Allow | None = None) -> Priced:
-    """Candidates of every representative node (`reduce.tie_blocks`) and every edge's boxing
-    matrices; the same edge in every tied block is priced once."""
+    """Candidates of every representative node (`reduce.tie_blocks`); edges on first use."""
     pricer = BoxingPricer(prices, mesh)
     rep = tie_blocks(graph)
     strategies: dict[str, NodeStrategies] = {}
@@ -129,19 +152,7 @@ def price_graph(graph: OpGraph, mesh: Mesh, prices: Prices, allow: Allow | None 
             strategies[name] = _restricted(node_strategies(graph, name, pricer), attrs, allow)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
-    matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
-    for u, v, data in graph.graph.edges(data=True):
-        uses = data["uses"]
-        metas = tuple(graph.graph.nodes[u]["outputs"][out_idx] for out_idx, _ in uses)
-        cache_key = (rep[u], rep[v], tuple(uses), metas)
-        if cache_key not in matrices:
-            matrices[cache_key] = tuple(  # type: ignore[assignment]
-                edge_matrix(strategies[u], strategies[v], uses, metas, pricer, forward_only=f)
-                for f in (False, True)
-            )
-        edges[(u, v)] = matrices[cache_key]
-    return Priced(mesh, rep, strategies, edges)
+    return Priced(mesh, rep, strategies, graph, pricer)
 
 
 def build_problem(
@@ -177,6 +188,13 @@ def build_problem(
     update = [_Acc() for _ in stages]
     memory = [_Acc() for _ in stages]
     rep, stage_of, strategies = priced.representative, split.stage_of, priced.strategies
+    kept_bytes: dict[str, np.ndarray] = {}  # per representative: tied nodes keep the same
+
+    def saved_bytes(name: str, attrs: dict) -> np.ndarray:
+        if rep[name] not in kept_bytes:
+            kept_bytes[rep[name]] = _bytes(attrs, strategies[name], mesh, optimizer)
+        return kept_bytes[rep[name]]
+
     for name, attrs in graph.nodes():
         r, s = rep[name], stage_of[name]
         found = strategies[name]
@@ -188,17 +206,13 @@ def build_problem(
             again = recomputed(attrs, recompute)
             busy[s].node(r, found.compute_s + (fwd if again else 0.0))
             forward[s].node(r, fwd)
+        saved = saved_bytes(name, attrs)
         if attrs["role"] is Role.COMPUTE and recomputed(attrs, recompute):
-            saved = _bytes(attrs, found, mesh, optimizer)
             kept = k if recompute == "full" and read_outside_block(graph, name) else 0
             memory[s].node(r, saved * kept)
             memory[s].transient(r, saved)  # one block rematerialized at a time
         else:
-            memory[s].node(
-                r,
-                _bytes(attrs, found, mesh, optimizer)
-                * (1 if attrs["role"] is not Role.COMPUTE else k),
-            )
+            memory[s].node(r, saved * (1 if attrs["role"] is not Role.COMPUTE else k))
     sent: set[tuple[str, int, int]] = set()
     for (u, v), (both, fwd_only) in priced.edges.items():
         su, sv = stage_of[u], stage_of[v]
@@ -356,12 +370,15 @@ def _restricted(found: NodeStrategies, attrs: dict, allow: Allow | None) -> Node
     )
 
 
-def solve_mesh(mesh_problem: MeshProblem, time_limit_s: float) -> Solution | None:
-    """The best choice on this mesh, or None if nothing fits (no candidate or memory)."""
+def solve_mesh(
+    mesh_problem: MeshProblem, time_limit_s: float, cutoff: float = math.inf
+) -> Solution | None:
+    """The best choice on this mesh, or None if nothing fits (no candidate or memory) or
+    nothing beats `cutoff`."""
     if any(len(s.candidates) == 0 for s in mesh_problem.strategies.values()):
         return None
     try:
-        return solve(mesh_problem.problem, time_limit_s=time_limit_s)
+        return solve_below(mesh_problem.problem, cutoff, time_limit_s=time_limit_s)
     except NoFitError:
         return None
 
@@ -512,6 +529,7 @@ class Found:
     graph: OpGraph
 
 
+IDLE_STAGE_COUNTS = 2  # see `search` (measured on GPT-3: the best stage count is the first)
 GraphFor = Callable[[int], OpGraph]  # micro-batch count -> the graph of one micro-batch
 
 
@@ -532,7 +550,9 @@ def search(
     """The fastest plan (by `predict`) over stage counts x stage meshes x micro-batch counts x
     recomputation modes, each signature choice from the ILP.
 
-    Micro-batch counts are tried in increasing order. With one stage, more micro-batches only
+    Stage counts are tried in increasing order, and the search ends after IDLE_STAGE_COUNTS
+    of them in a row found nothing faster (the step time is taken to be unimodal in the stage
+    count). Micro-batch counts are tried in increasing order. With one stage, more micro-batches only
     save memory, so the search stops at the first count where a plan fits without
     recomputation. With stages, more micro-batches shrink the bubble but add per-micro-batch
     overheads: the search stops once a count is slower than the one before (the step time is
@@ -542,10 +562,14 @@ def search(
     tried: list[MeshProblem] = []
     refused: list[str] = []
     counts = space.micro_batches or powers_of_two_dividing(batch)
+    idle = 0  # stage counts in a row that found nothing faster
     for num_stages in space.stage_counts:
         if devices % num_stages:
             refused.append(f"{num_stages} stages do not divide {devices} devices")
             continue
+        if idle >= IDLE_STAGE_COUNTS:
+            break
+        best_before = best
         stage_devices = devices // num_stages
 
         def stage_link(shape: tuple[int, ...], dim: int, p: int = num_stages) -> str:
@@ -565,15 +589,26 @@ def search(
             except PlanError as exc:
                 refused.append(str(exc))
                 break
-            best_here, fits_plainly = None, False
+            floors = compute_floors(graph, prices, stage_devices)
+            copies = copies_per_stage(graph, split)
+            best_here, fits_plainly, cut = None, False, False
             for mesh in meshes:
-                if progress:
-                    progress(
-                        f"stages {num_stages}, mesh {'x'.join(map(str, mesh.shape))}, "
-                        f"{count} micro-batches"
-                    )
-                priced = price_graph(graph, mesh, prices, space.allow)
+                priced: Priced | None = None
                 for mode in space.recompute:
+                    cutoff = best.prediction.step_time_s if best is not None else math.inf
+                    if step_bound(graph, copies, num_stages, floors, count, mode) >= cutoff:
+                        cut = True
+                        continue  # even perfectly sharded compute alone is too slow
+                    if progress:
+                        progress(
+                            f"stages {num_stages}, mesh {'x'.join(map(str, mesh.shape))}, "
+                            f"{count} micro-batches, recompute {mode}"
+                        )
+                    priced = priced or price_graph(graph, mesh, prices, space.allow)
+                    node_times = {n: s.compute_s for n, s in priced.strategies.items()}
+                    if step_bound(graph, copies, num_stages, node_times, count, mode) >= cutoff:
+                        cut = True
+                        continue  # its cheapest signatures, without boxing, are too slow
                     mp = build_problem(
                         graph, mesh, prices, optimizer=optimizer,
                         memory_limit_bytes=memory_limit_bytes, allow=space.allow,
@@ -581,25 +616,25 @@ def search(
                         priced=priced,
                     )  # fmt: skip
                     tried.append(mp)
-                    if best is not None and lower_bound(mp) >= best.prediction.step_time_s:
-                        continue  # cannot beat the best plan so far: skip the solve
-                    solution = solve_mesh(mp, time_limit_s)
+                    solution = solve_mesh(mp, time_limit_s, cutoff)
                     if solution is None:
+                        cut = cut or math.isfinite(cutoff)
                         continue
                     fits_plainly |= mode == "none"
                     found = Found(mp, solution, predict(mp, solution), graph)
                     if best_here is None or _faster(found, best_here):
                         best_here = found
-            if best_here is not None and (best is None or _faster(best_here, best)):
-                best = best_here
-            if best_here is None:
-                continue
-            time_here = best_here.prediction.step_time_s
-            if num_stages == 1 and fits_plainly:
-                break
-            if num_stages > 1 and previous is not None and time_here > previous:
-                break
-            previous = time_here
+                    if best is None or _faster(found, best):
+                        best = found
+            if num_stages == 1 and (fits_plainly or (cut and best_here is None)):
+                break  # more micro-batches only add per-micro-batch overheads
+            if best_here is None and not cut:
+                continue  # nothing fits yet: more micro-batches keep less in flight
+            time_here = best_here.prediction.step_time_s if best_here else math.inf
+            if num_stages > 1 and previous is not None and time_here >= previous:
+                break  # not faster than with fewer micro-batches (or, twice, all cut off)
+            previous = time_here if previous is None else min(previous, time_here)
+        idle = idle + 1 if best is not None and best is best_before else 0
     if best is None and not tried and not refused:
         raise PlanError(
             f"the strategy needs a mesh that {devices} devices cannot form; check that its "
@@ -610,17 +645,58 @@ def search(
     return best
 
 
-def lower_bound(mp: MeshProblem) -> float:
-    """A step time no plan of `mp` can beat: some stage must run all its micro-batches and its
-    update, each node at its cheapest candidate, with no boxing, transfers or bubble."""
-    costs = mp.stage_costs
+def compute_floors(graph: OpGraph, prices: Prices, devices: int) -> dict[str, np.ndarray]:
+    """Per compute node, the least forward + backward time any signature on `devices` devices
+    can take (one value: its flops and bytes spread evenly; a signature's local share is never
+    smaller, and the roofline only grows with flops and bytes)."""
+    floors: dict[str, np.ndarray] = {}
+    for name, attrs in graph.nodes(Role.COMPUTE):
+        if attrs["flops"] or attrs["bytes"]:
+            dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
+            forward = prices.op_time_s(attrs["flops"] / devices, attrs["bytes"] / devices, dtype)
+            floors[name] = np.array([forward * (1.0 + BACKWARD_FACTOR)])
+    return floors
 
-    def cheapest(part: Costs) -> float:
-        return sum(float(np.min(c)) for c in part.node_costs.values() if len(c))
 
+Copies = Counter[tuple[int, str]]  # (stage, representative node) -> how many nodes it stands for
+
+
+def copies_per_stage(graph: OpGraph, split: StageSplit) -> Copies:
+    rep = tie_blocks(graph)
+    return Counter((split.stage_of[name], rep[name]) for name in graph.order)
+
+
+def step_bound(
+    graph: OpGraph,
+    copies: Copies,
+    num_stages: int,
+    times: Mapping[str, np.ndarray],
+    micro_batches: int,
+    recompute: str,
+) -> float:
+    """A step time no plan with these stages, micro-batch count and recomputation can beat,
+    from per-node times alone (`times` per representative node: per candidate, or one floor;
+    compute nodes per micro-batch, parameters per step), each node at its cheapest, no boxing
+    and no transfers. Stage s works its micro-batches after every earlier stage's first
+    forward and before every earlier stage's last backward, and updates after its last
+    backward."""
+    busy = [0.0] * num_stages
+    first = [0.0] * num_stages  # forward of one micro-batch
+    update = [0.0] * num_stages
+    for (s, name), n in copies.items():
+        values = times.get(name)
+        if values is None or not len(values):
+            continue
+        attrs, least = graph.graph.nodes[name], n * float(np.min(values))
+        if attrs["role"] is Role.PARAMETER:
+            update[s] += least
+        elif attrs["role"] is Role.COMPUTE:
+            forward = least / (1.0 + BACKWARD_FACTOR)
+            busy[s] += least + (forward if recomputed(attrs, recompute) else 0.0)
+            first[s] += forward
     return max(
-        mp.micro_batches * cheapest(busy) + cheapest(update)
-        for busy, update in zip(costs.busy, costs.update, strict=True)
+        micro_batches * busy[s] + max(sum(busy[:s]), sum(first[:s]) + update[s])
+        for s in range(num_stages)
     )
 
 

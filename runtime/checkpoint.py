@@ -5,32 +5,42 @@ them). Lives elsewhere: the manifest's values and JSON (`runtime.checkpoint_form
 here), cutting and assembling pieces by an nd-SBP (`autosbp.layout`), the state being saved
 (`runtime.engine`).
 
-Format (`autosbp.checkpoint`, version 1): a directory with one `rank{r:05d}.pt` per rank that
+Format (`autosbp.checkpoint`, version 2): a directory with one `rank{r:05d}.pt` per rank that
 holds a piece (a flat dict key -> tensor, written by `torch.save`, read with `weights_only=True`;
-a rank whose pieces are all B copies of another's writes none) and `manifest.json`:
-the model's graph fingerprint, the plan's mesh and device ids, the optimizer's kind, step count
-and hyperparameters, the files' sizes and sha256, and per tensor its global shape, dtype, nd-SBP
-and which rank file holds the piece of each mesh device. Keys: `state/<name>` for parameters and
-buffers, `optim/<name>/<field>` for optimizer state (Adam's `exp_avg`, `exp_avg_sq`, `step`).
+a rank whose pieces are all B copies of another's writes none) and `manifest.json`: the model's
+graph fingerprint (of one micro-batch), the plan's mesh shape, pipeline stages (each stage's
+global ranks) and micro-batching, the optimizer's kind, step count and hyperparameters (one set
+per parameter group, listing the parameters of every stage), the files' sizes and sha256, and per
+tensor its global shape, dtype, nd-SBP, owning stage and which rank file holds the piece of each
+device of that stage's mesh. Keys: `state/<name>` for parameters and buffers,
+`optim/<name>/<field>` for optimizer state (Adam's `exp_avg`, `exp_avg_sq`, `step`).
 
 Invariants:
-- Only ranks at coordinate 0 of every B mesh dim of a tensor write its piece: B copies are saved
-  once. A tensor's pieces are enough to rebuild it (`assemble_tensor`); state is never P.
+- A tensor is saved by the stage that owns it (`Engine.owner`) and loaded by the stage that owns
+  it under the new plan, whatever the two plans' stage counts, meshes and world sizes; a rank
+  reads only the rank files that hold pieces of its own stage's tensors.
+- Only ranks at coordinate 0 of every B mesh dim of a tensor (in its stage's mesh) write its
+  piece: B copies are saved once. A tensor's pieces are enough to rebuild it
+  (`assemble_tensor`); state is never P.
 - Optimizer state that has its parameter's local shape follows the parameter's layout; a 0-dim
-  tensor (Adam's step) is replicated. Anything else is refused (only elementwise optimizers shard
-  exactly, see runtime.engine).
+  tensor (Adam's step) is replicated on the parameter's stage. Anything else is refused (only
+  elementwise optimizers shard exactly, see runtime.engine).
+- Same model: when both plans run micro-batches of the same size, the graph fingerprints must be
+  equal; otherwise (their graphs differ in batch size) every parameter and buffer must match by
+  name, shape and dtype. Either way the state's names, shapes and dtypes are checked.
 - Atomic: ranks write into `<path>.tmp`, rank 0 writes the manifest last and renames the
   directory to `<path>`. A directory without a manifest is never taken for a checkpoint. An
   existing checkpoint at `<path>` is replaced only after the new one is complete.
-- Loading changes nothing until every tensor of this rank has been read and checked, and every
-  rank has; a failure on one rank makes every rank raise, naming it (never a hang).
+- Saving and loading run each fallible part on every rank and then agree (`_agree`): a failure
+  on one rank makes every rank raise, naming it (never a hang). Loading changes nothing until
+  every tensor of this rank has been read and checked, and every rank has.
 - Loading restores the optimizer's hyperparameters (lr, betas ...) from the checkpoint, as
   `torch.optim.Optimizer.load_state_dict` does.
 
-Scope: every rank reads whole rank files and rebuilds each global tensor, then cuts its own piece
-(`_local_piece`); fine at the sizes tested. A production loader would read only the saved slices
-that overlap this rank's piece (a change local to `_local_piece` and `_RankFiles`). Ranks must
-see one shared filesystem.
+Scope: every rank reads whole rank files and rebuilds each global tensor of its stage, then cuts
+its own piece (`_local_piece`); fine at the sizes tested. A production loader would read only
+the saved slices that overlap this rank's piece (a change local to `_local_piece` and
+`_RankFiles`). Ranks must see one shared filesystem.
 Reference: design.md 3.7; torch.distributed.checkpoint (per-rank files + a metadata file).
 """
 
@@ -41,7 +51,8 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from autosbp.errors import ExecutionError, PlanError
+from autosbp.graph import Role
 from autosbp.layout import assemble_tensor, shard_tensor
 from autosbp.sbp import B, Broadcast, Mesh, NdSbp, format_nd_sbp, local_shape, parse_nd_sbp
 from runtime.checkpoint_format import (
@@ -56,6 +68,9 @@ from runtime.checkpoint_format import (
     Manifest,
     RankFile,
     TensorEntry,
+    group_json,
+    hyperparameters,
+    merge_stage_groups,
     read_manifest,
 )
 from runtime.engine import Engine
@@ -73,20 +88,39 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------ saving
+@dataclass(frozen=True, slots=True)
+class _StageReport:
+    """What a stage tells rank 0 for the manifest (its first rank speaks for it; the others
+    would say the same): its tensors' entries, its optimizer's groups and step count."""
+
+    stage: int
+    tensors: dict[str, TensorEntry]
+    param_groups: tuple[dict[str, Any], ...]
+    optimizer_step: int
+
+
 def save_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Path:
     """Save `engine`'s parameters, buffers and optimizer state at `path` (a directory). A
     collective: every rank calls it; it returns once the checkpoint is complete on disk."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank = dist.get_rank()
-    entries, mine = _save_plan(engine, rank)
-    _agree("save_checkpoint (prepare)", lambda: _fresh_dir(tmp, path) if rank == 0 else None)
+
+    def prepare() -> tuple[_StageReport, dict[str, torch.Tensor]]:
+        report, mine = _stage_report(engine, rank)
+        if rank == 0:
+            _fresh_dir(tmp, path)
+        return report, mine
+
+    report, mine = _agree("save_checkpoint (prepare)", prepare)
     record = _agree("save_checkpoint (write)", lambda: _write_rank_file(tmp, rank, mine))
-    records: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(records, record)
+    told: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(told, (record, report if engine.index == 0 else None))
 
     def publish() -> None:
-        manifest = _manifest(engine, entries, tuple(r for r in records if r is not None))
+        files = tuple(f for f, _ in told if f is not None)
+        reports = sorted((r for _, r in told if r is not None), key=lambda r: r.stage)
+        manifest = _manifest(engine, reports, files)
         _write_bytes(tmp / MANIFEST, (json.dumps(manifest.to_json(), indent=1) + "\n").encode())
         _publish(tmp, path)
 
@@ -94,23 +128,27 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _save_plan(engine: Engine, rank: int) -> tuple[dict[str, TensorEntry], dict[str, torch.Tensor]]:
-    """Every tensor's entry, and the pieces this rank writes (cloned: a view would save its
-    whole storage)."""
+def _stage_report(engine: Engine, rank: int) -> tuple[_StageReport, dict[str, torch.Tensor]]:
+    """The entries of every tensor of this rank's stage, and the pieces this rank writes
+    (cloned: a view would save its whole storage)."""
     entries: dict[str, TensorEntry] = {}
     mine: dict[str, torch.Tensor] = {}
-    mesh, index = engine.mesh, engine.mesh.device_ids.index(rank)
+    mesh = engine.mesh
     for key, (local, shape, layout) in _saved_tensors(engine).items():
-        owners = tuple(mesh.device_ids[_owner(layout, mesh, i)] for i in range(mesh.size))
-        dtype = str(local.dtype).removeprefix("torch.")
-        entries[key] = TensorEntry(tuple(shape), dtype, format_nd_sbp(layout), owners)
-        if owners[index] == rank:
+        holders = tuple(mesh.device_ids[_owner(layout, mesh, i)] for i in range(mesh.size))
+        dtype = _dtype_name(local.dtype)
+        entries[key] = TensorEntry(shape, dtype, format_nd_sbp(layout), engine.stage, holders)
+        if holders[engine.index] == rank:
             mine[key] = local.detach().clone()
-    return entries, mine
+    names = _names_by_id(engine)
+    groups = tuple(group_json(g, names) for g in engine.optimizer.param_groups)
+    steps = [int(s["step"]) for s in engine.optimizer.state.values() if "step" in s]
+    return _StageReport(engine.stage, entries, groups, max(steps, default=0)), mine
 
 
 def _saved_tensors(engine: Engine) -> dict[str, tuple[torch.Tensor, tuple[int, ...], NdSbp]]:
-    """key -> (local tensor, global shape, layout) for the state and the optimizer's tensors."""
+    """key -> (local tensor, global shape, layout) for the state and the optimizer's tensors of
+    this rank's stage."""
     out = {
         f"state/{name}": (local, tuple(engine.shapes[name]), engine.layouts[name])
         for name, local in engine.state.items()
@@ -195,23 +233,23 @@ def _publish(tmp: Path, path: Path) -> None:
 
 
 def _manifest(
-    engine: Engine, entries: dict[str, TensorEntry], files: tuple[RankFile, ...]
+    engine: Engine, reports: Sequence[_StageReport], files: tuple[RankFile, ...]
 ) -> Manifest:
-    optimizer = engine.optimizer
-    steps = [
-        int(state["step"]) for state in optimizer.state.values() if "step" in state
-    ]  # torch keeps Adam's step per parameter; they agree
+    plan = engine.plan
+    assert [r.stage for r in reports] == list(range(len(plan.stages))), "one report per stage"
     return Manifest(
         model_name=engine.graph.model_name,
         fingerprint=engine.graph.fingerprint(),
-        strategy=engine.plan.strategy,
+        strategy=plan.strategy,
         mesh_shape=engine.mesh.shape,
-        device_ids=engine.mesh.device_ids,
-        optimizer_kind=type(optimizer).__name__,
-        optimizer_step=max(steps, default=0),
-        param_groups=tuple(_group_json(g, _names_by_id(engine)) for g in optimizer.param_groups),
+        stages=tuple(tuple(stage.devices) for stage in plan.stages),
+        micro_batches=plan.micro_batches,
+        global_batch=plan.global_batch,
+        optimizer_kind=type(engine.optimizer).__name__,
+        optimizer_step=max(r.optimizer_step for r in reports),  # torch keeps Adam's per param
+        param_groups=merge_stage_groups([r.param_groups for r in reports]),
         files=files,
-        tensors=entries,
+        tensors={key: entry for r in reports for key, entry in r.tensors.items()},
     )
 
 
@@ -219,31 +257,14 @@ def _names_by_id(engine: Engine) -> dict[int, str]:
     return {id(param): name for name, param in engine.parameters.items()}
 
 
-def _group_json(group: Mapping[str, Any], names: Mapping[int, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"params": [names[id(p)] for p in group["params"]]}
-    for key, value in group.items():
-        if key in ("params", "param_names"):
-            continue
-        if not _is_plain(value):
-            raise ExecutionError(
-                f"save_checkpoint: optimizer hyperparameter {key!r} = {value!r} is not a plain "
-                "number, string or tuple of them, so the manifest cannot hold it. Pass it as a "
-                "Python number."
-            )
-        out[key] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
-def _is_plain(value: Any) -> bool:
-    if isinstance(value, list | tuple):
-        return all(_is_plain(v) for v in value)
-    return value is None or isinstance(value, bool | int | float | str)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 # ----------------------------------------------------------------------------------- loading
 def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Manifest:
-    """Load the checkpoint at `path` into `engine`, whatever plan, mesh or world size it was
-    saved under. A collective: every rank calls it. Returns the manifest."""
+    """Load the checkpoint at `path` into `engine`, whatever plan, stages, mesh or world size it
+    was saved under. A collective: every rank calls it. Returns the manifest."""
     path = Path(path)
     manifest = _agree("load_checkpoint", lambda: _checked_manifest(engine, path))
     state, optimizer_state = _agree("load_checkpoint", lambda: _read_local(engine, manifest, path))
@@ -257,7 +278,9 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Manifest:
 def _checked_manifest(engine: Engine, path: Path) -> Manifest:
     manifest = read_manifest(path)
     fingerprint = engine.graph.fingerprint()
-    if manifest.fingerprint != fingerprint:
+    plan = engine.plan
+    micro_batch_size = plan.global_batch // plan.micro_batches
+    if manifest.fingerprint != fingerprint and manifest.micro_batch_size == micro_batch_size:
         raise PlanError(
             f"checkpoint {path} was saved from a model with graph fingerprint "
             f"{manifest.fingerprint} ({manifest.model_name}), but this engine's model "
@@ -271,7 +294,7 @@ def _checked_manifest(engine: Engine, path: Path) -> Manifest:
             f"is {kind}; their states do not convert. Build the Engine with a "
             f"{manifest.optimizer_kind} optimizer_factory."
         )
-    _check_tensors(engine, manifest, path)
+    _check_state(engine, manifest, path, micro_batch_size)
     missing = [f.name for f in manifest.files if not (path / f.name).is_file()]
     if missing:
         raise ExecutionError(
@@ -281,30 +304,49 @@ def _checked_manifest(engine: Engine, path: Path) -> Manifest:
     return manifest
 
 
-def _check_tensors(engine: Engine, manifest: Manifest, path: Path) -> None:
-    for name, local in engine.state.items():
-        entry = manifest.tensors.get(f"state/{name}")
-        want = (tuple(engine.shapes[name]), str(local.dtype).removeprefix("torch."))
-        if entry is None or (entry.shape, entry.dtype) != want:
-            got = "nothing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
-            raise PlanError(
-                f"checkpoint {path} holds {got} for {name!r}, but the engine has "
-                f"{want[1]}{list(want[0])}: it belongs to another model. Load a checkpoint of "
-                "this model."
-            )
+def _check_state(engine: Engine, manifest: Manifest, path: Path, micro_batch_size: int) -> None:
+    """The checkpoint holds exactly the model's parameters and buffers (every stage's), each
+    with its shape and dtype."""
+    want = {
+        attrs["name"]: (tuple(attrs["outputs"][0].shape), _dtype_name(attrs["outputs"][0].dtype))
+        for role in (Role.PARAMETER, Role.BUFFER)
+        for _, attrs in engine.graph.nodes(role)
+    }
+    saved = {
+        key.removeprefix("state/"): (entry.shape, entry.dtype)
+        for key, entry in manifest.tensors.items()
+        if key.startswith("state/")
+    }
+    differ = sorted(n for n in want.keys() | saved.keys() if want.get(n) != saved.get(n))
+    if not differ:
+        return
+    name = differ[0]
+    got, have = (
+        f"{d[1]}{list(d[0])}" if d else "nothing" for d in (saved.get(name), want.get(name))
+    )
+    why = (
+        ""
+        if manifest.micro_batch_size == micro_batch_size
+        else f" (saved at micro-batches of {manifest.micro_batch_size} samples, run here at "
+        f"{micro_batch_size}, so the graph fingerprints {manifest.fingerprint} and "
+        f"{engine.graph.fingerprint()} are not comparable and the state was compared instead)"
+    )
+    raise PlanError(
+        f"checkpoint {path} holds {got} for {name!r} ({len(differ)} parameter(s) or buffer(s) "
+        f"differ), but this engine's model `{engine.graph.model_name}` has {have}: it belongs "
+        f"to another model{why}. Load a checkpoint of this model."
+    )
 
 
 def _read_local(
     engine: Engine, manifest: Manifest, path: Path
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's piece of every state tensor, and the optimizer's state dict with its pieces:
-    everything read and checked before the engine is changed."""
+    """This rank's piece of every state tensor of its stage, and the optimizer's state dict with
+    its pieces: everything read and checked before the engine is changed."""
     files = _RankFiles(path, manifest)
     state = {
-        name: _local_piece(
-            manifest.tensors[f"state/{name}"], f"state/{name}", engine, layout, files
-        )
-        for name, layout in ((n, engine.layouts[n]) for n in engine.state)
+        name: _local_piece(f"state/{name}", engine, engine.layouts[name], files)
+        for name in engine.state
     }
     optim: dict[str, dict[str, torch.Tensor]] = {}
     replicated = (B,) * engine.mesh.ndim
@@ -312,19 +354,26 @@ def _read_local(
         if not key.startswith("optim/"):
             continue
         name, field = key.removeprefix("optim/").rsplit("/", 1)
+        if name not in engine.owner or (
+            engine.owner[name] == engine.stage and name not in engine.parameters
+        ):
+            raise PlanError(
+                f"checkpoint {path} has optimizer state for {name!r}, which is not a parameter "
+                "of this model: it belongs to another model. Load a checkpoint of this model."
+            )
         if name not in engine.parameters:
-            raise PlanError(f"checkpoint has optimizer state for {name!r}, not a parameter here.")
+            continue  # another stage's parameter: that stage loads it
         layout = engine.layouts[name] if entry.shape else replicated
-        optim.setdefault(name, {})[field] = _local_piece(entry, key, engine, layout, files)
+        optim.setdefault(name, {})[field] = _local_piece(key, engine, layout, files)
     return state, _optimizer_state_dict(engine, manifest, optim)
 
 
-def _local_piece(
-    entry: TensorEntry, key: str, engine: Engine, layout: NdSbp, files: _RankFiles
-) -> torch.Tensor:
+def _local_piece(key: str, engine: Engine, layout: NdSbp, files: _RankFiles) -> torch.Tensor:
     """This rank's piece under `layout`: the saved pieces assembled whole, then cut. (A
     production loader would read only the saved slices that overlap this piece.)"""
-    saved_mesh = Mesh(files.manifest.mesh_shape, device_ids=files.manifest.device_ids)
+    manifest = files.manifest
+    entry = manifest.tensors[key]
+    saved_mesh = Mesh(manifest.mesh_shape, device_ids=manifest.stages[entry.stage])
     saved_layout = parse_nd_sbp(entry.nd_sbp)
     want = local_shape(entry.shape, saved_layout, saved_mesh.shape)
     pieces = [files.piece(rank, key, want) for rank in entry.pieces]
@@ -333,7 +382,8 @@ def _local_piece(
 
 
 class _RankFiles:
-    """The checkpoint's rank files, each read once, checked against its size and sha256."""
+    """The checkpoint's rank files, each read once (when a piece in it is first asked for),
+    checked against its size and sha256."""
 
     def __init__(self, path: Path, manifest: Manifest) -> None:
         self.path, self.manifest = path, manifest
@@ -376,27 +426,29 @@ class _RankFiles:
 def _optimizer_state_dict(
     engine: Engine, manifest: Manifest, optim: dict[str, dict[str, torch.Tensor]]
 ) -> dict[str, Any]:
-    """The optimizer's own `state_dict` format: parameters by their index in the groups."""
+    """The optimizer's own `state_dict` format: this stage's parameters by their index in its
+    groups; each group takes the hyperparameters of the checkpoint's group of that index, whose
+    parameters (of every stage) must include the group's here."""
     names = _names_by_id(engine)
     current = [[names[id(p)] for p in g["params"]] for g in engine.optimizer.param_groups]
-    saved = [list(g["params"]) for g in manifest.param_groups]
-    if saved != current:
+    saved = [set(g["params"]) for g in manifest.param_groups]
+    stray = [n for group, held in zip(current, saved, strict=False) for n in group if n not in held]
+    if len(saved) != len(current) or stray:
         raise PlanError(
-            "load_checkpoint: the optimizer's parameter groups differ from the checkpoint's "
-            f"({[len(g) for g in saved]} vs {[len(g) for g in current]} parameters per group); "
-            "build the optimizer with the same groups as when saving."
+            "load_checkpoint: the optimizer's parameter groups differ from the checkpoint's: "
+            f"{len(current)} group(s) here, {len(saved)} saved"
+            + (f"; {stray[:3]} are not in the saved group of that index" if stray else "")
+            + ". Build the optimizer with the same groups as when saving."
         )
     index = {name: i for i, name in enumerate(n for group in current for n in group)}
-    state: dict[int, dict[str, Any]] = {}
-    for name, fields in optim.items():
-        state[index[name]] = dict(fields)
     groups = [
         {
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()},
-            "params": [index[n] for n in g["params"]],
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in hyperparameters(g).items()},
+            "params": [index[n] for n in group],
         }
-        for g in manifest.param_groups
+        for g, group in zip(manifest.param_groups, current, strict=True)
     ]
+    state = {index[name]: dict(fields) for name, fields in optim.items()}
     return {"state": state, "param_groups": groups}
 
 

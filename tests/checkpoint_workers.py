@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from autosbp.capturing import capture
+from autosbp.capturing import capture_micro_batch
 from autosbp.errors import AutosbpError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan
@@ -35,13 +35,14 @@ OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 def run_checkpoint_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
     """Per case: {"losses": [...]} (plus {"state": {name: array}} on rank 0 when asked), or
     {"error": "ErrorClass: message"}."""
-    graphs: dict[tuple[str, str], OpGraph] = {}
+    graphs: dict[tuple[str, str, int], OpGraph] = {}
     results = []
     for case in cases:
         model, inputs = build_model(case["model"], seed=0, **case["model_kwargs"])
-        key = (case["model"], repr(sorted(case["model_kwargs"].items())))
-        if key not in graphs:
-            graphs[key] = capture(model, inputs, name=case["model"])
+        micro_batches = case["plan"]["micro_batches"]
+        key = (case["model"], repr(sorted(case["model_kwargs"].items())), micro_batches)
+        if key not in graphs:  # the Engine runs one micro-batch: its graph is at that size
+            graphs[key] = capture_micro_batch(model, inputs, micro_batches, name=case["model"])
         try:
             results.append(_run(case, model, inputs, graphs[key], rank))
         except AutosbpError as exc:

@@ -1,24 +1,30 @@
 """Checkpoints: saved under plan A, loaded under plan B, training continues as if uninterrupted.
 
-Oracle: gpt (tiny) trained on one device for SAVED + RESUMED Adam steps. A run that trains
-SAVED steps under plan A, saves, loads under plan B (other mesh, other SBPs, other world size)
+Oracle: the tiny gpt (gpt-2l, two blocks, where a plan has pipeline stages) trained on one
+device for SAVED + RESUMED Adam steps. A run that trains SAVED steps under plan A, saves, loads
+under plan B (other mesh, other SBPs, other world size, other pipeline stages and micro-batches)
 and trains RESUMED more must give the same losses at every step and the same parameters at the
 end (fp32, rel <= 1e-5; GPT's attention key bias is left out of the parameter check, see
 tests/test_runtime.py `_comparable`). Also: the files (one per rank, `weights_only` loadable, B
-copies saved once, a manifest with SBPs and the optimizer's step), atomic replacement of an old
-checkpoint, and clear errors for another model, another optimizer, a truncated manifest, a
-missing or damaged rank file, an unfinished save, and saving over a directory that is not one.
+copies saved once, each tensor saved by the stage that owns it, a manifest with SBPs, stages and
+the optimizer's step), atomic replacement of an old checkpoint, and clear errors for another
+model (at the same and at another micro-batch size), another optimizer, a truncated manifest, an
+older format version, a missing or damaged rank file, an unfinished save, and saving over a
+directory that is not one.
 
-How it runs: two `run_workers` calls. 4 processes train and save under megatron:tp=2,dp=2
-(mesh 2x2) and fsdp (mesh 4), and load the fsdp checkpoint under auto (4 processes); then the
-parent damages copies of the megatron checkpoint, and 2 processes load it under dp and try
-every bad input. Lives elsewhere: the workers (tests/checkpoint_workers.py).
+How it runs: two `run_workers` calls. 4 processes train and save under every 4-process plan A
+(megatron:tp=2,dp=2 on a 2x2 mesh, fsdp, 2 stages of tp=2) and load the 4-process plans B; then
+the parent damages copies of the megatron checkpoint, and 2 processes save and load the 2-process
+pairs, load the 4-process checkpoints under dp, and try every bad input. Lives elsewhere: the
+workers (tests/checkpoint_workers.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -39,25 +45,41 @@ LR = 1e-2
 REL_TOL = 1e-5
 WORKER_TIMEOUT_S = 120.0
 # (case id, plan A (world, strategy), plan B (world, strategy)): resume pairs.
-RESUMES: list[tuple[str, tuple[int, str], tuple[int, str]]] = [
-    ("megatron4-to-dp2", (4, MEGATRON), (2, "dp")),
-    ("fsdp4-to-auto4", (4, "fsdp"), (4, "auto")),
+# Pipelined plans (2 stages of 1 or 2 devices) need gpt-2l: stages split repeated blocks.
+PP2_MB4, PP2_MB2 = "megatron:tp=1,pp=2,dp=1/mb4", "megatron:tp=1,pp=2,dp=1/mb2"
+TP2_PP2, DP2_PP2 = "megatron:tp=2,pp=2,dp=1/mb2", "megatron:tp=1,pp=2,dp=2/mb2"
+# (case id, model, plan A (world, strategy), plan B (world, strategy)): resume pairs. Plan B of a
+# 4-process load is saved under a 4-process plan A too (that world runs first).
+RESUMES: list[tuple[str, str, tuple[int, str], tuple[int, str]]] = [
+    ("megatron4-to-dp2", "gpt", (4, MEGATRON), (2, "dp")),
+    ("fsdp4-to-auto4", "gpt", (4, "fsdp"), (4, "auto")),
+    # 2 stages -> 1 (and micro-batches of 1 -> 4 samples: the graph fingerprints differ).
+    ("pp2-to-fsdp2", "gpt-2l", (2, PP2_MB4), (2, "fsdp")),
+    ("dp2-to-pp2", "gpt-2l", (2, "dp"), (2, PP2_MB2)),
+    # 2 stages of 2 devices -> other stage meshes (same micro-batches), tp x dp, fewer processes.
+    ("tp2pp2-to-dp2pp2", "gpt-2l", (4, TP2_PP2), (4, DP2_PP2)),
+    ("tp2pp2-to-megatron4", "gpt-2l", (4, TP2_PP2), (4, MEGATRON)),
+    ("tp2pp2-to-dp2", "gpt-2l", (4, TP2_PP2), (2, "dp")),
 ]
+SOURCE = ("gpt", (4, MEGATRON))  # the checkpoint the file and refusal tests look into
 # (case id, model the engine trains, optimizer, checkpoint directory, expected error start, text)
+# (A checkpoint directory is `_dir(*SOURCE)` or one of `_damage_copies`.)
 REFUSALS: list[tuple[str, str, str, str, str, str]] = [
-    ("wrong-model", "mlp", "adam", "megatron", "PlanError", "fingerprint"),
-    ("wrong-optimizer", "gpt", "sgd", "megatron", "PlanError", "holds Adam state"),
+    ("wrong-model", "mlp", "adam", "source", "PlanError", "state was compared"),
+    ("wrong-model-same-batch", "gpt-tied", "adam", "source", "PlanError", "has fingerprint"),
+    ("wrong-optimizer", "gpt", "sgd", "source", "PlanError", "holds Adam state"),
     ("truncated-manifest", "gpt", "adam", "truncated", "ExecutionError", "is damaged"),
     ("missing-rank-file", "gpt", "adam", "missing", "ExecutionError", "are missing"),
     ("damaged-rank-file", "gpt", "adam", "damaged", "ExecutionError", "is damaged"),
     ("unfinished-save", "gpt", "adam", "unfinished", "ExecutionError", "incomplete"),
+    ("old-version", "gpt", "adam", "old-version", "ExecutionError", "version 1, but"),
     ("no-checkpoint", "gpt", "adam", "nowhere", "ExecutionError", "does not exist"),
 ]
 
 
-def _dir(strategy: str) -> str:
-    """A checkpoint's directory name: the strategy without its degrees ("megatron")."""
-    return strategy.split(":")[0]
+def _dir(model: str, plan: tuple[int, str]) -> str:
+    """A checkpoint's directory name: "gpt-4-megatron-tp-2-dp-2" for (gpt, (4, MEGATRON))."""
+    return re.sub(r"\W+", "-", f"{model}-{plan[0]}-{plan[1]}")
 
 
 def _case(case_id: str, model: str, plan: tuple[int, str], **fields: Any) -> dict[str, Any]:
@@ -73,44 +95,56 @@ def _case(case_id: str, model: str, plan: tuple[int, str], **fields: Any) -> dic
     return case
 
 
-def _world4(root: Path) -> list[dict[str, Any]]:
+def _resumes(root: Path, world_size: int) -> list[dict[str, Any]]:
+    """This world's saves (each plan A once), then its loads (a case's plan B)."""
     saves = {
-        a: _case(f"save-{a[1]}", "gpt", a, steps=SAVED, save=str(root / _dir(a[1])))
-        for _, a, _ in RESUMES
+        (m, a): _case(f"save-{_dir(m, a)}", m, a, steps=SAVED, save=str(root / _dir(m, a)))
+        for _, m, a, _ in RESUMES
+        if a[0] == world_size
     }
     loads = [
-        _case(i, "gpt", b, load=str(root / _dir(a[1])), steps=RESUMED, state=True)
-        for i, a, b in RESUMES
-        if b[0] == 4
+        _case(i, m, b, load=str(root / _dir(m, a)), steps=RESUMED, state=True)
+        for i, m, a, b in RESUMES
+        if b[0] == world_size
     ]
     return [*saves.values(), *loads]
 
 
+def _world4(root: Path) -> list[dict[str, Any]]:
+    return _resumes(root, 4)
+
+
 def _world2(root: Path) -> list[dict[str, Any]]:
-    loads = [
-        _case(i, "gpt", b, load=str(root / _dir(a[1])), steps=RESUMED, state=True)
-        for i, a, b in RESUMES
-        if b[0] == 2
-    ]
+    ckpt = {"source": _dir(*SOURCE)}
     refusals = [
-        _case(i, model, (2, "dp"), optimizer=opt, load=str(root / ckpt))
-        for i, model, opt, ckpt, _, _ in REFUSALS
+        _case(i, model, (2, "dp"), optimizer=opt, load=str(root / ckpt.get(name, name)))
+        for i, model, opt, name, _, _ in REFUSALS
     ]
     resave = _case(
-        "resave", "gpt", (2, "dp"), load=str(root / "megatron"), save=str(root / "resaved")
+        "resave", "gpt", (2, "dp"), load=str(root / _dir(*SOURCE)), save=str(root / "resaved")
     )
     foreign = _case("save-over-foreign", "gpt", (2, "dp"), save=str(root / "foreign"))
-    return [*loads, *refusals, resave, foreign]
+    return [*_resumes(root, 2), *refusals, resave, foreign]
 
 
 def _damage_copies(root: Path) -> None:
     """Damaged copies of the megatron checkpoint, an old checkpoint to be replaced with the
     leftover of a crashed save beside it, and a directory that is no checkpoint."""
-    source = root / "megatron"
-    for name in ("truncated", "missing", "damaged", "unfinished", "resaved", "resaved.tmp"):
+    source = root / _dir(*SOURCE)
+    names = (
+        "truncated",
+        "missing",
+        "damaged",
+        "unfinished",
+        "old-version",
+        "resaved",
+        "resaved.tmp",
+    )
+    for name in names:
         shutil.copytree(source, root / name)
     text = (source / MANIFEST).read_text()
     (root / "truncated" / MANIFEST).write_text(text[: len(text) // 2])
+    (root / "old-version" / MANIFEST).write_text(json.dumps({**json.loads(text), "version": 1}))
     (root / "missing" / "rank00001.pt").unlink()
     data = bytearray((root / "damaged" / "rank00001.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -137,21 +171,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list
     return root, results
 
 
-def _single_device(steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
-    return train_single_device(*_build("gpt"), steps=steps, lr=LR)
+@cache
+def _single_device(model: str) -> tuple[list[float], dict[str, np.ndarray]]:
+    return train_single_device(*_build(model), steps=SAVED + RESUMED, lr=LR)
 
 
 # ------------------------------------------------------------------------------------ tests
 @pytest.mark.dist
-@pytest.mark.parametrize(("case_id", "plan_a", "plan_b"), RESUMES, ids=[r[0] for r in RESUMES])
+@pytest.mark.parametrize(
+    ("case_id", "model", "plan_a", "plan_b"), RESUMES, ids=[r[0] for r in RESUMES]
+)
 def test_resumed_training_matches_single_device(
-    runs: Any, case_id: str, plan_a: tuple[int, str], plan_b: tuple[int, str]
+    runs: Any, case_id: str, model: str, plan_a: tuple[int, str], plan_b: tuple[int, str]
 ) -> None:
     _, results = runs
-    saved, resumed = results[f"save-{plan_a[1]}"], results[case_id]
+    saved, resumed = results[f"save-{_dir(model, plan_a)}"], results[case_id]
     for result in (*saved, *resumed):
         assert "error" not in result, result["error"]
-    want_losses, want_state = _single_device(SAVED + RESUMED)
+    want_losses, want_state = _single_device(model)
     got_losses = saved[0]["losses"] + resumed[0]["losses"]
     np.testing.assert_allclose(got_losses, want_losses, rtol=REL_TOL, atol=0)
     got_state = resumed[0]["state"]
@@ -159,7 +196,7 @@ def test_resumed_training_matches_single_device(
     bad = {
         name: rel
         for name, want in want_state.items()
-        if (rel := _rel(_comparable("gpt", name, got_state[name]), _comparable("gpt", name, want)))
+        if (rel := _rel(_comparable(model, name, got_state[name]), _comparable(model, name, want)))
         > REL_TOL
     }
     assert not bad, f"tensors differ from uninterrupted single-device training: {bad}"
@@ -168,15 +205,15 @@ def test_resumed_training_matches_single_device(
 @pytest.mark.dist
 def test_files_hold_each_piece_once_with_its_sbp(runs: Any) -> None:
     root, _ = runs
-    manifest = read_manifest(root / "megatron")
-    assert (manifest.mesh_shape, manifest.device_ids) == ((2, 2), (0, 1, 2, 3))
+    manifest = read_manifest(root / _dir(*SOURCE))
+    assert (manifest.mesh_shape, manifest.stages) == ((2, 2), ((0, 1, 2, 3),))
     assert (manifest.optimizer_kind, manifest.optimizer_step) == ("Adam", SAVED)
     entry = manifest.tensors["state/blocks.0.attn.qkv.weight"]
-    assert (entry.nd_sbp, entry.pieces) == ("BS(0)", (0, 1, 0, 1))  # B copies saved once
+    assert (entry.nd_sbp, entry.stage, entry.pieces) == ("BS(0)", 0, (0, 1, 0, 1))  # B copies once
     assert manifest.tensors["optim/blocks.0.attn.qkv.weight/exp_avg"].nd_sbp == "BS(0)"
     assert manifest.tensors["optim/blocks.0.attn.qkv.weight/step"].shape == ()
     files = {
-        f.rank: torch.load(root / "megatron" / f.name, weights_only=True) for f in manifest.files
+        f.rank: torch.load(root / _dir(*SOURCE) / f.name, weights_only=True) for f in manifest.files
     }
     assert sorted(files) == [0, 1]  # ranks 2 and 3 hold only copies of what 0 and 1 saved
     assert not list(root.glob("*.tmp")) and not list(root.glob("*.old"))
@@ -185,6 +222,29 @@ def test_files_hold_each_piece_once_with_its_sbp(runs: Any) -> None:
     whole = torch.cat([files[0][key], files[1][key]])
     piece = shard_tensor(whole, parse_nd_sbp(entry.nd_sbp), Mesh((2, 2)), (0, 1))
     assert torch.equal(piece, files[1][key])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("model", "plan"), [("gpt-2l", (2, PP2_MB4)), ("gpt-2l", (4, TP2_PP2))], ids=["pp2", "tp2pp2"]
+)
+def test_staged_files_hold_each_stage_pieces_once(
+    runs: Any, model: str, plan: tuple[int, str]
+) -> None:
+    root, _ = runs
+    manifest = read_manifest(root / _dir(model, plan))
+    assert len(manifest.stages) == 2 and manifest.micro_batches == int(plan[1][-1])
+    # Every tensor is saved by its owning stage: its pieces lie in that stage's rank files.
+    owners = {e.stage for e in manifest.tensors.values()}
+    assert owners == {0, 1}
+    assert all(set(e.pieces) <= set(manifest.stages[e.stage]) for e in manifest.tensors.values())
+    # One parameter group for the whole model, though each stage has its own optimizer.
+    params = {name for name, _ in _build(model)[0].named_parameters()}
+    assert [set(g["params"]) for g in manifest.param_groups] == [params]
+    # A rank file holds exactly the pieces the manifest names it for (so only its stage's).
+    for record in manifest.files:
+        held = torch.load(root / _dir(model, plan) / record.name, weights_only=True)
+        assert set(held) == {k for k, e in manifest.tensors.items() if record.rank in e.pieces}
 
 
 @pytest.mark.dist

@@ -1,17 +1,19 @@
 """How fast the planner plans GPT-3 175B for 1024 A100s, and how that grows with depth.
 
-Run: python bench/plan_speed.py [--layers 12 48 96]
+Run: python bench/plan_speed.py [--layers 12 48 96] [--no-megatron]
 
-GPT-3 175B (hidden 12288, 96 heads, seq 2048, vocab 51200, global batch 1536, bf16) on the
-dgx-a100 profile with 128 nodes. For each depth it prints the capture time (torch.export on the
-meta device), the search time (every mesh shape: pricing, the ILP, assembling the plan), the
-solver's status and gap, and the ratio of each search time to the shallowest one. Targets
-(design.md section 5): search <= 30 s, gap <= 1%, 96 layers <= 2x the time of 12.
+GPT-3 175B (hidden 12288, 96 heads, seq 2048, vocab 51200, global batch 1536, bf16, Adam) on
+the dgx-a100 profile with 128 nodes, at the profile's memory limit (80 GB less the 10% reserve).
+For each depth it prints the capture time (torch.export on the meta device, micro-batch graphs
+for every power-of-two count), the full search time (stage counts, stage meshes, micro-batch
+counts, recomputation, one signature per op), the solver's status and gap, the chosen plan,
+and the ratio of each search time to the shallowest one. Targets (issue "Planner"): search
+<= 30 s on a 2-core machine, gap <= 1%, 96 layers <= 2x the time of 12.
 
-Scope note: the planner does not yet search pipeline stages, micro-batches or recomputation, and
-without them GPT-3's activations for a whole 1536-sample batch do not fit in 80 GB at 96 layers.
-So the memory limit is lifted here (NO_LIMIT_BYTES) and the timings measure the part of the
-search that exists: mesh shapes, one signature per op, parameter layouts.
+Beside each auto plan it prices the Megatron-LM plan of Narayanan et al. 2021 for this model
+(tensor parallel 8 inside a node, 16 pipeline stages, data parallel 8, micro-batches of one
+sequence per data-parallel rank: 192 of them, full recomputation) with the same cost model; at depths
+that 16 stages do not divide it uses as many stages as divide the layers (at most 16).
 """
 
 from __future__ import annotations
@@ -21,53 +23,87 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # this script's folder would shadow packages
 
-from autosbp.capturing import capture  # noqa: E402
-from autosbp.planner.api import plan_graph  # noqa: E402
-from autosbp.zoo import build_model  # noqa: E402
+from autosbp.plan import Plan  # noqa: E402
+from autosbp.planner.api import plan_graphs  # noqa: E402
+from autosbp.planner.search import powers_of_two_dividing  # noqa: E402
+from autosbp.rebatch import micro_batch_graphs  # noqa: E402
+from autosbp.zoo import GPT3_175B, gpt3_175b  # noqa: E402
 
-NO_LIMIT_BYTES = 1 << 60  # see the scope note
-GPT3 = {"hidden": 12288, "heads": 96, "seq": 2048, "vocab": 51200, "batch": 1536}
+DEVICES = 1024
+PROFILE = "dgx-a100"
+COMMON: dict = {
+    "profile": PROFILE, "devices": DEVICES, "memory_limit": None, "optimizer": "adam",
+    "dtype": "bf16",
+}  # fmt: skip
 
 
-def measure(layers: int) -> dict[str, float | str]:
-    model, inputs = build_model("gpt", device="meta", layers=layers, **GPT3)
-    model = model.to(torch.bfloat16)
+def megatron(layers: int) -> tuple[str, int]:
+    """The strategy and its micro-batch count (one sequence per data-parallel rank)."""
+    stages = max(p for p in (1, 2, 4, 8, 16) if layers % p == 0)
+    dp = DEVICES // (8 * stages)
+    count = GPT3_175B["batch"] // dp
+    return f"megatron:tp=8,pp={stages},dp={dp},mb={count}", count
+
+
+def measure(layers: int, with_megatron: bool) -> dict[str, object]:
+    model, inputs = gpt3_175b(layers)
+    counts = powers_of_two_dividing(GPT3_175B["batch"])
+    hand, hand_count = megatron(layers)
+    wanted = (*counts, hand_count) if with_megatron else counts
     start = time.perf_counter()
-    graph = capture(model, inputs, name=f"gpt3-{layers}l")
+    graphs = micro_batch_graphs(model, inputs, wanted, name=f"gpt3-{layers}l")
     captured = time.perf_counter() - start
     start = time.perf_counter()
-    plan = plan_graph(
-        graph, profile="dgx-a100", devices=1024, memory_limit=NO_LIMIT_BYTES, global_batch=1536,
-        optimizer="adam", dtype="bf16", strategy="auto", time_limit_s=60,
+    plan = plan_graphs(
+        {c: graphs[c] for c in counts}, **COMMON, global_batch=GPT3_175B["batch"],
+        strategy="auto", time_limit_s=60,
     )  # fmt: skip
     searched = time.perf_counter() - start
-    return {
-        "capture_s": captured,
-        "search_s": searched,
-        "status": plan.solver.status,
-        "gap": plan.solver.gap,
-        "mesh": "x".join(map(str, plan.mesh_shape)),
-        "step_s": plan.predicted.step_time_s,
-    }
+    row: dict[str, object] = {"capture_s": captured, "search_s": searched, "auto": plan}
+    if with_megatron:
+        row["megatron"] = plan_graphs(
+            {hand_count: graphs[hand_count]}, **COMMON,
+            global_batch=GPT3_175B["batch"], strategy=hand,
+            recompute="full", time_limit_s=60,
+        )  # fmt: skip
+    return row
+
+
+def describe(plan: Plan) -> str:
+    mesh = "x".join(map(str, plan.mesh_shape))
+    return f"{len(plan.stages)}st x {mesh}, mb {plan.micro_batches}, {plan.recompute}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[12, 48, 96])
+    parser.add_argument("--no-megatron", action="store_true", help="skip the Megatron plan")
     args = parser.parse_args()
-    rows = [(layers, measure(layers)) for layers in args.layers]
-    base = rows[0][1]["search_s"]
+    rows = []
+    for layers in args.layers:
+        rows.append((layers, measure(layers, not args.no_megatron)))
+        print(f"{layers} layers done", file=sys.stderr, flush=True)
+    base = float(rows[0][1]["search_s"])  # type: ignore[arg-type]
     print(
-        f"{'layers':>6} {'capture s':>10} {'search s':>9} {'vs first':>8} {'status':>8} {'gap':>7} {'mesh':>8} {'pred step s':>11}"
+        f"{'layers':>6} {'capture s':>9} {'search s':>8} {'vs first':>8} {'status':>8} "
+        f"{'gap':>6} {'auto plan':<34} {'step s':>7} {'megatron step s':>15} {'auto/megatron':>13}"
     )
     for layers, r in rows:
+        auto: Plan = r["auto"]  # type: ignore[assignment]
+        search_s = float(r["search_s"])  # type: ignore[arg-type]
+        megatron: Plan | None = r.get("megatron")  # type: ignore[assignment]
+        hand = f"{megatron.predicted.step_time_s:>15.2f}" if megatron else f"{'-':>15}"
+        ratio = (
+            f"{auto.predicted.step_time_s / megatron.predicted.step_time_s:>13.3f}"
+            if megatron
+            else f"{'-':>13}"
+        )
         print(
-            f"{layers:>6} {r['capture_s']:>10.1f} {r['search_s']:>9.1f} {r['search_s'] / base:>7.2f}x "
-            f"{r['status']:>8} {r['gap']:>7.2%} {r['mesh']:>8} {r['step_s']:>11.3f}"
+            f"{layers:>6} {float(r['capture_s']):>9.1f} {search_s:>8.1f} "  # type: ignore[arg-type]
+            f"{search_s / base:>7.2f}x {auto.solver.status:>8} {auto.solver.gap:>6.2%} "
+            f"{describe(auto):<34} {auto.predicted.step_time_s:>7.2f} {hand} {ratio}"
         )
     print("regenerate: python bench/plan_speed.py --layers " + " ".join(map(str, args.layers)))
 

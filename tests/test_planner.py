@@ -17,10 +17,12 @@ from autosbp.capturing import capture
 from autosbp.errors import PlanError
 from autosbp.ilp import MemoryConstraint, Problem, brute_force, solve
 from autosbp.plan import Plan
-from autosbp.planner.api import ClusterPrices, plan_graph
-from autosbp.planner.search import build_problem
+from autosbp.planner.api import ClusterPrices, plan_graph, plan_graphs
+from autosbp.planner.pipeline import split_stages
+from autosbp.planner.search import build_problem, powers_of_two_dividing, strategy_space
+from autosbp.rebatch import micro_batch_graphs
 from autosbp.sbp import Mesh, Split, parse_nd_sbp
-from autosbp.zoo import build_model
+from autosbp.zoo import GPT3_175B, build_model, gpt3_175b
 from costmodel import Cluster, load_profile
 
 
@@ -179,3 +181,65 @@ def test_explain_prices_the_alternatives_of_a_node(tmp_path) -> None:
     )
     with pytest.raises(PlanError, match="Did you mean"):
         explain(p, tied[:-1] + "x")
+
+
+@pytest.mark.parametrize("memory_fraction", [None, 0.3])
+def test_pipelined_problem_equals_brute_force(memory_fraction: float | None) -> None:
+    # Two stages of a zoo model (one block each), four micro-batches: the stage-time max terms
+    # and per-stage memory as the search builds them, solved exactly. Data-parallel inputs and
+    # replicated parameters keep the enumeration small; every compute op chooses freely.
+    model, inputs = build_model("mlp", layers=2, hidden=8, batch=4)
+    graph = capture(model, inputs)
+    split = split_stages(graph, 2)
+    data_parallel = strategy_space("dp").allow
+
+    def problem(limit: float | None) -> Problem:
+        return build_problem(
+            graph, Mesh((2,)), a100_prices(), optimizer="adam", memory_limit_bytes=limit,
+            micro_batches=4, split=split, allow=data_parallel,
+        ).problem  # fmt: skip
+
+    free = problem(None)
+    assert len(free.max_terms) == 2
+    limit = None
+    if memory_fraction is not None:
+        stages = problem(1.0).memory
+        floors = [sum(float(np.min(b)) for b in m.bytes_per_candidate.values()) for m in stages]
+        peaks = [sum(float(np.max(b)) for b in m.bytes_per_candidate.values()) for m in stages]
+        limit = max(lo + memory_fraction * (hi - lo) for lo, hi in zip(floors, peaks, strict=True))
+    exact = problem(limit)
+    assert math.prod(len(c) for c in exact.node_costs.values()) <= 2_000_000
+    expected = brute_force(exact)
+    got = solve(exact)
+    assert got.status == "optimal"
+    assert got.objective == pytest.approx(expected.objective, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.slow
+def test_gpt3_on_1024_a100s_beats_megatron_with_sequence_parallelism_and_selective_recompute() -> (
+    None
+):
+    # GPT-3 175B, global batch 1536, on 128 DGX A100 nodes at 80 GB less the reserve. Megatron-LM
+    # (Narayanan et al. 2021): tensor parallel 8, 16 stages, data parallel 8, one sequence per
+    # micro-batch and data-parallel rank, full recomputation.
+    model, inputs = gpt3_175b()
+    counts = powers_of_two_dividing(GPT3_175B["batch"])
+    graphs = micro_batch_graphs(model, inputs, (*counts, 192))
+    common = {"profile": "dgx-a100", "devices": 1024, "memory_limit": None, "optimizer": "adam"}
+    auto = plan_graphs(
+        {c: graphs[c] for c in counts}, **common, global_batch=None, dtype="bf16",
+        strategy="auto", time_limit_s=60,
+    )  # fmt: skip
+    megatron = plan_graphs(
+        {192: graphs[192]}, **common, global_batch=None, dtype="bf16",
+        strategy="megatron:tp=8,pp=16,dp=8,mb=192", recompute="full", time_limit_s=60,
+    )  # fmt: skip
+    assert auto.predicted.step_time_s < megatron.predicted.step_time_s
+    assert auto.recompute == "selective"
+    # Sequence parallelism: the layer norms work on the sequence split over the intra-node
+    # (tensor-parallel) mesh dim, not on a replicated activation.
+    inner = auto.link_classes.index("intra_node")
+    norms = [n for n in auto.nodes.values() if n.op == "aten.layer_norm.default"]
+    assert norms
+    assert all(parse_nd_sbp(n.inputs[0])[inner] == Split(1) for n in norms), norms[0]
+    assert auto.solver.status == "optimal"

@@ -56,7 +56,8 @@ def _module(name: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    console = Console(stderr=False, highlight=False)
+    # Piped or captured output gets room for the plan tables (a terminal keeps its own width).
+    console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 120)
     err_console = Console(stderr=True, highlight=False)
     args = build_parser().parse_args(argv)
     try:

@@ -305,6 +305,17 @@ def gpt3_175b(layers: int = GPT3_175B["layers"]) -> ModelAndInputs:
     return model.to(torch.bfloat16), inputs
 
 
+def gpt3_megatron(layers: int = GPT3_175B["layers"], devices: int = 1024) -> tuple[str, int]:
+    """The Megatron-LM plan for GPT-3 on `devices` DGX A100 GPUs (Narayanan et al. 2021, table
+    1: tensor parallel 8 inside a node, 16 pipeline stages, data parallel for the rest, one
+    sequence per micro-batch and data-parallel rank, full recomputation): its strategy string
+    and micro-batch count. With fewer `layers`, as many stages (at most 16) as divide them."""
+    stages = max(p for p in (1, 2, 4, 8, 16) if layers % p == 0 and devices % (8 * p) == 0)
+    dp = devices // (8 * stages)
+    count = GPT3_175B["batch"] // dp
+    return f"megatron:tp=8,pp={stages},dp={dp},mb={count}", count
+
+
 def _check_kwargs(name: str, builder: Callable[..., Any], kwargs: dict[str, Any]) -> None:
     params = inspect.signature(builder).parameters
     accepted = [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]

@@ -29,7 +29,7 @@ from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import plan_graphs  # noqa: E402
 from autosbp.planner.search import powers_of_two_dividing  # noqa: E402
 from autosbp.rebatch import micro_batch_graphs  # noqa: E402
-from autosbp.zoo import GPT3_175B, gpt3_175b  # noqa: E402
+from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron  # noqa: E402
 
 DEVICES = 1024
 PROFILE = "dgx-a100"
@@ -39,18 +39,10 @@ COMMON: dict = {
 }  # fmt: skip
 
 
-def megatron(layers: int) -> tuple[str, int]:
-    """The strategy and its micro-batch count (one sequence per data-parallel rank)."""
-    stages = max(p for p in (1, 2, 4, 8, 16) if layers % p == 0)
-    dp = DEVICES // (8 * stages)
-    count = GPT3_175B["batch"] // dp
-    return f"megatron:tp=8,pp={stages},dp={dp},mb={count}", count
-
-
 def measure(layers: int, with_megatron: bool) -> dict[str, object]:
     model, inputs = gpt3_175b(layers)
     counts = powers_of_two_dividing(GPT3_175B["batch"])
-    hand, hand_count = megatron(layers)
+    hand, hand_count = gpt3_megatron(layers, DEVICES)
     wanted = (*counts, hand_count) if with_megatron else counts
     start = time.perf_counter()
     graphs = micro_batch_graphs(model, inputs, wanted, name=f"gpt3-{layers}l")

@@ -16,12 +16,18 @@ from autosbp.plan import Plan
 def test_demo_plans_trains_and_matches_one_device(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["demo", "--nproc", "2", "--steps", "3", "--out", str(tmp_path)])
+    code = main(
+        ["demo", "--nproc", "2", "--steps", "3", "--gpt3-layers", "16", "--out", str(tmp_path)]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "matches single-device training" in out
     assert "auto vs hand plans" in out
+    assert "auto vs Megatron-LM" in out
     assert Plan.load(tmp_path / "plan.json").device_count == 2
+    assert Plan.load(tmp_path / "gpt3-plan.json").device_count == 1024
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    assert (tmp_path / "trace.json").stat().st_size > 0
 
 
 @pytest.mark.slow

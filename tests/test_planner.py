@@ -22,7 +22,7 @@ from autosbp.planner.pipeline import split_stages
 from autosbp.planner.search import build_problem, powers_of_two_dividing, strategy_space
 from autosbp.rebatch import micro_batch_graphs
 from autosbp.sbp import Mesh, Split, parse_nd_sbp
-from autosbp.zoo import GPT3_175B, build_model, gpt3_175b
+from autosbp.zoo import GPT3_175B, build_model, gpt3_175b, gpt3_megatron
 from costmodel import Cluster, load_profile
 
 
@@ -224,15 +224,17 @@ def test_gpt3_on_1024_a100s_beats_megatron_with_sequence_parallelism_and_selecti
     # micro-batch and data-parallel rank, full recomputation.
     model, inputs = gpt3_175b()
     counts = powers_of_two_dividing(GPT3_175B["batch"])
-    graphs = micro_batch_graphs(model, inputs, (*counts, 192))
+    hand, hand_count = gpt3_megatron()
+    assert hand == "megatron:tp=8,pp=16,dp=8,mb=192"
+    graphs = micro_batch_graphs(model, inputs, (*counts, hand_count))
     common = {"profile": "dgx-a100", "devices": 1024, "memory_limit": None, "optimizer": "adam"}
     auto = plan_graphs(
         {c: graphs[c] for c in counts}, **common, global_batch=None, dtype="bf16",
         strategy="auto", time_limit_s=60,
     )  # fmt: skip
     megatron = plan_graphs(
-        {192: graphs[192]}, **common, global_batch=None, dtype="bf16",
-        strategy="megatron:tp=8,pp=16,dp=8,mb=192", recompute="full", time_limit_s=60,
+        {hand_count: graphs[hand_count]}, **common, global_batch=None, dtype="bf16",
+        strategy=hand, recompute="full", time_limit_s=60,
     )  # fmt: skip
     assert auto.predicted.step_time_s < megatron.predicted.step_time_s
     assert auto.recompute == "selective"

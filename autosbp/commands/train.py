@@ -9,7 +9,9 @@ planning (`planner`).
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -32,6 +34,10 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
             "--nproc", type=positive_int, default=4, help="CPU processes (default: 4)"
         )
         parser.add_argument("--steps", type=positive_int, default=20)
+        parser.add_argument(
+            "--gpt3-layers", type=positive_int, default=96,
+            help="depth of the GPT-3 175B planned in part 3 (default: 96, the real model)",
+        )  # fmt: skip
         return
     add_model_arguments(parser)
     parser.add_argument(
@@ -168,41 +174,103 @@ def _train_and_report(
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    """Plan the demo GPT for N CPU processes, compare with hand plans, train it under the plan."""
+    """Plan the demo GPT for N CPU processes, compare with hand plans, train it under the plan
+    (trace and timeline in the output folder); then plan GPT-3 175B for 1024 A100s beside the
+    Megatron-LM plan."""
     name, model_args = DEMO_MODEL
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console.rule(f"1. plan a small GPT for {args.nproc} CPU processes (profile cpu-gloo)")
     plan = _plan_for(name, model_args, "auto", args.nproc, "cpu-gloo", console)
     console.print(plan.summary())
-    _compare_hand_plans(name, model_args, plan, args.nproc, console)
-    path = plan.save(out / "plan.json")
-    console.rule(f"2. train it {args.steps} steps under the plan, beside single-device training")
-    code = _train_and_report(name, model_args, plan, args.steps, 1e-2, True, console)
-    console.print(f"outputs in {out.resolve()}: plan.json (read it with `autosbp explain {path}`)")
-    return code
-
-
-def _compare_hand_plans(
-    name: str, model_args: dict, auto: Plan, nproc: int, console: Console
-) -> None:
-    table = Table(title="predicted step time: auto vs hand plans (same cost model)")
-    for column in ("strategy", "mesh", "step time", "vs auto"):
-        table.add_column(column, justify="right")
-    rows = [("auto", auto)]
-    for strategy in ("dp", "fsdp", f"megatron:tp=2,dp={nproc // 2}"):
+    hand = []
+    for strategy in ("dp", "fsdp", f"megatron:tp=2,dp={args.nproc // 2}"):
         try:
-            rows.append(
-                (strategy, _plan_for(name, model_args, strategy, nproc, "cpu-gloo", console))
+            hand.append(
+                (strategy, _plan_for(name, model_args, strategy, args.nproc, "cpu-gloo", console))
             )
         except PlanError as exc:
             console.print(f"{strategy}: {exc}")
-    for strategy, p in rows:
-        ratio = p.predicted.step_time_s / auto.predicted.step_time_s
+    console.print(_comparison("auto vs hand plans", plan, hand))
+    path = plan.save(out / "plan.json")
+    console.rule(f"2. train it {args.steps} steps under the plan, beside single-device training")
+    trace, timeline = out / "trace.json", out / "timeline.png"
+    code = _train_and_report(
+        name, model_args, plan, args.steps, 1e-2, True, console, trace=trace, timeline=timeline
+    )
+    console.rule(f"3. plan GPT-3 175B ({args.gpt3_layers} layers) for 1024 GPUs of DGX A100 nodes")
+    gpt3_path = _gpt3(args.gpt3_layers, out, console)
+    console.print(
+        f"outputs in {out.resolve()}: {path.name} (read it with `autosbp explain {path}`), "
+        f"{trace.name} (open in Perfetto), {timeline.name} (predicted vs measured), "
+        f"{gpt3_path.name} (`autosbp show {gpt3_path}`)"
+    )
+    return code
+
+
+def _gpt3(layers: int, out: Path, console: Console) -> Path:
+    """Plan GPT-3 175B on 1024 A100s and print it beside the Megatron-LM plan; save the plan."""
+    from autosbp.planner.api import plan_graphs
+    from autosbp.planner.search import powers_of_two_dividing
+    from autosbp.rebatch import micro_batch_graphs
+    from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron
+
+    hand, hand_count = gpt3_megatron(layers)
+    counts = powers_of_two_dividing(GPT3_175B["batch"])
+    common: dict[str, Any] = {
+        "profile": "dgx-a100", "devices": 1024, "memory_limit": None, "global_batch": None,
+        "optimizer": "adam", "dtype": "bf16", "time_limit_s": 60.0,
+    }  # fmt: skip
+    with console.status("capturing GPT-3 on the meta device") as status:
+        model, inputs = gpt3_175b(layers)
+        graphs = micro_batch_graphs(model, inputs, (*counts, hand_count), name="gpt3-175b")
+        status.update("searching stages, meshes, micro-batches, recomputation and signatures")
+        start = time.perf_counter()
+        auto = plan_graphs(
+            {c: graphs[c] for c in counts}, **common, strategy="auto",
+            progress=lambda message: status.update(f"searching: {message}"),
+        )  # fmt: skip
+        searched = time.perf_counter() - start
+        status.update(f"pricing the Megatron-LM plan {hand}")
+        megatron = plan_graphs(
+            {hand_count: graphs[hand_count]}, **common, strategy=hand, recompute="full"
+        )
+    console.print(auto.summary())
+    console.print(f"searched in {searched:.1f} s")
+    console.print(
+        _comparison("GPT-3 175B on 1024 A100s: auto vs Megatron-LM", auto, [(hand, megatron)])
+    )
+    return auto.save(out / "gpt3-plan.json")
+
+
+def _comparison(title: str, auto: Plan, hand: list[tuple[str, Plan]]) -> Table:
+    """Predicted step time and memory of `auto` and the hand plans (the same cost model)."""
+    table = Table(title=f"{title} (predicted, same cost model)")
+    columns = (
+        "strategy",
+        "stages",
+        "mesh",
+        "micro-batches",
+        "recompute",
+        "step time",
+        "peak memory",
+        "vs auto",
+    )
+    for column in columns:
+        table.add_column(column, justify="right")
+    for strategy, p in [("auto", auto), *hand]:
         table.add_row(
             strategy,
+            str(len(p.stages)),
             "x".join(map(str, p.mesh_shape)),
-            f"{p.predicted.step_time_s * 1e3:.2f} ms",
-            f"{ratio:.2f}x",
+            str(p.micro_batches),
+            p.recompute,
+            _seconds(p.predicted.step_time_s),
+            f"{p.predicted.peak_memory_bytes / 2**30:.2f} GiB",
+            f"{p.predicted.step_time_s / auto.predicted.step_time_s:.2f}x",
         )
-    console.print(table)
+    return table
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.2f} ms"

@@ -32,7 +32,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     (
         "demo",
         "autosbp.commands.train",
-        "plan a small GPT for 4 CPU processes and train it under the plan",
+        "plan and train a small GPT on 4 CPU processes, then plan GPT-3 175B for 1024 A100s",
     ),
     ("profile", "costmodel.commands", "measure this machine's op and collective costs"),
     ("profiles", "costmodel.commands", "list the shipped hardware profiles"),

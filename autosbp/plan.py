@@ -94,6 +94,17 @@ class SolverReport:
 
 
 @dataclass(frozen=True)
+class HandPlan:
+    """A hand plan (`dp`, `fsdp`, `megatron:...`) priced by the same search, for comparison:
+    its predicted step time and peak memory, or None and why it does not fit."""
+
+    strategy: str
+    step_time_s: float | None
+    peak_memory_bytes: int | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class Plan:
     model_name: str
     fingerprint: str
@@ -115,6 +126,7 @@ class Plan:
     predicted: Predicted
     solver: SolverReport
     alternatives: dict[str, tuple[Alternative, ...]] = field(default_factory=dict)
+    hand_plans: tuple[HandPlan, ...] = ()
 
     # ---- JSON -------------------------------------------------------------------------------
 
@@ -151,6 +163,7 @@ class Plan:
             "alternatives": {
                 name: [asdict(a) for a in alts] for name, alts in self.alternatives.items()
             },
+            "hand_plans": [asdict(h) for h in self.hand_plans],
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -233,6 +246,7 @@ class Plan:
                 name: tuple(Alternative(**a) for a in alts)
                 for name, alts in data.get("alternatives", {}).items()
             },
+            hand_plans=tuple(HandPlan(**h) for h in data.get("hand_plans", [])),
         )
 
     # ---- for people ---------------------------------------------------------------------------
@@ -263,17 +277,49 @@ class Plan:
                 "x".join(map(str, stage.mesh_shape)),
                 _span(stage.blocks) if stage.blocks else "-",
                 "\n".join(f"{name} {p.sbp}" for name, p in weights),
-                f"{stage.step_time_s * 1e3:.3f} ms",
+                format_seconds(stage.step_time_s),
                 f"{stage.peak_memory_bytes / 2**20:.1f} MiB",
             )
         breakdown = ", ".join(
-            f"{k.removesuffix('_s')} {v * 1e3:.3f} ms" for k, v in self.predicted.breakdown.items()
+            f"{k.removesuffix('_s')} {format_seconds(v)}"
+            for k, v in self.predicted.breakdown.items()
         )
         table.caption = (
-            f"step {self.predicted.step_time_s * 1e3:.3f} ms ({breakdown}); "
+            f"step {format_seconds(self.predicted.step_time_s)} ({breakdown}); "
             f"{self.predicted.throughput_samples_per_s:.1f} samples/s; micro-batches {self.micro_batches}; "
             f"solver {self.solver.status}, gap {self.solver.gap:.2%}, {self.solver.seconds:.1f} s"
         )
+        best = self.best_hand_plan()
+        if best is not None and best.step_time_s is not None:
+            table.caption += (
+                f"; best hand plan {best.strategy}: {best.step_time_s / self.predicted.step_time_s:.2f}x"
+                " this plan's step time"
+            )
+        return table
+
+    def best_hand_plan(self) -> HandPlan | None:
+        """The fastest of the hand plans priced beside this one (None if none fits or none was
+        priced)."""
+        fitting = [h for h in self.hand_plans if h.step_time_s is not None]
+        return min(fitting, key=lambda h: h.step_time_s or 0.0, default=None)
+
+    def hand_plan_table(self) -> Table:
+        """This plan beside every hand plan priced with it."""
+        table = Table(title=f"{self.model_name}: {self.strategy} vs hand plans (predicted)")
+        for column in ("strategy", "step time", "vs this plan", "peak memory", "note"):
+            table.add_column(column, justify="right" if column != "note" else "left")
+        rows = [
+            HandPlan(self.strategy, self.predicted.step_time_s, self.predicted.peak_memory_bytes)
+        ]
+        for h in (*rows, *self.hand_plans):
+            fits = h.step_time_s is not None and h.peak_memory_bytes is not None
+            table.add_row(
+                h.strategy,
+                format_seconds(h.step_time_s) if h.step_time_s is not None else "-",
+                f"{h.step_time_s / self.predicted.step_time_s:.2f}x" if h.step_time_s else "-",
+                f"{h.peak_memory_bytes / 2**30:.2f} GiB" if fits and h.peak_memory_bytes else "-",
+                h.note,
+            )
         return table
 
     # ---- use with a model --------------------------------------------------------------------
@@ -338,3 +384,8 @@ def validate_plan_json(data: Any, source: str = "plan") -> None:
             f"{source} does not match the plan schema at {where}: {exc.message}. The file was "
             "edited or damaged; make it again with `autosbp plan`."
         ) from None
+
+
+def format_seconds(seconds: float) -> str:
+    """`29.47 s` from a second up, `3.860 ms` below."""
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.3f} ms"

@@ -281,3 +281,20 @@ def test_auto_is_never_slower_than_the_best_hand_plan(
             continue
     assert hand_times or devices == 64  # the tiny zoo batches split over 4 and 8 ranks
     assert all(auto.predicted.step_time_s <= t * (1 + 1e-9) for t in hand_times), hand_times
+
+
+def test_compare_prices_hand_plans_beside_auto(tmp_path) -> None:
+    from autosbp import auto_parallelize
+
+    model, inputs = build_model(
+        "gpt", device="meta", layers=2, hidden=256, heads=8, seq=64, vocab=512, batch=8
+    )
+    p = auto_parallelize(model, inputs, profile="dgx-a100", devices=4, compare=True)
+    strategies = [h.strategy for h in p.hand_plans]
+    assert strategies[:2] == ["dp", "fsdp"] and "megatron:tp=2,pp=2,dp=1" in strategies
+    fitting = [h for h in p.hand_plans if h.step_time_s is not None]
+    assert fitting and all(h.step_time_s >= p.predicted.step_time_s * (1 - 1e-9) for h in fitting)
+    assert all(h.note for h in p.hand_plans if h.step_time_s is None)
+    assert Plan.load(p.save(tmp_path / "plan.json")).hand_plans == p.hand_plans
+    best = p.best_hand_plan()
+    assert best is not None and best.step_time_s == min(h.step_time_s for h in fitting)

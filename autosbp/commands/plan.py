@@ -65,6 +65,11 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "--time-limit-s", type=positive_float, default=60.0, help="solver time limit per mesh shape"
     )
     parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also price the usual hand plans (dp, fsdp, megatron:...) and show them beside",
+    )
+    parser.add_argument(
         "--out", default="plan.json", help="where to write the plan (default: plan.json)"
     )
 
@@ -91,8 +96,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
             recompute=args.recompute,
             time_limit_s=args.time_limit_s,
             progress=lambda text: status.update(f"planning: {text}"),
+            compare=args.compare,
         )
     console.print(plan.summary())
+    if plan.hand_plans:
+        console.print(plan.hand_plan_table())
     path = plan.save(args.out)
     console.print(f"plan written to {path}")
     return 0

@@ -19,7 +19,7 @@ from rich.table import Table
 from autosbp.commands import positive_int
 from autosbp.commands.capture import add_model_arguments
 from autosbp.errors import ExecutionError, PlanError
-from autosbp.plan import Plan
+from autosbp.plan import Plan, format_seconds
 
 CHECK_TOLERANCE = 1e-5  # relative; the bar for "trains exactly like one device"
 DEMO_MODEL = ("gpt", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 16, "batch": 8})
@@ -76,7 +76,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _plan_for(
-    model: str, model_args: dict, plan_arg: str, nproc: int, profile: str, console: Console
+    model: str,
+    model_args: dict,
+    plan_arg: str,
+    nproc: int,
+    profile: str,
+    console: Console,
+    *,
+    compare: bool = False,
 ) -> Plan:
     if plan_arg.endswith(".json") or Path(plan_arg).is_file():
         plan = Plan.load(plan_arg)
@@ -89,8 +96,9 @@ def _plan_for(
     with console.status(f"planning {model} ({plan_arg}) for {nproc} processes on {profile}"):
         module, inputs = load_model(model, model_args)
         return auto_parallelize(
-            module, inputs, profile=profile, devices=nproc, strategy=plan_arg, name=model
-        )
+            module, inputs, profile=profile, devices=nproc, strategy=plan_arg, name=model,
+            compare=compare,
+        )  # fmt: skip
 
 
 def _check_plan_model(plan: Plan, model: str, model_args: dict) -> None:
@@ -181,17 +189,9 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console.rule(f"1. plan a small GPT for {args.nproc} CPU processes (profile cpu-gloo)")
-    plan = _plan_for(name, model_args, "auto", args.nproc, "cpu-gloo", console)
+    plan = _plan_for(name, model_args, "auto", args.nproc, "cpu-gloo", console, compare=True)
     console.print(plan.summary())
-    hand = []
-    for strategy in ("dp", "fsdp", f"megatron:tp=2,dp={args.nproc // 2}"):
-        try:
-            hand.append(
-                (strategy, _plan_for(name, model_args, strategy, args.nproc, "cpu-gloo", console))
-            )
-        except PlanError as exc:
-            console.print(f"{strategy}: {exc}")
-    console.print(_comparison("auto vs hand plans", plan, hand))
+    console.print(plan.hand_plan_table())
     path = plan.save(out / "plan.json")
     console.rule(f"2. train it {args.steps} steps under the plan, beside single-device training")
     trace, timeline = out / "trace.json", out / "timeline.png"
@@ -265,12 +265,8 @@ def _comparison(title: str, auto: Plan, hand: list[tuple[str, Plan]]) -> Table:
             "x".join(map(str, p.mesh_shape)),
             str(p.micro_batches),
             p.recompute,
-            _seconds(p.predicted.step_time_s),
+            format_seconds(p.predicted.step_time_s),
             f"{p.predicted.peak_memory_bytes / 2**30:.2f} GiB",
             f"{p.predicted.step_time_s / auto.predicted.step_time_s:.2f}x",
         )
     return table
-
-
-def _seconds(value: float) -> str:
-    return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.2f} ms"

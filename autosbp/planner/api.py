@@ -16,9 +16,16 @@ import torch
 
 from autosbp.errors import PlanError
 from autosbp.graph import OpGraph
-from autosbp.plan import Plan
+from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
-from autosbp.planner.search import GraphFor, powers_of_two_dividing, search, strategy_space
+from autosbp.planner.search import (
+    Found,
+    GraphFor,
+    hand_strategies,
+    powers_of_two_dividing,
+    search,
+    strategy_space,
+)
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers
@@ -61,6 +68,7 @@ def auto_parallelize(
     micro_batches: int | None = None,
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
+    compare: bool = False,
 ) -> Plan:
     """Plan `model` (which returns its training loss, a mean over the batch) for `devices`
     devices of `profile`; `example_inputs` are one global batch (dim 0).
@@ -69,7 +77,8 @@ def auto_parallelize(
     reserve. The search chooses pipeline stages, the mesh of each stage, one signature per op,
     the micro-batch count (unless `micro_batches` is given) and the recomputation (`recompute`:
     auto, none, selective or full); `strategy` restricts it to a hand plan (dp, fsdp,
-    megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model.
+    megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model. `compare`: also price the
+    usual hand plans (`search.hand_strategies`) into `Plan.hand_plans`.
     """
     from autosbp.rebatch import micro_batch_graphs
 
@@ -89,7 +98,7 @@ def auto_parallelize(
     return _plan(
         graph_for, counts, profile=profile, devices=devices, memory_limit=memory_limit,
         global_batch=global_batch or batch, optimizer=optimizer, dtype=dtype, strategy=strategy,
-        recompute=recompute, time_limit_s=time_limit_s, progress=progress,
+        recompute=recompute, time_limit_s=time_limit_s, progress=progress, compare=compare,
     )  # fmt: skip
 
 
@@ -136,6 +145,7 @@ def plan_graphs(
     time_limit_s: float,
     recompute: str = "auto",
     progress: Callable[[str], None] | None = None,
+    compare: bool = False,
 ) -> Plan:
     """`auto_parallelize` on already captured graphs: micro-batch count -> the graph of one
     micro-batch (`rebatch.micro_batch_graphs`); the search tries these counts."""
@@ -147,6 +157,7 @@ def plan_graphs(
         graphs.__getitem__, counts, profile=profile, devices=devices,
         memory_limit=memory_limit, global_batch=batch, optimizer=optimizer, dtype=dtype,
         strategy=strategy, recompute=recompute, time_limit_s=time_limit_s, progress=progress,
+        compare=compare,
     )  # fmt: skip
 
 
@@ -164,6 +175,7 @@ def _plan(
     recompute: str,
     time_limit_s: float,
     progress: Callable[[str], None] | None = None,
+    compare: bool = False,
 ) -> Plan:
     from costmodel import Cluster, load_profile
 
@@ -179,20 +191,36 @@ def _plan(
     )
     first = graph_for(counts[0])
     blocks = len({a["block"] for _, a in first.nodes() if a.get("block") is not None})
-    space = strategy_space(strategy, recompute, blocks)
-    if space.micro_batches is None:  # the strategy names no count (mb=M): search them
-        space = dataclasses.replace(space, micro_batches=counts)
 
     def link_of(shape: tuple[int, ...], mesh_dim: int) -> str:
         return cluster.link_class_for_mesh_dim(shape, mesh_dim).value
 
-    found = search(
-        graph_for, global_batch, devices, ClusterPrices(cluster), link_of, space,
-        optimizer=optimizer, memory_limit_bytes=limit, time_limit_s=time_limit_s,
-        devices_per_node=per_node, progress=progress,
-    )  # fmt: skip
+    def found_for(chosen: str) -> Found:
+        space = strategy_space(chosen, recompute, blocks)
+        if space.micro_batches is None:  # the strategy names no count (mb=M): search them
+            space = dataclasses.replace(space, micro_batches=counts)
+        return search(
+            graph_for, global_batch, devices, ClusterPrices(cluster), link_of, space,
+            optimizer=optimizer, memory_limit_bytes=limit, time_limit_s=time_limit_s,
+            devices_per_node=per_node, progress=progress,
+        )  # fmt: skip
+
     ctx = PlanContext(hw.name, limit, strategy, global_batch, DTYPES[dtype], optimizer)
-    return assemble_plan(found, ctx)
+    plan = assemble_plan(found_for(strategy), ctx)
+    if not compare:
+        return plan
+    hand = []
+    for chosen in hand_strategies(devices, per_node, blocks):
+        if chosen == strategy:
+            continue
+        try:
+            found = found_for(chosen)
+        except PlanError as exc:  # it does not fit, or its degrees do not divide the model
+            hand.append(HandPlan(chosen, None, None, str(exc).split("; ")[0].split(": ")[0]))
+            continue
+        peak = int(max(found.prediction.peak_bytes))
+        hand.append(HandPlan(chosen, found.prediction.step_time_s, peak))
+    return dataclasses.replace(plan, hand_plans=tuple(hand))
 
 
 def _check_request(devices: int, optimizer: str, dtype: str) -> None:

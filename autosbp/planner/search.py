@@ -432,6 +432,21 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     )
 
 
+def hand_strategies(devices: int, devices_per_node: int, blocks: int) -> list[str]:
+    """The hand plans worth comparing with: dp, fsdp, and Megatron-style plans with tensor
+    parallel 2 or a whole node, 2 to 16 stages (at most one per block), data parallel for the
+    rest (micro-batch counts searched)."""
+    tps = sorted({t for t in (1, 2, devices_per_node) if t <= devices})
+    stage_counts = [p for p in (1, 2, 4, 8, 16) if p <= max(blocks, 1)]
+    megatron = [
+        f"megatron:tp={tp},pp={pp},dp={devices // (tp * pp)}"
+        for tp in tps
+        for pp in stage_counts
+        if tp * pp > 1 and devices % (tp * pp) == 0
+    ]
+    return ["dp", "fsdp", *megatron]
+
+
 def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None]:
     """(tp, pp, dp, mb) of `megatron:tp=T,pp=P,dp=D,mb=M` (each optional: 1, mb searched)."""
     example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4 optional)"

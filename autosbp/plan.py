@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -267,16 +268,19 @@ class Plan:
         ):
             table.add_column(column)
         for index, stage in enumerate(self.stages):
-            weights = sorted(
-                ((name, p) for name, p in self.params.items() if p.stage == index),
-                key=lambda item: -math.prod(item[1].shape),
-            )[:main_weights]
+            # Repeated blocks show once: `blocks.*.mlp.fc.weight` (tied blocks share layouts).
+            weights = {
+                re.sub(r"\.\d+\.", ".*.", name): p
+                for name, p in self.params.items()
+                if p.stage == index
+            }
+            largest = sorted(weights.items(), key=lambda item: -math.prod(item[1].shape))
             table.add_row(
                 str(index),
                 _span(stage.devices),
                 "x".join(map(str, stage.mesh_shape)),
                 _span(stage.blocks) if stage.blocks else "-",
-                "\n".join(f"{name} {p.sbp}" for name, p in weights),
+                "\n".join(f"{name} {p.sbp}" for name, p in largest[:main_weights]),
                 format_seconds(stage.step_time_s),
                 f"{stage.peak_memory_bytes / 2**20:.1f} MiB",
             )
@@ -287,6 +291,7 @@ class Plan:
         table.caption = (
             f"step {format_seconds(self.predicted.step_time_s)} ({breakdown}); "
             f"{self.predicted.throughput_samples_per_s:.1f} samples/s; micro-batches {self.micro_batches}; "
+            f"recompute {self.recompute}; "
             f"solver {self.solver.status}, gap {self.solver.gap:.2%}, {self.solver.seconds:.1f} s"
         )
         best = self.best_hand_plan()

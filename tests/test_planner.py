@@ -244,7 +244,7 @@ def test_gpt3_on_1024_a100s_beats_megatron_with_sequence_parallelism_and_selecti
     norms = [n for n in auto.nodes.values() if n.op == "aten.layer_norm.default"]
     assert norms
     assert all(parse_nd_sbp(n.inputs[0])[inner] == Split(1) for n in norms), norms[0]
-    assert auto.solver.status == "optimal"
+    assert auto.solver.gap <= 0.01  # the bar; the search asks CBC for 0.1%
 
 
 def hand_strategies(devices: int) -> list[str]:

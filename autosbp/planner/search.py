@@ -378,7 +378,7 @@ def solve_mesh(
     if any(len(s.candidates) == 0 for s in mesh_problem.strategies.values()):
         return None
     try:
-        return solve_below(mesh_problem.problem, cutoff, time_limit_s=time_limit_s)
+        return solve_below(mesh_problem.problem, cutoff, time_limit_s=time_limit_s, rel_gap=MIP_GAP)
     except NoFitError:
         return None
 
@@ -544,6 +544,7 @@ class Found:
     graph: OpGraph
 
 
+MIP_GAP = 1e-3  # the MIP stops within 0.1% of its bound (the plan reports the proven gap)
 IDLE_STAGE_COUNTS = 2  # see `search` (measured on GPT-3: the best stage count is the first)
 GraphFor = Callable[[int], OpGraph]  # micro-batch count -> the graph of one micro-batch
 

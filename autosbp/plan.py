@@ -282,7 +282,7 @@ class Plan:
                 _span(stage.blocks) if stage.blocks else "-",
                 "\n".join(f"{name} {p.sbp}" for name, p in largest[:main_weights]),
                 format_seconds(stage.step_time_s),
-                f"{stage.peak_memory_bytes / 2**20:.1f} MiB",
+                format_bytes(stage.peak_memory_bytes),
             )
         breakdown = ", ".join(
             f"{k.removesuffix('_s')} {format_seconds(v)}"
@@ -313,16 +313,13 @@ class Plan:
         table = Table(title=f"{self.model_name}: {self.strategy} vs hand plans (predicted)")
         for column in ("strategy", "step time", "vs this plan", "peak memory", "note"):
             table.add_column(column, justify="right" if column != "note" else "left")
-        rows = [
-            HandPlan(self.strategy, self.predicted.step_time_s, self.predicted.peak_memory_bytes)
-        ]
-        for h in (*rows, *self.hand_plans):
-            fits = h.step_time_s is not None and h.peak_memory_bytes is not None
+        this = HandPlan(self.strategy, self.predicted.step_time_s, self.predicted.peak_memory_bytes)
+        for h in (this, *self.hand_plans):
             table.add_row(
                 h.strategy,
                 format_seconds(h.step_time_s) if h.step_time_s is not None else "-",
                 f"{h.step_time_s / self.predicted.step_time_s:.2f}x" if h.step_time_s else "-",
-                f"{h.peak_memory_bytes / 2**30:.2f} GiB" if fits and h.peak_memory_bytes else "-",
+                format_bytes(h.peak_memory_bytes) if h.peak_memory_bytes is not None else "-",
                 h.note,
             )
         return table
@@ -394,3 +391,11 @@ def validate_plan_json(data: Any, source: str = "plan") -> None:
 def format_seconds(seconds: float) -> str:
     """`29.47 s` from a second up, `3.860 ms` below."""
     return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.3f} ms"
+
+
+def format_bytes(nbytes: float) -> str:
+    """`1.50 GiB`, `3.20 MiB`, `12.00 KiB` or `512 B`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"

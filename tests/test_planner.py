@@ -298,3 +298,20 @@ def test_compare_prices_hand_plans_beside_auto(tmp_path) -> None:
     assert Plan.load(p.save(tmp_path / "plan.json")).hand_plans == p.hand_plans
     best = p.best_hand_plan()
     assert best is not None and best.step_time_s == min(h.step_time_s for h in fitting)
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+def test_compute_floors_never_exceed_any_signature(mesh: tuple[int, ...]) -> None:
+    # The search skips configurations by these floors: they must be lower bounds (sizes where
+    # memory traffic, not the per-op overhead, sets many ops' times: views included).
+    from autosbp.planner.search import compute_floors, price_graph
+
+    model, inputs = build_model(
+        "gpt", device="meta", layers=1, hidden=1024, heads=8, seq=512, batch=8
+    )
+    graph = capture(model, inputs)
+    floors = compute_floors(graph, a100_prices(), math.prod(mesh))
+    priced = price_graph(graph, Mesh(mesh), a100_prices())
+    assert floors
+    for name, floor in floors.items():
+        assert floor[0] <= float(np.min(priced.strategies[name].compute_s)) * (1 + 1e-12), name

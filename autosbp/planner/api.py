@@ -216,7 +216,7 @@ def _plan(
         try:
             found = found_for(chosen)
         except PlanError as exc:  # it does not fit, or its degrees do not divide the model
-            hand.append(HandPlan(chosen, None, None, str(exc).split("; ")[0].split(": ")[0]))
+            hand.append(HandPlan(chosen, None, None, str(exc).split(". ")[0]))  # why, not how
             continue
         peak = int(max(found.prediction.peak_bytes))
         hand.append(HandPlan(chosen, found.prediction.step_time_s, peak))

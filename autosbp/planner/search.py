@@ -25,6 +25,7 @@ import torch
 from autosbp.errors import NoFitError, PlanError
 from autosbp.graph import OpGraph, Role
 from autosbp.ilp import Costs, MaxTerm, MemoryConstraint, Problem, Solution, solve_below
+from autosbp.plan import format_bytes
 from autosbp.planner.costs import (
     BACKWARD_FACTOR,
     BoxingPricer,
@@ -32,6 +33,7 @@ from autosbp.planner.costs import (
     Prices,
     edge_matrix,
     node_strategies,
+    returns_view,
 )
 from autosbp.planner.memory import candidate_bytes
 from autosbp.planner.pipeline import (
@@ -669,7 +671,8 @@ def compute_floors(graph: OpGraph, prices: Prices, devices: int) -> dict[str, np
     for name, attrs in graph.nodes(Role.COMPUTE):
         if attrs["flops"] or attrs["bytes"]:
             dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
-            forward = prices.op_time_s(attrs["flops"] / devices, attrs["bytes"] / devices, dtype)
+            moved = 0.0 if returns_view(attrs["target"]) else attrs["bytes"] / devices
+            forward = prices.op_time_s(attrs["flops"] / devices, moved, dtype)
             floors[name] = np.array([forward * (1.0 + BACKWARD_FACTOR)])
     return floors
 
@@ -740,8 +743,14 @@ def _no_fit_message(
             floors.append((sum(per_node.values()), mp, per_node, mem.name))
     if not tried and refused:
         return "; ".join(refused)
-    if limit is None or not floors:
-        return "no plan exists for this model on these devices (no signature fits some op)."
+    stuck = _without_candidates(tried)
+    if limit is None or not floors or (stuck and min(f[0] for f in floors) <= limit):
+        return (
+            "no plan exists for this model on these devices: "
+            + (f"{stuck} can take no signature on the meshes tried" if stuck else "no signature")
+            + " (a batch, or another dim, that the devices do not divide evenly?). Use a batch "
+            "the data-parallel degree divides, other degrees, or another device count."
+        )
     # Per problem its tightest stage; over problems the least of those.
     tightest: dict[int, tuple] = {}
     for floor in floors:
@@ -754,25 +763,29 @@ def _no_fit_message(
     tied = Counter(graph_nodes.values())
     consumers = ", ".join(
         f"{_label(mesh_problem.graph, v)}"
-        f"{f' (and {tied[v] - 1} tied copies)' if tied[v] > 1 else ''} {_size(b)}"
+        f"{f' (and {tied[v] - 1} tied copies)' if tied[v] > 1 else ''} {format_bytes(b)}"
         for v, b in top
         if b > 0
     )
     return (
-        f"no plan fits in {_size(limit)} per device: even the most sharded plan (mesh "
+        f"no plan fits in {format_bytes(limit)} per device: even the most sharded plan (mesh "
         f"{'x'.join(map(str, mesh_problem.mesh.shape))}, {mesh_problem.split.num_stages} "
         f"stage(s), {mesh_problem.micro_batches} micro-batch(es), recompute "
-        f"{mesh_problem.recompute}) needs at least {_size(need)} per device ({stage}). The "
+        f"{mesh_problem.recompute}) needs at least {format_bytes(need)} per device ({stage}). The "
         f"biggest consumers there: {consumers}. Raise --memory-gib, use more devices, a smaller "
         "batch, or an optimizer with fewer states (sgd)."
     )
 
 
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"
+def _without_candidates(tried: Sequence[MeshProblem]) -> str:
+    """The nodes (with their shapes) that had no candidate in some tried problem."""
+    named: dict[str, str] = {}
+    for mp in tried:
+        for name, found in mp.strategies.items():
+            if not found.candidates and mp.graph is not None and len(named) < 3:
+                shape = mp.graph.graph.nodes[name]["outputs"][0].shape
+                named[_label(mp.graph, name)] = "x".join(map(str, shape))
+    return ", ".join(f"{label} (shape {shape})" for label, shape in named.items())
 
 
 def _label(graph: OpGraph | None, node: str) -> str:

@@ -78,7 +78,8 @@ def auto_parallelize(
     the micro-batch count (unless `micro_batches` is given) and the recomputation (`recompute`:
     auto, none, selective or full); `strategy` restricts it to a hand plan (dp, fsdp,
     megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model. `compare`: also price the
-    usual hand plans (`search.hand_strategies`) into `Plan.hand_plans`.
+    usual hand plans (`search.hand_strategies`) into `Plan.hand_plans`; with strategy auto, a
+    hand plan the heuristic outer search missed and that is faster becomes the plan.
     """
     from autosbp.rebatch import micro_batch_graphs
 
@@ -206,9 +207,9 @@ def _plan(
         )  # fmt: skip
 
     ctx = PlanContext(hw.name, limit, strategy, global_batch, DTYPES[dtype], optimizer)
-    plan = assemble_plan(found_for(strategy), ctx)
+    best = found_for(strategy)
     if not compare:
-        return plan
+        return assemble_plan(best, ctx)
     hand = []
     for chosen in hand_strategies(devices, per_node, blocks):
         if chosen == strategy:
@@ -220,7 +221,9 @@ def _plan(
             continue
         peak = int(max(found.prediction.peak_bytes))
         hand.append(HandPlan(chosen, found.prediction.step_time_s, peak))
-    return dataclasses.replace(plan, hand_plans=tuple(hand))
+        if strategy == "auto" and found.prediction.step_time_s < best.prediction.step_time_s:
+            best = found  # auto's space holds every hand plan: never return a slower one
+    return dataclasses.replace(assemble_plan(best, ctx), hand_plans=tuple(hand))
 
 
 def _check_request(devices: int, optimizer: str, dtype: str) -> None:

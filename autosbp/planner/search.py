@@ -1,14 +1,17 @@
-"""Search: for each mesh shape, build the strategy ILP of the graph, solve it, keep the fastest.
+"""Search: over stage counts, stage meshes, micro-batch counts and recomputation modes, build
+the strategy ILP of each configuration, solve it, keep the fastest plan.
 
-Lives here: mesh shapes worth trying, the Problem of one (graph, mesh), hand-plan restrictions
-(`dp`, `fsdp`, `megatron:tp=..,dp=..`) as limits on which candidates a node may take, and the
-assembly of the winning choice into a `Plan`. Lives elsewhere: prices (`costs`, `memory`), the
-solver (`ilp`), the plan format (`plan`).
+Lives here: mesh shapes worth trying, the Problem of one configuration (`build_problem`), the
+bounds that skip configurations before pricing or solving them (`compute_floors`,
+`step_bound`, the LP cutoff of `ilp.solve_below`), hand-plan restrictions (`dp`, `fsdp`,
+`megatron:tp=..,pp=..,dp=..`) as limits on what the search may choose, and the prediction of a
+solved configuration by the actor simulation (`predict`). Lives elsewhere: prices (`costs`,
+`memory`), stages and recomputation (`pipeline`), the solver (`ilp`), turning the winner into
+a `Plan` (`assemble`).
 
-Scope of this version: one pipeline stage (all devices), micro-batches = 1, no recomputation.
-Stages, micro-batches and recomputation come next (see docs/architecture.md, "Planner").
-The objective is the step time with no overlap: every op's forward and backward, every boxing,
-every gradient sync and optimizer update, one after another on each device.
+Each configuration is solved exactly (to MIP_GAP); the outer loops are heuristic where stated
+in `search`. Within a stage, the objective has no overlap: every op's forward and backward,
+every boxing, every gradient sync and optimizer update, one after another on each device.
 """
 
 from __future__ import annotations
@@ -681,6 +684,7 @@ Copies = Counter[tuple[int, str]]  # (stage, representative node) -> how many no
 
 
 def copies_per_stage(graph: OpGraph, split: StageSplit) -> Copies:
+    """How many nodes of each stage every representative stands for (`reduce.tie_blocks`)."""
     rep = tie_blocks(graph)
     return Counter((split.stage_of[name], rep[name]) for name in graph.order)
 

@@ -66,6 +66,7 @@ __all__ = [
     "BoxingStep",
     "StepKind",
     "Transfer",
+    "canonical_shape",
     "dual_nd_sbp",
     "dual_step",
     "local_box",
@@ -99,10 +100,14 @@ def plan_boxing(
     _check_partial_ops(src_nd, dst_nd)
     src_codes, dst_codes = _encode(src_nd), _encode(dst_nd)
     if same:
-        hops = _chain_same(src_codes, dst_codes, _canonical(shape, src_mesh), src_mesh.shape)
+        hops = _chain_same(src_codes, dst_codes, canonical_shape(shape, src_mesh), src_mesh.shape)
         return _make_hops(hops, shape, src_mesh, dtype)
     before, (x, y), after = _chain_cross(
-        src_codes, dst_codes, _canonical(shape, src_mesh, end_mesh), src_mesh.shape, end_mesh.shape
+        src_codes,
+        dst_codes,
+        canonical_shape(shape, src_mesh, end_mesh),
+        src_mesh.shape,
+        end_mesh.shape,
     )
     cross_src, cross_dst = _decode(x), _decode(y)
     transfers = cross_transfers(cross_src, cross_dst, shape, src_mesh, end_mesh)
@@ -160,7 +165,7 @@ def _decode(codes: Code) -> NdSbp:
     return tuple(code_sbp(code) for code in codes)
 
 
-def _canonical(shape: tuple[int, ...], *meshes: Mesh) -> tuple[int, ...]:
+def canonical_shape(shape: tuple[int, ...], *meshes: Mesh) -> tuple[int, ...]:
     """A shape whose dims have the same divisors as `shape`'s among products of mesh dim sizes."""
     whole = math.prod(mesh.size for mesh in meshes)
     return tuple(math.gcd(n, whole) for n in shape)

@@ -315,3 +315,23 @@ def test_compute_floors_never_exceed_any_signature(mesh: tuple[int, ...]) -> Non
     assert floors
     for name, floor in floors.items():
         assert floor[0] <= float(np.min(priced.strategies[name].compute_s)) * (1 + 1e-12), name
+
+
+def test_boxing_prices_reused_across_shapes_equal_fresh_ones() -> None:
+    # BoxingPricer plans a chain once per divisibility pattern and scales its bytes to each
+    # shape; priced afresh, every shape must cost the same.
+    import itertools
+
+    from autosbp.graph import TensorMeta
+    from autosbp.planner.costs import BoxingPricer
+    from autosbp.sbp import Broadcast, Partial
+
+    prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=2))
+    mesh = Mesh((4, 4), ("a", "b"), link_classes=("inter_node", "intra_node"))
+    layouts = list(itertools.product([Broadcast(), Partial(), Split(0), Split(2)], repeat=2))
+    shared = BoxingPricer(prices, mesh)
+    for shape in [(8, 16, 32), (24, 16, 96), (6, 10, 12)]:  # the first two divide alike
+        meta = TensorMeta(shape, torch.float32)
+        for src, dst in itertools.product(layouts, repeat=2):
+            fresh = BoxingPricer(prices, mesh).time_s(src, dst, meta)
+            assert shared.time_s(src, dst, meta) == pytest.approx(fresh, rel=1e-12), (src, dst)

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from autosbp.boxing import plan_boxing
+from autosbp.boxing import canonical_shape, plan_boxing
 from autosbp.boxing_steps import BoxingStep, StepKind, dual_nd_sbp
 from autosbp.errors import SbpError
 from autosbp.graph import OpGraph, Role, TensorMeta
@@ -83,6 +83,7 @@ class BoxingPricer:
         self.prices = prices
         self.mesh = mesh
         self._time = lru_cache(maxsize=None)(self._time_uncached)
+        self._chains: dict[tuple, list[tuple[BoxingStep, int]] | None] = {}
 
     def time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:
         return self._time(src, dst, meta.shape, meta.dtype)
@@ -92,11 +93,22 @@ class BoxingPricer:
     ) -> float:
         if src == dst:
             return 0.0
-        try:
-            steps = plan_boxing(src, dst, shape, self.mesh, dtype=dtype)
-        except SbpError:  # no chain exists (e.g. out of P(max)): the pair is forbidden
+        nbytes = math.prod(shape) * dtype.itemsize
+        steps = self._chains.get((src, dst, canonical_shape(shape, self.mesh), dtype))
+        if steps is None:  # a chain's bytes scale with the tensor's: plan once per divisibility
+            try:
+                chain = plan_boxing(src, dst, shape, self.mesh, dtype=dtype)
+            except SbpError:  # no chain exists (e.g. out of P(max)): the pair is forbidden
+                chain = None
+            steps = self._chains[(src, dst, canonical_shape(shape, self.mesh), dtype)] = (
+                None if chain is None else [(step, nbytes) for step in chain]
+            )
+        if steps is None:
             return math.inf
-        return sum(self.step_time_s(step) for step in steps)
+        return sum(
+            self.step_time_s(replace(step, message_bytes=step.message_bytes * nbytes // planned))
+            for step, planned in steps
+        )
 
     def bucketed_time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:
         """Like `time_s`, for a gradient synced inside a fused bucket: each collective's fixed

@@ -147,9 +147,16 @@ class Priced:
         return edges
 
 
-def price_graph(graph: OpGraph, mesh: Mesh, prices: Prices, allow: Allow | None = None) -> Priced:
-    """Candidates of every representative node (`reduce.tie_blocks`); edges on first use."""
-    pricer = BoxingPricer(prices, mesh)
+def price_graph(
+    graph: OpGraph,
+    mesh: Mesh,
+    prices: Prices,
+    allow: Allow | None = None,
+    pricer: BoxingPricer | None = None,
+) -> Priced:
+    """Candidates of every representative node (`reduce.tie_blocks`); edges on first use.
+    `pricer`: a boxing pricer of `mesh` to reuse (its chains serve every micro-batch size)."""
+    pricer = pricer or BoxingPricer(prices, mesh)
     rep = tie_blocks(graph)
     strategies: dict[str, NodeStrategies] = {}
     for name, attrs in graph.nodes():
@@ -584,6 +591,7 @@ def search(
     refused: list[str] = []
     counts = space.micro_batches or powers_of_two_dividing(batch)
     idle = 0  # stage counts in a row that found nothing faster
+    pricers: dict[Mesh, BoxingPricer] = {}  # one per stage mesh, across micro-batch counts
     for num_stages in space.stage_counts:
         if devices % num_stages:
             refused.append(f"{num_stages} stages do not divide {devices} devices")
@@ -625,7 +633,9 @@ def search(
                             f"stages {num_stages}, mesh {'x'.join(map(str, mesh.shape))}, "
                             f"{count} micro-batches, recompute {mode}"
                         )
-                    priced = priced or price_graph(graph, mesh, prices, space.allow)
+                    if mesh not in pricers:
+                        pricers[mesh] = BoxingPricer(prices, mesh)
+                    priced = priced or price_graph(graph, mesh, prices, space.allow, pricers[mesh])
                     node_times = {n: s.compute_s for n, s in priced.strategies.items()}
                     if step_bound(graph, copies, num_stages, node_times, count, mode) >= cutoff:
                         cut = True

@@ -19,7 +19,7 @@ from rich.table import Table
 from autosbp.commands import positive_int
 from autosbp.commands.capture import add_model_arguments
 from autosbp.errors import ExecutionError, PlanError
-from autosbp.plan import Plan, format_seconds
+from autosbp.plan import Plan, format_bytes, format_seconds
 
 CHECK_TOLERANCE = 1e-5  # relative; the bar for "trains exactly like one device"
 DEMO_MODEL = ("gpt", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 16, "batch": 8})
@@ -266,7 +266,7 @@ def _comparison(title: str, auto: Plan, hand: list[tuple[str, Plan]]) -> Table:
             str(p.micro_batches),
             p.recompute,
             format_seconds(p.predicted.step_time_s),
-            f"{p.predicted.peak_memory_bytes / 2**30:.2f} GiB",
+            format_bytes(p.predicted.peak_memory_bytes),
             f"{p.predicted.step_time_s / auto.predicted.step_time_s:.2f}x",
         )
     return table

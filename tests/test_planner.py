@@ -335,3 +335,50 @@ def test_boxing_prices_reused_across_shapes_equal_fresh_ones() -> None:
         for src, dst in itertools.product(layouts, repeat=2):
             fresh = BoxingPricer(prices, mesh).time_s(src, dst, meta)
             assert shared.time_s(src, dst, meta) == pytest.approx(fresh, rel=1e-12), (src, dst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory_fraction", [None, 0.3])
+def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> None:
+    # A zoo model on a 2x2 mesh as the search builds it. To keep the enumeration small (1e5),
+    # mesh dim 0 is data parallel and most weights are replicated; every compute op chooses
+    # freely on mesh dim 1 (tensor parallel, partial sums, replication), and so does the head.
+    from autosbp.graph import Role
+    from autosbp.sbp import Broadcast
+
+    model, inputs = build_model("mlp", layers=1, hidden=8, batch=4)
+    graph = capture(model, inputs)
+
+    def allow(attrs: dict, sig) -> bool:
+        role = attrs["role"]
+        if role is Role.PARAMETER:
+            first, second = sig.outputs[0]
+            free = attrs["name"] == "head.weight"
+            return isinstance(first, Broadcast) and (free or isinstance(second, Broadcast))
+        if role is Role.INPUT:
+            return sig.outputs[0] == (Split(0), Split(0))
+        if role is Role.OUTPUT:
+            return all(isinstance(s, Broadcast) for nd in sig.inputs for s in nd)
+        if not attrs["inputs"] or not attrs["inputs"][0].shape:
+            return True  # a scalar (the loss)
+        return sig.inputs[0][0] == Split(0)
+
+    def problem(limit: float | None) -> Problem:
+        return build_problem(
+            graph, Mesh((2, 2)), a100_prices(), optimizer="adam", memory_limit_bytes=limit,
+            allow=allow,
+        ).problem  # fmt: skip
+
+    limit = None
+    if memory_fraction is not None:
+        per = problem(1.0).memory[0].bytes_per_candidate.values()
+        lo, hi = sum(float(np.min(b)) for b in per), sum(float(np.max(b)) for b in per)
+        limit = lo + memory_fraction * (hi - lo)
+    exact = problem(limit)
+    assert math.prod(len(c) for c in exact.node_costs.values()) <= 200_000
+    expected = brute_force(exact)
+    got = solve(exact)
+    assert got.status == "optimal"
+    assert got.objective == pytest.approx(expected.objective, rel=1e-9, abs=1e-12)
+    if memory_fraction is not None:  # the limit binds: the unconstrained optimum breaks it
+        assert not exact.feasible(solve(problem(None)).choice)

@@ -7,6 +7,7 @@ models are captured on the meta device, so big layer sizes cost nothing to build
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -52,6 +53,16 @@ def plan(
     )  # fmt: skip
 
 
+def limit_between(memory: Sequence[MemoryConstraint], fraction: float) -> float:
+    """A limit `fraction` of the way from the least to the most bytes, in the tightest stage."""
+    limits = []
+    for constraint in memory:
+        per = constraint.bytes_per_candidate.values()
+        lo, hi = sum(float(np.min(b)) for b in per), sum(float(np.max(b)) for b in per)
+        limits.append(lo + fraction * (hi - lo))
+    return max(limits)
+
+
 def tiny_problem(mesh: tuple[int, ...], memory_fraction: float | None) -> Problem:
     model = TinyNet()
     graph = capture(model, [torch.randn(8, 8), torch.randn(8, 4)])
@@ -60,9 +71,7 @@ def tiny_problem(mesh: tuple[int, ...], memory_fraction: float | None) -> Proble
         unlimited = build_problem(
             graph, Mesh(mesh), a100_prices(), optimizer="adam", memory_limit_bytes=1.0
         )
-        per = unlimited.problem.memory[0].bytes_per_candidate.values()
-        lo, hi = sum(float(np.min(b)) for b in per), sum(float(np.max(b)) for b in per)
-        limit = lo + memory_fraction * (hi - lo)
+        limit = limit_between(unlimited.problem.memory, memory_fraction)
     return build_problem(
         graph, Mesh(mesh), a100_prices(), optimizer="adam", memory_limit_bytes=limit
     ).problem
@@ -201,12 +210,7 @@ def test_pipelined_problem_equals_brute_force(memory_fraction: float | None) -> 
 
     free = problem(None)
     assert len(free.max_terms) == 2
-    limit = None
-    if memory_fraction is not None:
-        stages = problem(1.0).memory
-        floors = [sum(float(np.min(b)) for b in m.bytes_per_candidate.values()) for m in stages]
-        peaks = [sum(float(np.max(b)) for b in m.bytes_per_candidate.values()) for m in stages]
-        limit = max(lo + memory_fraction * (hi - lo) for lo, hi in zip(floors, peaks, strict=True))
+    limit = None if memory_fraction is None else limit_between(problem(1.0).memory, memory_fraction)
     exact = problem(limit)
     assert math.prod(len(c) for c in exact.node_costs.values()) <= 2_000_000
     expected = brute_force(exact)
@@ -369,11 +373,7 @@ def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> No
             allow=allow,
         ).problem  # fmt: skip
 
-    limit = None
-    if memory_fraction is not None:
-        per = problem(1.0).memory[0].bytes_per_candidate.values()
-        lo, hi = sum(float(np.min(b)) for b in per), sum(float(np.max(b)) for b in per)
-        limit = lo + memory_fraction * (hi - lo)
+    limit = None if memory_fraction is None else limit_between(problem(1.0).memory, memory_fraction)
     exact = problem(limit)
     assert math.prod(len(c) for c in exact.node_costs.values()) <= 200_000
     expected = brute_force(exact)

@@ -83,7 +83,7 @@ class BoxingPricer:
         self.prices = prices
         self.mesh = mesh
         self._time = lru_cache(maxsize=None)(self._time_uncached)
-        self._chains: dict[tuple, list[tuple[BoxingStep, int]] | None] = {}
+        self._chains: dict[tuple, tuple[list[BoxingStep], int] | None] = {}
 
     def time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:
         return self._time(src, dst, meta.shape, meta.dtype)
@@ -93,21 +93,23 @@ class BoxingPricer:
     ) -> float:
         if src == dst:
             return 0.0
+        key = (src, dst, canonical_shape(shape, self.mesh), dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        steps = self._chains.get((src, dst, canonical_shape(shape, self.mesh), dtype))
-        if steps is None:  # a chain's bytes scale with the tensor's: plan once per divisibility
+        # A chain's bytes scale with the tensor's: plan once per divisibility pattern.
+        if key not in self._chains:
             try:
-                chain = plan_boxing(src, dst, shape, self.mesh, dtype=dtype)
+                self._chains[key] = (plan_boxing(src, dst, shape, self.mesh, dtype=dtype), nbytes)
             except SbpError:  # no chain exists (e.g. out of P(max)): the pair is forbidden
-                chain = None
-            steps = self._chains[(src, dst, canonical_shape(shape, self.mesh), dtype)] = (
-                None if chain is None else [(step, nbytes) for step in chain]
-            )
-        if steps is None:
+                self._chains[key] = None
+        planned = self._chains[key]
+        if planned is None:
             return math.inf
+        chain, planned_bytes = planned
         return sum(
-            self.step_time_s(replace(step, message_bytes=step.message_bytes * nbytes // planned))
-            for step, planned in steps
+            self.step_time_s(
+                replace(step, message_bytes=step.message_bytes * nbytes // planned_bytes)
+            )
+            for step in chain
         )
 
     def bucketed_time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:

@@ -269,17 +269,27 @@ class Mesh:
 
     def groups(self, mesh_dim: int) -> list[tuple[int, ...]]:
         """Device ids of every 1D group along `mesh_dim` (the other coordinates fixed), in order."""
-        out = []
-        for index in range(self.size):
-            coords = self.coords(index)
-            if coords[mesh_dim] == 0:
-                members = []
-                for k in range(self.shape[mesh_dim]):
-                    c = list(coords)
-                    c[mesh_dim] = k
-                    members.append(self.device_ids[self.index(c)])
-                out.append(tuple(members))
-        return out
+        return self.groups_over((mesh_dim,))
+
+    def groups_over(self, mesh_dims: Sequence[int]) -> list[tuple[int, ...]]:
+        """Device ids of every group spanning `mesh_dims` (the other coordinates fixed), each
+        row-major, groups in the order of their first member."""
+        return [
+            self.group_of(self.coords(index), mesh_dims)
+            for index in range(self.size)
+            if all(self.coords(index)[d] == 0 for d in mesh_dims)
+        ]
+
+    def group_of(self, coords: Sequence[int], mesh_dims: Sequence[int]) -> tuple[int, ...]:
+        """Device ids of the group spanning `mesh_dims` through `coords`, row-major."""
+        sub = [self.shape[d] for d in mesh_dims]
+        members = []
+        for flat in range(math.prod(sub)):
+            c = list(coords)
+            for d, size in zip(reversed(mesh_dims), reversed(sub), strict=True):
+                c[d], flat = flat % size, flat // size
+            members.append(self.device_ids[self.index(c)])
+        return tuple(members)
 
     def __repr__(self) -> str:
         dims = "x".join(str(s) for s in self.shape)

@@ -6,7 +6,8 @@ likewise), the step (the stage's 1F1B order of forwards and backwards per micro-
 cross-stage sends and receives, the loss seed, gradient sync, the optimizer) and
 `full_state_dict`. Lives elsewhere: the stage's program (`runtime.program`), the firing order
 (`autosbp.schedule.stage_orders`), the collectives and process groups (`runtime.boxing`,
-`runtime.groups`), the plan (`autosbp.plan`), capture (`autosbp.capturing`).
+`runtime.groups`), the gradient sync (`runtime.grad_sync`), the plan (`autosbp.plan`),
+capture (`autosbp.capturing`).
 
 Invariants:
 - Everything is planned in the constructor; `step` runs prebuilt closures only.
@@ -19,10 +20,10 @@ Invariants:
   B mesh dim) makes the seeds sum to exactly one, so a replicated loss is not counted once per
   device. Every rank returns the loss (broadcast from the last stage).
 - A parameter in layout p ends backward with its gradient in dual(p) (P where p has B, S where p
-  has S); the sync boxes dual(p) -> p (an all-reduce over p's B mesh dims of its stage).
-  Gradients with the same B mesh dims and dtype are synced together in flat buckets (as DDP
-  does), in graph order. A parameter read on a later stage (a tied embedding) is sent there
-  every micro-batch and its gradient sent back.
+  has S); the sync boxes dual(p) -> p (an all-reduce over p's B mesh dims of its stage), in
+  DDP's flat buckets, each launched while the last micro-batch's backward still runs, as soon
+  as its gradients are final (`runtime.grad_sync`). A parameter read on a later stage (a tied
+  embedding) is sent there every micro-batch and its gradient sent back.
 - The optimizer steps on local shards: exact for elementwise optimizers (SGD, Adam, AdamW), not
   for ones that take norms across a whole tensor (LAMB, gradient clipping by global norm).
 - Every wait is bounded by the world's timeout.
@@ -46,24 +47,17 @@ from autosbp.graph import OpGraph, Role, TensorMeta
 from autosbp.layout import shard_tensor
 from autosbp.plan import Plan
 from autosbp.rules import NdSignature
-from autosbp.sbp import B, Broadcast, Mesh, NdSbp, P, Partial, format_nd_sbp, local_shape
-from autosbp.schedule import GRAD_BUCKET_BYTES, Phase, split_micro_batches, stage_orders
+from autosbp.sbp import B, Mesh, NdSbp, P, Partial, format_nd_sbp, local_shape
+from autosbp.schedule import Phase, split_micro_batches, stage_orders
 from autosbp.timeline import Recorder
 from runtime.closures import Boxer
+from runtime.grad_sync import GradSync, build_sync_groups, sync_patterns
 from runtime.groups import build_groups, world_timeout
 from runtime.program import Program, build_program, read_signatures, stage_boundaries
 
 __all__ = ["Engine"]
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True, slots=True)
-class GradBucket:
-    """Parameters whose gradients sync with one chain: flattened, boxed, split back."""
-
-    params: tuple[torch.Tensor, ...]
-    sync: Callable[[torch.Tensor], torch.Tensor]
 
 
 class Engine:
@@ -142,11 +136,21 @@ class Engine:
         if loss_layout is not None:
             self._seed = self.boxer.chain(loss_layout, (P,) * ndim, ())
             self._loss_value = self.boxer.chain(loss_layout, (B,) * ndim, ())
-        self._buckets = _grad_buckets(self.parameters, self.layouts, self.mesh, self._bucket_sync)
+        self._timeout = world_timeout()
+        trained = [self.layouts[name] for name in _names(graph, Role.PARAMETER)]
+        self.grad_sync = GradSync(
+            self.parameters,
+            self.layouts,
+            self.mesh,
+            build_sync_groups(meshes, sync_patterns(trained, self.mesh.shape)),
+            self._timeout,
+        )
+        self._last_backward = max(
+            i for i, (phase, _) in enumerate(self._order) if phase is Phase.BACKWARD
+        )
         self.optimizer = optimizer_factory(list(self.parameters.values()))
         self.recorder = recorder
         self._span = recorder.span if recorder is not None else _no_span
-        self._timeout = world_timeout()
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -163,7 +167,7 @@ class Engine:
         ] = {}
         sends: list[tuple[dist.Work, torch.Tensor]] = []
         value = torch.zeros(())
-        for phase, mb in self._order:
+        for position, (phase, mb) in enumerate(self._order):
             if phase is Phase.FORWARD:
                 received = self._receive(mb, backward=False)
                 with self._span("forward", mb):
@@ -176,6 +180,8 @@ class Engine:
             else:
                 received, exports, loss = in_flight.pop(mb)
                 grads = self._receive(mb, backward=True)
+                if position == self._last_backward:
+                    self.grad_sync.arm()  # gradients are final in this backward: sync them
                 with self._span("backward", mb):
                     _backward(
                         self._seed(loss) * (1.0 / self.micro_batches) if loss is not None else None,
@@ -189,9 +195,8 @@ class Engine:
                 )  # fmt: skip
         for work, _ in sends:
             work.wait(self._timeout)
-        with torch.no_grad(), self._span("grad_sync"):
-            for bucket in self._buckets:
-                _sync_bucket(bucket)
+        with self._span("grad_sync"):  # what backward did not hide
+            self.grad_sync.finish()
         with self._span("optimizer"):
             self.optimizer.step()
         if len(self.plan.stages) > 1:  # every rank returns the loss of the last stage
@@ -255,14 +260,6 @@ class Engine:
         return self.graph.graph.nodes[node]["outputs"][0].dtype
 
     # ---- helpers ---------------------------------------------------------------------------
-
-    def _bucket_sync(
-        self, numel: int, broadcast: tuple[bool, ...], dtype: torch.dtype
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A flat buffer of local gradients is P on the mesh dims where its parameters are B,
-        and whole (B) on the others (each rank's buffer is its own shards): box it to all-B."""
-        src = tuple(P if b else B for b in broadcast)
-        return self.boxer.chain(src, (B,) * self.mesh.ndim, (numel,), dtype, donate=True)
 
 
 def _p2p(
@@ -422,48 +419,3 @@ def _materialize(
         local = shard_tensor(full, layouts[name], mesh, coords).clone()
         state[name] = local.requires_grad_(attrs["role"] is Role.PARAMETER)
     return state
-
-
-BucketSync = Callable[[int, tuple[bool, ...], torch.dtype], Callable[[torch.Tensor], torch.Tensor]]
-
-
-def _grad_buckets(
-    params: Mapping[str, torch.Tensor],
-    layouts: Mapping[str, NdSbp],
-    mesh: Mesh,
-    make_sync: BucketSync,
-) -> tuple[GradBucket, ...]:
-    """Parameters that are B on a mesh dim of more than one device, grouped by (which mesh dims
-    those are, dtype) in graph order, cut into buckets of at most GRAD_BUCKET_BYTES."""
-    current: dict[tuple[tuple[bool, ...], torch.dtype], list[torch.Tensor]] = {}
-    buckets: list[tuple[tuple[bool, ...], list[torch.Tensor]]] = []
-    for name, param in params.items():
-        broadcast = tuple(
-            isinstance(sbp, Broadcast) and size > 1
-            for sbp, size in zip(layouts[name], mesh.shape, strict=True)
-        )
-        if not any(broadcast):
-            continue  # split (or alone) on every mesh dim: the gradient is already in place
-        members = current.get((broadcast, param.dtype))
-        if members is None or sum(p.nbytes for p in members) + param.nbytes > GRAD_BUCKET_BYTES:
-            members = current[(broadcast, param.dtype)] = []
-            buckets.append((broadcast, members))
-        members.append(param)
-    return tuple(
-        GradBucket(
-            tuple(members), make_sync(sum(p.numel() for p in members), broadcast, members[0].dtype)
-        )
-        for broadcast, members in buckets
-    )
-
-
-def _sync_bucket(bucket: GradBucket) -> None:
-    """dual(p) -> p for every gradient of the bucket, through one flat buffer."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-    flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
-    synced = bucket.sync(flat)
-    offset = 0
-    for param in bucket.params:
-        if param.grad is not None:
-            param.grad = synced[offset : offset + param.numel()].view_as(param)
-        offset += param.numel()

@@ -2,7 +2,8 @@
 
 Lives here: `ProcessGroups` (a cache from a tuple of global ranks to its torch.distributed group)
 and `build_groups` (makes every group of some meshes). Lives elsewhere: the collectives that use
-them (`runtime.boxing`); meshes and their 1D groups (`autosbp.sbp.Mesh.groups`).
+them (`runtime.boxing`); the gradient sync's own groups, spanning several mesh dims
+(`runtime.grad_sync.build_sync_groups`); meshes and their groups (`autosbp.sbp.Mesh.groups`).
 
 Invariants: `dist.new_group` is a collective over the whole world, so every rank builds the same
 groups in the same order: `build_groups` walks meshes in the order given, mesh dims in order, and
@@ -37,10 +38,16 @@ class ProcessGroups:
     def add_mesh(self, mesh: Mesh) -> None:
         """Create the groups of every mesh dim of `mesh` (a collective: all ranks call it)."""
         for mesh_dim in range(mesh.ndim):
-            for ranks in mesh.groups(mesh_dim):
-                if len(ranks) > 1 and ranks not in self._groups:
-                    self._groups[ranks] = dist.new_group(list(ranks), timeout=world_timeout())
-        self.meshes.append(mesh)
+            self.add_groups(mesh, mesh.groups(mesh_dim))
+
+    def add_groups(self, mesh: Mesh, groups: Iterable[tuple[int, ...]]) -> None:
+        """Create `groups` (global ranks) of `mesh` not created yet (a collective: all ranks
+        call it with the same groups in the same order)."""
+        for ranks in groups:
+            if len(ranks) > 1 and ranks not in self._groups:
+                self._groups[ranks] = dist.new_group(list(ranks), timeout=world_timeout())
+        if mesh not in self.meshes:
+            self.meshes.append(mesh)
 
     def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         try:

@@ -66,7 +66,8 @@ class StagePlan:
     """One pipeline stage: its devices (row-major over `mesh_shape`), the repeated blocks it runs,
     and the predicted per-micro-batch times the actor simulation replays (`forward_s`,
     `backward_s` incl. boxing and recomputation, `send_s` to the next stage, one way) and the
-    per-step `update_s` (gradient sync + optimizer). `step_time_s`: the stage's busy time."""
+    per-step `update_s` (gradient sync + optimizer), of which the last micro-batch's backward
+    hides `sync_hidden_s`. `step_time_s`: the stage's busy time."""
 
     devices: tuple[int, ...]
     mesh_shape: tuple[int, ...]
@@ -77,6 +78,7 @@ class StagePlan:
     backward_s: float = 0.0
     send_s: float = 0.0
     update_s: float = 0.0
+    sync_hidden_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,16 @@ Rules (OneFlow's actor model, Yuan et al. 2021 section 4):
   frees a register, so it never delays the pipeline) and ties break by micro-batch order.
 - A cross-stage transfer takes `transfer_s` after its producer ends (send/recv on a link that
   overlaps with compute).
-- Gradient sync runs after backward, fused: gradients that need the same collective are synced
-  together in flat buckets of at most GRAD_BUCKET_BYTES (as DDP does), so a parameter pays its
-  bytes and only its share of a collective's fixed latency.
+- Gradient sync is fused: gradients that need the same collective are synced together in flat
+  buckets of at most GRAD_BUCKET_BYTES (as DDP does), so a parameter pays its bytes and only its
+  share of a collective's fixed latency. A bucket is launched as soon as the last micro-batch's
+  backward has finished its gradients, so the sync overlaps that backward (`hidden_sync_s`).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +36,23 @@ import torch
 from autosbp.errors import SbpError
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MB), torch docs
+
+
+def hidden_sync_s(sync_s: float, backward_s: float, buckets: int) -> float:
+    """The part of a stage's gradient sync (`sync_s`, in `buckets` buckets) that its last
+    micro-batch's backward (`backward_s`) hides: (1 - 1/buckets) x min(sync_s, backward_s).
+
+    With k equal buckets ready at even intervals of backward, the first starts after 1/k of it
+    and the last only when it ends, so the exposed sync is max(sync / k, sync - (1 - 1/k) x
+    backward) = sync - hidden. One bucket hides nothing. Linear in each of its arguments where
+    they do not cross, so the planner's ILP prices it exactly as a max of two linear parts.
+    """
+    return (1.0 - 1.0 / max(buckets, 1)) * min(sync_s, backward_s)
+
+
+def sync_buckets(param_bytes: int) -> int:
+    """How many buckets the gradients of `param_bytes` of parameters fill, at least one."""
+    return max(1, math.ceil(param_bytes / GRAD_BUCKET_BYTES))
 
 
 def split_micro_batches(

@@ -9,8 +9,8 @@ when the runtime records (runtime/engine.py), how long a firing should take (pla
 Invariants: times are seconds from an origin (the recorder's creation, or the predicted step's
 start); a rank's step ends with its "optimizer" span, so `last_step` can cut a multi-step trace
 without step markers in the file. Predicted events use the runtime's kinds ("forward",
-"backward", "send") plus "update": gradient sync and optimizer as one span of the stage's
-`update_s`, since the plan prices them together. matplotlib is imported only to draw, so
+"backward", "send") plus "update": gradient sync and optimizer as one span after the last
+backward, the stage's `update_s` less the sync that backward hides (`sync_hidden_s`). matplotlib is imported only to draw, so
 recording in the runtime never loads it.
 
 Trace format: Google's Trace Event Format, "X" (complete) events, ts/dur in microseconds,
@@ -226,7 +226,7 @@ def predicted_events(plan: Plan) -> list[Event]:
             spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s))
     for s, stage in enumerate(stages):
         last = max(f.end_s for f in timeline.firings if f.stage == s)
-        spans.append((s, UPDATE, None, last, last + stage.update_s))
+        spans.append((s, UPDATE, None, last, last + stage.update_s - stage.sync_hidden_s))
     events = [Event(rank, *span) for span in spans for rank in stages[span[0]].devices]
     return sorted(events, key=lambda e: (e.rank, e.start_s, e.kind))
 

@@ -59,12 +59,15 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
             mesh_shape=mesh.shape,
             blocks=split.blocks[s],
-            step_time_s=m * (pred.forward_s[s] + pred.backward_s[s]) + pred.update_s[s],
+            step_time_s=m * (pred.forward_s[s] + pred.backward_s[s])
+            + pred.update_s[s]
+            - pred.sync_hidden_s[s],
             peak_memory_bytes=int(pred.peak_bytes[s]),
             forward_s=pred.forward_s[s],
             backward_s=pred.backward_s[s],
             send_s=pred.send_s[s],
             update_s=pred.update_s[s],
+            sync_hidden_s=pred.sync_hidden_s[s],
         )
         for s in range(split.num_stages)
     )
@@ -99,19 +102,20 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
 
 def breakdown(found: Found) -> dict[str, float]:
     """Where the step goes on its busiest stage: compute (with recomputation) and boxing for all
-    micro-batches, the per-step gradient sync + optimizer, and the rest of the step (pipeline
-    bubble and transfers)."""
+    micro-batches, the per-step gradient sync + optimizer (what backward does not hide of it; the
+    hidden part apart), and the rest of the step (pipeline bubble and transfers)."""
     solved, choice, pred = found.problem, found.solution.choice, found.prediction
     costs = solved.stage_costs
     s = max(range(solved.split.num_stages), key=lambda k: costs.busy[k].value(choice))
     m = solved.micro_batches
     compute = m * Costs(costs.busy[s].node_costs).value(choice)
     comm = m * Costs({}, costs.busy[s].edge_costs).value(choice)
-    update = pred.update_s[s]
+    update = pred.update_s[s] - pred.sync_hidden_s[s]
     return {
         "compute_s": compute,
         "comm_s": comm,
         "optimizer_and_grad_sync_s": update,
+        "grad_sync_hidden_s": pred.sync_hidden_s[s],
         "bubble_and_transfer_s": max(0.0, pred.step_time_s - compute - comm - update),
     }
 

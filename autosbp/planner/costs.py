@@ -69,11 +69,20 @@ class Prices(Protocol):
 
 @dataclass(frozen=True)
 class NodeStrategies:
-    """A node's candidates and their per-micro-batch compute time (forward + backward)."""
+    """A node's candidates and their per-micro-batch compute time (forward + backward); for a
+    parameter, its per-step gradient sync + optimizer time, and `sync_s` the sync part alone."""
 
     name: str
     candidates: tuple[NdSignature, ...]
     compute_s: np.ndarray
+    sync_s: np.ndarray | None = None  # parameters only
+
+    def restricted(self, keep: Sequence[int]) -> NodeStrategies:
+        """Only the candidates at `keep`."""
+        sync = self.sync_s[keep] if self.sync_s is not None else None
+        return NodeStrategies(
+            self.name, tuple(self.candidates[i] for i in keep), self.compute_s[keep], sync
+        )
 
 
 class BoxingPricer:
@@ -142,21 +151,24 @@ def node_strategies(graph: OpGraph, name: str, pricer: BoxingPricer) -> NodeStra
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
     if attrs["role"] is Role.PARAMETER:
-        times = [
-            _parameter_step_s(attrs["outputs"][0], sig.outputs[0], pricer) for sig in candidates
-        ]
-    else:
-        times = [_compute_s(attrs, sig, mesh_shape, pricer.prices) for sig in candidates]
+        meta = attrs["outputs"][0]
+        sync = np.array(
+            [
+                pricer.bucketed_time_s(dual_nd_sbp(s.outputs[0]), s.outputs[0], meta)
+                for s in candidates
+            ]
+        )
+        update = np.array([_optimizer_s(meta, s.outputs[0], pricer) for s in candidates])
+        return NodeStrategies(name, candidates, sync + update, sync)
+    times = [_compute_s(attrs, sig, mesh_shape, pricer.prices) for sig in candidates]
     return NodeStrategies(name, candidates, np.array(times))
 
 
-def _parameter_step_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> float:
-    sync = pricer.bucketed_time_s(dual_nd_sbp(nd_sbp), nd_sbp, meta)
+def _optimizer_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> float:
     local = math.prod(local_shape(meta.shape, nd_sbp, pricer.mesh.shape))
-    update = pricer.prices.op_time_s(
+    return pricer.prices.op_time_s(
         local * OPTIMIZER_FLOPS_PER_ELEMENT, local * OPTIMIZER_BYTES_PER_ELEMENT, torch.float32
     )
-    return sync + update
 
 
 def _candidates(attrs: dict[str, Any], mesh_shape: tuple[int, ...]) -> list[NdSignature]:

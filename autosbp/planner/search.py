@@ -10,8 +10,9 @@ solved configuration by the actor simulation (`predict`). Lives elsewhere: price
 a `Plan` (`assemble`).
 
 Each configuration is solved exactly (to MIP_GAP); the outer loops are heuristic where stated
-in `search`. Within a stage, the objective has no overlap: every op's forward and backward,
-every boxing, every gradient sync and optimizer update, one after another on each device.
+in `search`. Within a stage, the objective has one overlap: the gradient sync runs while the
+last micro-batch's backward does (`schedule.hidden_sync_s`); every op's forward and backward,
+every boxing and the optimizer update run one after another on each device.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from autosbp.planner.pipeline import (
 from autosbp.planner.reduce import tie_blocks
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split, local_shape
-from autosbp.schedule import simulate
+from autosbp.schedule import hidden_sync_s, simulate, sync_buckets
 
 Allow = Callable[[dict, NdSignature], bool]  # may this node (attrs) take this candidate?
 
@@ -60,12 +61,15 @@ class StageCosts:
     """Per pipeline stage, the ILP-keyed costs that make up its times (seconds), for pricing a
     solution: `busy` one micro-batch's forward + backward (+ recomputation), `forward` its
     forward part, `send` the one-way transfer of its outputs to later stages per micro-batch,
-    `update` the per-step gradient sync and optimizer; and its memory constraint."""
+    `update` the per-step gradient sync and optimizer, of which the last micro-batch's backward
+    hides part of the sync (`schedule.hidden_sync_s`); and its memory constraint."""
 
     busy: tuple[Costs, ...]
     forward: tuple[Costs, ...]
     send: tuple[Costs, ...]
     update: tuple[Costs, ...]
+    sync: tuple[Costs, ...]  # the gradient-sync part of `update`
+    sync_buckets: tuple[int, ...]  # `schedule.sync_buckets` of each stage's parameters
     memory: tuple[MemoryConstraint, ...]
 
 
@@ -198,6 +202,8 @@ def build_problem(
     forward = [_Acc() for _ in stages]
     send = [_Acc() for _ in stages]
     update = [_Acc() for _ in stages]
+    sync = [_Acc() for _ in stages]
+    param_bytes = [0] * split.num_stages
     memory = [_Acc() for _ in stages]
     rep, stage_of, strategies = priced.representative, split.stage_of, priced.strategies
     kept_bytes: dict[str, np.ndarray] = {}  # per representative: tied nodes keep the same
@@ -213,6 +219,9 @@ def build_problem(
         k = in_flight(s, split.num_stages)
         if attrs["role"] is Role.PARAMETER:
             update[s].node(r, found.compute_s)
+            assert found.sync_s is not None, f"{name}: a parameter priced without its sync"
+            sync[s].node(r, found.sync_s)
+            param_bytes[s] += attrs["outputs"][0].nbytes
         elif attrs["role"] is Role.COMPUTE:
             fwd = found.compute_s / (1.0 + BACKWARD_FACTOR)
             again = recomputed(attrs, recompute)
@@ -246,20 +255,30 @@ def build_problem(
     keys = list(dict.fromkeys(rep[n] for n in graph.order))
     sizes = {r: len(strategies[r].candidates) for r in keys}
     busy_c = tuple(a.costs(sizes) for a in busy)
+    forward_c = tuple(a.costs(sizes) for a in forward)
     update_c = tuple(a.costs(sizes) for a in update)
+    sync_c = tuple(a.costs(sizes) for a in sync)
     send_c = tuple(a.costs(sizes) for a in send)
+    buckets = tuple(sync_buckets(b) for b in param_bytes)
     m = micro_batches
     if split.num_stages == 1:
-        node_costs = {r: m * busy_c[0].node_costs[r] + update_c[0].node_costs[r] for r in keys}
+        node_costs = {r: m * busy_c[0].node_costs[r] for r in keys}
         edge_costs = {e: m * c for e, c in busy_c[0].edge_costs.items()}
         max_terms: tuple[MaxTerm, ...] = ()
     else:
         node_costs = {
-            r: sum(c.node_costs[r] for c in busy_c) + 2 * sum(c.node_costs[r] for c in send_c)
+            r: np.sum([c.node_costs[r] for c in busy_c], axis=0)
+            + 2 * np.sum([c.node_costs[r] for c in send_c], axis=0)
             for r in keys
         }
         edge_costs = _sum_edges(busy_c)
-        max_terms = (MaxTerm(m - 1, busy_c), MaxTerm(1.0, update_c))
+        max_terms = (MaxTerm(m - 1, busy_c),)
+    exposed = _exposed_update(busy_c, forward_c, update_c, sync_c, buckets)
+    if len(exposed.parts) > 1:
+        max_terms += (exposed,)
+    else:  # one stage whose sync is one bucket: nothing hidden, the update adds up
+        for r, c in update_c[0].node_costs.items():
+            node_costs[r] = node_costs[r] + c
     constraints = (
         tuple(
             MemoryConstraint(a.memory_bytes(sizes), memory_limit_bytes, name=f"stage {s} memory")
@@ -270,9 +289,11 @@ def build_problem(
     )
     stage_costs = StageCosts(
         busy_c,
-        tuple(a.costs(sizes) for a in forward),
+        forward_c,
         send_c,
         update_c,
+        sync_c,
+        buckets,
         tuple(
             MemoryConstraint(
                 a.memory_bytes(sizes), memory_limit_bytes or math.inf, name=f"stage {s}"
@@ -284,6 +305,44 @@ def build_problem(
     return MeshProblem(
         mesh, strategies, problem, rep, split, stage_costs, micro_batches, recompute, graph
     )
+
+
+def _exposed_update(
+    busy: Sequence[Costs],
+    forward: Sequence[Costs],
+    update: Sequence[Costs],
+    sync: Sequence[Costs],
+    buckets: Sequence[int],
+) -> MaxTerm:
+    """The slowest stage's update less the sync its last backward hides: per stage, update -
+    (1 - 1/k) x min(sync, backward) (`schedule.hidden_sync_s`) is the larger of two linear parts,
+    update - (1 - 1/k) x sync and update - (1 - 1/k) x backward. One bucket hides nothing."""
+    parts: list[Costs] = []
+    for b, f, u, y, k in zip(busy, forward, update, sync, buckets, strict=True):
+        share = 1.0 - 1.0 / k
+        if share == 0:
+            parts.append(u)
+            continue
+        parts.append(_combine((1.0, u), (-share, y)))
+        parts.append(_combine((1.0, u), (-share, b), (share, f)))
+    return MaxTerm(1.0, tuple(parts))
+
+
+def _combine(*terms: tuple[float, Costs]) -> Costs:
+    """The sum of weight x costs, node by node and edge by edge. A forbidden (infinite)
+    candidate or pair counts 0: the problem's own costs forbid it."""
+    nodes: dict[str, np.ndarray] = {}
+    edges: dict[tuple[str, str], np.ndarray] = {}
+    for weight, costs in terms:
+        for v, c in costs.node_costs.items():
+            nodes[v] = nodes.get(v, 0.0) + weight * _finite(c)
+        for e, mat in costs.edge_costs.items():
+            edges[e] = edges.get(e, 0.0) + weight * _finite(mat)
+    return Costs(nodes, edges)
+
+
+def _finite(costs: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(costs), costs, 0.0)
 
 
 def _bytes(attrs: dict, found: NodeStrategies, mesh: Mesh, optimizer: str) -> np.ndarray:
@@ -377,9 +436,7 @@ def _restricted(found: NodeStrategies, attrs: dict, allow: Allow | None) -> Node
             for i, sig in enumerate(found.candidates)
             if all(isinstance(s, Broadcast) for s in sig.outputs[0])
         ]
-    return NodeStrategies(
-        found.name, tuple(found.candidates[i] for i in keep), found.compute_s[keep]
-    )
+    return found.restricted(keep)
 
 
 def solve_mesh(
@@ -502,14 +559,16 @@ def _allow(param: Callable | None = None, data: Callable | None = None) -> Allow
 @dataclass(frozen=True)
 class Prediction:
     """A solved problem priced as the actor system runs it (`schedule.simulate`): per stage its
-    per-micro-batch forward/backward, transfer to the next stage and per-step update (seconds)
-    and peak bytes; the step time is when the last stage finishes its update."""
+    per-micro-batch forward/backward, transfer to the next stage and per-step update (seconds),
+    the part of the update's sync that the last backward hides, and peak bytes; the step time is
+    when the last stage finishes its update."""
 
     step_time_s: float
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     send_s: tuple[float, ...]
     update_s: tuple[float, ...]
+    sync_hidden_s: tuple[float, ...]  # of update_s, what the last backward hides
     peak_bytes: tuple[float, ...]
     bubble_s: tuple[float, ...]
 
@@ -521,11 +580,15 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
     send = tuple(c.value(choice) for c in costs.send)
     update = tuple(c.value(choice) for c in costs.update)
     bwd = tuple(b - f for b, f in zip(busy, fwd, strict=True))
+    hidden = tuple(
+        hidden_sync_s(c.value(choice), b, k)
+        for c, b, k in zip(costs.sync, bwd, costs.sync_buckets, strict=True)
+    )
     timeline = simulate(
         mp.split.num_stages, mp.micro_batches, fwd.__getitem__, bwd.__getitem__, send.__getitem__
     )
     ends = [
-        max(f.end_s for f in timeline.firings if f.stage == s) + update[s]
+        max(f.end_s for f in timeline.firings if f.stage == s) + update[s] - hidden[s]
         for s in range(mp.split.num_stages)
     ]
     peaks = tuple(
@@ -533,7 +596,7 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
         for mem in costs.memory
     )
     bubbles = tuple(timeline.bubble_s(s) for s in range(mp.split.num_stages))
-    return Prediction(max(ends), fwd, bwd, send, update, peaks, bubbles)
+    return Prediction(max(ends), fwd, bwd, send, update, hidden, peaks, bubbles)
 
 
 @dataclass(frozen=True)
@@ -636,7 +699,7 @@ def search(
                     if mesh not in pricers:
                         pricers[mesh] = BoxingPricer(prices, mesh)
                     priced = priced or price_graph(graph, mesh, prices, space.allow, pricers[mesh])
-                    node_times = {n: s.compute_s for n, s in priced.strategies.items()}
+                    node_times = {n: _unhidden_s(s) for n, s in priced.strategies.items()}
                     if step_bound(graph, copies, num_stages, node_times, count, mode) >= cutoff:
                         cut = True
                         continue  # its cheapest signatures, without boxing, are too slow
@@ -712,7 +775,7 @@ def step_bound(
     compute nodes per micro-batch, parameters per step), each node at its cheapest, no boxing
     and no transfers. Stage s works its micro-batches after every earlier stage's first
     forward and before every earlier stage's last backward, and updates after its last
-    backward."""
+    backward (parameters' `times` may leave out the sync, which backward may hide)."""
     busy = [0.0] * num_stages
     first = [0.0] * num_stages  # forward of one micro-batch
     update = [0.0] * num_stages
@@ -731,6 +794,12 @@ def step_bound(
         micro_batches * busy[s] + max(sum(busy[:s]), sum(first[:s]) + update[s])
         for s in range(num_stages)
     )
+
+
+def _unhidden_s(found: NodeStrategies) -> np.ndarray:
+    """A node's time no overlap hides: a parameter's optimizer update (its sync may hide behind
+    backward), a compute node's forward and backward."""
+    return found.compute_s - found.sync_s if found.sync_s is not None else found.compute_s
 
 
 def _faster(a: Found, b: Found) -> bool:

@@ -1,0 +1,71 @@
+"""The price of gradient sync hidden behind the last backward: the formula against an event
+simulation of the buckets, and the planner's ILP (a max term) against brute force and against
+the prediction it must equal on one stage."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from autosbp import schedule
+from autosbp.capturing import capture
+from autosbp.ilp import brute_force, solve
+from autosbp.planner.search import build_problem, predict
+from autosbp.sbp import Mesh
+from autosbp.schedule import hidden_sync_s
+from tests.test_planner import TinyNet, a100_prices, limit_between
+
+
+def _simulated_exposed_s(sync_s: float, backward_s: float, buckets: int) -> float:
+    """Buckets of equal sync time, ready at even intervals of backward, synced one at a time:
+    how long the last one ends after backward does."""
+    end_s = 0.0
+    for j in range(1, buckets + 1):
+        end_s = max(end_s, j * backward_s / buckets) + sync_s / buckets
+    return end_s - backward_s
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_hidden_sync_equals_an_event_simulation_of_the_buckets(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(50):
+        sync_s, backward_s, buckets = rng.uniform(0, 2), rng.uniform(0, 2), rng.randint(1, 40)
+        exposed = sync_s - hidden_sync_s(sync_s, backward_s, buckets)
+        assert exposed == pytest.approx(_simulated_exposed_s(sync_s, backward_s, buckets))
+
+
+def test_one_bucket_hides_nothing() -> None:
+    assert hidden_sync_s(1.0, 5.0, 1) == 0.0
+
+
+@pytest.mark.parametrize("memory_fraction", [None, 0.3])
+def test_overlapped_sync_problem_equals_brute_force_and_the_prediction(
+    monkeypatch: pytest.MonkeyPatch, memory_fraction: float | None
+) -> None:
+    # Buckets of 64 bytes: TinyNet's 768 bytes of weights fill 12, so the sync partly hides.
+    monkeypatch.setattr(schedule, "GRAD_BUCKET_BYTES", 64)
+    graph = capture(TinyNet(), [torch.randn(8, 8), torch.randn(8, 4)])
+
+    def build(limit: float | None):
+        return build_problem(
+            graph, Mesh((2,)), a100_prices(), optimizer="adam", memory_limit_bytes=limit,
+            micro_batches=2,
+        )  # fmt: skip
+
+    limit = None if memory_fraction is None else limit_between(build(1.0).problem.memory, 0.3)
+    mp = build(limit)
+    assert mp.stage_costs.sync_buckets == (12,)
+    assert len(mp.problem.max_terms) == 1
+    expected = brute_force(mp.problem)
+    got = solve(mp.problem)
+    assert got.status == "optimal"
+    assert got.objective == pytest.approx(expected.objective, rel=1e-9, abs=1e-12)
+    prediction = predict(mp, got)
+    assert prediction.step_time_s == pytest.approx(got.objective, rel=1e-9)
+    sync_s = mp.stage_costs.sync[0].value(got.choice)
+    hidden = hidden_sync_s(sync_s, prediction.backward_s[0], 12)
+    assert prediction.sync_hidden_s[0] == pytest.approx(hidden)
+    if memory_fraction is None:  # replicated weights: their sync partly hides
+        assert 0 < prediction.sync_hidden_s[0] < sync_s

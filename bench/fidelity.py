@@ -19,7 +19,8 @@ What it measures ("Actor runtime" issue: the cost model must predict what the ru
   start to the gradient sync: the planner's compute, boxing, pipeline bubble and transfers
   until stage 0's last backward), wait (how long after rank 0 the last rank of its stage
   reached the sync: rank skew, priced at nothing), gradient sync (from then to the sync's end:
-  the planner's bucketed sync term), optimizer (its update term), other (the rest of the step:
+  the planner's bucketed sync term less what the last backward hides, `sync_hidden_s`),
+  optimizer (its update term), other (the rest of the step:
   the loss broadcast of pipelined plans). Predicted for stage 0: forward + backward is its last
   backward's end in the planner's own actor simulation (`schedule.simulate` of the plan's stage
   times); the sync is re-priced per stage-0 parameter with the planner's `BoxingPricer`; the
@@ -204,7 +205,11 @@ def predict_phases(graph: OpGraph, plan: Plan) -> Prediction:
     )  # fmt: skip
     fwd_bwd_s = max(f.end_s for f in timeline.firings if f.stage == 0)
     sync_s = predicted_sync_s(graph, plan, stage=0)
-    phase_s = {"fwd_bwd": fwd_bwd_s, "sync": sync_s, "optimizer": stages[0].update_s - sync_s}
+    phase_s = {
+        "fwd_bwd": fwd_bwd_s,
+        "sync": sync_s - stages[0].sync_hidden_s,  # what the last backward does not hide
+        "optimizer": stages[0].update_s - sync_s,
+    }
     return Prediction(plan.predicted.step_time_s, phase_s, plan.predicted.peak_memory_bytes)
 
 

@@ -64,11 +64,16 @@ LR = 1e-3
 LOSS_REL_TOL = 1e-4  # first step, ours vs torch: the same computation up to fp32 reordering
 WORKER_TIMEOUT_S = 600.0
 # Model name -> (zoo model, its arguments). mlp: 4 square 1024 linears, batch 128 (about 5
-# GFLOP a step); gpt: 2 layers of hidden 256 over 16 x 64 tokens.
+# GFLOP a step), and at 2048 with 96 MiB of weights: 6 gradient buckets of at most 25 MiB, so
+# both sides overlap the sync with backward; gpt: 2 layers of hidden 256 over 16 x 64 tokens.
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mlp-1024": (
         "mlp",
         {"layers": 4, "hidden": 1024, "features": 1024, "outputs": 1024, "batch": 128},
+    ),
+    "mlp-2048": (
+        "mlp",
+        {"layers": 4, "hidden": 2048, "features": 2048, "outputs": 2048, "batch": 64},
     ),
     "gpt-small": (
         "gpt",

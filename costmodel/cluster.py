@@ -1,8 +1,9 @@
 """A cluster = a profile + a node count; the object the planner asks for prices.
 
-Lives here: `Cluster` (device count, memory per device, op / collective / p2p time) and the mapping
-of a communication group to a link class (`link_class_for_group`, `link_class_for_mesh_dim`), in
-plain ints so costmodel stays ignorant of meshes and SBP. Lives elsewhere: the formulas (`costs`).
+Lives here: `Cluster` (device count, memory per device, op / collective / p2p time, the fraction
+of communication hidden beside compute) and the mapping of a communication group to a link class
+(`link_class_for_group`, `link_class_for_mesh_dim`), in plain ints so costmodel stays ignorant of
+meshes and SBP. Lives elsewhere: the formulas (`costs`); what is overlapped (the planner).
 
 Device numbering is node-major: device d sits on node d // devices_per_node. A mesh is row-major
 over consecutive devices starting at `first_device` (a pipeline stage's submesh starts later).
@@ -70,6 +71,16 @@ class Cluster:
     def memory_bytes(self) -> float:
         """Memory capacity of one device."""
         return self.profile.device.memory.base
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """Fraction (0-1) of a collective's time hidden when it runs beside compute.
+
+        The profile's efficiency.overlap; 0.0 when the profile has none: nothing is assumed
+        hidden, the conservative price (and what the planner priced before overlap existed).
+        """
+        overlap = self.profile.efficiency.overlap
+        return 0.0 if overlap is None else overlap.base
 
     def op_time_s(self, flops: float, nbytes: float, dtype: DType | str) -> float:
         """Roofline time of one op on one device (see `costs`)."""

@@ -1,7 +1,7 @@
 """The `autosbp profile` and `autosbp profiles` commands.
 
 Lives here: their arguments, the progress bar, and the tables they print (nccl-tests' columns:
-size, count, time, algbw, busbw). Lives elsewhere: measuring (`profiler`), fitting (`fitting`),
+size, count, time, algbw, busbw) and the compute/communication overlap line. Lives elsewhere: measuring (`profiler`), fitting (`fitting`),
 the plot (`plot`), files (`profile_io`). `autosbp.cli` calls `configure(parser, name)` once per
 command name and `run(args, console)`.
 """
@@ -78,6 +78,12 @@ def _run_profile(args: argparse.Namespace, console: Console) -> int:
         console.print(_measured_table(m, kind))
     console.print(_fit_table(profile, m))
     console.print(_compute_table(m))
+    o = m.overlap
+    console.print(
+        f"overlap: matmuls {o.compute_s * 1e3:.2f} ms, all-reduce of {o.nbytes} B "
+        f"{o.collective_s * 1e3:.2f} ms, both at once {o.both_s * 1e3:.2f} ms: "
+        f"{o.ratio:.2f} of the shorter hidden"
+    )
     if m.unsupported:
         console.print(
             f"not supported by {config.backend}: {', '.join(k.value for k in m.unsupported)}"

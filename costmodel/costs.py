@@ -4,7 +4,8 @@ Lives here: the bus factors, the alpha-beta model, interpolation of measured tab
 precomputed prices (`ComputePrice`, `CollectivePrice`) that `Cluster` holds. Lives elsewhere: which
 link class a group uses (`cluster`), where the numbers come from (`profile`, `profiler`).
 
-Conventions (nccl-tests, doc/PERFORMANCE.md; see /work/shared/reference/profiling.md section 3):
+Conventions (nccl-tests, doc/PERFORMANCE.md; see the team notes
+shared/reference/profiling.md, section 3):
 - `nbytes` is the message size per rank as nccl-tests defines it: all_reduce the buffer
   (count * element size); all_gather the OUTPUT (the gathered buffer); reduce_scatter the INPUT
   (the buffer before scattering); all_to_all the buffer (input = output size); send_recv the

@@ -9,6 +9,7 @@ Fits (all empirical, all recorded with the run's date and command):
 - peak flops per dtype = the best matmul rate measured; matmul efficiency = geometric mean of
   rate / peak over all matmul points; likewise memory bandwidth and memory-bound efficiency from
   the elementwise add; the op overhead floor = the time of a one-element add.
+- overlap = the profiler's median hidden fraction (`profiler.hidden_fraction`), as measured.
 The topology is "scalable" (a Cluster picks the node count): a link class with nothing measured
 (one host: no inter_node) copies the other, marked as an assumption; a kind the backend lacks
 is priced as an all-reduce of the same buffer (assumption).
@@ -39,7 +40,7 @@ from costmodel.profile import (
     Source,
     Topology,
 )
-from costmodel.profiler import CollectiveSample, Measurements
+from costmodel.profiler import CollectiveSample, Measurements, OverlapSample
 
 _MIN_LATENCY_S = 0.0
 _MAX_BUS_BANDWIDTH_BYTES_PER_S = 1e15  # guard for a flat fit (no size dependence measured)
@@ -96,6 +97,7 @@ class _Sources:
             name="roofline-fit",
         )
         self.memory = Source.measured(date, cfg.command, m.memory_how, name="memory")
+        self.overlap = Source.measured(date, cfg.command, _overlap_note(m.overlap), name="overlap")
         self.fp16 = Source.assumption(
             "fp16 matmul is not profiled on CPU (torch's CPU kernels run it like bf16): "
             "taken equal to the bf16 peak",
@@ -158,8 +160,19 @@ def _compute_part(m: Measurements, src: _Sources) -> tuple[Device, Efficiency]:
             src.roofline,
         ),
         Quantity(_sig(overhead_s * 1e6), "us", src.run),
+        overlap=Quantity(_sig(m.overlap.ratio, 3), "ratio", src.overlap),
     )
     return device, efficiency
+
+
+def _overlap_note(o: OverlapSample) -> str:
+    return (
+        f"per repeat on every rank: (a) {o.matmul_n}^3 fp32 matmuls alone, median "
+        f"{o.compute_s * 1e3:.2f} ms; (b) all-reduce of {o.nbytes} B on all ranks alone, "
+        f"{o.collective_s * 1e3:.2f} ms; (c) both at once (all-reduce async_op=True beside the "
+        f"matmuls), {o.both_s * 1e3:.2f} ms; overlap = clamp((a + b - c) / min(a, b), 0, 1), "
+        f"median over {o.repeats} repeats of the slowest rank"
+    )
 
 
 def _geomean(values: Sequence[float]) -> float:

@@ -5,7 +5,8 @@ frozen dataclasses a profile is made of. Lives elsewhere: JSON reading, validati
 (`profile_io`, `profile_codec`), pricing (`costs`, `cluster`), measuring (`profiler`).
 
 Invariants: a `Profile` mirrors the JSON file one to one (numbers stay in the unit they were written
-in; `Quantity.base` converts), so save -> load is the identity; every `Quantity` has a `Source`;
+in; `Quantity.base` converts), so save -> load is the identity; an optional field the file omits
+(efficiency.overlap) is None, and stays omitted when saved; every `Quantity` has a `Source`;
 every link class a profile defines has all five collective kinds (send_recv is the p2p cost);
 the JSON shape and its rules are in costmodel/schemas/profile.schema.json.
 """
@@ -141,11 +142,14 @@ class Device:
 
 @dataclass(frozen=True, slots=True)
 class Efficiency:
-    """Fractions of peak that real ops reach, and the per-op floor (launch, framework overhead)."""
+    """Fractions of peak that real ops reach, the per-op floor (launch, framework overhead), and
+    how much communication running beside compute hides (None = not stated: nothing hidden)."""
 
     matmul: Quantity  # ratio of peak flops reached by compute-bound ops
     memory_bound: Quantity  # ratio of memory bandwidth reached by memory-bound ops
     op_overhead: Quantity  # s, no op is faster than this
+    overlap: Quantity | None = None  # ratio in [0, 1]: fraction of a collective's time hidden
+    # when it runs beside compute (of the shorter of the two; Galvatron's overlap coefficient)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +247,8 @@ class Profile:
         yield from (q.source for q in (d.memory, d.memory_bandwidth))
         yield from (q.source for q in (d.peak_flops.fp32, d.peak_flops.bf16, d.peak_flops.fp16))
         yield from (q.source for q in (e.matmul, e.memory_bound, e.op_overhead))
+        if e.overlap is not None:
+            yield e.overlap.source
         yield self.topology.devices_per_node.source
         if self.topology.nodes is not None:
             yield self.topology.nodes.source

@@ -117,11 +117,9 @@ def profile_from_dict(data: Mapping[str, Any], origin: str) -> Profile:
         dec.quantity(dev["memory_bandwidth"], "$.device.memory_bandwidth"),
         PeakFlops(peak[DType.FP32], peak[DType.BF16], peak[DType.FP16]),
     )
+    given = {key: dec.quantity(eff[key], f"$.efficiency.{key}") for key in eff}
     efficiency = Efficiency(
-        *(
-            dec.quantity(eff[key], f"$.efficiency.{key}")
-            for key in ("matmul", "memory_bound", "op_overhead")
-        )
+        given["matmul"], given["memory_bound"], given["op_overhead"], given.get("overlap")
     )
     nodes = None if topo["nodes"] == "scalable" else dec.quantity(topo["nodes"], "$.topology.nodes")
     topology = Topology(
@@ -195,6 +193,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             "matmul": enc.quantity(e.matmul),
             "memory_bound": enc.quantity(e.memory_bound),
             "op_overhead": enc.quantity(e.op_overhead),
+            **({} if e.overlap is None else {"overlap": enc.quantity(e.overlap)}),
         },
         "topology": {
             "devices_per_node": enc.quantity(t.devices_per_node),

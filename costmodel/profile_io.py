@@ -210,7 +210,19 @@ def _explain_const(error: ValidationError) -> tuple[str, str, str]:
 def _explain_range(error: ValidationError) -> tuple[str, str, str]:
     op = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<="}[str(error.validator)]
     bound = f"a value {op} {error.validator_value}"
-    return f"{error.instance!r} is out of range", bound, "correct the number"
+    meaning = error.schema.get("description")
+    expected = f"{bound} ({meaning})" if meaning else bound
+    return f"{error.instance!r} is out of range", expected, _range_fix(error.schema)
+
+
+def _range_fix(schema: dict[str, Any]) -> str:
+    """`write a number in [0, 1]` where the schema bounds both ends, else a plain fix."""
+    high = schema.get("maximum")
+    if high is not None and "minimum" in schema:
+        return f"write a number in [{schema['minimum']}, {high}]"
+    if high is not None and "exclusiveMinimum" in schema:
+        return f"write a number in ({schema['exclusiveMinimum']}, {high}]"
+    return "correct the number"
 
 
 _EXPLAIN = {

@@ -5,7 +5,8 @@ aggregating (`measure`), and the raw results (`Measurements`). Lives elsewhere: 
 an item (`profiler_worker`), fitting and building the Profile (`fitting`), the plot (`plot`), the
 command line (`commands`).
 
-Timing recipe (nccl-tests and Galvatron, /work/shared/reference/profiling.md sections 1 and 3):
+Timing recipe (nccl-tests and Galvatron; the team notes shared/reference/profiling.md, sections 1
+and 3):
 warm-up calls; then a calibration call whose time (max over ranks) fixes k, the number of
 back-to-back calls per repeat (about 1 ms), and the number of repeats (a time budget per item);
 then per repeat: barrier, k calls, synchronize, time / k. A measurement is the median over repeats
@@ -14,6 +15,12 @@ descheduled (2 ranks on 2 shared cores). Every rank measures at once (the groups
 run concurrently, as all groups of a mesh dim do). On CUDA: NCCL, device =
 local rank, torch.cuda.synchronize before reading the clock. Message sizes follow nccl-tests
 (see `costs`); collectives use fp32 buffers.
+
+Overlap (Galvatron's overlap coefficient, profiling.md section 1): per repeat, every rank times
+(a) a loop of fp32 matmuls alone (about `overlap_compute_s`), (b) an all-reduce of the world group
+alone, its buffer calibrated so that b is about a, and (c) both at once (the all-reduce launched
+async_op=True, the loop, then wait); hidden = a + b - c, and the profile's efficiency.overlap is
+the median over repeats of clamp(hidden / min(a, b), 0, 1), each phase the slowest rank's.
 
 Group layouts: for each divisor n >= 2 of nproc, the contiguous groups of n ranks and the strided
 ones (stride nproc / n); a layout whose groups cross a node boundary (devices_per_node) measures
@@ -80,6 +87,8 @@ class ProfilerConfig:
     max_repeats: int
     timeout_s: float
     command: str  # how to reproduce, recorded in the profile's sources
+    overlap_matmul_n: int = 256  # overlap item: the compute loop runs fp32 n x n x n matmuls
+    overlap_compute_s: float = 0.005  # ... and lasts about this long; the all-reduce is matched
 
     @classmethod
     def for_mode(
@@ -117,6 +126,7 @@ class ProfilerConfig:
             max_repeats=9 if quick else 31,
             timeout_s=300.0 if quick else 900.0,
             command=command,
+            overlap_matmul_n=2048 if cuda else 256,
         )
 
     def calls_and_repeats(self, call_s: float) -> tuple[int, int]:
@@ -140,10 +150,11 @@ class ProfilerConfig:
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One thing to time. `op` is a CollectiveKind value, "matmul", "elementwise" or "overhead"."""
+    """One thing to time. `op` is a CollectiveKind value, "matmul", "elementwise", "overhead" or
+    "overlap" (compute beside an all-reduce of the world group)."""
 
     op: str
-    size: int  # collective: requested bytes; matmul: n; elementwise/overhead: numel
+    size: int  # collective: requested bytes; matmul, overlap: n; elementwise/overhead: numel
     dtype: DType = DType.FP32
     shape: GroupShape | None = None
 
@@ -159,6 +170,7 @@ def plan_items(config: ProfilerConfig) -> tuple[Item, ...]:
     items = [Item("overhead", 1)]
     items += [Item("matmul", n, dtype) for dtype, sizes in config.matmul_sizes for n in sizes]
     items += [Item("elementwise", numel) for numel in config.elementwise_numels]
+    items.append(Item("overlap", config.overlap_matmul_n))
     for shape in config.group_shapes():
         for kind in CollectiveKind:
             if kind is CollectiveKind.SEND_RECV and shape.size != 2:
@@ -189,11 +201,31 @@ class ComputeSample:
 
 
 @dataclass(frozen=True, slots=True)
+class OverlapSample:
+    """An fp32 matmul loop and an all-reduce on all ranks, alone and at once (slowest rank)."""
+
+    matmul_n: int
+    nbytes: int  # the all-reduce buffer, sized so that it takes about as long as the loop
+    compute_s: float  # median over repeats: the loop alone
+    collective_s: float  # the all-reduce alone
+    both_s: float  # the all-reduce launched async_op=True, the loop, then wait
+    ratio: float  # median over repeats of hidden_fraction
+    repeats: int
+
+
+def hidden_fraction(compute_s: float, collective_s: float, both_s: float) -> float:
+    """The share of the shorter task that running both at once hid, clamped to [0, 1]."""
+    hidden_s = compute_s + collective_s - both_s
+    return min(1.0, max(0.0, hidden_s / min(compute_s, collective_s)))
+
+
+@dataclass(frozen=True, slots=True)
 class Measurements:
     config: ProfilerConfig
     collectives: tuple[CollectiveSample, ...]
     compute: tuple[ComputeSample, ...]
     unsupported: tuple[CollectiveKind, ...]
+    overlap: OverlapSample
     device_name: str
     memory_bytes: int  # per device
     memory_how: str  # how memory_bytes was read
@@ -247,9 +279,12 @@ def _aggregate(
     config: ProfilerConfig, items: Sequence[Item], per_rank: list[Any], started: Any, seconds: float
 ) -> Measurements:
     info = per_rank[0]["info"]
-    collectives, compute, unsupported = [], [], set()
+    collectives, compute, unsupported, overlap = [], [], set(), None
     for i, item in enumerate(items):
         rows = [rank["results"][i] for rank in per_rank]
+        if item.op == "overlap":
+            overlap = _overlap_sample(item, rows)
+            continue
         if any(row is None for row in rows):
             unsupported.add(CollectiveKind(item.op))
             continue
@@ -267,11 +302,13 @@ def _aggregate(
             )
         else:
             compute.append(_compute_sample(item, time_s))
+    assert overlap is not None, "plan_items always measures the overlap"
     return Measurements(
         config,
         tuple(collectives),
         tuple(compute),
         tuple(k for k in CollectiveKind if k in unsupported),
+        overlap,
         info["device_name"],
         info["memory_bytes"],
         info["memory_how"],
@@ -292,4 +329,19 @@ def _compute_sample(item: Item, time_s: float) -> ComputeSample:
     numel = item.size
     return ComputeSample(
         item.op, item.dtype, f"numel={numel}", float(numel), 3.0 * numel * elt, time_s
+    )
+
+
+def _overlap_sample(item: Item, rows: list[Any]) -> OverlapSample:
+    """rows: per rank (bytes, [(compute, collective, both) per repeat]); slowest rank per phase."""
+    slowest = [
+        tuple(max(phase) for phase in zip(*ranks, strict=True))
+        for ranks in zip(*(row[1] for row in rows), strict=True)
+    ]
+    compute_s, collective_s, both_s = (
+        statistics.median(phase) for phase in zip(*slowest, strict=True)
+    )
+    ratio = statistics.median(hidden_fraction(*repeat) for repeat in slowest)
+    return OverlapSample(
+        item.size, int(rows[0][0]), compute_s, collective_s, both_s, ratio, len(slowest)
     )

@@ -1,7 +1,8 @@
 """The rank side of the profiler: build each item's call, time it, report progress.
 
 Lives here: `profile_worker` (run by `costmodel.launch.run_workers` in every rank), the calls for
-matmul, elementwise add and each collective (nccl-tests sizes, fp32 buffers), and the timing loop.
+matmul, elementwise add and each collective (nccl-tests sizes, fp32 buffers), the timing loop, and
+the overlap item (a matmul loop and a matched all-reduce, alone and at once: `_time_overlap`).
 Lives elsewhere: what to measure and the aggregation over ranks (`profiler`).
 
 Invariants: every rank creates every process group and runs every item in the same order; the
@@ -15,8 +16,10 @@ from __future__ import annotations
 import os
 import platform
 import re
+import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from costmodel.profile import CollectiveKind, DType
@@ -25,6 +28,9 @@ if TYPE_CHECKING:
     from costmodel.profiler import GroupShape, Item, ProfilerConfig
 
 _COLLECTIVE_DTYPE_BYTES = 4  # fp32 buffers
+_OVERLAP_PROBE_NUMEL = 2**18  # 1 MiB: the first all-reduce timed to size the overlap buffer
+_OVERLAP_MAX_NUMEL = 2**28  # 1 GiB: the cap on very fast links (then b < a; min(a, b) copes)
+_MAX_MATMULS = 10_000  # the cap on the overlap item's compute loop (a very fast device)
 # how backends word a missing op (gloo: "does not support", c10d: "not implemented"); other
 # RuntimeErrors (out of memory, a dead peer) are real failures and propagate
 _UNSUPPORTED = re.compile(r"not support|unsupported|not implemented", re.IGNORECASE)
@@ -45,9 +51,12 @@ def profile_worker(
                 groups[shape] = (pg, ranks)
     results: list[Any] = []
     for i, item in enumerate(items):
-        call, amount = _make_call(item, rank, device, groups)
-        times = _time_call(call, config, device)
-        results.append(None if times is None else (amount, times))
+        if item.op == "overlap":
+            results.append(_time_overlap(item.size, config, device))
+        else:
+            call, amount = _make_call(item, rank, device, groups)
+            times = _time_call(call, config, device)
+            results.append(None if times is None else (amount, times))
         if progress is not None and rank == 0:
             progress.put((i + 1, len(items), item.label))
     return {"info": _device_info(device, torch), "results": results}
@@ -145,8 +154,7 @@ def _time_call(call: Callable[[], Any], config: ProfilerConfig, device: Any) -> 
     import torch
     import torch.distributed as dist
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    ids = [device.index] if device.type == "cuda" else None  # NCCL: barrier on this GPU
+    sync, ids = _sync_and_barrier_ids(device)
     ok = torch.ones(1, device=device)
     try:
         call()
@@ -160,13 +168,8 @@ def _time_call(call: Callable[[], Any], config: ProfilerConfig, device: Any) -> 
     for _ in range(config.warmup - 1):
         call()
     sync()
-    dist.barrier(device_ids=ids)
-    start = time.perf_counter()
-    call()
-    sync()
-    estimate = torch.tensor([time.perf_counter() - start], device=device)
-    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)  # every rank derives the same k and repeats
-    calls, repeats = config.calls_and_repeats(estimate.item())
+    estimate_s = _slowest_rank_s(_seconds(call, device), device)  # same k and repeats everywhere
+    calls, repeats = config.calls_and_repeats(estimate_s)
     times = []
     for _ in range(repeats):
         dist.barrier(device_ids=ids)
@@ -176,3 +179,96 @@ def _time_call(call: Callable[[], Any], config: ProfilerConfig, device: Any) -> 
         sync()
         times.append((time.perf_counter() - start) / calls)
     return times
+
+
+def _sync_and_barrier_ids(device: Any) -> tuple[Callable[[], Any], list[int] | None]:
+    """(wait for the device's queued work, device_ids for dist.barrier: NCCL's GPU or None)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.synchronize, [device.index]
+    return (lambda: None), None
+
+
+def _seconds(call: Callable[[], Any], device: Any) -> float:
+    """Seconds of one call on this rank, started after a barrier, ended when the device is done."""
+    import torch.distributed as dist
+
+    sync, ids = _sync_and_barrier_ids(device)
+    sync()
+    dist.barrier(device_ids=ids)
+    start = time.perf_counter()
+    call()
+    sync()
+    return time.perf_counter() - start
+
+
+def _slowest_rank_s(seconds: float, device: Any) -> float:
+    """The largest of every rank's `seconds` (all-reduce MAX): the same on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _time_overlap(
+    n: int, config: ProfilerConfig, device: Any
+) -> tuple[float, list[tuple[float, float, float]]]:
+    """(all-reduce bytes, per repeat: (matmul loop alone, all-reduce alone, both at once) s)."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = (torch.randn(n, n, device=device) for _ in range(2))
+    c = torch.empty_like(a)
+
+    def matmuls(count: int) -> Callable[[], None]:
+        def loop() -> None:
+            for _ in range(count):
+                torch.matmul(a, b, out=c)
+
+        return loop
+
+    def all_reduce(numel: int) -> Callable[[], Any]:
+        return partial(dist.all_reduce, torch.ones(numel, device=device))
+
+    compute = matmuls(_sized_to(config.overlap_compute_s, matmuls, 1, _MAX_MATMULS, device))
+    target_s = _slowest_rank_median_s(compute, device)  # the loop as it really came out
+    numel = _sized_to(target_s, all_reduce, _OVERLAP_PROBE_NUMEL, _OVERLAP_MAX_NUMEL, device)
+    buffer = torch.ones(numel, device=device)
+    collective = partial(dist.all_reduce, buffer)
+
+    def both() -> None:
+        work = dist.all_reduce(buffer, async_op=True)
+        compute()
+        work.wait()
+
+    _seconds(both, device)  # warm-up of the async path
+    _, repeats = config.calls_and_repeats(3 * target_s)
+    times = []
+    for _ in range(repeats):
+        compute_s, collective_s = _seconds(compute, device), _seconds(collective, device)
+        times.append((compute_s, collective_s, _seconds(both, device)))
+    return float(numel * _COLLECTIVE_DTYPE_BYTES), times
+
+
+def _sized_to(
+    target_s: float, make: Callable[[int], Callable[[], Any]], size: int, cap: int, device: Any
+) -> int:
+    """The size (>= 1, <= cap) whose `make(size)` takes about `target_s` on the slowest rank.
+
+    Three tries, each rescaling linearly from the last: the first may be latency-bound (a small
+    probe), and on a shared CPU the time per matmul grows with the loop's length (measured: 0.5 ms
+    at 5 matmuls of 256^3, 0.9 ms at 20). Every rank gets the same size (timings all-reduced MAX).
+    """
+    for _ in range(3):
+        took_s = _slowest_rank_median_s(make(size), device)
+        size = int(min(cap, max(1, round(size * target_s / took_s))))
+    return size
+
+
+def _slowest_rank_median_s(call: Callable[[], Any], device: Any, tries: int = 3) -> float:
+    """After one warm-up call, the slowest rank's median seconds over `tries` calls."""
+    call()
+    return _slowest_rank_s(statistics.median(_seconds(call, device) for _ in range(tries)), device)

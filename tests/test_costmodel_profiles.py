@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from costmodel import ProfileError, SourceKind, load_profile, save_profile, shipped_profiles
+from costmodel import (
+    Cluster,
+    ProfileError,
+    Quantity,
+    Source,
+    SourceKind,
+    load_profile,
+    save_profile,
+    shipped_profiles,
+)
 from costmodel.profile_io import profile_schema
 from costmodel.units import UNITS, Dimension
 
@@ -48,6 +58,7 @@ def test_schema_units_match_the_unit_tables() -> None:
         "bandwidth": Dimension.BANDWIDTH,
         "flop_rate": Dimension.FLOP_RATE,
         "ratio": Dimension.RATIO,
+        "fraction": Dimension.RATIO,
         "devices": Dimension.DEVICES,
         "nodes": Dimension.NODES,
     }
@@ -145,6 +156,24 @@ BAD_DICTS = [
         ["1.5 is out of range", "<= 1"],
     ),
     (
+        "overlap-above-one",
+        _with("efficiency.overlap.value", 1.2),
+        "$.efficiency.overlap.value",
+        ["1.2 is out of range", "<= 1", "0 = none, 1 = all", "write a number in [0, 1]"],
+    ),
+    (
+        "overlap-negative",
+        _with("efficiency.overlap.value", -0.1),
+        "$.efficiency.overlap.value",
+        ["-0.1 is out of range", ">= 0", "write a number in [0, 1]"],
+    ),
+    (
+        "overlap-in-percent",
+        _with("efficiency.overlap.unit", "%"),
+        "$.efficiency.overlap.unit",
+        ["'%' is not allowed", "ratio"],
+    ),
+    (
         "spec-without-ref",
         _with("sources.a100-datasheet", {"kind": "spec"}),
         "$.sources['a100-datasheet']",
@@ -193,3 +222,66 @@ def test_unreadable_json_is_explained(text: str | None, words: list[str], tmp_pa
     assert str(path) in str(info.value)
     for word in words:
         assert word in str(info.value)
+
+
+# (shipped profile, overlap it states or None = measured, any value in [0, 1]; its source kind)
+SHIPPED_OVERLAP = [
+    ("dgx-a100", 0.8, SourceKind.ASSUMPTION),
+    ("dgx-h100", 0.8, SourceKind.ASSUMPTION),
+    ("dgx1-v100", 0.8, SourceKind.ASSUMPTION),
+    ("cpu-gloo", None, SourceKind.MEASURED),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "kind"), [pytest.param(*row, id=row[0]) for row in SHIPPED_OVERLAP]
+)
+def test_shipped_profiles_state_the_overlap(
+    name: str, value: float | None, kind: SourceKind
+) -> None:
+    profile = load_profile(name)
+    overlap = profile.efficiency.overlap
+    assert overlap is not None and overlap.unit == "ratio"
+    assert overlap.source.kind is kind
+    assert overlap.source in list(profile.sources())
+    assert 0.0 <= Cluster(profile).overlap_efficiency <= 1.0
+    if value is not None:
+        assert Cluster(profile).overlap_efficiency == value
+    if kind is SourceKind.ASSUMPTION:
+        assert "Galvatron" in overlap.source.why and "1.1-1.3" in overlap.source.why
+
+
+@pytest.mark.parametrize(
+    "value", [pytest.param(v, id=f"overlap={v}") for v in (0.0, 0.35, 1.0, None)]
+)
+def test_overlap_round_trips(value: float | None, tmp_path: Path) -> None:
+    profile = load_profile("dgx-a100")
+    source = Source.measured("2026-01-01T00:00:00+00:00", "autosbp profile --out x.json")
+    overlap = None if value is None else Quantity(value, "ratio", source)
+    profile = replace(profile, efficiency=replace(profile.efficiency, overlap=overlap))
+    path = save_profile(profile, tmp_path / "p.json")
+    assert load_profile(path) == profile
+    written = json.loads(path.read_text())["efficiency"]
+    assert ("overlap" in written) is (value is not None)
+    assert Cluster(profile).overlap_efficiency == (0.0 if value is None else value)
+
+
+def test_out_of_range_overlap_is_refused_when_saved(tmp_path: Path) -> None:
+    profile = load_profile("dgx-a100")
+    source = Source.assumption("a typo")
+    bad = replace(profile.efficiency, overlap=Quantity(80, "ratio", source))
+    with pytest.raises(ProfileError, match=r"being saved.*efficiency\.overlap\.value.*\[0, 1\]"):
+        save_profile(replace(profile, efficiency=bad), tmp_path / "bad.json")
+
+
+def test_profile_without_overlap_loads_and_hides_nothing(tmp_path: Path) -> None:
+    old = _a100()
+    del old["efficiency"]["overlap"]
+    del old["sources"]["compute-comm-overlap"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    profile = load_profile(path)
+    assert profile.efficiency.overlap is None
+    assert Cluster(profile).overlap_efficiency == 0.0
+    again = json.loads(save_profile(profile, tmp_path / "again.json").read_text())
+    assert "overlap" not in again["efficiency"]

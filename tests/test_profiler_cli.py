@@ -27,6 +27,29 @@ def test_quick_profile_loads_and_prices_every_collective(tmp_path: Path) -> None
             large = cluster.collective_time_s(kind, 16 * 2**20, 2, link)
             assert 0 < small <= large < 10.0, (link, kind)
     assert cluster.op_time_s(2 * 512**3, 3 * 512 * 512 * 4, "fp32") > 0
+    overlap = profile.efficiency.overlap
+    assert overlap is not None and overlap.source.kind is SourceKind.MEASURED
+    assert "async_op=True" in overlap.source.note
+    assert 0.0 <= cluster.overlap_efficiency <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("compute_s", "collective_s", "both_s", "hidden"),
+    [
+        pytest.param(1.0, 1.0, 2.0, 0.0, id="serial"),
+        pytest.param(1.0, 1.0, 1.0, 1.0, id="fully-hidden"),
+        pytest.param(1.0, 1.0, 1.2, 0.8, id="galvatron-coefficient-1.2"),
+        pytest.param(2.0, 1.0, 2.5, 0.5, id="half-of-the-shorter"),
+        pytest.param(1.0, 1.0, 2.6, 0.0, id="slower-than-serial-clamped"),
+        pytest.param(1.0, 1.0, 0.8, 1.0, id="faster-than-either-clamped"),
+    ],
+)
+def test_hidden_fraction(
+    compute_s: float, collective_s: float, both_s: float, hidden: float
+) -> None:
+    from costmodel.profiler import hidden_fraction
+
+    assert hidden_fraction(compute_s, collective_s, both_s) == pytest.approx(hidden)
 
 
 @pytest.mark.parametrize(

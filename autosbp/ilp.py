@@ -25,9 +25,9 @@ With x integral the marginals force y integral (row i of e holds x[u, i], column
 so only x needs integrality, and the LP relaxation is often integral already (autoparallel
 PR #484). A forbidden pair (i, j) has no y variable, which forbids choosing i and j together.
 
-Lives here: `Problem` (plain numbers: costs in seconds, memory in bytes), `solve` and
+Lives here: `Problem` (plain numbers: costs in seconds, memory in bytes), `solve`,
 `solve_below` (which gives up as soon as a bound shows nothing beats a cutoff: a search skips
-hopeless problems), the LP relaxation (HiGHS through scipy, built with numpy) and the MIP
+hopeless problems) and `lower_bound` (a search orders problems by it), the LP relaxation (HiGHS through scipy, built with numpy) and the MIP
 (OR-Tools; CBC by default, fastest here; HiGHS through pywraplp ignores the gap setting and
 prints a banner), `brute_force` (the oracle for tests). Lives elsewhere: turning a graph, a mesh and a cost model
 into a Problem (`planner`), reducing graphs before solving (`reduce`).
@@ -138,6 +138,15 @@ def solve(
     return found
 
 
+def lower_bound(problem: Problem, *, time_limit_s: float = 60.0) -> float:
+    """A bound no solution of `problem` beats: its LP relaxation's optimum (-inf if the LP
+    runs out of time). NoFitError if nothing fits (each node at its smallest bytes, or an
+    infeasible LP)."""
+    _check_memory_floor(problem)
+    relaxed = _relaxation(problem, time_limit_s)
+    return relaxed[1] if relaxed is not None else -math.inf
+
+
 def solve_below(
     problem: Problem,
     cutoff: float,
@@ -149,10 +158,7 @@ def solve_below(
     """`solve`, or None as soon as a lower bound (an LP relaxation's) shows that no solution
     beats `cutoff`: a search over many problems skips the MIP of those that cannot win."""
     start = time.perf_counter()
-    for mem in problem.memory:
-        least = sum(float(np.min(b)) for b in mem.bytes_per_candidate.values() if len(b))
-        if least + mem.constant_bytes > mem.limit_bytes:  # each node at its smallest: too big
-            raise NoFitError(f"no strategy assignment fits {mem.name} (each node's least bytes).")
+    _check_memory_floor(problem)
     if problem.max_terms:
         by_parts = _solve_by_parts(problem, cutoff, solver, time_limit_s, rel_gap)
         if by_parts is not _UNDECIDED:
@@ -184,6 +190,13 @@ def solve_below(
     return Solution(
         choice, value, "optimal" if optimal else "feasible", gap, time.perf_counter() - start
     )
+
+
+def _check_memory_floor(problem: Problem) -> None:
+    for mem in problem.memory:
+        least = sum(float(np.min(b)) for b in mem.bytes_per_candidate.values() if len(b))
+        if least + mem.constant_bytes > mem.limit_bytes:  # each node at its smallest: too big
+            raise NoFitError(f"no strategy assignment fits {mem.name} (each node's least bytes).")
 
 
 PART_ROUNDS = 3  # choices of parts tried before the full formulation (measured: 1 usually does)
@@ -251,12 +264,14 @@ Values = dict[Key, list[float]]
 def _relaxation(problem: Problem, time_limit_s: float) -> tuple[Values, float] | None:
     """The LP relaxation (x in [0, 1]) solved by HiGHS through scipy: x's values and the
     optimum, a lower bound of the ILP; None if HiGHS stops without one (out of time). The
-    matrices are built with numpy, a fraction of the time pywraplp takes for the same rows."""
+    matrices are built with numpy, a fraction of the time pywraplp takes for the same rows.
+    Presolve is off: on the 22 LPs of a 96-layer GPT-3 search it took 3x the time of solving
+    without it (7.3 s vs 2.3 s), for the same optima (measured, scipy 1.17)."""
     lp = _LinearProgram(problem)
     result = linprog(
         lp.cost, A_ub=lp.upper_rows(), b_ub=lp.upper_bounds, A_eq=lp.equal_rows(),
         b_eq=lp.equal_bounds, bounds=np.stack([np.zeros(lp.size), lp.upper], axis=1),
-        method="highs", options={"time_limit": time_limit_s},
+        method="highs", options={"time_limit": time_limit_s, "presolve": False},
     )  # fmt: skip
     if result.status == 2:
         raise NoFitError("no strategy assignment satisfies the constraints (infeasible LP).")

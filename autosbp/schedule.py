@@ -38,16 +38,19 @@ from autosbp.errors import SbpError
 GRAD_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MB), torch docs
 
 
-def hidden_sync_s(sync_s: float, backward_s: float, buckets: int) -> float:
+def hidden_sync_s(sync_s: float, backward_s: float, buckets: int, overlap: float) -> float:
     """The part of a stage's gradient sync (`sync_s`, in `buckets` buckets) that its last
-    micro-batch's backward (`backward_s`) hides: (1 - 1/buckets) x min(sync_s, backward_s).
+    micro-batch's backward (`backward_s`) hides: overlap x (1 - 1/buckets) x min(sync_s,
+    backward_s), where `overlap` (the profile's, in [0, 1]) is the fraction of communication
+    time that running beside compute hides on this hardware.
 
     With k equal buckets ready at even intervals of backward, the first starts after 1/k of it
-    and the last only when it ends, so the exposed sync is max(sync / k, sync - (1 - 1/k) x
-    backward) = sync - hidden. One bucket hides nothing. Linear in each of its arguments where
-    they do not cross, so the planner's ILP prices it exactly as a max of two linear parts.
+    and the last only when it ends, so with perfect overlap the exposed sync is max(sync / k,
+    sync - (1 - 1/k) x backward) = sync - hidden. One bucket hides nothing. Linear in each
+    argument where sync and backward do not cross, so the planner's ILP prices it exactly as a
+    max of two linear parts.
     """
-    return (1.0 - 1.0 / max(buckets, 1)) * min(sync_s, backward_s)
+    return overlap * (1.0 - 1.0 / max(buckets, 1)) * min(sync_s, backward_s)
 
 
 def sync_buckets(param_bytes: int) -> int:

@@ -94,7 +94,10 @@ REFUSAL_WORLD = 2
 
 class AlphaBetaPrices:
     """Made-up prices for planning in tests (any prices give valid plans): ops at 10 TFLOP/s and
-    1 GB/s with a 1 us floor; collectives and p2p at 10 us + bytes / (100 MB/s)."""
+    1 GB/s with a 1 us floor; collectives and p2p at 10 us + bytes / (100 MB/s); half of the
+    communication beside compute hidden."""
+
+    overlap_efficiency = 0.5
 
     def op_time_s(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
         return max(flops / 1e13, nbytes / 1e9, 1e-6)

@@ -32,12 +32,14 @@ def test_hidden_sync_equals_an_event_simulation_of_the_buckets(seed: int) -> Non
     rng = random.Random(seed)
     for _ in range(50):
         sync_s, backward_s, buckets = rng.uniform(0, 2), rng.uniform(0, 2), rng.randint(1, 40)
-        exposed = sync_s - hidden_sync_s(sync_s, backward_s, buckets)
+        exposed = sync_s - hidden_sync_s(sync_s, backward_s, buckets, overlap=1.0)
         assert exposed == pytest.approx(_simulated_exposed_s(sync_s, backward_s, buckets))
 
 
-def test_one_bucket_hides_nothing() -> None:
-    assert hidden_sync_s(1.0, 5.0, 1) == 0.0
+def test_one_bucket_or_no_overlap_hides_nothing_and_overlap_scales_the_rest() -> None:
+    assert hidden_sync_s(1.0, 5.0, 1, overlap=1.0) == 0.0
+    assert hidden_sync_s(1.0, 5.0, 4, overlap=0.0) == 0.0
+    assert hidden_sync_s(1.0, 5.0, 4, overlap=0.5) == pytest.approx(0.5 * 0.75)
 
 
 @pytest.mark.parametrize("memory_fraction", [None, 0.3])
@@ -65,7 +67,9 @@ def test_overlapped_sync_problem_equals_brute_force_and_the_prediction(
     prediction = predict(mp, got)
     assert prediction.step_time_s == pytest.approx(got.objective, rel=1e-9)
     sync_s = mp.stage_costs.sync[0].value(got.choice)
-    hidden = hidden_sync_s(sync_s, prediction.backward_s[0], 12)
+    overlap = mp.stage_costs.overlap
+    assert overlap > 0  # the spec profile's: else nothing would hide
+    hidden = hidden_sync_s(sync_s, prediction.backward_s[0], 12, overlap)
     assert prediction.sync_hidden_s[0] == pytest.approx(hidden)
     if memory_fraction is None:  # replicated weights: their sync partly hides
         assert 0 < prediction.sync_hidden_s[0] < sync_s

@@ -51,6 +51,10 @@ class ClusterPrices:
     def p2p_time_s(self, nbytes: float, link_class: str) -> float:
         return float(self.cluster.p2p_time_s(nbytes, link_class))
 
+    @property
+    def overlap_efficiency(self) -> float:
+        return float(self.cluster.overlap_efficiency)
+
 
 def auto_parallelize(
     model: torch.nn.Module,

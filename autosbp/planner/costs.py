@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Any, Protocol
 
 import numpy as np
@@ -66,6 +65,11 @@ class Prices(Protocol):
 
     def p2p_time_s(self, nbytes: float, link_class: str) -> float: ...
 
+    @property
+    def overlap_efficiency(self) -> float:
+        """The fraction of communication time that running beside compute hides, in [0, 1]."""
+        ...
+
 
 @dataclass(frozen=True)
 class NodeStrategies:
@@ -85,41 +89,116 @@ class NodeStrategies:
         )
 
 
+# A boxing step reduced to what its price needs: (kind, message bytes, group size, link class).
+StepPrice = tuple[StepKind, int, int, str | None]
+
+
 class BoxingPricer:
-    """Boxing time between two layouts of one tensor on a mesh, cached (many edges repeat)."""
+    """Boxing time between two layouts of one tensor on a mesh, cached: a GPT-3 search asks for
+    ~440k prices and only ~55k differ (profiled; edges repeat tensors between the same layouts).
+
+    Caches, each keyed by all its value depends on besides the pricer's fixed mesh and prices:
+    - layouts interned as small ints (`layout_id`, with each one's dual), so keys hash fast;
+    - per (src, dst, canonical shape, dtype), the chain: one plan per divisibility pattern, its
+      step bytes scaled to each tensor's (exact: they are the tensor's bytes over an integer);
+    - per (src, dst, shape, dtype), the price; per `StepPrice`, a step's;
+    - per (distinct src layouts, distinct dst layouts, shape, dtype), an edge use's forward and
+      backward tables (`tables`), shared by every edge that carries such a tensor.
+    """
 
     def __init__(self, prices: Prices, mesh: Mesh) -> None:
         self.prices = prices
         self.mesh = mesh
-        self._time = lru_cache(maxsize=None)(self._time_uncached)
-        self._chains: dict[tuple, tuple[list[BoxingStep], int] | None] = {}
+        self._ids: dict[NdSbp, int] = {}
+        self._layouts: list[NdSbp] = []  # by id
+        self._duals: list[int | None] = []  # by id: the id of the dual layout, once asked
+        self._chains: dict[tuple, tuple[tuple[StepPrice, ...], int] | None] = {}
+        self._times: dict[tuple[int, int, tuple[int, ...], torch.dtype], float] = {}
+        self._step_times: dict[StepPrice, float] = {}
+        self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:
-        return self._time(src, dst, meta.shape, meta.dtype)
+        return self._pair_time_s(self.layout_id(src), self.layout_id(dst), meta.shape, meta.dtype)
 
-    def _time_uncached(
-        self, src: NdSbp, dst: NdSbp, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> float:
+    def layout_id(self, nd_sbp: NdSbp) -> int:
+        """A small int standing for `nd_sbp` in this pricer's caches."""
+        found = self._ids.get(nd_sbp)
+        if found is None:
+            found = self._ids[nd_sbp] = len(self._layouts)
+            self._layouts.append(nd_sbp)
+            self._duals.append(None)
+        return found
+
+    def tables(
+        self, src_ids: tuple[int, ...], dst_ids: tuple[int, ...], meta: TensorMeta
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Read-only [i, j] boxing times of the tensor `meta` from layout src_ids[i] to
+        dst_ids[j] (forward), and from dual(dst_ids[j]) to dual(src_ids[i]) (its backward)."""
+        key = (src_ids, dst_ids, meta.shape, meta.dtype)
+        found = self._tables.get(key)
+        if found is None:
+            found = self._tables[key] = (
+                self._table(src_ids, dst_ids, meta, backward=False),
+                self._table(src_ids, dst_ids, meta, backward=True),
+            )
+        return found
+
+    def _table(
+        self, src_ids: tuple[int, ...], dst_ids: tuple[int, ...], meta: TensorMeta, backward: bool
+    ) -> np.ndarray:
+        shape, dtype = meta.shape, meta.dtype
+        if backward:
+            pairs = [[(self._dual_id(d), self._dual_id(s)) for d in dst_ids] for s in src_ids]
+        else:
+            pairs = [[(s, d) for d in dst_ids] for s in src_ids]
+        times = [[self._pair_time_s(a, b, shape, dtype) for a, b in row] for row in pairs]
+        table = np.array(times).reshape(len(src_ids), len(dst_ids))
+        table.flags.writeable = False  # shared by every edge use with this key
+        return table
+
+    def _dual_id(self, layout: int) -> int:
+        dual = self._duals[layout]
+        if dual is None:
+            dual = self._duals[layout] = self.layout_id(dual_nd_sbp(self._layouts[layout]))
+        return dual
+
+    def _pair_time_s(self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype) -> float:
+        key = (src, dst, shape, dtype)
+        found = self._times.get(key)
+        if found is None:
+            found = self._times[key] = self._price_pair(src, dst, shape, dtype)
+        return found
+
+    def _price_pair(self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype) -> float:
         if src == dst:
             return 0.0
-        key = (src, dst, canonical_shape(shape, self.mesh), dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        # A chain's bytes scale with the tensor's: plan once per divisibility pattern.
-        if key not in self._chains:
-            try:
-                self._chains[key] = (plan_boxing(src, dst, shape, self.mesh, dtype=dtype), nbytes)
-            except SbpError:  # no chain exists (e.g. out of P(max)): the pair is forbidden
-                self._chains[key] = None
-        planned = self._chains[key]
+        planned = self._chain(src, dst, shape, dtype)
         if planned is None:
             return math.inf
-        chain, planned_bytes = planned
+        steps, planned_bytes = planned
+        nbytes = math.prod(shape) * dtype.itemsize
         return sum(
-            self.step_time_s(
-                replace(step, message_bytes=step.message_bytes * nbytes // planned_bytes)
-            )
-            for step in chain
+            self._step_time_s((kind, message * nbytes // planned_bytes, group, link))
+            for kind, message, group, link in steps
         )
+
+    def _chain(
+        self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[tuple[StepPrice, ...], int] | None:
+        """The chain src -> dst planned for the first tensor of `shape`'s divisibility pattern,
+        and that tensor's bytes; None where no chain exists (e.g. out of P(max)): forbidden."""
+        key = (src, dst, canonical_shape(shape, self.mesh), dtype)
+        if key not in self._chains:
+            try:
+                chain = plan_boxing(
+                    self._layouts[src], self._layouts[dst], shape, self.mesh, dtype=dtype
+                )
+            except SbpError:
+                self._chains[key] = None
+            else:
+                steps = tuple((s.kind, s.message_bytes, s.group_size, s.link_class) for s in chain)
+                self._chains[key] = (steps, math.prod(shape) * dtype.itemsize)
+        return self._chains[key]
 
     def bucketed_time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:
         """Like `time_s`, for a gradient synced inside a fused bucket: each collective's fixed
@@ -135,14 +214,23 @@ class BoxingPricer:
         return total
 
     def step_time_s(self, step: BoxingStep) -> float:
-        if step.kind is StepKind.LOCAL:
-            return 0.0  # a slice or a zero fill: negligible beside the ops around it
-        if step.kind is StepKind.SEND_RECV:
-            return self.prices.p2p_time_s(step.message_bytes, "inter_node")
-        assert step.link_class is not None
-        return self.prices.collective_time_s(
-            step.kind.value, step.message_bytes, step.group_size, step.link_class
-        )
+        return self._step_time_s((step.kind, step.message_bytes, step.group_size, step.link_class))
+
+    def _step_time_s(self, step: StepPrice) -> float:
+        found = self._step_times.get(step)
+        if found is None:
+            kind, message_bytes, group_size, link_class = step
+            if kind is StepKind.LOCAL:
+                found = 0.0  # a slice or a zero fill: negligible beside the ops around it
+            elif kind is StepKind.SEND_RECV:
+                found = self.prices.p2p_time_s(message_bytes, "inter_node")
+            else:
+                assert link_class is not None
+                found = self.prices.collective_time_s(
+                    kind.value, message_bytes, group_size, link_class
+                )
+            self._step_times[step] = found
+        return found
 
 
 def node_strategies(graph: OpGraph, name: str, pricer: BoxingPricer) -> NodeStrategies:
@@ -224,23 +312,14 @@ def edge_matrix(
     index, consumer input index); `metas[k]` describes the tensor of use k."""
     matrix = np.zeros((len(producer.candidates), len(consumer.candidates)))
     for (out_idx, in_idx), meta in zip(uses, metas, strict=True):
-        # Candidates share layouts: price each distinct (output, input) pair once.
+        # Candidates share layouts: price each distinct (output, input) pair once (the pricer
+        # keeps the tables for every edge that carries such a tensor between such layouts).
         srcs, src_of = _distinct(sig.outputs[out_idx] for sig in producer.candidates)
         dsts, dst_of = _distinct(sig.inputs[in_idx] for sig in consumer.candidates)
-        table = np.array(
-            [
-                [
-                    pricer.time_s(src, dst, meta)
-                    + (
-                        0.0
-                        if forward_only
-                        else pricer.time_s(dual_nd_sbp(dst), dual_nd_sbp(src), meta)
-                    )
-                    for dst in dsts
-                ]
-                for src in srcs
-            ]
-        ).reshape(len(srcs), len(dsts))
+        forward, backward = pricer.tables(
+            tuple(map(pricer.layout_id, srcs)), tuple(map(pricer.layout_id, dsts)), meta
+        )
+        table = forward if forward_only else forward + backward
         matrix += table[np.ix_(src_of, dst_of)]
     return matrix
 

@@ -28,7 +28,15 @@ import torch
 
 from autosbp.errors import NoFitError, PlanError
 from autosbp.graph import OpGraph, Role
-from autosbp.ilp import Costs, MaxTerm, MemoryConstraint, Problem, Solution, solve_below
+from autosbp.ilp import (
+    Costs,
+    MaxTerm,
+    MemoryConstraint,
+    Problem,
+    Solution,
+    lower_bound,
+    solve_below,
+)
 from autosbp.plan import format_bytes
 from autosbp.planner.costs import (
     BACKWARD_FACTOR,
@@ -70,6 +78,7 @@ class StageCosts:
     update: tuple[Costs, ...]
     sync: tuple[Costs, ...]  # the gradient-sync part of `update`
     sync_buckets: tuple[int, ...]  # `schedule.sync_buckets` of each stage's parameters
+    overlap: float  # the profile's fraction of communication that compute hides
     memory: tuple[MemoryConstraint, ...]
 
 
@@ -213,35 +222,39 @@ def build_problem(
             kept_bytes[rep[name]] = _bytes(attrs, strategies[name], mesh, optimizer)
         return kept_bytes[rep[name]]
 
+    # Tied nodes and edges are twins: price each group once, times its count (the loops over
+    # the graph only count, so a 96-layer model builds about as fast as a 12-layer one).
+    node_groups: Counter[tuple[str, int, bool]] = Counter()
     for name, attrs in graph.nodes():
-        r, s = rep[name], stage_of[name]
-        found = strategies[name]
+        kept = recompute == "full" and attrs["role"] is Role.COMPUTE
+        node_groups[(rep[name], stage_of[name], kept and read_outside_block(graph, name))] += 1
+    for (r, s, read_outside), n in node_groups.items():
+        attrs, found = graph.graph.nodes[r], strategies[r]
         k = in_flight(s, split.num_stages)
         if attrs["role"] is Role.PARAMETER:
-            update[s].node(r, found.compute_s)
-            assert found.sync_s is not None, f"{name}: a parameter priced without its sync"
-            sync[s].node(r, found.sync_s)
-            param_bytes[s] += attrs["outputs"][0].nbytes
+            update[s].node(r, n * found.compute_s)
+            assert found.sync_s is not None, f"{r}: a parameter priced without its sync"
+            sync[s].node(r, n * found.sync_s)
+            param_bytes[s] += n * attrs["outputs"][0].nbytes
         elif attrs["role"] is Role.COMPUTE:
             fwd = found.compute_s / (1.0 + BACKWARD_FACTOR)
             again = recomputed(attrs, recompute)
-            busy[s].node(r, found.compute_s + (fwd if again else 0.0))
-            forward[s].node(r, fwd)
-        saved = saved_bytes(name, attrs)
+            busy[s].node(r, n * (found.compute_s + (fwd if again else 0.0)))
+            forward[s].node(r, n * fwd)
+        saved = saved_bytes(r, attrs)
         if attrs["role"] is Role.COMPUTE and recomputed(attrs, recompute):
-            kept = k if recompute == "full" and read_outside_block(graph, name) else 0
-            memory[s].node(r, saved * kept)
+            memory[s].node(r, n * saved * (k if read_outside else 0))
             memory[s].transient(r, saved)  # one block rematerialized at a time
         else:
-            memory[s].node(r, saved * (1 if attrs["role"] is not Role.COMPUTE else k))
+            memory[s].node(r, n * saved * (1 if attrs["role"] is not Role.COMPUTE else k))
+    edge_groups: Counter[tuple[str, str, int, bool, int]] = Counter()
+    matrices: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # tied edges share their matrices
     sent: set[tuple[str, int, int]] = set()
-    for (u, v), (both, fwd_only) in priced.edges.items():
+    for (u, v), both_and_forward in priced.edges.items():
         su, sv = stage_of[u], stage_of[v]
-        key = (rep[u], rep[v])
-        busy[sv].edge(key, both)
-        forward[sv].edge(key, fwd_only)
-        if recomputed(graph.graph.nodes[v], recompute):
-            busy[sv].edge(key, fwd_only)
+        again = recomputed(graph.graph.nodes[v], recompute)
+        edge_groups[(rep[u], rep[v], sv, again, id(both_and_forward))] += 1
+        matrices[id(both_and_forward)] = both_and_forward
         if su == sv or graph.graph.nodes[u]["role"] is Role.INPUT:
             continue
         for out_idx, _ in graph.graph.edges[u, v]["uses"]:
@@ -252,6 +265,10 @@ def build_problem(
             local = pricer_p2p.local_bytes(strategies[u], out_idx, meta)
             send[sv - 1].node(rep[u], pricer_p2p.time_s(local))
             memory[sv].node(rep[u], local * in_flight(sv, split.num_stages))
+    for (ru, rv, sv, again, at), n in edge_groups.items():
+        both, fwd_only = matrices[at]
+        busy[sv].edge((ru, rv), n * (both + fwd_only) if again else n * both)
+        forward[sv].edge((ru, rv), n * fwd_only)
     keys = list(dict.fromkeys(rep[n] for n in graph.order))
     sizes = {r: len(strategies[r].candidates) for r in keys}
     busy_c = tuple(a.costs(sizes) for a in busy)
@@ -273,10 +290,11 @@ def build_problem(
         }
         edge_costs = _sum_edges(busy_c)
         max_terms = (MaxTerm(m - 1, busy_c),)
-    exposed = _exposed_update(busy_c, forward_c, update_c, sync_c, buckets)
+    overlap = prices.overlap_efficiency
+    exposed = _exposed_update(busy_c, forward_c, update_c, sync_c, buckets, overlap)
     if len(exposed.parts) > 1:
         max_terms += (exposed,)
-    else:  # one stage whose sync is one bucket: nothing hidden, the update adds up
+    else:  # one stage, nothing hidden (one bucket, or no overlap): the update adds up
         for r, c in update_c[0].node_costs.items():
             node_costs[r] = node_costs[r] + c
     constraints = (
@@ -294,6 +312,7 @@ def build_problem(
         update_c,
         sync_c,
         buckets,
+        overlap,
         tuple(
             MemoryConstraint(
                 a.memory_bytes(sizes), memory_limit_bytes or math.inf, name=f"stage {s}"
@@ -313,13 +332,15 @@ def _exposed_update(
     update: Sequence[Costs],
     sync: Sequence[Costs],
     buckets: Sequence[int],
+    overlap: float,
 ) -> MaxTerm:
     """The slowest stage's update less the sync its last backward hides: per stage, update -
-    (1 - 1/k) x min(sync, backward) (`schedule.hidden_sync_s`) is the larger of two linear parts,
-    update - (1 - 1/k) x sync and update - (1 - 1/k) x backward. One bucket hides nothing."""
+    h x min(sync, backward) with h = overlap x (1 - 1/k) (`schedule.hidden_sync_s`) is the
+    larger of two linear parts, update - h x sync and update - h x backward. One bucket, or no
+    overlap, hides nothing."""
     parts: list[Costs] = []
     for b, f, u, y, k in zip(busy, forward, update, sync, buckets, strict=True):
-        share = 1.0 - 1.0 / k
+        share = overlap * (1.0 - 1.0 / k)
         if share == 0:
             parts.append(u)
             continue
@@ -437,6 +458,17 @@ def _restricted(found: NodeStrategies, attrs: dict, allow: Allow | None) -> Node
             if all(isinstance(s, Broadcast) for s in sig.outputs[0])
         ]
     return found.restricted(keep)
+
+
+def lower_bound_of(mesh_problem: MeshProblem, time_limit_s: float) -> float | None:
+    """A step time no choice on this mesh beats (the LP relaxation's), or None if nothing fits
+    (a node without candidates, or memory)."""
+    if any(len(s.candidates) == 0 for s in mesh_problem.strategies.values()):
+        return None
+    try:
+        return lower_bound(mesh_problem.problem, time_limit_s=time_limit_s)
+    except NoFitError:
+        return None
 
 
 def solve_mesh(
@@ -581,7 +613,7 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
     update = tuple(c.value(choice) for c in costs.update)
     bwd = tuple(b - f for b, f in zip(busy, fwd, strict=True))
     hidden = tuple(
-        hidden_sync_s(c.value(choice), b, k)
+        hidden_sync_s(c.value(choice), b, k, costs.overlap)
         for c, b, k in zip(costs.sync, bwd, costs.sync_buckets, strict=True)
     )
     timeline = simulate(
@@ -684,6 +716,7 @@ def search(
             floors = compute_floors(graph, prices, stage_devices)
             copies = copies_per_stage(graph, split)
             best_here, fits_plainly, cut = None, False, False
+            candidates: list[tuple[float, int, MeshProblem]] = []  # (lower bound, order, problem)
             for mesh in meshes:
                 priced: Priced | None = None
                 for mode in space.recompute:
@@ -710,16 +743,22 @@ def search(
                         priced=priced,
                     )  # fmt: skip
                     tried.append(mp)
-                    solution = solve_mesh(mp, time_limit_s, cutoff)
-                    if solution is None:
-                        cut = cut or math.isfinite(cutoff)
-                        continue
-                    fits_plainly |= mode == "none"
-                    found = Found(mp, solution, predict(mp, solution), graph)
-                    if best_here is None or _faster(found, best_here):
-                        best_here = found
-                    if best is None or _faster(found, best):
-                        best = found
+                    bound = lower_bound_of(mp, time_limit_s)
+                    if bound is not None:
+                        candidates.append((bound, len(candidates), mp))
+            # Most promising first (least LP bound): its plan then cuts the others unsolved.
+            for bound, _, mp in sorted(candidates, key=lambda c: c[:2]):
+                cutoff = best.prediction.step_time_s if best is not None else math.inf
+                solution = solve_mesh(mp, time_limit_s, cutoff) if bound < cutoff else None
+                if solution is None:
+                    cut = cut or math.isfinite(cutoff)
+                    continue
+                fits_plainly |= mp.recompute == "none"
+                found = Found(mp, solution, predict(mp, solution), graph)
+                if best_here is None or _faster(found, best_here):
+                    best_here = found
+                if best is None or _faster(found, best):
+                    best = found
             if num_stages == 1 and (fits_plainly or (cut and best_here is None)):
                 break  # more micro-batches only add per-micro-batch overheads
             if best_here is None and not cut:

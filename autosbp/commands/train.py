@@ -9,6 +9,7 @@ planning (`planner`).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,14 @@ def _train_and_report(
     from autosbp.timeline import draw_timelines, predicted_events, write_chrome_trace
     from runtime.train import TrainSpec, train
 
+    cores = os.cpu_count() or 1
+    if plan.device_count > cores:
+        console.print(
+            f"note: {plan.device_count} processes share {cores} CPU cores, so each rank runs on "
+            f"about {cores / plan.device_count:.2g} of a core; the plan's profile prices a device "
+            "with a core of its own, so expect steps slower than predicted (the plan's choices "
+            "stay valid)."
+        )
     recording = trace is not None or timeline is not None
     spec = TrainSpec(model, model_args, plan.to_json(), steps, lr=lr, check=check, trace=recording)
     with console.status(f"training {steps} steps on {plan.device_count} processes"):

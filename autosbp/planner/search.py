@@ -291,7 +291,7 @@ def build_problem(
         edge_costs = _sum_edges(busy_c)
         max_terms = (MaxTerm(m - 1, busy_c),)
     overlap = prices.overlap_efficiency
-    exposed = _exposed_update(busy_c, forward_c, update_c, sync_c, buckets, overlap)
+    exposed = _exposed_update(busy_c, forward_c, send_c, update_c, sync_c, buckets, overlap)
     if len(exposed.parts) > 1:
         max_terms += (exposed,)
     else:  # one stage, nothing hidden (one bucket, or no overlap): the update adds up
@@ -329,23 +329,28 @@ def build_problem(
 def _exposed_update(
     busy: Sequence[Costs],
     forward: Sequence[Costs],
+    send: Sequence[Costs],
     update: Sequence[Costs],
     sync: Sequence[Costs],
     buckets: Sequence[int],
     overlap: float,
 ) -> MaxTerm:
-    """The slowest stage's update less the sync its last backward hides: per stage, update -
-    h x min(sync, backward) with h = overlap x (1 - 1/k) (`schedule.hidden_sync_s`) is the
-    larger of two linear parts, update - h x sync and update - h x backward. One bucket, or no
-    overlap, hides nothing."""
+    """How long after stage 0's last backward the step ends: the largest, over stages s, of
+    s's update less the sync its last backward hides, less how much earlier than stage 0's that
+    backward ended (1F1B drains backward: the gradient goes to s - 1, which runs its backward,
+    and so on down to stage 0: the backward and send of every stage before s).
+
+    Per stage, update - h x min(sync, backward) with h = overlap x (1 - 1/k)
+    (`schedule.hidden_sync_s`) is the larger of two linear parts, update - h x sync and update
+    - h x backward. One bucket, or no overlap, hides nothing."""
     parts: list[Costs] = []
-    for b, f, u, y, k in zip(busy, forward, update, sync, buckets, strict=True):
+    drained: list[tuple[float, Costs]] = []  # the backward and send of the stages before s
+    for b, f, y, u, k, t in zip(busy, forward, sync, update, buckets, send, strict=True):
         share = overlap * (1.0 - 1.0 / k)
-        if share == 0:
-            parts.append(u)
-            continue
-        parts.append(_combine((1.0, u), (-share, y)))
-        parts.append(_combine((1.0, u), (-share, b), (share, f)))
+        parts.append(_combine((1.0, u), (-share, y), *drained))
+        if share > 0:
+            parts.append(_combine((1.0, u), (-share, b), (share, f), *drained))
+        drained += [(-1.0, b), (1.0, f), (-1.0, t)]
     return MaxTerm(1.0, tuple(parts))
 
 

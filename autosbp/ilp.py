@@ -27,10 +27,12 @@ PR #484). A forbidden pair (i, j) has no y variable, which forbids choosing i an
 
 Lives here: `Problem` (plain numbers: costs in seconds, memory in bytes), `solve`,
 `solve_below` (which gives up as soon as a bound shows nothing beats a cutoff: a search skips
-hopeless problems) and `lower_bound` (a search orders problems by it), the LP relaxation (HiGHS through scipy, built with numpy) and the MIP
-(OR-Tools; CBC by default, fastest here; HiGHS through pywraplp ignores the gap setting and
-prints a banner), `brute_force` (the oracle for tests). Lives elsewhere: turning a graph, a mesh and a cost model
-into a Problem (`planner`), reducing graphs before solving (`reduce`).
+hopeless problems) and `lower_bound` (a search orders problems by it), the LP relaxation
+(HiGHS through scipy, built with numpy) and the MIP (OR-Tools; CBC by default, fastest here;
+HiGHS through pywraplp ignores the gap setting and prints a banner; HiGHS's own MIP through
+scipy was slower on GPT-3's problems, measured), `brute_force` (the oracle for tests). Lives
+elsewhere: turning a graph, a mesh and a cost model into a Problem (`planner`), reducing graphs
+before solving (`reduce`).
 Reference: design.md 3.5; autoparallel optimize_sharding.py; Alpa auto_sharding.py.
 """
 

@@ -14,6 +14,7 @@ from autosbp.ilp import (
     MemoryConstraint,
     Problem,
     brute_force,
+    lower_bound,
     solve,
     solve_below,
 )
@@ -130,6 +131,21 @@ def test_solve_below_cuts_off_only_what_cannot_win(seed: int, stages: int, above
         assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
     if above > 1:
         assert got is not None  # the optimum beats the cutoff: it must not be cut off
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("stages", [1, 3])
+def test_lower_bound_never_exceeds_the_optimum(seed: int, stages: int) -> None:
+    problem = random_problem(seed, 6, 3, memory=True, forbid=0.2)
+    if stages > 1:
+        problem = with_stages(problem, seed, stages, micro_batches=4)
+    try:
+        expected = brute_force(problem)
+    except PlanError:
+        with pytest.raises(PlanError):
+            lower_bound(problem)
+        return
+    assert lower_bound(problem) <= expected.objective * (1 + 1e-9)
 
 
 def test_memory_limit_changes_the_choice() -> None:

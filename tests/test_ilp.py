@@ -111,14 +111,18 @@ def test_max_terms_equal_brute_force(seed: int, stages: int, micro_batches: int)
     assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
 
 
+def staged_random_problem(seed: int, stages: int) -> Problem:
+    """A random problem with memory and forbidden pairs, cut into `stages` stages when > 1."""
+    problem = random_problem(seed, 6, 3, memory=True, forbid=0.2)
+    return with_stages(problem, seed, stages, micro_batches=4) if stages > 1 else problem
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("above", [0.9, 0.99, 1.01, 1.5])
 def test_solve_below_cuts_off_only_what_cannot_win(seed: int, stages: int, above: float) -> None:
     # None only when no assignment beats the cutoff; otherwise the optimum itself.
-    problem = random_problem(seed, 6, 3, memory=True, forbid=0.2)
-    if stages > 1:
-        problem = with_stages(problem, seed, stages, micro_batches=4)
+    problem = staged_random_problem(seed, stages)
     try:
         expected = brute_force(problem)
     except PlanError:
@@ -136,9 +140,7 @@ def test_solve_below_cuts_off_only_what_cannot_win(seed: int, stages: int, above
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("stages", [1, 3])
 def test_lower_bound_never_exceeds_the_optimum(seed: int, stages: int) -> None:
-    problem = random_problem(seed, 6, 3, memory=True, forbid=0.2)
-    if stages > 1:
-        problem = with_stages(problem, seed, stages, micro_batches=4)
+    problem = staged_random_problem(seed, stages)
     try:
         expected = brute_force(problem)
     except PlanError:

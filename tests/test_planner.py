@@ -16,7 +16,7 @@ from torch import nn
 
 from autosbp.capturing import capture
 from autosbp.errors import PlanError
-from autosbp.ilp import MemoryConstraint, Problem, brute_force, solve
+from autosbp.ilp import MemoryConstraint, Problem, Solution, brute_force, solve
 from autosbp.plan import Plan
 from autosbp.planner.api import ClusterPrices, plan_graph, plan_graphs
 from autosbp.planner.pipeline import split_stages
@@ -63,6 +63,16 @@ def limit_between(memory: Sequence[MemoryConstraint], fraction: float) -> float:
     return max(limits)
 
 
+def solved_like_brute_force(problem: Problem) -> Solution:
+    """`solve(problem)`, checked: optimal, feasible, and as cheap as brute-force enumeration."""
+    expected = brute_force(problem)
+    got = solve(problem)
+    assert got.status == "optimal"
+    assert problem.feasible(got.choice)
+    assert got.objective == pytest.approx(expected.objective, rel=1e-9, abs=1e-12)
+    return got
+
+
 def tiny_problem(mesh: tuple[int, ...], memory_fraction: float | None) -> Problem:
     model = TinyNet()
     graph = capture(model, [torch.randn(8, 8), torch.randn(8, 4)])
@@ -85,11 +95,7 @@ def tiny_problem(mesh: tuple[int, ...], memory_fraction: float | None) -> Proble
 def test_planner_equals_brute_force(mesh: tuple[int, ...], memory_fraction: float | None) -> None:
     problem = tiny_problem(mesh, memory_fraction)
     assert math.prod(len(c) for c in problem.node_costs.values()) <= 2_000_000
-    expected = brute_force(problem)
-    got = solve(problem)
-    assert got.status == "optimal"
-    assert problem.feasible(got.choice)
-    assert got.objective == pytest.approx(expected.objective, rel=1e-9, abs=1e-12)
+    solved_like_brute_force(problem)
 
 
 def test_memory_limit_binds_in_the_brute_force_cases() -> None:
@@ -213,10 +219,7 @@ def test_pipelined_problem_equals_brute_force(memory_fraction: float | None) -> 
     limit = None if memory_fraction is None else limit_between(problem(1.0).memory, memory_fraction)
     exact = problem(limit)
     assert math.prod(len(c) for c in exact.node_costs.values()) <= 2_000_000
-    expected = brute_force(exact)
-    got = solve(exact)
-    assert got.status == "optimal"
-    assert got.objective == pytest.approx(expected.objective, rel=1e-9, abs=1e-12)
+    solved_like_brute_force(exact)
 
 
 @pytest.mark.slow
@@ -376,9 +379,6 @@ def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> No
     limit = None if memory_fraction is None else limit_between(problem(1.0).memory, memory_fraction)
     exact = problem(limit)
     assert math.prod(len(c) for c in exact.node_costs.values()) <= 200_000
-    expected = brute_force(exact)
-    got = solve(exact)
-    assert got.status == "optimal"
-    assert got.objective == pytest.approx(expected.objective, rel=1e-9, abs=1e-12)
+    solved_like_brute_force(exact)
     if memory_fraction is not None:  # the limit binds: the unconstrained optimum breaks it
         assert not exact.feasible(solve(problem(None)).choice)

@@ -11,11 +11,10 @@ import torch
 
 from autosbp import schedule
 from autosbp.capturing import capture
-from autosbp.ilp import brute_force, solve
 from autosbp.planner.search import build_problem, predict
 from autosbp.sbp import Mesh
 from autosbp.schedule import hidden_sync_s
-from tests.test_planner import TinyNet, a100_prices, limit_between
+from tests.test_planner import TinyNet, a100_prices, limit_between, solved_like_brute_force
 
 
 def _simulated_exposed_s(sync_s: float, backward_s: float, buckets: int) -> float:
@@ -60,10 +59,7 @@ def test_overlapped_sync_problem_equals_brute_force_and_the_prediction(
     mp = build(limit)
     assert mp.stage_costs.sync_buckets == (12,)
     assert len(mp.problem.max_terms) == 1
-    expected = brute_force(mp.problem)
-    got = solve(mp.problem)
-    assert got.status == "optimal"
-    assert got.objective == pytest.approx(expected.objective, rel=1e-9, abs=1e-12)
+    got = solved_like_brute_force(mp.problem)
     prediction = predict(mp, got)
     assert prediction.step_time_s == pytest.approx(got.objective, rel=1e-9)
     sync_s = mp.stage_costs.sync[0].value(got.choice)

@@ -479,10 +479,8 @@ def lower_bound_of(mesh_problem: MeshProblem, time_limit_s: float) -> float | No
 def solve_mesh(
     mesh_problem: MeshProblem, time_limit_s: float, cutoff: float = math.inf
 ) -> Solution | None:
-    """The best choice on this mesh, or None if nothing fits (no candidate or memory) or
-    nothing beats `cutoff`."""
-    if any(len(s.candidates) == 0 for s in mesh_problem.strategies.values()):
-        return None
+    """The best choice on this mesh, or None if nothing fits in memory or nothing beats
+    `cutoff`. For a problem `lower_bound_of` bounded (every node has a candidate)."""
     try:
         return solve_below(mesh_problem.problem, cutoff, time_limit_s=time_limit_s, rel_gap=MIP_GAP)
     except NoFitError:

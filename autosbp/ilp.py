@@ -27,8 +27,9 @@ PR #484). A forbidden pair (i, j) has no y variable, which forbids choosing i an
 
 Lives here: `Problem` (plain numbers: costs in seconds, memory in bytes), `solve`,
 `solve_below` (which gives up as soon as a bound shows nothing beats a cutoff: a search skips
-hopeless problems) and `lower_bound` (a search orders problems by it), the LP relaxation
-(HiGHS through scipy, built with numpy) and the MIP (OR-Tools; CBC by default, fastest here;
+hopeless problems) and `lower_bound` (a search orders problems by it), one set of sparse
+matrices built with numpy (`_LinearProgram`) for the LP relaxation (HiGHS through scipy) and the
+MIP (the same matrices with x integral, solved by OR-Tools; CBC by default, fastest here;
 HiGHS through pywraplp ignores the gap setting and prints a banner; HiGHS's own MIP through
 scipy was slower on GPT-3's problems, measured), `brute_force` (the oracle for tests). Lives
 elsewhere: turning a graph, a mesh and a cost model into a Problem (`planner`), reducing graphs
@@ -47,6 +48,7 @@ from typing import Any
 
 import numpy as np
 from ortools.linear_solver import pywraplp
+from ortools.linear_solver.python import model_builder_helper
 from scipy import sparse
 from scipy.optimize import linprog
 
@@ -365,6 +367,17 @@ class _LinearProgram:
             return None
         return _sparse(self._ub, len(self.upper_bounds), self.size)
 
+    def rows(self) -> sparse.csr_matrix:
+        """Every row: the equalities, then the upper bounds (`row_bounds` in the same order)."""
+        upper = self.upper_rows()
+        return sparse.vstack([self.equal_rows(), *([upper] if upper is not None else [])]).tocsr()
+
+    def row_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per row of `rows`, its least and greatest value."""
+        below = self.upper_bounds if self.upper_bounds is not None else np.zeros(0)
+        lower = np.concatenate([self.equal_bounds, np.full(len(below), -np.inf)])
+        return lower, np.concatenate([self.equal_bounds, below])
+
 
 def _sparse(
     entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]], rows: int, columns: int
@@ -377,35 +390,36 @@ def _solve_once(
     problem: Problem, solver: str, *, time_limit_s: float, rel_gap: float
 ) -> tuple[Values, int, float] | int:
     """(x values, status, best bound), or the solver's status when it has no solution
-    (pywraplp.Solver.INFEASIBLE, or NOT_SOLVED when out of time)."""
+    (pywraplp.Solver.INFEASIBLE, or NOT_SOLVED when out of time). The model is the LP's
+    matrices with x integral, handed to OR-Tools whole (building it row by row through
+    pywraplp took 0.3-0.5 s of a 1 s GPT-3 solve, measured)."""
     mip = pywraplp.Solver.CreateSolver(solver)
     if mip is None:
         raise PlanError(f"OR-Tools has no {solver} solver here; use solver='CBC' or 'SCIP'.")
-    x = _add_node_variables(mip, problem)
-    objective = mip.Objective()
-    scale = _objective_scale(problem)
     for v, costs in problem.node_costs.items():
-        for i, cost in enumerate(costs):
-            if math.isfinite(cost):
-                objective.SetCoefficient(x[v][i], float(cost) * scale)
-    y = {
-        (u, v): _add_edge(mip, objective, x[u], x[v], matrix * scale, f"{u}->{v}")
-        for (u, v), matrix in problem.edge_costs.items()
-    }
-    for k, term in enumerate(problem.max_terms):
-        _add_max_term(mip, objective, x, y, term, scale, f"max{k}")
-    for mem in problem.memory:
-        _add_memory(mip, x, mem)
-    objective.SetMinimization()
+        if len(costs) == 0:
+            raise PlanError(f"node {v!r} has no candidate strategy.")
+    lp = _LinearProgram(problem)
+    model = model_builder_helper.ModelBuilderHelper()
+    lower, upper = lp.row_bounds()
+    model.fill_model_from_sparse_data(np.zeros(lp.size), lp.upper, lp.cost, lower, upper, lp.rows())
+    for at, n in lp.x_at.values():
+        for column in range(at, at + n):
+            model.set_var_integrality(column, True)
+    message = mip.LoadModelFromProto(model_builder_helper.to_mpmodel_proto(model))
+    assert not message, f"OR-Tools refused the model: {message}"
     mip.SetTimeLimit(int(time_limit_s * 1000))
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, rel_gap)
     status = mip.Solve(params)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return int(status)
-    values = {v: [var.solution_value() for var in xs] for v, xs in x.items()}
-    bound = objective.BestBound() / scale
-    return values, status, bound
+    columns = mip.variables()
+    values = {
+        v: [columns[k].solution_value() for k in range(at, at + n)]
+        for v, (at, n) in lp.x_at.items()
+    }
+    return values, status, mip.Objective().BestBound() / lp.scale
 
 
 def _objective_scale(problem: Problem) -> float:
@@ -428,99 +442,6 @@ def _integral(values: Values, tol: float = 1e-6) -> bool:
 
 def _choice(values: Values) -> dict[Key, int]:
     return {v: int(np.argmax(xs)) for v, xs in values.items()}
-
-
-def _add_node_variables(
-    mip: pywraplp.Solver, problem: Problem
-) -> dict[Key, list[pywraplp.Variable]]:
-    x: dict[Key, list[pywraplp.Variable]] = {}
-    for v, costs in problem.node_costs.items():
-        if len(costs) == 0:
-            raise PlanError(f"node {v!r} has no candidate strategy.")
-        x[v] = [mip.Var(0.0, 1.0, True, f"x[{v}][{i}]") for i in range(len(costs))]
-        one_hot = mip.Constraint(1.0, 1.0)
-        for var in x[v]:
-            one_hot.SetCoefficient(var, 1.0)
-        for i, cost in enumerate(costs):
-            if not math.isfinite(cost):
-                x[v][i].SetUb(0)
-    return x
-
-
-def _add_edge(
-    mip: pywraplp.Solver,
-    objective: pywraplp.Objective,
-    xu: list[pywraplp.Variable],
-    xv: list[pywraplp.Variable],
-    matrix: np.ndarray,
-    name: str,
-) -> dict[tuple[int, int], pywraplp.Variable]:
-    """The pair variables y[i, j] of the allowed pairs, tied to their endpoints' marginals."""
-    assert matrix.shape == (len(xu), len(xv)), f"edge {name}: matrix {matrix.shape}"
-    rows: list[list[pywraplp.Variable]] = [[] for _ in xu]
-    cols: list[list[pywraplp.Variable]] = [[] for _ in xv]
-    pairs: dict[tuple[int, int], pywraplp.Variable] = {}
-    for i, j in zip(*np.nonzero(np.isfinite(matrix)), strict=True):
-        y = pairs[int(i), int(j)] = mip.NumVar(0.0, 1.0, f"y[{name}][{i},{j}]")
-        objective.SetCoefficient(y, float(matrix[i, j]))
-        rows[i].append(y)
-        cols[j].append(y)
-    for members, ends in ((rows, xu), (cols, xv)):
-        for ys, var in zip(members, ends, strict=True):
-            if ys:
-                _add_sum_equals(mip, ys, var)
-            else:
-                var.SetUb(0)
-    return pairs
-
-
-def _add_sum_equals(
-    mip: pywraplp.Solver, terms: list[pywraplp.Variable], var: pywraplp.Variable
-) -> None:
-    """sum(terms) == var, through the constraint API (the natural `sum(...) == var` builds
-    expression trees, which dominated building large problems)."""
-    row = mip.Constraint(0.0, 0.0)
-    for y in terms:
-        row.SetCoefficient(y, 1.0)
-    row.SetCoefficient(var, -1.0)
-
-
-def _add_max_term(
-    mip: pywraplp.Solver,
-    objective: pywraplp.Objective,
-    x: dict[Key, list[pywraplp.Variable]],
-    y: Mapping[tuple[Key, Key], dict[tuple[int, int], pywraplp.Variable]],
-    term: MaxTerm,
-    scale: float,
-    name: str,
-) -> None:
-    """z >= every part's cost (scaled like the objective); z costs `weight` in the objective."""
-    z = mip.NumVar(0.0, mip.infinity(), name)
-    objective.SetCoefficient(z, term.weight)
-    for part in term.parts:
-        row = mip.Constraint(0.0, mip.infinity())  # z - part >= 0
-        row.SetCoefficient(z, 1.0)
-        for v, costs in part.node_costs.items():
-            for i, c in enumerate(costs):
-                if c and math.isfinite(c):
-                    row.SetCoefficient(x[v][i], -float(c) * scale)
-        for edge, matrix in part.edge_costs.items():
-            assert edge in y, f"max term edge {edge} is not an edge of the problem"
-            for (i, j), var in y[edge].items():
-                if matrix[i, j]:
-                    row.SetCoefficient(var, -float(matrix[i, j]) * scale)
-
-
-def _add_memory(
-    mip: pywraplp.Solver, x: dict[Key, list[pywraplp.Variable]], mem: MemoryConstraint
-) -> None:
-    # Scale by the limit so the solver's tolerances see numbers near 1.
-    scale = 1.0 / max(abs(mem.limit_bytes), 1.0)
-    row = mip.Constraint(-mip.infinity(), (mem.limit_bytes - mem.constant_bytes) * scale)
-    for v, per in mem.bytes_per_candidate.items():
-        for i, b in enumerate(per):
-            if b:
-                row.SetCoefficient(x[v][i], float(b) * scale)
 
 
 def brute_force(problem: Problem) -> Solution:

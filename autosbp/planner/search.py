@@ -247,10 +247,18 @@ def build_problem(
             memory[s].transient(r, saved)  # one block rematerialized at a time
         else:
             memory[s].node(r, n * saved * (1 if attrs["role"] is not Role.COMPUTE else k))
+    keys = list(dict.fromkeys(rep[n] for n in graph.order))
+    sizes = {r: len(strategies[r].candidates) for r in keys}
+    # Where the nodes alone overflow a stage (each at its fewest bytes), no choice fits: the
+    # edges are not priced (most configurations of a deep model end here; `lower_bound_of`
+    # then says nothing fits, and the no-fit message reads the node bytes).
+    overflows = memory_limit_bytes is not None and any(
+        _least_bytes(a, sizes) > memory_limit_bytes for a in memory
+    )
     edge_groups: Counter[tuple[str, str, int, bool, int]] = Counter()
     matrices: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # tied edges share their matrices
     sent: set[tuple[str, int, int]] = set()
-    for (u, v), both_and_forward in priced.edges.items():
+    for (u, v), both_and_forward in priced.edges.items() if not overflows else ():
         su, sv = stage_of[u], stage_of[v]
         again = recomputed(graph.graph.nodes[v], recompute)
         edge_groups[(rep[u], rep[v], sv, again, id(both_and_forward))] += 1
@@ -269,8 +277,6 @@ def build_problem(
         both, fwd_only = matrices[at]
         busy[sv].edge((ru, rv), n * (both + fwd_only) if again else n * both)
         forward[sv].edge((ru, rv), n * fwd_only)
-    keys = list(dict.fromkeys(rep[n] for n in graph.order))
-    sizes = {r: len(strategies[r].candidates) for r in keys}
     busy_c = tuple(a.costs(sizes) for a in busy)
     forward_c = tuple(a.costs(sizes) for a in forward)
     update_c = tuple(a.costs(sizes) for a in update)
@@ -324,6 +330,10 @@ def build_problem(
     return MeshProblem(
         mesh, strategies, problem, rep, split, stage_costs, micro_batches, recompute, graph
     )
+
+
+def _least_bytes(memory: _Acc, sizes: dict[str, int]) -> float:
+    return sum(float(np.min(b)) for b in memory.memory_bytes(sizes).values() if len(b))
 
 
 def _exposed_update(

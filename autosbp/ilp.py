@@ -402,7 +402,8 @@ def _solve_once(
     lp = _LinearProgram(problem)
     model = model_builder_helper.ModelBuilderHelper()
     lower, upper = lp.row_bounds()
-    model.fill_model_from_sparse_data(np.zeros(lp.size), lp.upper, lp.cost, lower, upper, lp.rows())
+    arrays = (np.zeros(lp.size), lp.upper, lp.cost, lower, upper)
+    model.fill_model_from_sparse_data(*arrays, lp.rows())  # type: ignore[arg-type]  # a wrong stub
     for at, n in lp.x_at.values():
         for column in range(at, at + n):
             model.set_var_integrality(column, True)

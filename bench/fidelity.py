@@ -185,18 +185,18 @@ class Row:
 
 
 # ------------------------------------------------------------------------------ predict
-def plan_case(case: Case) -> tuple[Plan, Prediction]:
+def plan_case(case: Case, profile: str) -> tuple[Plan, Prediction]:
     model, inputs = build_model(case.zoo_name, device="meta", **case.model_args)
     graph = capture_micro_batch(model, list(inputs), case.micro_batches, name=case.zoo_name)
     plan = plan_graph(
-        graph, profile=PROFILE, devices=case.devices, memory_limit=None, global_batch=None,
+        graph, profile=profile, devices=case.devices, memory_limit=None, global_batch=None,
         optimizer="adam", dtype="fp32", strategy=case.strategy, time_limit_s=PLANNER_TIME_LIMIT_S,
         micro_batches=case.micro_batches, recompute=case.recompute,
     )  # fmt: skip
-    return plan, predict_phases(graph, plan)
+    return plan, predict_phases(graph, plan, profile)
 
 
-def predict_phases(graph: OpGraph, plan: Plan) -> Prediction:
+def predict_phases(graph: OpGraph, plan: Plan, profile: str) -> Prediction:
     """Stage 0's predicted step cut into the phases rank 0 runs one after the other."""
     stages = plan.stages
     timeline = simulate(
@@ -204,7 +204,7 @@ def predict_phases(graph: OpGraph, plan: Plan) -> Prediction:
         lambda s: stages[s].backward_s, lambda s: stages[s].send_s,
     )  # fmt: skip
     fwd_bwd_s = max(f.end_s for f in timeline.firings if f.stage == 0)
-    sync_s = predicted_sync_s(graph, plan, stage=0)
+    sync_s = predicted_sync_s(graph, plan, profile, stage=0)
     phase_s = {
         "fwd_bwd": fwd_bwd_s,
         "sync": sync_s - stages[0].sync_hidden_s,  # what the last backward does not hide
@@ -213,9 +213,9 @@ def predict_phases(graph: OpGraph, plan: Plan) -> Prediction:
     return Prediction(plan.predicted.step_time_s, phase_s, plan.predicted.peak_memory_bytes)
 
 
-def predicted_sync_s(graph: OpGraph, plan: Plan, stage: int) -> float:
+def predicted_sync_s(graph: OpGraph, plan: Plan, profile: str, stage: int) -> float:
     """Sum over the stage's parameters of the planner's bucketed gradient-sync price."""
-    hw = load_profile(plan.profile)
+    hw = load_profile(profile)
     per_node = int(hw.topology.devices_per_node.value)
     cluster = Cluster(hw, nodes=math.ceil(plan.device_count / per_node))
     mesh = Mesh(plan.mesh_shape, plan.mesh_dims, plan.stages[stage].devices, plan.link_classes)
@@ -371,9 +371,9 @@ def _spread(row: Row) -> float:
     return (max(rounds) - min(rounds)) / row.measured.median_s
 
 
-def step_table(rows: list[Row], command: str) -> Table:
+def step_table(rows: list[Row], command: str, profile: str) -> Table:
     table = Table(
-        title=f"predicted vs measured step time ({PROFILE})", caption=f"regenerate: {command}"
+        title=f"predicted vs measured step time ({profile})", caption=f"regenerate: {command}"
     )
     for column in ("model", "dev", "strategy", "recompute", "mesh x stages", "predicted ms",
                    "measured ms", "measured/pred", "rel error", "round spread", "load 1m"):  # fmt: skip
@@ -457,17 +457,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--rounds", type=int, default=2, help="runs of every case")
     parser.add_argument("--quick", action="store_true", help="two small plans (a smoke test)")
+    parser.add_argument(
+        "--profile", default=PROFILE, help=f"profile NAME|PATH to predict with (default {PROFILE})"
+    )
     args = parser.parse_args(argv)
     console = Console(width=max(Console().width, 200))
     began, load_before = time.perf_counter(), os.getloadavg()
     planned = []
     for size, devices, strategy, recompute in QUICK_CASES if args.quick else CASES:
         case = Case(size, devices, strategy, recompute)
-        planned.append((case, *plan_case(case)))
+        planned.append((case, *plan_case(case, args.profile)))
     measured = measure([(c, p) for c, p, _ in planned], args.steps, args.warmup, args.rounds)
     rows = [Row(case, plan, predicted, measured[case]) for case, plan, predicted in planned]
     command = "python bench/fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    console.print(step_table(rows, command.strip()))
+    console.print(step_table(rows, command.strip(), args.profile))
     console.print(phase_table(rows))
     for line in summary_lines(rows):
         console.print(line)

@@ -84,6 +84,12 @@ def _run_profile(args: argparse.Namespace, console: Console) -> int:
         f"{o.collective_s * 1e3:.2f} ms, both at once {o.both_s * 1e3:.2f} ms: "
         f"{o.ratio:.2f} of the shorter hidden"
     )
+    memory_overlap = profile.efficiency.memory_overlap
+    if memory_overlap is not None:
+        console.print(
+            f"memory overlap: {memory_overlap.value:.2f} of the shorter of a streamed matmul's "
+            "compute and memory time hidden by the other"
+        )
     if m.unsupported:
         console.print(
             f"not supported by {config.backend}: {', '.join(k.value for k in m.unsupported)}"

@@ -7,9 +7,14 @@ Fits (all empirical, all recorded with the run's date and command):
 - collectives: t = latency + bus_factor(n) * bytes / busbw over every group size of the link class,
   weighted by 1/t^2 so every size counts by its relative error; the table is kept beside the fit.
 - peak flops per dtype = the best matmul rate measured; matmul efficiency = geometric mean of
-  rate / peak over all matmul points; likewise memory bandwidth and memory-bound efficiency from
-  the elementwise add; the op overhead floor = the time of a one-element add.
+  rate / peak over all matmul points; memory bandwidth = the best rate of the elementwise add,
+  memory-bound efficiency = its rate at the largest size / that best (the largest is many times
+  any cache, as the weights, gradients and activations a training step streams are: the
+  geometric mean over sizes priced a 2-core EPYC's big elementwise ops at half their measured
+  time); the op overhead floor = the time of a one-element add.
 - overlap = the profiler's median hidden fraction (`profiler.hidden_fraction`), as measured.
+- memory overlap = the hidden fraction of the streamed matmul: its compute time c and memory
+  time m priced by the rates above, its measured time t: clamp((c + m - t) / min(c, m), 0, 1).
 The topology is "scalable" (a Cluster picks the node count): a link class with nothing measured
 (one host: no inter_node) copies the other, marked as an assumption; a kind the backend lacks
 is priced as an all-reduce of the same buffer (assumption).
@@ -40,7 +45,13 @@ from costmodel.profile import (
     Source,
     Topology,
 )
-from costmodel.profiler import CollectiveSample, Measurements, OverlapSample
+from costmodel.profiler import (
+    CollectiveSample,
+    ComputeSample,
+    Measurements,
+    OverlapSample,
+    hidden_fraction,
+)
 
 _MIN_LATENCY_S = 0.0
 _MAX_BUS_BANDWIDTH_BYTES_PER_S = 1e15  # guard for a flat fit (no size dependence measured)
@@ -92,12 +103,17 @@ class _Sources:
         self.roofline = Source.measured(
             date,
             cfg.command,
-            "best rate measured (peak) and geometric mean of rate / peak "
-            "(efficiency) over the matmul and elementwise points of the run",
+            "best rate measured (peak); efficiency: geometric mean of rate / peak over the "
+            "matmul points, rate at the largest size / peak for the elementwise add",
             name="roofline-fit",
         )
         self.memory = Source.measured(date, cfg.command, m.memory_how, name="memory")
         self.overlap = Source.measured(date, cfg.command, _overlap_note(m.overlap), name="overlap")
+        streamed = next(s for s in m.compute if s.op == "streamed")
+        self.memory_overlap = Source.measured(
+            date, cfg.command, _memory_overlap_note(streamed, cfg.streamed_matmul),
+            name="memory-overlap",
+        )  # fmt: skip
         self.fp16 = Source.assumption(
             "fp16 matmul is not profiled on CPU (torch's CPU kernels run it like bf16): "
             "taken equal to the bf16 peak",
@@ -135,7 +151,8 @@ def _compute_part(m: Measurements, src: _Sources) -> tuple[Device, Efficiency]:
             rates[s.dtype].append(s.flops / s.time_s)
     peak = {d: max(r) for d, r in rates.items()}
     ratios = [r / peak[d] for d, rs in rates.items() for r in rs]
-    bandwidths = [s.nbytes / s.time_s for s in m.compute if s.op == "elementwise"]
+    elementwise = sorted((s for s in m.compute if s.op == "elementwise"), key=lambda s: s.nbytes)
+    bandwidths = [s.nbytes / s.time_s for s in elementwise]
     overhead_s = min(s.time_s for s in m.compute if s.op == "overhead")
     unit = "TFLOP/s" if m.config.backend == "nccl" else "GFLOP/s"
     scale = 1e12 if unit == "TFLOP/s" else 1e9
@@ -154,15 +171,17 @@ def _compute_part(m: Measurements, src: _Sources) -> tuple[Device, Efficiency]:
     )
     efficiency = Efficiency(
         Quantity(_sig(min(1.0, _geomean(ratios)), 3), "ratio", src.roofline),
-        Quantity(
-            _sig(min(1.0, _geomean([b / max(bandwidths) for b in bandwidths])), 3),
-            "ratio",
-            src.roofline,
-        ),
+        Quantity(_sig(bandwidths[-1] / max(bandwidths), 3), "ratio", src.roofline),
         Quantity(_sig(overhead_s * 1e6), "us", src.run),
         overlap=Quantity(_sig(m.overlap.ratio, 3), "ratio", src.overlap),
     )
-    return device, efficiency
+    streamed = next(s for s in m.compute if s.op == "streamed")
+    compute_s = streamed.flops / (device.peak_flops.fp32.base * efficiency.matmul.base)
+    memory_s = streamed.nbytes / (device.memory_bandwidth.base * efficiency.memory_bound.base)
+    hidden = hidden_fraction(compute_s, memory_s, streamed.time_s)
+    return device, replace(
+        efficiency, memory_overlap=Quantity(_sig(hidden, 3), "ratio", src.memory_overlap)
+    )
 
 
 def _overlap_note(o: OverlapSample) -> str:
@@ -172,6 +191,17 @@ def _overlap_note(o: OverlapSample) -> str:
         f"{o.collective_s * 1e3:.2f} ms; (c) both at once (all-reduce async_op=True beside the "
         f"matmuls), {o.both_s * 1e3:.2f} ms; overlap = clamp((a + b - c) / min(a, b), 0, 1), "
         f"median over {o.repeats} repeats of the slowest rank"
+    )
+
+
+def _memory_overlap_note(s: ComputeSample, streamed: tuple[int, int, int]) -> str:
+    rows, n, weights = streamed
+    return (
+        f"a {rows} x {n} fp32 matrix times one of {weights} {n} x {n} weights, the next each "
+        f"call (so each comes from memory): median {s.time_s * 1e6:.0f} us; memory overlap = "
+        "clamp((c + m - t) / min(c, m), 0, 1) with c its flops at the fp32 peak x matmul "
+        "efficiency, m its bytes (weight, input, output) at the memory bandwidth x memory-bound "
+        "efficiency, t the time measured"
     )
 
 

@@ -6,7 +6,7 @@ frozen dataclasses a profile is made of. Lives elsewhere: JSON reading, validati
 
 Invariants: a `Profile` mirrors the JSON file one to one (numbers stay in the unit they were written
 in; `Quantity.base` converts), so save -> load is the identity; an optional field the file omits
-(efficiency.overlap) is None, and stays omitted when saved; every `Quantity` has a `Source`;
+(efficiency.overlap, efficiency.memory_overlap) is None, and stays omitted when saved; every `Quantity` has a `Source`;
 every link class a profile defines has all five collective kinds (send_recv is the p2p cost);
 the JSON shape and its rules are in costmodel/schemas/profile.schema.json.
 """
@@ -142,14 +142,18 @@ class Device:
 
 @dataclass(frozen=True, slots=True)
 class Efficiency:
-    """Fractions of peak that real ops reach, the per-op floor (launch, framework overhead), and
-    how much communication running beside compute hides (None = not stated: nothing hidden)."""
+    """Fractions of peak that real ops reach, the per-op floor (launch, framework overhead), how
+    much communication running beside compute hides (None = not stated: nothing hidden), and how
+    much of an op's memory traffic its arithmetic hides (None = not stated: all of the shorter,
+    the roofline's max)."""
 
     matmul: Quantity  # ratio of peak flops reached by compute-bound ops
     memory_bound: Quantity  # ratio of memory bandwidth reached by memory-bound ops
     op_overhead: Quantity  # s, no op is faster than this
     overlap: Quantity | None = None  # ratio in [0, 1]: fraction of a collective's time hidden
     # when it runs beside compute (of the shorter of the two; Galvatron's overlap coefficient)
+    memory_overlap: Quantity | None = None  # ratio in [0, 1]: fraction of the shorter of an
+    # op's compute time and memory time that the other hides (1: roofline max; 0: their sum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,8 +251,7 @@ class Profile:
         yield from (q.source for q in (d.memory, d.memory_bandwidth))
         yield from (q.source for q in (d.peak_flops.fp32, d.peak_flops.bf16, d.peak_flops.fp16))
         yield from (q.source for q in (e.matmul, e.memory_bound, e.op_overhead))
-        if e.overlap is not None:
-            yield e.overlap.source
+        yield from (q.source for q in (e.overlap, e.memory_overlap) if q is not None)
         yield self.topology.devices_per_node.source
         if self.topology.nodes is not None:
             yield self.topology.nodes.source

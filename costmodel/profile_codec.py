@@ -119,7 +119,11 @@ def profile_from_dict(data: Mapping[str, Any], origin: str) -> Profile:
     )
     given = {key: dec.quantity(eff[key], f"$.efficiency.{key}") for key in eff}
     efficiency = Efficiency(
-        given["matmul"], given["memory_bound"], given["op_overhead"], given.get("overlap")
+        given["matmul"],
+        given["memory_bound"],
+        given["op_overhead"],
+        given.get("overlap"),
+        given.get("memory_overlap"),
     )
     nodes = None if topo["nodes"] == "scalable" else dec.quantity(topo["nodes"], "$.topology.nodes")
     topology = Topology(
@@ -194,6 +198,11 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             "memory_bound": enc.quantity(e.memory_bound),
             "op_overhead": enc.quantity(e.op_overhead),
             **({} if e.overlap is None else {"overlap": enc.quantity(e.overlap)}),
+            **(
+                {}
+                if e.memory_overlap is None
+                else {"memory_overlap": enc.quantity(e.memory_overlap)}
+            ),
         },
         "topology": {
             "devices_per_node": enc.quantity(t.devices_per_node),

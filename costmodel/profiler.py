@@ -22,6 +22,12 @@ alone, its buffer calibrated so that b is about a, and (c) both at once (the all
 async_op=True, the loop, then wait); hidden = a + b - c, and the profile's efficiency.overlap is
 the median over repeats of clamp(hidden / min(a, b), 0, 1), each phase the slowest rank's.
 
+Memory overlap (how much of an op's memory traffic its arithmetic hides): every rank times a
+`streamed_matmul` = (rows, n, weights): a rows x n matrix times one of `weights` n x n fp32
+weights, the next one each call, so each weight comes from memory (together they are at least
+twice a big CPU's L3 or a GPU's L2); `fitting` compares the time with the profile's own compute
+and memory rates. rows = 32 puts the two near each other (intensity 16 flop/byte).
+
 Group layouts: for each divisor n >= 2 of nproc, the contiguous groups of n ranks and the strided
 ones (stride nproc / n); a layout whose groups cross a node boundary (devices_per_node) measures
 inter_node, else intra_node; one layout per (link class, n) is kept. send_recv runs on layouts of
@@ -89,6 +95,7 @@ class ProfilerConfig:
     command: str  # how to reproduce, recorded in the profile's sources
     overlap_matmul_n: int = 256  # overlap item: the compute loop runs fp32 n x n x n matmuls
     overlap_compute_s: float = 0.005  # ... and lasts about this long; the all-reduce is matched
+    streamed_matmul: tuple[int, int, int] = (32, 1024, 16)  # rows, n, weights (fp32, in turn)
 
     @classmethod
     def for_mode(
@@ -127,6 +134,7 @@ class ProfilerConfig:
             timeout_s=300.0 if quick else 900.0,
             command=command,
             overlap_matmul_n=2048 if cuda else 256,
+            streamed_matmul=(32, 8192, 4) if cuda else (32, 1024, 16),  # 1 GiB / 64 MiB
         )
 
     def calls_and_repeats(self, call_s: float) -> tuple[int, int]:
@@ -150,11 +158,12 @@ class ProfilerConfig:
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One thing to time. `op` is a CollectiveKind value, "matmul", "elementwise", "overhead" or
-    "overlap" (compute beside an all-reduce of the world group)."""
+    """One thing to time. `op` is a CollectiveKind value, "matmul", "elementwise", "overhead",
+    "streamed" (a matmul whose weights come from memory) or "overlap" (compute beside an
+    all-reduce of the world group)."""
 
     op: str
-    size: int  # collective: requested bytes; matmul, overlap: n; elementwise/overhead: numel
+    size: int  # collective: requested bytes; matmul, overlap, streamed: n; elementwise: numel
     dtype: DType = DType.FP32
     shape: GroupShape | None = None
 
@@ -170,6 +179,7 @@ def plan_items(config: ProfilerConfig) -> tuple[Item, ...]:
     items = [Item("overhead", 1)]
     items += [Item("matmul", n, dtype) for dtype, sizes in config.matmul_sizes for n in sizes]
     items += [Item("elementwise", numel) for numel in config.elementwise_numels]
+    items.append(Item("streamed", config.streamed_matmul[1]))
     items.append(Item("overlap", config.overlap_matmul_n))
     for shape in config.group_shapes():
         for kind in CollectiveKind:
@@ -192,9 +202,9 @@ class CollectiveSample:
 
 @dataclass(frozen=True, slots=True)
 class ComputeSample:
-    op: str  # "matmul" | "elementwise" | "overhead"
+    op: str  # "matmul" | "elementwise" | "overhead" | "streamed"
     dtype: DType
-    shape: str  # "1024x1024x1024" or "numel=1048576"
+    shape: str  # "1024x1024x1024" (m x k x n) or "numel=1048576"
     flops: float
     nbytes: float  # bytes read and written
     time_s: float
@@ -301,7 +311,7 @@ def _aggregate(
                 )
             )
         else:
-            compute.append(_compute_sample(item, time_s))
+            compute.append(_compute_sample(item, time_s, config))
     assert overlap is not None, "plan_items always measures the overlap"
     return Measurements(
         config,
@@ -319,12 +329,18 @@ def _aggregate(
     )
 
 
-def _compute_sample(item: Item, time_s: float) -> ComputeSample:
+def _compute_sample(item: Item, time_s: float, config: ProfilerConfig) -> ComputeSample:
     elt = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2}[item.dtype]
     if item.op == "matmul":
         n = item.size
         return ComputeSample(
             "matmul", item.dtype, f"{n}x{n}x{n}", 2.0 * n**3, 3.0 * n * n * elt, time_s
+        )
+    if item.op == "streamed":
+        rows, n, _ = config.streamed_matmul
+        nbytes = float((n * n + 2 * rows * n) * elt)  # the weight, the input and the output
+        return ComputeSample(
+            "streamed", item.dtype, f"{rows}x{n}x{n}", 2.0 * rows * n * n, nbytes, time_s
         )
     numel = item.size
     return ComputeSample(

@@ -1,7 +1,8 @@
 """The rank side of the profiler: build each item's call, time it, report progress.
 
 Lives here: `profile_worker` (run by `costmodel.launch.run_workers` in every rank), the calls for
-matmul, elementwise add and each collective (nccl-tests sizes, fp32 buffers), the timing loop, and
+matmul, elementwise add and each collective (nccl-tests sizes, fp32 buffers), the timing loop, the
+streamed matmul (the next of several weights each call: `ProfilerConfig.streamed_matmul`), and
 the overlap item (a matmul loop and a matched all-reduce, alone and at once: `_time_overlap`).
 Lives elsewhere: what to measure and the aggregation over ranks (`profiler`).
 
@@ -13,6 +14,7 @@ inside the functions: this module is imported by the parent before the workers a
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import re
@@ -54,7 +56,7 @@ def profile_worker(
         if item.op == "overlap":
             results.append(_time_overlap(item.size, config, device))
         else:
-            call, amount = _make_call(item, rank, device, groups)
+            call, amount = _make_call(item, config, rank, device, groups)
             times = _time_call(call, config, device)
             results.append(None if times is None else (amount, times))
         if progress is not None and rank == 0:
@@ -102,7 +104,7 @@ def _cpu_model() -> str:
 
 
 def _make_call(
-    item: Item, rank: int, device: Any, groups: dict[GroupShape, Any]
+    item: Item, config: ProfilerConfig, rank: int, device: Any, groups: dict[GroupShape, Any]
 ) -> tuple[Callable[[], Any], float]:
     """A no-argument callable doing the item once, and its size (bytes, or n / numel)."""
     import torch
@@ -114,6 +116,12 @@ def _make_call(
         a, b = (torch.randn(item.size, item.size, device=device).to(dtype) for _ in range(2))
         c = torch.empty_like(a)
         return (lambda: torch.matmul(a, b, out=c)), float(item.size)
+    if item.op == "streamed":
+        rows, n, count = config.streamed_matmul
+        x = torch.randn(rows, n, device=device)
+        weights = itertools.cycle([torch.randn(n, n, device=device) for _ in range(count)])
+        out = torch.empty(rows, n, device=device)
+        return (lambda: torch.matmul(x, next(weights), out=out)), float(n)
     if item.op in ("elementwise", "overhead"):
         a, b = (torch.randn(item.size, device=device) for _ in range(2))
         c = torch.empty_like(a)

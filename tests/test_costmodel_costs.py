@@ -134,6 +134,32 @@ def test_op_time_is_a_roofline_with_a_floor() -> None:
         cluster.op_time_s(1, 1, "int8")
 
 
+@pytest.mark.parametrize(
+    ("overlap", "want_us"),
+    [
+        pytest.param(None, 300.0, id="unstated-roofline-max"),
+        pytest.param(1.0, 300.0, id="all-hidden"),
+        pytest.param(0.0, 400.0, id="none-hidden-sum"),
+        pytest.param(0.25, 375.0, id="a-quarter-of-the-shorter-hidden"),
+    ],
+)
+def test_op_time_hides_the_stated_share_of_the_shorter_part(
+    overlap: float | None, want_us: float
+) -> None:
+    """300 us of arithmetic beside 100 us of memory traffic (and the other way round)."""
+    profile = load_profile("dgx-a100")
+    stated = None if overlap is None else Quantity(overlap, "ratio", Source.assumption("test"))
+    cluster = Cluster(
+        replace(profile, efficiency=replace(profile.efficiency, memory_overlap=stated))
+    )
+    flops_per_us = 19.5e12 * 0.6 / 1e6  # fp32 peak x matmul efficiency
+    bytes_per_us = 2039e9 * 0.8 / 1e6  # bandwidth x memory-bound efficiency
+    for compute_us, memory_us in ((300, 100), (100, 300)):
+        got = cluster.op_time_s(compute_us * flops_per_us, memory_us * bytes_per_us, "fp32")
+        assert got * 1e6 == pytest.approx(want_us)
+    assert cluster.op_time_s(1, 1, "fp32") == pytest.approx(5e-6)  # the floor still holds
+
+
 def _with_table(points: dict[int, list[tuple[float, float]]]) -> Cluster:
     """dgx-a100 whose intra-node all-gather has a measured table (us) beside its fit."""
     profile = load_profile("dgx-a100")

@@ -19,7 +19,15 @@ from costmodel import (
     save_profile,
     shipped_profiles,
 )
+from costmodel.profile import CollectiveKind, DType, LinkClass
 from costmodel.profile_io import profile_schema
+from costmodel.profiler import (
+    CollectiveSample,
+    ComputeSample,
+    Measurements,
+    OverlapSample,
+    ProfilerConfig,
+)
 from costmodel.units import UNITS, Dimension
 
 SHIPPED = ("cpu-gloo", "dgx-a100", "dgx-h100", "dgx1-v100")
@@ -174,6 +182,15 @@ BAD_DICTS = [
         ["'%' is not allowed", "ratio"],
     ),
     (
+        "memory-overlap-above-one",
+        _with(
+            "efficiency.memory_overlap",
+            {"value": 1.5, "unit": "ratio", "source": "compute-comm-overlap"},
+        ),
+        "$.efficiency.memory_overlap.value",
+        ["1.5 is out of range", "<= 1"],
+    ),
+    (
         "spec-without-ref",
         _with("sources.a100-datasheet", {"kind": "spec"}),
         "$.sources['a100-datasheet']",
@@ -266,6 +283,18 @@ def test_overlap_round_trips(value: float | None, tmp_path: Path) -> None:
     assert Cluster(profile).overlap_efficiency == (0.0 if value is None else value)
 
 
+@pytest.mark.parametrize("value", [pytest.param(v, id=f"memory_overlap={v}") for v in (0.0, 1.0)])
+def test_memory_overlap_round_trips(value: float, tmp_path: Path) -> None:
+    profile = load_profile("dgx-a100")
+    assert profile.efficiency.memory_overlap is None  # spec sheets: the roofline's max
+    source = Source.measured("2026-01-01T00:00:00+00:00", "autosbp profile --out x.json")
+    stated = Quantity(value, "ratio", source)
+    profile = replace(profile, efficiency=replace(profile.efficiency, memory_overlap=stated))
+    path = save_profile(profile, tmp_path / "p.json")
+    assert load_profile(path) == profile
+    assert json.loads(path.read_text())["efficiency"]["memory_overlap"]["value"] == value
+
+
 def test_out_of_range_overlap_is_refused_when_saved(tmp_path: Path) -> None:
     profile = load_profile("dgx-a100")
     source = Source.assumption("a typo")
@@ -285,3 +314,61 @@ def test_profile_without_overlap_loads_and_hides_nothing(tmp_path: Path) -> None
     assert Cluster(profile).overlap_efficiency == 0.0
     again = json.loads(save_profile(profile, tmp_path / "again.json").read_text())
     assert "overlap" not in again["efficiency"]
+
+
+def _measurements(streamed_us: float) -> Measurements:
+    """A run on 2 ranks of one host: round numbers chosen by hand (rates in the comments)."""
+    config = ProfilerConfig.for_mode(2, "gloo", 2, True, "autosbp profile --quick --out t.json")
+    rows, n, _ = config.streamed_matmul
+    compute = (
+        ComputeSample("overhead", DType.FP32, "numel=1", 1.0, 12.0, 5e-6),
+        ComputeSample("matmul", DType.FP32, "512x512x512", 2.0 * 512**3, 3.0 * 512**2 * 4, 2.68e-3),
+        ComputeSample("matmul", DType.BF16, "64x64x64", 2.0 * 64**3, 3.0 * 64**2 * 2, 2.62e-4),
+        # 12 MB in 0.3 ms (40 GB/s, in cache), then 48 MB in 4 ms (12 GB/s, from memory)
+        ComputeSample("elementwise", DType.FP32, "numel=2**20", 2.0**20, 12e6, 0.3e-3),
+        ComputeSample("elementwise", DType.FP32, "numel=2**22", 2.0**22, 48e6, 4e-3),
+        ComputeSample(
+            "streamed", DType.FP32, f"{rows}x{n}x{n}", 2.0 * rows * n * n,
+            (n * n + 2 * rows * n) * 4.0, streamed_us * 1e-6,
+        ),
+    )  # fmt: skip
+    collectives = tuple(
+        CollectiveSample(kind, LinkClass.INTRA_NODE, 2, nbytes, 1e-4 + nbytes / 1e9)
+        for kind in CollectiveKind
+        for nbytes in (4096, 2**20, 2**24)
+    )
+    overlap = OverlapSample(256, 2**22, 5e-3, 5e-3, 1e-2, 0.0, 5)
+    return Measurements(
+        config, collectives, compute, (), overlap, "CPU", 2**34, "test", "2.13", 1,
+        "2026-12-01T00:00:00+00:00", 1.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "hidden",
+    [
+        pytest.param(0.0, id="weights-read-after-the-arithmetic"),
+        pytest.param(1.0, id="read-while-computing"),
+    ],
+)
+def test_fitting_prices_memory_at_its_largest_size_and_measures_what_compute_hides(
+    hidden: float,
+) -> None:
+    """The elementwise rate of the largest size (many times the cache) over the best; the
+    streamed matmul against the profile's own rates: c at the fp32 peak (512^3 in 2.68 ms), m at
+    12 GB/s; measured c + m (none hidden) or max(c, m) (all hidden)."""
+    from costmodel.fitting import build_profile
+
+    rows, n, _ = ProfilerConfig.for_mode(2, "gloo", 2, True, "x").streamed_matmul
+    compute_us = 2.0 * rows * n * n / (2.0 * 512**3 / 2.68e-3) * 1e6
+    memory_us = (n * n + 2 * rows * n) * 4.0 / 12e9 * 1e6
+    measured = max(compute_us, memory_us) + (1 - hidden) * min(compute_us, memory_us)
+    profile = build_profile(_measurements(measured), "synthetic")
+    eff = profile.efficiency
+    assert profile.device.memory_bandwidth.base == pytest.approx(40e9)
+    assert eff.memory_bound.base == pytest.approx(12 / 40, rel=1e-3)
+    assert eff.memory_overlap is not None
+    assert eff.memory_overlap.base == pytest.approx(hidden, abs=2e-3)
+    cluster = Cluster(profile)
+    priced = cluster.op_time_s(2.0 * rows * n * n, (n * n + 2 * rows * n) * 4.0, "fp32")
+    assert priced == pytest.approx(measured * 1e-6, rel=2e-3)  # the fit prices its own point

@@ -16,6 +16,7 @@ from torch import nn
 
 from autosbp.capturing import capture
 from autosbp.errors import PlanError
+from autosbp.graph import Role
 from autosbp.ilp import MemoryConstraint, Problem, Solution, brute_force, solve
 from autosbp.plan import Plan
 from autosbp.planner.api import ClusterPrices, plan_graph, plan_graphs
@@ -382,3 +383,28 @@ def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> No
     solved_like_brute_force(exact)
     if memory_fraction is not None:  # the limit binds: the unconstrained optimum breaks it
         assert not exact.feasible(solve(problem(None)).choice)
+
+
+def test_every_micro_batch_after_the_first_adds_into_the_gradients() -> None:
+    """With m micro-batches a parameter costs (m - 1) gradient adds beyond its update: an add of
+    the local shard, reading two gradients and writing one (autograd's AccumulateGrad)."""
+    graph = capture(TinyNet(), [torch.randn(8, 8), torch.randn(8, 4)])
+    prices, mesh = a100_prices(), Mesh((2,))
+    one, four = (
+        build_problem(
+            graph, mesh, prices, optimizer="adam", memory_limit_bytes=None, micro_batches=m
+        )
+        for m in (1, 4)
+    )
+    params = [name for name, _ in graph.nodes(Role.PARAMETER)]
+    assert params
+    for name in params:
+        found = four.strategies[name]
+        assert found.accumulate_s is not None
+        for i, sig in enumerate(found.candidates):
+            split = any(isinstance(s, Split) for s in sig.outputs[0])
+            numel = graph.graph.nodes[name]["outputs"][0].numel // (2 if split else 1)
+            add_s = prices.op_time_s(numel, 3 * 4 * numel, torch.float32)
+            assert found.accumulate_s[i] == pytest.approx(add_s)
+        extra = four.problem.node_costs[name] - one.problem.node_costs[name]
+        assert extra == pytest.approx(3 * found.accumulate_s)

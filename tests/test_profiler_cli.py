@@ -31,6 +31,10 @@ def test_quick_profile_loads_and_prices_every_collective(tmp_path: Path) -> None
     assert overlap is not None and overlap.source.kind is SourceKind.MEASURED
     assert "async_op=True" in overlap.source.note
     assert 0.0 <= cluster.overlap_efficiency <= 1.0
+    memory_overlap = profile.efficiency.memory_overlap
+    assert memory_overlap is not None and 0.0 <= memory_overlap.base <= 1.0
+    assert "32 x 1024 fp32 matrix times one of 16 1024 x 1024 weights" in memory_overlap.source.note
+    assert memory_overlap.source in list(profile.sources())
 
 
 @pytest.mark.parametrize(

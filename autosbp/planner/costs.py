@@ -24,7 +24,9 @@ Model (every constant states where it comes from):
 - a parameter in layout p pays, once per step, the gradient sync dual(p) -> p (P -> B
   all-reduce where the parameter is replicated: data parallel's all-reduce; nothing where it is
   split: FSDP's reduce-scatter is already the backward of its all-gather), and its optimizer
-  update on the local shard (memory-bound: OPTIMIZER_BYTES_PER_ELEMENT).
+  update on the local shard (memory-bound: OPTIMIZER_BYTES_PER_ELEMENT); with micro-batches,
+  each backward after the first adds its gradient into the accumulated one (autograd's
+  AccumulateGrad: read both, write one), priced per micro-batch by the builder.
 Node times of compute ops are per micro-batch; parameter times are per step: the problem builder
 scales them.
 """
@@ -74,19 +76,21 @@ class Prices(Protocol):
 @dataclass(frozen=True)
 class NodeStrategies:
     """A node's candidates and their per-micro-batch compute time (forward + backward); for a
-    parameter, its per-step gradient sync + optimizer time, and `sync_s` the sync part alone."""
+    parameter, its per-step gradient sync + optimizer time, `sync_s` the sync part alone, and
+    `accumulate_s` the time to add one micro-batch's gradient into the accumulated one."""
 
     name: str
     candidates: tuple[NdSignature, ...]
     compute_s: np.ndarray
     sync_s: np.ndarray | None = None  # parameters only
+    accumulate_s: np.ndarray | None = None  # parameters only
 
     def restricted(self, keep: Sequence[int]) -> NodeStrategies:
         """Only the candidates at `keep`."""
         sync = self.sync_s[keep] if self.sync_s is not None else None
-        return NodeStrategies(
-            self.name, tuple(self.candidates[i] for i in keep), self.compute_s[keep], sync
-        )
+        accumulate = self.accumulate_s[keep] if self.accumulate_s is not None else None
+        candidates = tuple(self.candidates[i] for i in keep)
+        return NodeStrategies(self.name, candidates, self.compute_s[keep], sync, accumulate)
 
 
 # A boxing step reduced to what its price needs: (kind, message bytes, group size, link class).
@@ -247,7 +251,8 @@ def node_strategies(graph: OpGraph, name: str, pricer: BoxingPricer) -> NodeStra
             ]
         )
         update = np.array([_optimizer_s(meta, s.outputs[0], pricer) for s in candidates])
-        return NodeStrategies(name, candidates, sync + update, sync)
+        accumulate = np.array([_accumulate_s(meta, s.outputs[0], pricer) for s in candidates])
+        return NodeStrategies(name, candidates, sync + update, sync, accumulate)
     times = [_compute_s(attrs, sig, mesh_shape, pricer.prices) for sig in candidates]
     return NodeStrategies(name, candidates, np.array(times))
 
@@ -257,6 +262,12 @@ def _optimizer_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> float
     return pricer.prices.op_time_s(
         local * OPTIMIZER_FLOPS_PER_ELEMENT, local * OPTIMIZER_BYTES_PER_ELEMENT, torch.float32
     )
+
+
+def _accumulate_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> float:
+    """grad += new on the local shard: one add, reading two gradients and writing one."""
+    local = math.prod(local_shape(meta.shape, nd_sbp, pricer.mesh.shape))
+    return pricer.prices.op_time_s(local, 3 * local * meta.dtype.itemsize, meta.dtype)
 
 
 def _candidates(attrs: dict[str, Any], mesh_shape: tuple[int, ...]) -> list[NdSignature]:

@@ -235,6 +235,10 @@ def build_problem(
             update[s].node(r, n * found.compute_s)
             assert found.sync_s is not None, f"{r}: a parameter priced without its sync"
             sync[s].node(r, n * found.sync_s)
+            if micro_batches > 1:  # every backward but the first adds into the gradient
+                assert found.accumulate_s is not None
+                share = (micro_batches - 1) / micro_batches  # per micro-batch, m of them
+                busy[s].node(r, n * share * found.accumulate_s)
             param_bytes[s] += n * attrs["outputs"][0].nbytes
         elif attrs["role"] is Role.COMPUTE:
             fwd = found.compute_s / (1.0 + BACKWARD_FACTOR)

@@ -246,14 +246,52 @@ class Job:
 StepMarks = tuple[float, float, float, float, float, float]
 
 
-def case_worker(rank: int, world_size: int, job: Job) -> list[tuple[list[StepMarks], int | None]]:
-    """On every rank: per case, an Engine with a Recorder; the marks of each timed step; the
-    peak estimate (or None)."""
+Probes = dict[str, float]  # probe name -> seconds per call, this rank
+# What the machine runs at while the bench measures, beside the profile's price of the same op
+# (the profile was measured at another time: the two differ by the machine's drift):
+# name -> (flops, bytes read and written), fp32
+PROBES: dict[str, tuple[float, float]] = {
+    "matmul 512^3": (2.0 * 512**3, 3.0 * 512**2 * 4),
+    "add of 2^22": (2.0**22, 3.0 * 2**22 * 4),
+}
+
+
+def time_probes() -> Probes:
+    """Every rank at once (all ranks busy, as in a step): the median of 5 repeats of 10 calls."""
+    import torch
+    import torch.distributed as dist
+
+    a, b, c = (torch.randn(512, 512) for _ in range(3))
+    x, y, z = (torch.randn(2**22) for _ in range(3))
+    calls = {
+        "matmul 512^3": lambda: torch.matmul(a, b, out=c),
+        "add of 2^22": lambda: torch.add(x, y, out=z),
+    }
+    out = {}
+    for name, call in calls.items():
+        call()
+        repeats = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(10):
+                call()
+            repeats.append((time.perf_counter() - start) / 10)
+        out[name] = statistics.median(repeats)
+    return out
+
+
+def case_worker(
+    rank: int, world_size: int, job: Job
+) -> tuple[Probes, list[tuple[list[StepMarks], int | None]]]:
+    """On every rank: the probes; per case, an Engine with a Recorder; the marks of each timed
+    step; the peak estimate (or None)."""
     import torch.distributed as dist
 
     from autosbp.timeline import Recorder
     from runtime.engine import Engine
 
+    probes = time_probes()
     out = []
     for case, plan_json in zip(job.cases, job.plans, strict=True):
         plan = Plan.from_json(plan_json)
@@ -279,7 +317,7 @@ def case_worker(rank: int, world_size: int, job: Job) -> list[tuple[list[StepMar
         peak = rss_bytes("VmHWM") - start_rss + state_bytes if tracking else None
         out.append((marks, peak))
         del engine, model
-    return out
+    return probes, out
 
 
 def reset_peak_rss() -> bool:
@@ -327,9 +365,11 @@ def phases_of(marks: list[list[StepMarks]], peers: tuple[int, ...]) -> dict[str,
 
 def measure(
     rows: list[tuple[Case, Plan]], steps: int, warmup: int, rounds: int
-) -> dict[Case, Measured]:
-    """Every case `rounds` times, one spawn per device count and round, alternating order."""
+) -> tuple[dict[Case, Measured], Probes]:
+    """Every case `rounds` times, one spawn per device count and round, alternating order; the
+    probes: per name, the median over spawns of the slowest rank's time."""
     collected: dict[Case, list[tuple[dict[str, list[float]], int | None, float]]] = {}
+    probed: dict[str, list[float]] = {name: [] for name in PROBES}
     for round_index in range(rounds):
         for devices in sorted({case.devices for case, _ in rows}):
             group = [(c, p) for c, p in rows if c.devices == devices]
@@ -339,7 +379,10 @@ def measure(
                 tuple(c for c, _ in group), tuple(p.to_json() for _, p in group), steps, warmup,
                 track_memory=round_index == 0,
             )  # fmt: skip
-            per_rank = run_workers(case_worker, devices, (job,), timeout_s=WORKER_TIMEOUT_S)
+            results = run_workers(case_worker, devices, (job,), timeout_s=WORKER_TIMEOUT_S)
+            for name in PROBES:
+                probed[name].append(max(probes[name] for probes, _ in results))
+            per_rank = [cases for _, cases in results]
             for i, (case, plan) in enumerate(group):
                 peaks = [ranks[i][1] for ranks in per_rank]
                 peak = None if None in peaks else max(p for p in peaks if p is not None)
@@ -353,7 +396,7 @@ def measure(
             step_s, merged, tuple(statistics.median(r[0]["step"]) for r in runs), runs[0][1],
             runs[0][2],
         )  # fmt: skip
-    return out
+    return out, {name: statistics.median(times) for name, times in probed.items()}
 
 
 # ------------------------------------------------------------------------------ report
@@ -450,6 +493,19 @@ def summary_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
+def drift_line(probes: Probes, profile: str) -> str:
+    """The probes measured during the bench against the profile's prices of the same ops."""
+    cluster = Cluster(load_profile(profile))
+    cells = []
+    for name, (flops, nbytes) in PROBES.items():
+        priced = cluster.op_time_s(flops, nbytes, "fp32")
+        cells.append(
+            f"{name} {_ms(probes[name])} ms vs {_ms(priced)} ms priced "
+            f"({probes[name] / priced:.2f}x)"
+        )
+    return "the machine during the bench (all ranks busy, slowest rank): " + ", ".join(cells)
+
+
 # ------------------------------------------------------------------------------ driver
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -467,13 +523,16 @@ def main(argv: list[str] | None = None) -> int:
     for size, devices, strategy, recompute in QUICK_CASES if args.quick else CASES:
         case = Case(size, devices, strategy, recompute)
         planned.append((case, *plan_case(case, args.profile)))
-    measured = measure([(c, p) for c, p, _ in planned], args.steps, args.warmup, args.rounds)
+    measured, probes = measure(
+        [(c, p) for c, p, _ in planned], args.steps, args.warmup, args.rounds
+    )
     rows = [Row(case, plan, predicted, measured[case]) for case, plan, predicted in planned]
     command = "python bench/fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:])
     console.print(step_table(rows, command.strip(), args.profile))
     console.print(phase_table(rows))
     for line in summary_lines(rows):
         console.print(line)
+    console.print(drift_line(probes, args.profile))
     console.print(
         f"cores {os.cpu_count()}, torch threads per rank max(1, cores // processes); load average "
         f"(1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, after "

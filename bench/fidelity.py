@@ -1,6 +1,6 @@
 """Benchmark: the planner's predicted step time against the runtime's measured one, per plan.
 
-Run: python bench/fidelity.py [--steps 6] [--warmup 2] [--rounds 2] [--quick]
+Run: python bench/fidelity.py [--steps 6] [--warmup 2] [--rounds 2] [--quick] [--profile P]
 
 What it measures ("Actor runtime" issue: the cost model must predict what the runtime does):
 - per case (a zoo model at one size, a device count, a strategy, a recomputation mode):
@@ -31,6 +31,13 @@ What it measures ("Actor runtime" issue: the cost model must predict what the ru
   is an RSS estimate: it sees collective buffers, autograd temporaries and allocator slack that
   the planner does not model, and misses freed pages glibc reuses; "-" where /proc cannot be
   reset.
+
+- the machine's drift: in every spawn, before the cases, every rank times a 512^3 fp32 matmul
+  and an add of 2^22 elements (all ranks at once, the slowest rank, median of 5), printed beside
+  the profile's prices of the same ops. The profile was measured at another time; on this
+  shared host the two differ by up to 1.6x between runs minutes apart. Beside the error, the
+  error with every prediction scaled by the probes' geometric mean is printed as a diagnostic
+  (which part is the model, which the machine's state); the target is the unscaled one.
 
 Not corrected for: the 4-process cases run 4 ranks (one thread each) on however many cores this
 machine has (2 here), while the profile prices a device as one rank with a core of its own; the
@@ -64,7 +71,7 @@ from autosbp.capturing import capture_micro_batch  # noqa: E402
 from autosbp.graph import OpGraph, Role  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import ClusterPrices, plan_graph  # noqa: E402
-from autosbp.planner.costs import BoxingPricer  # noqa: E402
+from autosbp.planner.costs import BoxingPricer, sync_bucket_bytes  # noqa: E402
 from autosbp.planner.search import strategy_space  # noqa: E402
 from autosbp.sbp import Mesh, parse_nd_sbp  # noqa: E402
 from autosbp.schedule import simulate  # noqa: E402
@@ -220,12 +227,14 @@ def predicted_sync_s(graph: OpGraph, plan: Plan, profile: str, stage: int) -> fl
     cluster = Cluster(hw, nodes=math.ceil(plan.device_count / per_node))
     mesh = Mesh(plan.mesh_shape, plan.mesh_dims, plan.stages[stage].devices, plan.link_classes)
     pricer = BoxingPricer(ClusterPrices(cluster), mesh)
+    bucket_bytes = sync_bucket_bytes(graph)
     total = 0.0
     for _, attrs in graph.nodes(Role.PARAMETER):
         param = plan.params[attrs["name"]]
         if param.stage == stage:
             layout = parse_nd_sbp(param.sbp)
-            total += pricer.bucketed_time_s(dual_nd_sbp(layout), layout, attrs["outputs"][0])
+            meta = attrs["outputs"][0]
+            total += pricer.bucketed_time_s(dual_nd_sbp(layout), layout, meta, bucket_bytes)
     return total
 
 
@@ -493,17 +502,27 @@ def summary_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
-def drift_line(probes: Probes, profile: str) -> str:
-    """The probes measured during the bench against the profile's prices of the same ops."""
+def drift_lines(probes: Probes, profile: str, rows: list[Row]) -> list[str]:
+    """The probes measured during the bench against the profile's prices of the same ops, and
+    (a diagnostic, not the target) the error with every prediction scaled by their drift."""
     cluster = Cluster(load_profile(profile))
-    cells = []
+    cells, ratios = [], []
     for name, (flops, nbytes) in PROBES.items():
         priced = cluster.op_time_s(flops, nbytes, "fp32")
+        ratios.append(probes[name] / priced)
         cells.append(
-            f"{name} {_ms(probes[name])} ms vs {_ms(priced)} ms priced "
-            f"({probes[name] / priced:.2f}x)"
+            f"{name} {_ms(probes[name])} ms vs {_ms(priced)} ms priced ({ratios[-1]:.2f}x)"
         )
-    return "the machine during the bench (all ranks busy, slowest rank): " + ", ".join(cells)
+    drift = math.exp(statistics.fmean(map(math.log, ratios)))
+    two = [r for r in rows if r.case.devices == 2]
+    scaled = statistics.median(
+        abs(r.measured.median_s / (drift * r.predicted.step_s) - 1) for r in two
+    )
+    return [
+        "the machine during the bench (all ranks busy, slowest rank): " + ", ".join(cells),
+        f"  drift taken out (every prediction x {drift:.2f}, the probes' geometric mean; a "
+        f"diagnostic, not the target): 2 processes: median |rel error| {scaled:.0%}",
+    ]
 
 
 # ------------------------------------------------------------------------------ driver
@@ -532,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(phase_table(rows))
     for line in summary_lines(rows):
         console.print(line)
-    console.print(drift_line(probes, args.profile))
+    for line in drift_lines(probes, args.profile, rows):
+        console.print(line)
     console.print(
         f"cores {os.cpu_count()}, torch threads per rank max(1, cores // processes); load average "
         f"(1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, after "

@@ -112,3 +112,23 @@ def test_pricer_time_s_equals_fresh_prices_for_any_dtype() -> None:
     assert pricer.time_s((P, B), (B, B), TensorMeta((8, 16), torch.bfloat16)) < pricer.time_s(
         (P, B), (B, B), TensorMeta((8, 16), torch.float32)
     )
+
+
+@pytest.mark.parametrize("profile", ["cpu-gloo", "dgx-a100"])
+def test_gradients_of_one_bucket_cost_one_collective_of_the_bucket(profile: str) -> None:
+    """Tensors that fill a bucket together pay, summed, the all-reduce of the whole bucket (a
+    tensor bigger than the bucket pays its own); on cpu-gloo that is far less than each tensor
+    as its own all-reduce (collectives cost far from linearly in their size there)."""
+    mesh = Mesh((2,))
+    prices = ClusterPrices(Cluster(load_profile(profile), nodes=1))
+    pricer = BoxingPricer(prices, mesh)
+    metas = [TensorMeta((128, 512), torch.float32)] * 8 + [TensorMeta((128,), torch.float32)] * 8
+    bucket = sum(m.nbytes for m in metas)
+    shares = sum(pricer.bucketed_time_s((P,), (B,), m, bucket) for m in metas)
+    whole = prices.collective_time_s("all_reduce", bucket, 2, "intra_node")
+    assert shares == pytest.approx(whole, rel=1e-6)
+    alone = sum(pricer.time_s((P,), (B,), m) for m in metas)
+    assert shares < alone
+    big = TensorMeta((1024, 1024), torch.float32)
+    own = prices.collective_time_s("all_reduce", big.nbytes, 2, "intra_node")
+    assert pricer.bucketed_time_s((P,), (B,), big, bucket) == pytest.approx(own, rel=1e-6)

@@ -23,7 +23,8 @@ Model (every constant states where it comes from):
   plus its backward, the boxing dual(dst) -> dual(src) (B <-> P, S stays), per micro-batch.
 - a parameter in layout p pays, once per step, the gradient sync dual(p) -> p (P -> B
   all-reduce where the parameter is replicated: data parallel's all-reduce; nothing where it is
-  split: FSDP's reduce-scatter is already the backward of its all-gather), and its optimizer
+  split: FSDP's reduce-scatter is already the backward of its all-gather), as its share of a
+  fused bucket's collective (`BoxingPricer.bucketed_time_s`), and its optimizer
   update on the local shard (memory-bound: OPTIMIZER_BYTES_PER_ELEMENT); with micro-batches,
   each backward after the first adds its gradient into the accumulated one (autograd's
   AccumulateGrad: read both, write one), priced per micro-batch by the builder.
@@ -41,13 +42,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from autosbp import schedule
 from autosbp.boxing import canonical_shape, plan_boxing
 from autosbp.boxing_steps import BoxingStep, StepKind, dual_nd_sbp
 from autosbp.errors import SbpError
 from autosbp.graph import OpGraph, Role, TensorMeta
 from autosbp.rules import NdSignature, nd_signatures
 from autosbp.sbp import Broadcast, Mesh, NdSbp, local_shape
-from autosbp.schedule import GRAD_BUCKET_BYTES
 
 BACKWARD_FACTOR = 2.0  # backward time / forward time (derived: two matmuls per matmul)
 # Adam on an fp32 master copy reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per
@@ -204,17 +205,20 @@ class BoxingPricer:
                 self._chains[key] = (steps, math.prod(shape) * dtype.itemsize)
         return self._chains[key]
 
-    def bucketed_time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:
-        """Like `time_s`, for a gradient synced inside a fused bucket: each collective's fixed
-        latency (its time for 1 byte) is paid in proportion to the share of a bucket the tensor
-        fills (schedule.GRAD_BUCKET_BYTES)."""
-        if src == dst:
+    def bucketed_time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta, bucket_bytes: int) -> float:
+        """Like `time_s`, for a gradient synced inside a fused bucket of `bucket_bytes`
+        (`sync_bucket_bytes`; the tensor alone where it is bigger): each collective is priced
+        at the bucket's size, and the tensor pays its share of it (its bytes over the
+        bucket's). Collectives cost far from linearly in their size (on cpu-gloo 64 KiB took
+        two thirds of 1 MiB's time), so pricing each tensor as its own collective, less a
+        latency, had put a 2.7 MB bucket of 40 tensors at 18 ms where it took 4.5 ms."""
+        if src == dst or meta.nbytes == 0:
             return 0.0
-        share = min(1.0, meta.nbytes / GRAD_BUCKET_BYTES)
+        scale = max(bucket_bytes, meta.nbytes) / meta.nbytes
         total = 0.0
         for step in plan_boxing(src, dst, meta.shape, self.mesh, dtype=meta.dtype):
-            latency = self.step_time_s(replace(step, message_bytes=1))
-            total += self.step_time_s(step) - latency + share * latency
+            whole = replace(step, message_bytes=round(step.message_bytes * scale))
+            total += self.step_time_s(whole) / scale
         return total
 
     def step_time_s(self, step: BoxingStep) -> float:
@@ -237,8 +241,20 @@ class BoxingPricer:
         return found
 
 
-def node_strategies(graph: OpGraph, name: str, pricer: BoxingPricer) -> NodeStrategies:
-    """Candidates of node `name`: per micro-batch compute time, or per step for parameters."""
+def sync_bucket_bytes(graph: OpGraph) -> int:
+    """The bucket a gradient is priced inside: DDP's cap (`schedule.GRAD_BUCKET_BYTES`), or
+    all the graph's parameters where they fill less (the runtime fuses them into one; where a
+    plan splits some of them, or stages divide them, the real bucket is smaller and slower per
+    byte: an estimate)."""
+    total = sum(attrs["outputs"][0].nbytes for _, attrs in graph.nodes(Role.PARAMETER))
+    return max(1, min(schedule.GRAD_BUCKET_BYTES, total))
+
+
+def node_strategies(
+    graph: OpGraph, name: str, pricer: BoxingPricer, bucket_bytes: int
+) -> NodeStrategies:
+    """Candidates of node `name`: per micro-batch compute time, or per step for parameters
+    (their gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`)."""
     attrs = graph.graph.nodes[name]
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
@@ -246,7 +262,7 @@ def node_strategies(graph: OpGraph, name: str, pricer: BoxingPricer) -> NodeStra
         meta = attrs["outputs"][0]
         sync = np.array(
             [
-                pricer.bucketed_time_s(dual_nd_sbp(s.outputs[0]), s.outputs[0], meta)
+                pricer.bucketed_time_s(dual_nd_sbp(s.outputs[0]), s.outputs[0], meta, bucket_bytes)
                 for s in candidates
             ]
         )

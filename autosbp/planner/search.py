@@ -46,6 +46,7 @@ from autosbp.planner.costs import (
     edge_matrix,
     node_strategies,
     returns_view,
+    sync_bucket_bytes,
 )
 from autosbp.planner.memory import candidate_bytes
 from autosbp.planner.pipeline import (
@@ -171,10 +172,12 @@ def price_graph(
     `pricer`: a boxing pricer of `mesh` to reuse (its chains serve every micro-batch size)."""
     pricer = pricer or BoxingPricer(prices, mesh)
     rep = tie_blocks(graph)
+    bucket_bytes = sync_bucket_bytes(graph)
     strategies: dict[str, NodeStrategies] = {}
     for name, attrs in graph.nodes():
         if rep[name] == name:
-            strategies[name] = _restricted(node_strategies(graph, name, pricer), attrs, allow)
+            found = node_strategies(graph, name, pricer, bucket_bytes)
+            strategies[name] = _restricted(found, attrs, allow)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
     return Priced(mesh, rep, strategies, graph, pricer)

@@ -33,11 +33,11 @@ What it measures ("Actor runtime" issue: the cost model must predict what the ru
   reset.
 
 - the machine's drift: in every spawn, before the cases, every rank times a 512^3 fp32 matmul
-  and an add of 2^22 elements (all ranks at once, the slowest rank, median of 5), printed beside
-  the profile's prices of the same ops. The profile was measured at another time; on this
-  shared host the two differ by up to 1.6x between runs minutes apart. Beside the error, the
-  error with every prediction scaled by the probes' geometric mean is printed as a diagnostic
-  (which part is the model, which the machine's state); the target is the unscaled one.
+  and an add of 2^22 elements (all ranks at once, the slowest rank, median of 5), printed per
+  process count beside the profile's prices of the same ops (the profile was measured at
+  another time), with the error of every prediction scaled by the probes' geometric mean as a
+  diagnostic: which part of the error is the machine's state, which the model's. The target
+  is the unscaled error.
 
 Not corrected for: the 4-process cases run 4 ranks (one thread each) on however many cores this
 machine has (2 here), while the profile prices a device as one rank with a core of its own; the
@@ -374,11 +374,11 @@ def phases_of(marks: list[list[StepMarks]], peers: tuple[int, ...]) -> dict[str,
 
 def measure(
     rows: list[tuple[Case, Plan]], steps: int, warmup: int, rounds: int
-) -> tuple[dict[Case, Measured], Probes]:
+) -> tuple[dict[Case, Measured], dict[tuple[int, str], float]]:
     """Every case `rounds` times, one spawn per device count and round, alternating order; the
-    probes: per name, the median over spawns of the slowest rank's time."""
+    probes: per device count and name, the median over its spawns of the slowest rank's time."""
     collected: dict[Case, list[tuple[dict[str, list[float]], int | None, float]]] = {}
-    probed: dict[str, list[float]] = {name: [] for name in PROBES}
+    probed: dict[tuple[int, str], list[float]] = {}
     for round_index in range(rounds):
         for devices in sorted({case.devices for case, _ in rows}):
             group = [(c, p) for c, p in rows if c.devices == devices]
@@ -390,7 +390,7 @@ def measure(
             )  # fmt: skip
             results = run_workers(case_worker, devices, (job,), timeout_s=WORKER_TIMEOUT_S)
             for name in PROBES:
-                probed[name].append(max(probes[name] for probes, _ in results))
+                probed.setdefault((devices, name), []).append(max(p[name] for p, _ in results))
             per_rank = [cases for _, cases in results]
             for i, (case, plan) in enumerate(group):
                 peaks = [ranks[i][1] for ranks in per_rank]
@@ -405,7 +405,7 @@ def measure(
             step_s, merged, tuple(statistics.median(r[0]["step"]) for r in runs), runs[0][1],
             runs[0][2],
         )  # fmt: skip
-    return out, {name: statistics.median(times) for name, times in probed.items()}
+    return out, {key: statistics.median(times) for key, times in probed.items()}
 
 
 # ------------------------------------------------------------------------------ report
@@ -502,27 +502,29 @@ def summary_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
-def drift_lines(probes: Probes, profile: str, rows: list[Row]) -> list[str]:
-    """The probes measured during the bench against the profile's prices of the same ops, and
-    (a diagnostic, not the target) the error with every prediction scaled by their drift."""
+def drift_lines(probes: dict[tuple[int, str], float], profile: str, rows: list[Row]) -> list[str]:
+    """Per device count, the probes measured during the bench against the profile's prices of
+    the same ops, and (a diagnostic, not the target) the error with every prediction scaled by
+    their drift."""
     cluster = Cluster(load_profile(profile))
-    cells, ratios = [], []
-    for name, (flops, nbytes) in PROBES.items():
-        priced = cluster.op_time_s(flops, nbytes, "fp32")
-        ratios.append(probes[name] / priced)
-        cells.append(
-            f"{name} {_ms(probes[name])} ms vs {_ms(priced)} ms priced ({ratios[-1]:.2f}x)"
+    lines = []
+    for devices in sorted({r.case.devices for r in rows}):
+        cells, ratios = [], []
+        for name, (flops, nbytes) in PROBES.items():
+            priced, got = cluster.op_time_s(flops, nbytes, "fp32"), probes[(devices, name)]
+            ratios.append(got / priced)
+            cells.append(f"{name} {_ms(got)} ms vs {_ms(priced)} ms priced ({ratios[-1]:.2f}x)")
+        drift = math.exp(statistics.fmean(map(math.log, ratios)))
+        group = [r for r in rows if r.case.devices == devices]
+        scaled = statistics.median(
+            abs(r.measured.median_s / (drift * r.predicted.step_s) - 1) for r in group
         )
-    drift = math.exp(statistics.fmean(map(math.log, ratios)))
-    two = [r for r in rows if r.case.devices == 2]
-    scaled = statistics.median(
-        abs(r.measured.median_s / (drift * r.predicted.step_s) - 1) for r in two
-    )
-    return [
-        "the machine during the bench (all ranks busy, slowest rank): " + ", ".join(cells),
-        f"  drift taken out (every prediction x {drift:.2f}, the probes' geometric mean; a "
-        f"diagnostic, not the target): 2 processes: median |rel error| {scaled:.0%}",
-    ]
+        lines.append(
+            f"the machine, {devices} processes (all busy, slowest rank): " + ", ".join(cells)
+            + f"; with every prediction x {drift:.2f} (their geometric mean; a diagnostic, not "
+            f"the target) median |rel error| {scaled:.0%}"
+        )  # fmt: skip
+    return lines
 
 
 # ------------------------------------------------------------------------------ driver

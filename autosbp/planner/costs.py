@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -212,14 +212,19 @@ class BoxingPricer:
         bucket's). Collectives cost far from linearly in their size (on cpu-gloo 64 KiB took
         two thirds of 1 MiB's time), so pricing each tensor as its own collective, less a
         latency, had put a 2.7 MB bucket of 40 tensors at 18 ms where it took 4.5 ms."""
-        if src == dst or meta.nbytes == 0:
+        nbytes = meta.nbytes
+        if src == dst or nbytes == 0:
             return 0.0
-        scale = max(bucket_bytes, meta.nbytes) / meta.nbytes
-        total = 0.0
-        for step in plan_boxing(src, dst, meta.shape, self.mesh, dtype=meta.dtype):
-            whole = replace(step, message_bytes=round(step.message_bytes * scale))
-            total += self.step_time_s(whole) / scale
-        return total
+        planned = self._chain(self.layout_id(src), self.layout_id(dst), meta.shape, meta.dtype)
+        if planned is None:
+            return math.inf
+        steps, planned_bytes = planned
+        scale = max(bucket_bytes, nbytes) / nbytes
+        return sum(
+            self._step_time_s((kind, round(message * nbytes // planned_bytes * scale), group, link))
+            / scale
+            for kind, message, group, link in steps
+        )
 
     def step_time_s(self, step: BoxingStep) -> float:
         return self._step_time_s((step.kind, step.message_bytes, step.group_size, step.link_class))

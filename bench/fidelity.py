@@ -32,8 +32,8 @@ What it measures ("Actor runtime" issue: the cost model must predict what the ru
   the planner does not model, and misses freed pages glibc reuses; "-" where /proc cannot be
   reset.
 
-- the machine's drift: in every spawn, before the cases, every rank times a 512^3 fp32 matmul
-  and an add of 2^22 elements (all ranks at once, the slowest rank, median of 5), printed per
+- the machine's drift: in every spawn, before the cases, every rank times a 512^3 fp32 matmul,
+  an add of 2^22 elements and 20 autograd adds of one element (all ranks at once, the slowest rank, median of 5), printed per
   process count beside the profile's prices of the same ops (the profile was measured at
   another time), with the error of every prediction scaled by the probes' geometric mean as a
   diagnostic: which part of the error is the machine's state, which the model's. The target
@@ -55,6 +55,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ from autosbp.capturing import capture_micro_batch  # noqa: E402
 from autosbp.graph import OpGraph, Role  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import ClusterPrices, plan_graph  # noqa: E402
-from autosbp.planner.costs import BoxingPricer, sync_bucket_bytes  # noqa: E402
+from autosbp.planner.costs import BACKWARD_FACTOR, BoxingPricer, sync_bucket_bytes  # noqa: E402
 from autosbp.planner.search import strategy_space  # noqa: E402
 from autosbp.sbp import Mesh, parse_nd_sbp  # noqa: E402
 from autosbp.schedule import simulate  # noqa: E402
@@ -256,12 +257,14 @@ StepMarks = tuple[float, float, float, float, float, float]
 
 
 Probes = dict[str, float]  # probe name -> seconds per call, this rank
-# What the machine runs at while the bench measures, beside the profile's price of the same op
-# (the profile was measured at another time: the two differ by the machine's drift):
-# name -> (flops, bytes read and written), fp32
-PROBES: dict[str, tuple[float, float]] = {
-    "matmul 512^3": (2.0 * 512**3, 3.0 * 512**2 * 4),
-    "add of 2^22": (2.0**22, 3.0 * 2**22 * 4),
+# What the machine runs at while the bench measures, beside the profile's price of the same
+# work (the profile was measured at another time: the two differ by the machine's drift):
+# name -> its price on a cluster. The autograd probe is 20 adds on one element, forward and
+# backward: 20 ops at the per-op floor, each priced 1 + BACKWARD_FACTOR times.
+PROBES: dict[str, Callable[[Cluster], float]] = {
+    "matmul 512^3": lambda c: c.op_time_s(2.0 * 512**3, 3.0 * 512**2 * 4, "fp32"),
+    "add of 2^22": lambda c: c.op_time_s(2.0**22, 3.0 * 2**22 * 4, "fp32"),
+    "20 autograd adds": lambda c: 20 * (1 + BACKWARD_FACTOR) * c.op_time_s(1, 12, "fp32"),
 }
 
 
@@ -272,9 +275,18 @@ def time_probes() -> Probes:
 
     a, b, c = (torch.randn(512, 512) for _ in range(3))
     x, y, z = (torch.randn(2**22) for _ in range(3))
+    leaf = torch.randn(1, requires_grad=True)
+
+    def autograd_adds() -> None:
+        out = leaf
+        for _ in range(20):
+            out = out + 1.0
+        out.backward()
+
     calls = {
         "matmul 512^3": lambda: torch.matmul(a, b, out=c),
         "add of 2^22": lambda: torch.add(x, y, out=z),
+        "20 autograd adds": autograd_adds,
     }
     out = {}
     for name, call in calls.items():
@@ -510,8 +522,8 @@ def drift_lines(probes: dict[tuple[int, str], float], profile: str, rows: list[R
     lines = []
     for devices in sorted({r.case.devices for r in rows}):
         cells, ratios = [], []
-        for name, (flops, nbytes) in PROBES.items():
-            priced, got = cluster.op_time_s(flops, nbytes, "fp32"), probes[(devices, name)]
+        for name, price in PROBES.items():
+            priced, got = price(cluster), probes[(devices, name)]
             ratios.append(got / priced)
             cells.append(f"{name} {_ms(got)} ms vs {_ms(priced)} ms priced ({ratios[-1]:.2f}x)")
         drift = math.exp(statistics.fmean(map(math.log, ratios)))

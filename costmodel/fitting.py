@@ -11,7 +11,9 @@ Fits (all empirical, all recorded with the run's date and command):
   memory-bound efficiency = its rate at the largest size / that best (the largest is many times
   any cache, as the weights, gradients and activations a training step streams are: the
   geometric mean over sizes priced a 2-core EPYC's big elementwise ops at half their measured
-  time); the op overhead floor = the time of a one-element add.
+  time); the op overhead floor = a third of one small op's forward and backward under
+  autograd (`profiler_worker.OVERHEAD_OPS` one-element adds and their backward, per op: the
+  planner prices backward at 2x forward; a bare add without autograd took half of that here).
 - overlap = the profiler's median hidden fraction (`profiler.hidden_fraction`), as measured.
 - memory overlap = the hidden fraction of the streamed matmul: its compute time c and memory
   time m priced by the rates above, its measured time t: clamp((c + m - t) / min(c, m), 0, 1).

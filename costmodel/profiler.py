@@ -1,4 +1,5 @@
-"""Measure this machine: matmul, a memory-bound op, and every collective over sizes and groups.
+"""Measure this machine: matmul, a memory-bound op, the per-op overhead under autograd, a matmul
+streaming its weights, compute beside communication, and every collective over sizes and groups.
 
 Lives here: what is measured (`ProfilerConfig`, `plan_items`), running it on N spawned ranks and
 aggregating (`measure`), and the raw results (`Measurements`). Lives elsewhere: how one rank times
@@ -51,9 +52,12 @@ from typing import Any
 from costmodel.cluster import link_class_for_mesh_dim
 from costmodel.launch import run_workers
 from costmodel.profile import CollectiveKind, DType, LinkClass
-from costmodel.profiler_worker import profile_worker
+from costmodel.profiler_worker import OVERHEAD_OPS, profile_worker
 
 KIB_BYTES = 1024
+# The planner prices an op's backward at 2x its forward (autosbp.planner.costs.BACKWARD_FACTOR;
+# costmodel cannot import autosbp): the overhead item's forward + backward per op counts 3 floors.
+_BACKWARD_PER_FORWARD = 2.0
 MIB_BYTES = 1024 * 1024
 
 
@@ -331,6 +335,9 @@ def _aggregate(
 
 def _compute_sample(item: Item, time_s: float, config: ProfilerConfig) -> ComputeSample:
     elt = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2}[item.dtype]
+    if item.op == "overhead":  # per op, and per forward: its backward counts as two forwards
+        per_op_s = time_s / (OVERHEAD_OPS * (1 + _BACKWARD_PER_FORWARD))
+        return ComputeSample("overhead", item.dtype, "numel=1", 1.0, 3.0 * elt, per_op_s)
     if item.op == "matmul":
         n = item.size
         return ComputeSample(

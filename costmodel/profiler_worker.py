@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from costmodel.profiler import GroupShape, Item, ProfilerConfig
 
 _COLLECTIVE_DTYPE_BYTES = 4  # fp32 buffers
+OVERHEAD_OPS = 20  # the overhead item: this many one-element adds under autograd, and backward
 _OVERLAP_PROBE_NUMEL = 2**18  # 1 MiB: the first all-reduce timed to size the overlap buffer
 _OVERLAP_MAX_NUMEL = 2**28  # 1 GiB: the cap on very fast links (then b < a; min(a, b) copes)
 _MAX_MATMULS = 10_000  # the cap on the overlap item's compute loop (a very fast device)
@@ -122,7 +123,17 @@ def _make_call(
         weights = itertools.cycle([torch.randn(n, n, device=device) for _ in range(count)])
         out = torch.empty(rows, n, device=device)
         return (lambda: torch.matmul(x, next(weights), out=out)), float(n)
-    if item.op in ("elementwise", "overhead"):
+    if item.op == "overhead":  # OVERHEAD_OPS one-element adds under autograd, then backward
+        leaf = torch.ones(1, device=device, requires_grad=True)
+
+        def chain() -> None:
+            out = leaf
+            for _ in range(OVERHEAD_OPS):
+                out = out + 1.0
+            out.backward()
+
+        return chain, float(item.size)
+    if item.op == "elementwise":
         a, b = (torch.randn(item.size, device=device) for _ in range(2))
         c = torch.empty_like(a)
         return (lambda: torch.add(a, b, out=c)), float(item.size)

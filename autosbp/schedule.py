@@ -20,8 +20,9 @@ Rules (OneFlow's actor model, Yuan et al. 2021 section 4):
   overlaps with compute).
 - Gradient sync is fused: gradients that need the same collective are synced together in flat
   buckets of at most GRAD_BUCKET_BYTES (as DDP does), so a parameter pays its share (its bytes
-  over the bucket's) of its bucket's collective. A bucket is launched as soon as the last micro-batch's
-  backward has finished its gradients, so the sync overlaps that backward (`hidden_sync_s`).
+  over the bucket's) of its bucket's collective. A bucket is launched as soon as the last
+  micro-batch's backward has finished its gradients, so the sync overlaps that backward
+  (`hidden_sync_s`).
 """
 
 from __future__ import annotations

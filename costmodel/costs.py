@@ -28,7 +28,8 @@ shared/reference/profiling.md, section 3):
   least the op overhead floor. Measured on a 2-core EPYC (torch 2.13, 1 thread): a 32-row fp32
   matmul into 1024x1024 weights streamed from memory (16 weights, 64 MiB, in turn) took
   1.49 ms, the same weight over and over 0.94 ms: the weight's read added to the arithmetic,
-  hidden by none of it (o near 0), where the roofline's max priced 1.16 ms.
+  hidden by none of it (o near 0), where the roofline's max priced 1.16 ms (with both ranks
+  streaming at once, as the profiler measures it: 2.4-2.9 ms).
 A group of 1 device, or 0 bytes, costs 0 s.
 """
 

@@ -55,10 +55,10 @@ from costmodel.profile import CollectiveKind, DType, LinkClass
 from costmodel.profiler_worker import OVERHEAD_OPS, profile_worker
 
 KIB_BYTES = 1024
+MIB_BYTES = 1024 * 1024
 # The planner prices an op's backward at 2x its forward (autosbp.planner.costs.BACKWARD_FACTOR;
 # costmodel cannot import autosbp): the overhead item's forward + backward per op counts 3 floors.
 _BACKWARD_PER_FORWARD = 2.0
-MIB_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from autosbp.capture_failures import (
     unsupported_node_message,
 )
 from autosbp.errors import CaptureError
-from autosbp.flops import count_flops
+from autosbp.flops import count_flops, count_transcendentals
 from autosbp.graph import InputRef, OpGraph, Role, TensorMeta
 
 __all__ = ["capture", "capture_micro_batch", "run_graph"]
@@ -234,8 +234,9 @@ class _GraphBuilder:
             module_path=stack[-1][0] if stack else "",
         )
         attrs.update(
-            target=node.target, args=args, kwargs=kwargs, flops=count_flops(op, inputs, outputs)
-        )
+            target=node.target, args=args, kwargs=kwargs, flops=count_flops(op, inputs, outputs),
+            transcendentals=count_transcendentals(op, inputs, outputs),
+        )  # fmt: skip
         self._insert(node.name, attrs, sources=sources)
         if isinstance(val, (list, tuple)):
             positions = [isinstance(v, torch.Tensor) for v in val]
@@ -315,6 +316,7 @@ def _attrs(
         "inputs": inputs,
         "outputs": outputs,
         "flops": 0.0,
+        "transcendentals": 0.0,
         "bytes": nbytes,
         "module_path": module_path,
         "block": None,

@@ -16,6 +16,10 @@ Conventions (one multiply-add = 2 flops, fp32 or not):
   reduction  one flop per input element.
   views, data movement (cat, embedding gather, copies), factories: 0 (their cost is bytes).
   elementwise and every op not listed: one flop per output element.
+Transcendentals (`count_transcendentals`, priced apart by profiles that measure their rate: a
+CPU evaluates exp far slower than a multiply-add): one per element of softmax / log-softmax
+inputs, of SDPA's score matrix (b * h * s_q * s_kv), of cross-entropy-style losses' inputs, and
+of the outputs of exp, log, tanh, sigmoid, erf, GELU, SiLU and their kin; 0 elsewhere.
 Invariants: pure functions of (op name, TensorMeta); never raise on an unknown op.
 """
 
@@ -168,6 +172,36 @@ def count_flops(op: str, inputs: Sequence[TensorMeta], outputs: Sequence[TensorM
     if family in _PER_ELEMENT:
         return _PER_ELEMENT[family] * (inputs[0].numel if inputs else out_numel)
     return float(sum(t.numel for t in outputs))
+
+
+# Elementwise ops that evaluate one exp, log, erf or tanh (or the like) per output element.
+_TRANSCENDENTAL_OPS = frozenset(
+    {
+        "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "tanh", "sigmoid", "erf",
+        "erfc", "erfinv", "gelu", "silu", "mish", "softplus", "elu", "selu", "celu", "logit",
+        "sin", "cos", "tan", "atan", "pow", "hardswish",
+    }
+)  # fmt: skip
+_TRANSCENDENTAL_LOSSES = frozenset(
+    {"cross_entropy_loss", "binary_cross_entropy_with_logits", "binary_cross_entropy"}
+)
+
+
+def count_transcendentals(
+    op: str, inputs: Sequence[TensorMeta], outputs: Sequence[TensorMeta]
+) -> float:
+    """Transcendental evaluations (exp, log, erf, tanh, ...) of one forward call of `op`."""
+    if not outputs:
+        return 0.0
+    packet, family = op_packet(op), op_family(op)
+    if family == "softmax" or packet in _TRANSCENDENTAL_LOSSES:
+        return float(inputs[0].numel if inputs else outputs[0].numel)
+    if family == "attention":
+        q, k = inputs[0].shape, inputs[1].shape
+        return float(math.prod(q[:-1]) * k[-2])  # one exp per score
+    if packet.rstrip("_") in _TRANSCENDENTAL_OPS:
+        return float(outputs[0].numel)
+    return 0.0
 
 
 def _contracted_size(packet: str, inputs: Sequence[TensorMeta]) -> int:

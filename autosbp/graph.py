@@ -13,6 +13,7 @@ Node attributes (every node):
   inputs       tuple[TensorMeta, ...], the tensor inputs in InputRef order
   outputs      tuple[TensorMeta, ...], the tensor outputs (multi-output ops list all)
   flops        float, forward flops of the op (0 for views and placeholders)
+  transcendentals float, exp/log/erf/tanh evaluations of the forward (`flops`)
   bytes        int, bytes read + written by the op (inputs + outputs)
   module_path  str, the nn.Module path it came from ("" at the top)
   block        int | None, index of the repeated block (transformer layer k), if any

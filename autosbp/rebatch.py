@@ -20,8 +20,8 @@ Invariants:
   the two points; a or c not whole, a non-positive value at either point (batch-dependent ints
   are sizes), or a float or bool that differs, makes the family not rebatchable.
 - `graph_at(b)` evaluates every such int at b (a result <= 0 raises `CaptureError` naming the
-  node), recomputes `flops` (`flops.count_flops`, compute nodes only) and `bytes` (capture's own
-  formula, `capturing._attrs`) from the new shapes, and copies everything else from the b1
+  node), recomputes `flops` and `transcendentals` (`flops`, compute nodes only) and `bytes`
+  (capture's own formula, `capturing._attrs`) from the new shapes, and copies everything else from the b1
   capture. Its `fingerprint()` equals that of a real capture at b (tests/test_rebatch.py).
 - A rebatched graph has `program = None`: the b1 ExportedProgram has b1 shapes and would lie.
   Nothing in autosbp or runtime reads `OpGraph.program` (the runtime interprets the nodes), so a
@@ -49,7 +49,7 @@ from torch import nn
 
 from autosbp.capturing import _attrs, capture_micro_batch
 from autosbp.errors import CaptureError
-from autosbp.flops import count_flops
+from autosbp.flops import count_flops, count_transcendentals
 from autosbp.graph import OpGraph, Role, TensorMeta
 from autosbp.schedule import split_micro_batches
 
@@ -58,7 +58,7 @@ __all__ = ["BatchFamily", "micro_batch_graphs"]
 _log = logging.getLogger(__name__)
 
 _FITTED = ("inputs", "outputs", "args", "kwargs")  # node attrs that may hold batch-dependent ints
-_DERIVED = ("flops", "bytes")  # node attrs recomputed from the fitted ones
+_DERIVED = ("flops", "transcendentals", "bytes")  # node attrs recomputed from the fitted ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,9 +330,9 @@ def _node_at(base: dict[str, Any], template: tuple[Any, ...], batch: int) -> dic
     """A node's attributes at `batch`: fitted ones evaluated, derived ones recomputed."""
     inputs, outputs, args, kwargs = (_value_at(t, batch) for t in template)
     fresh = _attrs(base["op"], base["role"], inputs=inputs, outputs=outputs)  # capture's bytes
-    flops = (
-        count_flops(base["op"], inputs, outputs) if base["role"] is Role.COMPUTE else base["flops"]
-    )
+    compute = base["role"] is Role.COMPUTE
+    flops = count_flops(base["op"], inputs, outputs) if compute else base["flops"]
+    transcendentals = count_transcendentals(base["op"], inputs, outputs) if compute else 0.0
     return {
         **base,
         "inputs": inputs,
@@ -340,6 +340,7 @@ def _node_at(base: dict[str, Any], template: tuple[Any, ...], batch: int) -> dic
         "args": args,
         "kwargs": kwargs,
         "flops": flops,
+        "transcendentals": transcendentals,
         "bytes": fresh["bytes"],
     }
 

@@ -82,9 +82,11 @@ class Cluster:
         overlap = self.profile.efficiency.overlap
         return 0.0 if overlap is None else overlap.base
 
-    def op_time_s(self, flops: float, nbytes: float, dtype: DType | str) -> float:
-        """Roofline time of one op on one device (see `costs`)."""
-        return self._compute.op_time_s(flops, nbytes, dtype)
+    def op_time_s(
+        self, flops: float, nbytes: float, dtype: DType | str, transcendentals: float = 0.0
+    ) -> float:
+        """Time of one op on one device (see `costs`)."""
+        return self._compute.op_time_s(flops, nbytes, dtype, transcendentals)
 
     def collective_time_s(
         self,

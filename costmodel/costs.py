@@ -23,7 +23,7 @@ shared/reference/profiling.md, section 3):
   measured sizes <= n and the alpha-beta price of the largest unmeasured size <= n, so more bytes or
   a bigger group never costs less.
 - op time (roofline with partial overlap): with c = flops / (peak[dtype] * matmul efficiency)
-  and m = bytes / (memory bandwidth * memory-bound efficiency), max(c, m) + (1 - o) x min(c, m)
+  + transcendentals / transcendental rate (free where the profile states no rate) and m = bytes / (memory bandwidth * memory-bound efficiency), max(c, m) + (1 - o) x min(c, m)
   with o the profile's memory_overlap (1, the roofline's max, where it states none), and at
   least the op overhead floor. Measured on a 2-core EPYC (torch 2.13, 1 thread): a 32-row fp32
   matmul into 1024x1024 weights streamed from memory (16 weights, 64 MiB, in turn) took
@@ -148,24 +148,31 @@ class ComputePrice:
     bytes_per_s: float  # memory bandwidth * memory-bound efficiency
     overhead_s: float
     memory_overlap: float = 1.0  # the profile's efficiency.memory_overlap (1: roofline max)
+    transcendentals_per_s: float = math.inf  # the profile's device.transcendental_rate
 
     @classmethod
     def of(cls, profile: Profile) -> ComputePrice:
         dev, eff = profile.device, profile.efficiency
         rates = tuple((d, dev.peak_flops.for_dtype(d).base * eff.matmul.base) for d in DType)
         overlap = 1.0 if eff.memory_overlap is None else eff.memory_overlap.base
+        special = math.inf if dev.transcendental_rate is None else dev.transcendental_rate.base
         return cls(
             rates,
             dev.memory_bandwidth.base * eff.memory_bound.base,
             eff.op_overhead.base,
             overlap,
+            special,
         )
 
-    def op_time_s(self, flops: float, nbytes: float, dtype: DType | str) -> float:
-        """The larger of compute and memory time, plus the share of the smaller that the larger
-        does not hide; at least the overhead floor."""
+    def op_time_s(
+        self, flops: float, nbytes: float, dtype: DType | str, transcendentals: float = 0.0
+    ) -> float:
+        """The larger of compute time (flops, then transcendental evaluations at their own
+        rate) and memory time, plus the share of the smaller that the larger does not hide; at
+        least the overhead floor."""
         wanted = DType.parse(dtype)
         rate = next(r for d, r in self.flops_per_s if d is wanted)
-        compute_s, memory_s = flops / rate, nbytes / self.bytes_per_s
+        compute_s = flops / rate + transcendentals / self.transcendentals_per_s
+        memory_s = nbytes / self.bytes_per_s
         hidden = self.memory_overlap * min(compute_s, memory_s)
         return max(compute_s + memory_s - hidden, self.overhead_s)

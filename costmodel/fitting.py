@@ -15,6 +15,7 @@ Fits (all empirical, all recorded with the run's date and command):
   autograd (`profiler_worker.OVERHEAD_OPS` one-element adds and their backward, per op: the
   planner prices backward at 2x forward; a bare add without autograd took half of that here).
 - overlap = the profiler's median hidden fraction (`profiler.hidden_fraction`), as measured.
+- transcendental rate = elements per second of the exp item (torch.exp, in cache).
 - memory overlap = the hidden fraction of the streamed matmul: its compute time c and memory
   time m priced by the rates above, its measured time t: clamp((c + m - t) / min(c, m), 0, 1).
 The topology is "scalable" (a Cluster picks the node count): a link class with nothing measured
@@ -110,6 +111,12 @@ class _Sources:
             name="roofline-fit",
         )
         self.memory = Source.measured(date, cfg.command, m.memory_how, name="memory")
+        self.transcendental = Source.measured(
+            date, cfg.command,
+            f"torch.exp of {cfg.exp_numel} fp32 elements into a preallocated output: elements "
+            "per second (one evaluation counted as one op)",
+            name="transcendental",
+        )  # fmt: skip
         self.overlap = Source.measured(date, cfg.command, _overlap_note(m.overlap), name="overlap")
         streamed = next(s for s in m.compute if s.op == "streamed")
         self.memory_overlap = Source.measured(
@@ -156,6 +163,7 @@ def _compute_part(m: Measurements, src: _Sources) -> tuple[Device, Efficiency]:
     elementwise = sorted((s for s in m.compute if s.op == "elementwise"), key=lambda s: s.nbytes)
     bandwidths = [s.nbytes / s.time_s for s in elementwise]
     overhead_s = min(s.time_s for s in m.compute if s.op == "overhead")
+    exp = next(s for s in m.compute if s.op == "exp")
     unit = "TFLOP/s" if m.config.backend == "nccl" else "GFLOP/s"
     scale = 1e12 if unit == "TFLOP/s" else 1e9
     flops = {d: Quantity(_sig(peak[d] / scale), unit, src.roofline) for d in peak}
@@ -170,6 +178,7 @@ def _compute_part(m: Measurements, src: _Sources) -> tuple[Device, Efficiency]:
         Quantity(_sig(m.memory_bytes / m.config.devices_per_node / 2**30), "GiB", src.memory),
         Quantity(_sig(max(bandwidths) / 1e9), "GB/s", src.roofline),
         PeakFlops(flops[DType.FP32], flops[DType.BF16], fp16),
+        Quantity(_sig(exp.flops / exp.time_s / scale), unit, src.transcendental),
     )
     efficiency = Efficiency(
         Quantity(_sig(min(1.0, _geomean(ratios)), 3), "ratio", src.roofline),

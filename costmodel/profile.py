@@ -138,6 +138,9 @@ class Device:
     memory: Quantity  # capacity per device, bytes
     memory_bandwidth: Quantity  # bytes/s
     peak_flops: PeakFlops
+    # exp (or log, erf, tanh) evaluations per second, fp32, on data in cache; None = not stated:
+    # priced as free beside their flops and bytes (a GPU's special-function units)
+    transcendental_rate: Quantity | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +252,8 @@ class Profile:
         """Every source the profile cites, in file order, with repeats."""
         d, e = self.device, self.efficiency
         yield from (q.source for q in (d.memory, d.memory_bandwidth))
+        if d.transcendental_rate is not None:
+            yield d.transcendental_rate.source
         yield from (q.source for q in (d.peak_flops.fp32, d.peak_flops.bf16, d.peak_flops.fp16))
         yield from (q.source for q in (e.matmul, e.memory_bound, e.op_overhead))
         yield from (q.source for q in (e.overlap, e.memory_overlap) if q is not None)

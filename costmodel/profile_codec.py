@@ -116,6 +116,11 @@ def profile_from_dict(data: Mapping[str, Any], origin: str) -> Profile:
         dec.quantity(dev["memory"], "$.device.memory"),
         dec.quantity(dev["memory_bandwidth"], "$.device.memory_bandwidth"),
         PeakFlops(peak[DType.FP32], peak[DType.BF16], peak[DType.FP16]),
+        (
+            dec.quantity(dev["transcendental_rate"], "$.device.transcendental_rate")
+            if "transcendental_rate" in dev
+            else None
+        ),
     )
     given = {key: dec.quantity(eff[key], f"$.efficiency.{key}") for key in eff}
     efficiency = Efficiency(
@@ -192,6 +197,11 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             "memory": enc.quantity(d.memory),
             "memory_bandwidth": enc.quantity(d.memory_bandwidth),
             "peak_flops": {dt.value: enc.quantity(d.peak_flops.for_dtype(dt)) for dt in DType},
+            **(
+                {}
+                if d.transcendental_rate is None
+                else {"transcendental_rate": enc.quantity(d.transcendental_rate)}
+            ),
         },
         "efficiency": {
             "matmul": enc.quantity(e.matmul),

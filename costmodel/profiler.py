@@ -23,6 +23,9 @@ alone, its buffer calibrated so that b is about a, and (c) both at once (the all
 async_op=True, the loop, then wait); hidden = a + b - c, and the profile's efficiency.overlap is
 the median over repeats of clamp(hidden / min(a, b), 0, 1), each phase the slowest rank's.
 
+Transcendentals: every rank times torch.exp on `exp_numel` fp32 elements (in cache on a CPU):
+elements per second is the profile's device.transcendental_rate.
+
 Memory overlap (how much of an op's memory traffic its arithmetic hides): every rank times a
 `streamed_matmul` = (rows, n, weights): a rows x n matrix times one of `weights` n x n fp32
 weights, the next one each call, so each weight comes from memory (together they are at least
@@ -100,6 +103,7 @@ class ProfilerConfig:
     overlap_matmul_n: int = 256  # overlap item: the compute loop runs fp32 n x n x n matmuls
     overlap_compute_s: float = 0.005  # ... and lasts about this long; the all-reduce is matched
     streamed_matmul: tuple[int, int, int] = (32, 1024, 16)  # rows, n, weights (fp32, in turn)
+    exp_numel: int = 2**16  # the transcendental item: torch.exp of this many fp32 elements
 
     @classmethod
     def for_mode(
@@ -139,6 +143,7 @@ class ProfilerConfig:
             command=command,
             overlap_matmul_n=2048 if cuda else 256,
             streamed_matmul=(32, 8192, 4) if cuda else (32, 1024, 16),  # 1 GiB / 64 MiB
+            exp_numel=2**24 if cuda else 2**16,  # 256 KiB on a CPU: in cache, compute-bound
         )
 
     def calls_and_repeats(self, call_s: float) -> tuple[int, int]:
@@ -163,11 +168,11 @@ class ProfilerConfig:
 @dataclass(frozen=True, slots=True)
 class Item:
     """One thing to time. `op` is a CollectiveKind value, "matmul", "elementwise", "overhead",
-    "streamed" (a matmul whose weights come from memory) or "overlap" (compute beside an
-    all-reduce of the world group)."""
+    "streamed" (a matmul whose weights come from memory), "exp" (transcendental evaluations) or
+    "overlap" (compute beside an all-reduce of the world group)."""
 
     op: str
-    size: int  # collective: requested bytes; matmul, overlap, streamed: n; elementwise: numel
+    size: int  # collective: requested bytes; matmul, overlap, streamed: n; elementwise, exp: numel
     dtype: DType = DType.FP32
     shape: GroupShape | None = None
 
@@ -184,6 +189,7 @@ def plan_items(config: ProfilerConfig) -> tuple[Item, ...]:
     items += [Item("matmul", n, dtype) for dtype, sizes in config.matmul_sizes for n in sizes]
     items += [Item("elementwise", numel) for numel in config.elementwise_numels]
     items.append(Item("streamed", config.streamed_matmul[1]))
+    items.append(Item("exp", config.exp_numel))
     items.append(Item("overlap", config.overlap_matmul_n))
     for shape in config.group_shapes():
         for kind in CollectiveKind:
@@ -206,7 +212,7 @@ class CollectiveSample:
 
 @dataclass(frozen=True, slots=True)
 class ComputeSample:
-    op: str  # "matmul" | "elementwise" | "overhead" | "streamed"
+    op: str  # "matmul" | "elementwise" | "overhead" | "streamed" | "exp" (flops: evaluations)
     dtype: DType
     shape: str  # "1024x1024x1024" (m x k x n) or "numel=1048576"
     flops: float
@@ -342,6 +348,11 @@ def _compute_sample(item: Item, time_s: float, config: ProfilerConfig) -> Comput
         n = item.size
         return ComputeSample(
             "matmul", item.dtype, f"{n}x{n}x{n}", 2.0 * n**3, 3.0 * n * n * elt, time_s
+        )
+    if item.op == "exp":
+        numel = item.size
+        return ComputeSample(
+            "exp", item.dtype, f"numel={numel}", float(numel), 2.0 * numel * elt, time_s
         )
     if item.op == "streamed":
         rows, n, _ = config.streamed_matmul

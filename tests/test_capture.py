@@ -17,8 +17,9 @@ import autosbp
 from autosbp import cli
 from autosbp.capturing import capture, run_graph
 from autosbp.errors import CaptureError
-from autosbp.flops import count_flops, op_family
+from autosbp.flops import count_flops, count_transcendentals, op_family
 from autosbp.graph import InputRef, OpGraph, Role, TensorMeta
+from autosbp.rebatch import micro_batch_graphs
 from autosbp.zoo import ZOO_MODELS, build_model
 
 _CAPTURED: dict[str, tuple[nn.Module, tuple[torch.Tensor, ...], OpGraph]] = {}
@@ -197,6 +198,29 @@ def test_flops_follow_the_documented_formulas() -> None:
     )
     assert set(by_op["aten.view.default"]) == {0.0}
     assert by_op["aten.gelu.default"][0] == b * s * 4 * h
+
+
+def test_transcendentals_follow_the_documented_formulas() -> None:
+    """One exp per softmax input and per attention score, one erf per GELU output; matmuls
+    and views none; the captured GPT carries them and a rebatched graph recomputes them."""
+    _, _, g = captured("gpt")  # batch 4, seq 16, hidden 64, heads 4, vocab 128
+    b, s, h, heads, vocab = 4, 16, 64, 4, 128
+    by_op: dict[str, list[float]] = {}
+    for _, a in g.nodes(Role.COMPUTE):
+        by_op.setdefault(a["op"], []).append(a["transcendentals"])
+    assert by_op["aten.scaled_dot_product_attention.default"][0] == b * heads * s * s
+    assert by_op["aten.gelu.default"][0] == b * s * 4 * h
+    assert set(by_op["aten.linear.default"]) == {0.0}
+    assert set(by_op["aten.view.default"]) == {0.0}
+    logits = TensorMeta((b * s, vocab), torch.float32)
+    for op in ("aten._log_softmax.default", "aten.cross_entropy_loss.default"):
+        assert count_transcendentals(op, [logits], [logits]) == b * s * vocab
+    assert count_transcendentals("aten.mse_loss.default", [logits, logits], [logits]) == 0.0
+    assert count_transcendentals("aten.exp_.default", [logits], [logits]) == b * s * vocab
+    small = micro_batch_graphs(*build_model("gpt", device="meta"), (2,), name="gpt")[2]
+    for name, a in small.nodes(Role.COMPUTE):
+        want = count_transcendentals(a["op"], a["inputs"], a["outputs"])
+        assert a["transcendentals"] == want, name
 
 
 @pytest.mark.parametrize(

@@ -295,6 +295,21 @@ def test_memory_overlap_round_trips(value: float, tmp_path: Path) -> None:
     assert json.loads(path.read_text())["efficiency"]["memory_overlap"]["value"] == value
 
 
+def test_transcendental_rate_round_trips_and_prices_exps(tmp_path: Path) -> None:
+    profile = load_profile("dgx-a100")
+    assert profile.device.transcendental_rate is None  # spec sheets: free beside flops, bytes
+    free = Cluster(profile).op_time_s(0, 4e6, "fp32", transcendentals=1e6)
+    assert free == Cluster(profile).op_time_s(0, 4e6, "fp32")
+    source = Source.measured("2026-01-01T00:00:00+00:00", "autosbp profile --out x.json")
+    rate = Quantity(0.5, "GFLOP/s", source)
+    profile = replace(profile, device=replace(profile.device, transcendental_rate=rate))
+    path = save_profile(profile, tmp_path / "p.json")
+    assert load_profile(path) == profile
+    assert json.loads(path.read_text())["device"]["transcendental_rate"]["value"] == 0.5
+    priced = Cluster(profile).op_time_s(0, 0, "fp32", transcendentals=1e6)
+    assert priced == pytest.approx(1e6 / 0.5e9)  # 2 ms: far above the op floor
+
+
 def test_out_of_range_overlap_is_refused_when_saved(tmp_path: Path) -> None:
     profile = load_profile("dgx-a100")
     source = Source.assumption("a typo")
@@ -327,6 +342,7 @@ def _measurements(streamed_us: float) -> Measurements:
         # 12 MB in 0.3 ms (40 GB/s, in cache), then 48 MB in 4 ms (12 GB/s, from memory)
         ComputeSample("elementwise", DType.FP32, "numel=2**20", 2.0**20, 12e6, 0.3e-3),
         ComputeSample("elementwise", DType.FP32, "numel=2**22", 2.0**22, 48e6, 4e-3),
+        ComputeSample("exp", DType.FP32, "numel=65536", 65536.0, 65536 * 8.0, 65536 / 0.5e9),
         ComputeSample(
             "streamed", DType.FP32, f"{rows}x{n}x{n}", 2.0 * rows * n * n,
             (n * n + 2 * rows * n) * 4.0, streamed_us * 1e-6,
@@ -366,6 +382,8 @@ def test_fitting_prices_memory_at_its_largest_size_and_measures_what_compute_hid
     profile = build_profile(_measurements(measured), "synthetic")
     eff = profile.efficiency
     assert profile.device.memory_bandwidth.base == pytest.approx(40e9)
+    assert profile.device.transcendental_rate is not None
+    assert profile.device.transcendental_rate.base == pytest.approx(0.5e9)  # exps per second
     assert eff.memory_bound.base == pytest.approx(12 / 40, rel=1e-3)
     assert eff.memory_overlap is not None
     assert eff.memory_overlap.base == pytest.approx(hidden, abs=2e-3)

@@ -31,6 +31,8 @@ def test_quick_profile_loads_and_prices_every_collective(tmp_path: Path) -> None
     assert overlap is not None and overlap.source.kind is SourceKind.MEASURED
     assert "async_op=True" in overlap.source.note
     assert 0.0 <= cluster.overlap_efficiency <= 1.0
+    rate = profile.device.transcendental_rate
+    assert rate is not None and rate.base > 0 and "torch.exp" in rate.source.note
     memory_overlap = profile.efficiency.memory_overlap
     assert memory_overlap is not None and 0.0 <= memory_overlap.base <= 1.0
     assert "32 x 1024 fp32 matrix times one of 16 1024 x 1024 weights" in memory_overlap.source.note

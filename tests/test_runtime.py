@@ -99,8 +99,10 @@ class AlphaBetaPrices:
 
     overlap_efficiency = 0.5
 
-    def op_time_s(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
-        return max(flops / 1e13, nbytes / 1e9, 1e-6)
+    def op_time_s(
+        self, flops: float, nbytes: float, dtype: torch.dtype, transcendentals: float = 0.0
+    ) -> float:
+        return max((flops + transcendentals) / 1e13, nbytes / 1e9, 1e-6)
 
     def collective_time_s(
         self, kind: str, message_bytes: float, group_size: int, link_class: str

@@ -39,9 +39,11 @@ class ClusterPrices:
     def __init__(self, cluster: Any) -> None:
         self.cluster = cluster
 
-    def op_time_s(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
+    def op_time_s(
+        self, flops: float, nbytes: float, dtype: torch.dtype, transcendentals: float = 0.0
+    ) -> float:
         name = DTYPE_NAMES.get(dtype, "fp32")
-        return float(self.cluster.op_time_s(flops, nbytes, name))
+        return float(self.cluster.op_time_s(flops, nbytes, name, transcendentals))
 
     def collective_time_s(
         self, kind: str, message_bytes: float, group_size: int, link_class: str

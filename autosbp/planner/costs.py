@@ -60,7 +60,9 @@ OPTIMIZER_FLOPS_PER_ELEMENT = 12
 class Prices(Protocol):
     """What the planner needs from a hardware profile (costmodel's cluster provides it)."""
 
-    def op_time_s(self, flops: float, nbytes: float, dtype: torch.dtype) -> float: ...
+    def op_time_s(
+        self, flops: float, nbytes: float, dtype: torch.dtype, transcendentals: float = 0.0
+    ) -> float: ...
 
     def collective_time_s(
         self, kind: str, message_bytes: float, group_size: int, link_class: str
@@ -315,7 +317,8 @@ def _compute_s(
     dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
     if returns_view(attrs["target"]):
         local_bytes = 0.0  # metadata only: the overhead floor prices it
-    forward = prices.op_time_s(attrs["flops"] * share, local_bytes, dtype)
+    special = attrs.get("transcendentals", 0.0) * share
+    forward = prices.op_time_s(attrs["flops"] * share, local_bytes, dtype, special)
     return forward * (1.0 + BACKWARD_FACTOR)
 
 

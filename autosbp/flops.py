@@ -179,7 +179,7 @@ _TRANSCENDENTAL_OPS = frozenset(
     {
         "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "tanh", "sigmoid", "erf",
         "erfc", "erfinv", "gelu", "silu", "mish", "softplus", "elu", "selu", "celu", "logit",
-        "sin", "cos", "tan", "atan", "pow", "hardswish",
+        "sin", "cos", "tan", "atan",
     }
 )  # fmt: skip
 _TRANSCENDENTAL_LOSSES = frozenset(

@@ -143,7 +143,7 @@ class ProfilerConfig:
             command=command,
             overlap_matmul_n=2048 if cuda else 256,
             streamed_matmul=(32, 8192, 4) if cuda else (32, 1024, 16),  # 1 GiB / 64 MiB
-            exp_numel=2**24 if cuda else 2**16,  # 256 KiB on a CPU: in cache, compute-bound
+            exp_numel=2**20 if cuda else 2**16,  # in the L2 of a GPU, in cache on a CPU
         )
 
     def calls_and_repeats(self, call_s: float) -> tuple[int, int]:

@@ -155,6 +155,10 @@ class _Encoder:
     def __init__(self) -> None:
         self.shared: dict[str, dict[str, Any]] = {}
 
+    def optional(self, key: str, quantity: Quantity | None) -> dict[str, Any]:
+        """{key: the quantity} for an optional field, {} where the profile omits it."""
+        return {} if quantity is None else {key: self.quantity(quantity)}
+
     def source(self, source: Source) -> str | dict[str, Any]:
         obj: dict[str, Any] = {"kind": source.kind.value}
         for key in ("ref", "why", "date", "command", "note"):
@@ -197,22 +201,14 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             "memory": enc.quantity(d.memory),
             "memory_bandwidth": enc.quantity(d.memory_bandwidth),
             "peak_flops": {dt.value: enc.quantity(d.peak_flops.for_dtype(dt)) for dt in DType},
-            **(
-                {}
-                if d.transcendental_rate is None
-                else {"transcendental_rate": enc.quantity(d.transcendental_rate)}
-            ),
+            **enc.optional("transcendental_rate", d.transcendental_rate),
         },
         "efficiency": {
             "matmul": enc.quantity(e.matmul),
             "memory_bound": enc.quantity(e.memory_bound),
             "op_overhead": enc.quantity(e.op_overhead),
-            **({} if e.overlap is None else {"overlap": enc.quantity(e.overlap)}),
-            **(
-                {}
-                if e.memory_overlap is None
-                else {"memory_overlap": enc.quantity(e.memory_overlap)}
-            ),
+            **enc.optional("overlap", e.overlap),
+            **enc.optional("memory_overlap", e.memory_overlap),
         },
         "topology": {
             "devices_per_node": enc.quantity(t.devices_per_node),

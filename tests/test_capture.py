@@ -53,6 +53,7 @@ _ATTR_TYPES = {
     "inputs": tuple,
     "outputs": tuple,
     "flops": float,
+    "transcendentals": float,
     "bytes": int,
     "module_path": str,
     "name": str,

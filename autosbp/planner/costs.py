@@ -176,7 +176,11 @@ class BoxingPricer:
             found = self._times[key] = self._price_pair(src, dst, shape, dtype)
         return found
 
-    def _price_pair(self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype) -> float:
+    def _price_pair(
+        self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype, scale: float = 1.0
+    ) -> float:
+        """The chain src -> dst of this tensor; with `scale`, each step priced at `scale` times
+        its bytes and the tensor paying 1 / scale of it (its share of a fused bucket)."""
         if src == dst:
             return 0.0
         planned = self._chain(src, dst, shape, dtype)
@@ -184,9 +188,14 @@ class BoxingPricer:
             return math.inf
         steps, planned_bytes = planned
         nbytes = math.prod(shape) * dtype.itemsize
-        return sum(
-            self._step_time_s((kind, message * nbytes // planned_bytes, group, link))
-            for kind, message, group, link in steps
+        return (
+            sum(
+                self._step_time_s(
+                    (kind, round(message * nbytes // planned_bytes * scale), group, link)
+                )
+                for kind, message, group, link in steps
+            )
+            / scale
         )
 
     def _chain(
@@ -214,19 +223,11 @@ class BoxingPricer:
         bucket's). Collectives cost far from linearly in their size (on cpu-gloo 64 KiB took
         two thirds of 1 MiB's time), so pricing each tensor as its own collective, less a
         latency, had put a 2.7 MB bucket of 40 tensors at 18 ms where it took 4.5 ms."""
-        nbytes = meta.nbytes
-        if src == dst or nbytes == 0:
+        if meta.nbytes == 0:
             return 0.0
-        planned = self._chain(self.layout_id(src), self.layout_id(dst), meta.shape, meta.dtype)
-        if planned is None:
-            return math.inf
-        steps, planned_bytes = planned
-        scale = max(bucket_bytes, nbytes) / nbytes
-        return sum(
-            self._step_time_s((kind, round(message * nbytes // planned_bytes * scale), group, link))
-            / scale
-            for kind, message, group, link in steps
-        )
+        scale = max(bucket_bytes, meta.nbytes) / meta.nbytes
+        src_id, dst_id = self.layout_id(src), self.layout_id(dst)
+        return self._price_pair(src_id, dst_id, meta.shape, meta.dtype, scale)
 
     def step_time_s(self, step: BoxingStep) -> float:
         return self._step_time_s((step.kind, step.message_bytes, step.group_size, step.link_class))
@@ -317,7 +318,7 @@ def _compute_s(
     dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
     if returns_view(attrs["target"]):
         local_bytes = 0.0  # metadata only: the overhead floor prices it
-    special = attrs.get("transcendentals", 0.0) * share
+    special = attrs["transcendentals"] * share
     forward = prices.op_time_s(attrs["flops"] * share, local_bytes, dtype, special)
     return forward * (1.0 + BACKWARD_FACTOR)
 

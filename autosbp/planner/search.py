@@ -807,7 +807,7 @@ def compute_floors(graph: OpGraph, prices: Prices, devices: int) -> dict[str, np
         if attrs["flops"] or attrs["bytes"]:
             dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
             moved = 0.0 if returns_view(attrs["target"]) else attrs["bytes"] / devices
-            special = attrs.get("transcendentals", 0.0) / devices
+            special = attrs["transcendentals"] / devices
             forward = prices.op_time_s(attrs["flops"] / devices, moved, dtype, special)
             floors[name] = np.array([forward * (1.0 + BACKWARD_FACTOR)])
     return floors

@@ -25,15 +25,18 @@ With x integral the marginals force y integral (row i of e holds x[u, i], column
 so only x needs integrality, and the LP relaxation is often integral already (autoparallel
 PR #484). A forbidden pair (i, j) has no y variable, which forbids choosing i and j together.
 
+A fractional LP is rounded (the MIP over the candidates it uses), and that solution's value
+fixes the columns whose reduced costs show they cannot beat it, before the MIP of what is left
+(`ilp_solvers.fix_by_reduced_costs`): a binding memory limit makes the LP fractional at a few
+nodes, and the fixing keeps about a fifth of the columns.
+
 Lives here: `Problem` (plain numbers: costs in seconds, memory in bytes), `solve`,
 `solve_below` (which gives up as soon as a bound shows nothing beats a cutoff: a search skips
-hopeless problems) and `lower_bound` (a search orders problems by it), one set of sparse
-matrices built with numpy (`_LinearProgram`) for the LP relaxation (HiGHS through scipy) and the
-MIP (the same matrices with x integral, solved by OR-Tools; CBC by default, fastest here;
-HiGHS through pywraplp ignores the gap setting and prints a banner; HiGHS's own MIP through
-scipy was slower on GPT-3's problems, measured), `brute_force` (the oracle for tests). Lives
-elsewhere: turning a graph, a mesh and a cost model into a Problem (`planner`), reducing graphs
-before solving (`reduce`).
+hopeless problems) and `lower_bound` (a search orders problems by it), `brute_force` (the
+oracle for tests). Lives elsewhere: the problem as sparse matrices and the solvers run on them
+(`ilp_solvers`: the LP relaxation by HiGHS through scipy, the MIP by OR-Tools, CBC by default),
+turning a graph, a mesh and a cost model into a Problem (`planner`), reducing graphs before
+solving (`reduce`).
 Reference: design.md 3.5; autoparallel optimize_sharding.py; Alpa auto_sharding.py.
 """
 
@@ -48,11 +51,9 @@ from typing import Any
 
 import numpy as np
 from ortools.linear_solver import pywraplp
-from ortools.linear_solver.python import model_builder_helper
-from scipy import sparse
-from scipy.optimize import linprog
 
 from autosbp.errors import NoFitError, PlanError
+from autosbp.ilp_solvers import Relaxed, Values, fix_by_reduced_costs, relax, solve_mip
 
 Key = Any  # a node's name (str) in the planner; any hashable value in tests
 
@@ -147,8 +148,8 @@ def lower_bound(problem: Problem, *, time_limit_s: float = 60.0) -> float:
     runs out of time). NoFitError if nothing fits (each node at its smallest bytes, or an
     infeasible LP)."""
     _check_memory_floor(problem)
-    relaxed = _relaxation(problem, time_limit_s)
-    return relaxed[1] if relaxed is not None else -math.inf
+    relaxed = relax(problem, time_limit_s)
+    return relaxed.bound_s if relaxed is not None else -math.inf
 
 
 def solve_below(
@@ -160,39 +161,110 @@ def solve_below(
     rel_gap: float = 1e-9,
 ) -> Solution | None:
     """`solve`, or None as soon as a lower bound (an LP relaxation's) shows that no solution
-    beats `cutoff`: a search over many problems skips the MIP of those that cannot win."""
+    beats `cutoff`: a search over many problems skips the MIP of those that cannot win.
+
+    A fractional LP is rounded first: the MIP over the candidates the LP uses (a few per node)
+    gives a solution, and its value fixes every column whose reduced cost shows it cannot beat
+    that (`ilp_solvers.fix_by_reduced_costs`) before the MIP of the whole problem."""
     start = time.perf_counter()
     _check_memory_floor(problem)
     if problem.max_terms:
         by_parts = _solve_by_parts(problem, cutoff, solver, time_limit_s, rel_gap)
         if by_parts is not _UNDECIDED:
             return by_parts and replace(by_parts, seconds=time.perf_counter() - start)
-    relaxed = _relaxation(problem, time_limit_s)
+    relaxed = relax(problem, time_limit_s)
+    rounded = None
     if relaxed is not None:
-        values, bound = relaxed
-        if bound >= cutoff:
+        if relaxed.bound_s >= cutoff:
             return None
-        if _integral(values):
-            choice = _choice(values)
+        if _integral(relaxed.values):
+            choice = _choice(relaxed.values)
             return Solution(
                 choice, problem.objective(choice), "optimal", 0.0, time.perf_counter() - start
             )
-    result = _solve_once(problem, solver, time_limit_s=time_limit_s, rel_gap=rel_gap)
+        rounded = _solve_on_support(problem, relaxed, solver, time_limit_s)
+    upper = min(cutoff, rounded.objective if rounded is not None else math.inf)
+    found: Solution | None
+    if relaxed is None or not math.isfinite(upper):
+        found, lower = _solve_whole(problem, solver, time_limit_s, rel_gap)
+    else:
+        found, lower = _solve_fixed(problem, relaxed, upper, solver, time_limit_s, rel_gap)
+    best = min((s for s in (found, rounded) if s is not None), key=_value, default=None)
+    if best is None and lower < cutoff:
+        raise PlanError(_out_of_time(solver, time_limit_s))
+    if best is None or best.objective >= cutoff:
+        return None
+    gap = max(0.0, best.objective - lower) / max(abs(best.objective), 1e-30)
+    return replace(
+        best, status="optimal" if gap <= 1e-9 else "feasible", gap=gap,
+        seconds=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _solve_whole(
+    problem: Problem, solver: str, time_limit_s: float, rel_gap: float
+) -> tuple[Solution, float]:
+    """The MIP of `problem`: its solution and the bound the solver proves."""
+    result = solve_mip(problem, solver, time_limit_s=time_limit_s, rel_gap=rel_gap)
     if result == pywraplp.Solver.INFEASIBLE:
         raise NoFitError("no strategy assignment satisfies the constraints (infeasible ILP).")
     if isinstance(result, int):
-        raise PlanError(
-            f"the {solver} solver found no assignment within {time_limit_s:g} s (status {result}); "
-            "raise the time limit (--time-limit-s)."
-        )
-    x, status, bound = result
-    choice = _choice(x)
-    value = problem.objective(choice)
-    # The solver says OPTIMAL once within `rel_gap`: report the gap its bound proves.
-    gap = max(0.0, value - bound) / max(abs(value), 1e-30)
-    optimal = status == pywraplp.Solver.OPTIMAL and gap <= 1e-9
-    return Solution(
-        choice, value, "optimal" if optimal else "feasible", gap, time.perf_counter() - start
+        raise PlanError(_out_of_time(solver, time_limit_s, result))
+    return _solution_of(problem, result[0]), result[2]
+
+
+def _solve_fixed(
+    problem: Problem,
+    relaxed: Relaxed,
+    upper: float,
+    solver: str,
+    time_limit_s: float,
+    rel_gap: float,
+) -> tuple[Solution | None, float]:
+    """The MIP of `problem` less what cannot beat `upper` (`fix_by_reduced_costs`): its
+    solution (None if nothing left, or out of time) and a bound of the whole problem's."""
+    result = solve_mip(
+        fix_by_reduced_costs(problem, relaxed, upper), solver,
+        time_limit_s=time_limit_s, rel_gap=rel_gap,
+    )  # fmt: skip
+    if result == pywraplp.Solver.INFEASIBLE:
+        return None, upper  # every solution is one the fixing dropped: none beats `upper`
+    if isinstance(result, int):
+        return None, relaxed.bound_s
+    # What the fixing dropped is worse than `upper`; the solver bounds what it kept.
+    return _solution_of(problem, result[0]), min(result[2], upper)
+
+
+def _solve_on_support(
+    problem: Problem, relaxed: Relaxed, solver: str, time_limit_s: float
+) -> Solution | None:
+    """A solution using only candidates the LP gives weight (a small MIP: the LP is fractional
+    at a few nodes), or None if none fits."""
+    used = {v: np.array(xs) > SUPPORT_WEIGHT for v, xs in relaxed.values.items()}
+    nodes = {v: np.where(used[v], c, math.inf) for v, c in problem.node_costs.items()}
+    result = solve_mip(
+        replace(problem, node_costs=nodes), solver, time_limit_s=time_limit_s, rel_gap=1e-9
+    )
+    return None if isinstance(result, int) else _solution_of(problem, result[0])
+
+
+SUPPORT_WEIGHT = 1e-6  # an LP value above this puts the candidate in the rounding MIP
+
+
+def _solution_of(problem: Problem, values: Values) -> Solution:
+    choice = _choice(values)
+    return Solution(choice, problem.objective(choice), "feasible", math.nan, 0.0)
+
+
+def _value(solution: Solution) -> float:
+    return solution.objective
+
+
+def _out_of_time(solver: str, time_limit_s: float, status: int | None = None) -> str:
+    said = f" (status {status})" if status is not None else ""
+    return (
+        f"the {solver} solver found no assignment within {time_limit_s:g} s{said}; "
+        "raise the time limit (--time-limit-s)."
     )
 
 
@@ -260,181 +332,6 @@ def _priced_by(problem: Problem, chosen: Sequence[int]) -> Problem:
             assert e in edges, f"max term edge {e} is not an edge of the problem"
             edges[e] = edges[e] + term.weight * m
     return Problem(nodes, edges, problem.memory)
-
-
-Values = dict[Key, list[float]]
-
-
-def _relaxation(problem: Problem, time_limit_s: float) -> tuple[Values, float] | None:
-    """The LP relaxation (x in [0, 1]) solved by HiGHS through scipy: x's values and the
-    optimum, a lower bound of the ILP; None if HiGHS stops without one (out of time). The
-    matrices are built with numpy, a fraction of the time pywraplp takes for the same rows.
-    Presolve is off: on the 22 LPs of a 96-layer GPT-3 search it took 3x the time of solving
-    without it (7.3 s vs 2.3 s), for the same optima (measured, scipy 1.17)."""
-    lp = _LinearProgram(problem)
-    result = linprog(
-        lp.cost, A_ub=lp.upper_rows(), b_ub=lp.upper_bounds, A_eq=lp.equal_rows(),
-        b_eq=lp.equal_bounds, bounds=np.stack([np.zeros(lp.size), lp.upper], axis=1),
-        method="highs", options={"time_limit": time_limit_s, "presolve": False},
-    )  # fmt: skip
-    if result.status == 2:
-        raise NoFitError("no strategy assignment satisfies the constraints (infeasible LP).")
-    if result.status != 0:
-        return None
-    values = {v: list(result.x[at : at + n]) for v, (at, n) in lp.x_at.items()}
-    return values, float(result.fun) / lp.scale
-
-
-class _LinearProgram:
-    """The formulation of the module docstring as sparse matrices: columns x (per node, its
-    candidates), y (per edge, its allowed pairs), z (per max term); rows one-hot, marginals
-    (equalities), memory and max terms (upper bounds)."""
-
-    def __init__(self, problem: Problem) -> None:
-        self.scale = scale = _objective_scale(problem)  # as for the MIP: costs near 1e3
-        self.x_at: dict[Key, tuple[int, int]] = {}
-        costs: list[np.ndarray] = []
-        upper: list[np.ndarray] = []
-        columns = 0
-        for v, node_costs in problem.node_costs.items():
-            c = np.asarray(node_costs, dtype=float) * scale
-            self.x_at[v] = (columns, len(c))
-            columns += len(c)
-            finite = np.isfinite(c)
-            costs.append(np.where(finite, c, 0.0))
-            upper.append(finite.astype(float))  # an infinite cost: the candidate is forbidden
-        self._eq: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, cols, values)
-        rows = 0
-        for at, n in self.x_at.values():  # one-hot
-            self._eq.append((np.full(n, rows), at + np.arange(n), np.ones(n)))
-            rows += 1
-        equal_bounds = [np.ones(rows)]
-        self.y_at: dict[tuple[Key, Key], tuple[int, np.ndarray, np.ndarray]] = {}
-        for (u, v), matrix in problem.edge_costs.items():
-            (u_at, nu), (v_at, nv) = self.x_at[u], self.x_at[v]
-            i, j = np.nonzero(np.isfinite(matrix))
-            y = columns + np.arange(len(i))
-            self.y_at[(u, v)] = (columns, i, j)
-            costs.append(matrix[i, j] * scale)
-            upper.append(np.ones(len(i)))
-            # sum_j y[i, j] - x[u, i] = 0, then sum_i y[i, j] - x[v, j] = 0
-            self._eq += [
-                (rows + i, y, np.ones(len(i))),
-                (rows + nu + j, y, np.ones(len(i))),
-                (rows + np.arange(nu), u_at + np.arange(nu), -np.ones(nu)),
-                (rows + nu + np.arange(nv), v_at + np.arange(nv), -np.ones(nv)),
-            ]
-            equal_bounds.append(np.zeros(nu + nv))
-            rows += nu + nv
-            columns += len(i)
-        self._ub: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        bounds: list[float] = []
-        for mem in problem.memory:  # scaled by the limit, as for the MIP
-            per_byte = 1.0 / max(abs(mem.limit_bytes), 1.0)
-            for v, per in mem.bytes_per_candidate.items():
-                at, n = self.x_at[v]
-                self._ub.append((np.full(n, len(bounds)), at + np.arange(n), per_byte * per))
-            bounds.append((mem.limit_bytes - mem.constant_bytes) * per_byte)
-        for term in problem.max_terms:  # part - z <= 0 for every part; z costs weight
-            z = columns
-            costs.append(np.array([term.weight]))
-            upper.append(np.array([np.inf]))
-            columns += 1
-            for part in term.parts:
-                row = len(bounds)
-                self._ub.append((np.array([row]), np.array([z]), np.array([-1.0])))
-                for v, c in part.node_costs.items():
-                    at, n = self.x_at[v]
-                    self._ub.append((np.full(n, row), at + np.arange(n), scale * c))
-                for edge, matrix in part.edge_costs.items():
-                    assert edge in self.y_at, f"max term edge {edge} is not an edge of the problem"
-                    first, i, j = self.y_at[edge]
-                    self._ub.append(
-                        (np.full(len(i), row), first + np.arange(len(i)), scale * matrix[i, j])
-                    )
-                bounds.append(0.0)
-        self.size = columns
-        self.cost = np.concatenate(costs)
-        self.upper = np.concatenate(upper)
-        self.upper_bounds = np.array(bounds) if bounds else None
-        self.equal_bounds = np.concatenate(equal_bounds)
-
-    def equal_rows(self) -> sparse.csr_matrix:
-        return _sparse(self._eq, len(self.equal_bounds), self.size)
-
-    def upper_rows(self) -> sparse.csr_matrix | None:
-        if self.upper_bounds is None:
-            return None
-        return _sparse(self._ub, len(self.upper_bounds), self.size)
-
-    def rows(self) -> sparse.csr_matrix:
-        """Every row: the equalities, then the upper bounds (`row_bounds` in the same order)."""
-        upper = self.upper_rows()
-        return sparse.vstack([self.equal_rows(), *([upper] if upper is not None else [])]).tocsr()
-
-    def row_bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per row of `rows`, its least and greatest value."""
-        below = self.upper_bounds if self.upper_bounds is not None else np.zeros(0)
-        lower = np.concatenate([self.equal_bounds, np.full(len(below), -np.inf)])
-        return lower, np.concatenate([self.equal_bounds, below])
-
-
-def _sparse(
-    entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]], rows: int, columns: int
-) -> sparse.csr_matrix:
-    row, col, value = (np.concatenate([e[k] for e in entries]) for k in range(3))
-    return sparse.csr_matrix((value, (row, col)), shape=(rows, columns))
-
-
-def _solve_once(
-    problem: Problem, solver: str, *, time_limit_s: float, rel_gap: float
-) -> tuple[Values, int, float] | int:
-    """(x values, status, best bound), or the solver's status when it has no solution
-    (pywraplp.Solver.INFEASIBLE, or NOT_SOLVED when out of time). The model is the LP's
-    matrices with x integral, handed to OR-Tools whole (building it row by row through
-    pywraplp took 0.3-0.5 s of a 1 s GPT-3 solve, measured)."""
-    mip = pywraplp.Solver.CreateSolver(solver)
-    if mip is None:
-        raise PlanError(f"OR-Tools has no {solver} solver here; use solver='CBC' or 'SCIP'.")
-    for v, costs in problem.node_costs.items():
-        if len(costs) == 0:
-            raise PlanError(f"node {v!r} has no candidate strategy.")
-    lp = _LinearProgram(problem)
-    model = model_builder_helper.ModelBuilderHelper()
-    lower, upper = lp.row_bounds()
-    arrays = (np.zeros(lp.size), lp.upper, lp.cost, lower, upper)
-    model.fill_model_from_sparse_data(*arrays, lp.rows())  # type: ignore[arg-type]  # a wrong stub
-    for at, n in lp.x_at.values():
-        for column in range(at, at + n):
-            model.set_var_integrality(column, True)
-    message = mip.LoadModelFromProto(model_builder_helper.to_mpmodel_proto(model))
-    assert not message, f"OR-Tools refused the model: {message}"
-    mip.SetTimeLimit(int(time_limit_s * 1000))
-    params = pywraplp.MPSolverParameters()
-    params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, rel_gap)
-    status = mip.Solve(params)
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        return int(status)
-    columns = mip.variables()
-    values = {
-        v: [columns[k].solution_value() for k in range(at, at + n)]
-        for v, (at, n) in lp.x_at.items()
-    }
-    return values, status, mip.Objective().BestBound() / lp.scale
-
-
-def _objective_scale(problem: Problem) -> float:
-    """Costs are seconds, often 1e-6..1e-3: scale the largest to 1e3 so the solvers' absolute
-    tolerances (about 1e-6) are negligible beside every cost."""
-    arrays = [*problem.node_costs.values(), *problem.edge_costs.values()]
-    for term in problem.max_terms:
-        for part in term.parts:
-            arrays += [
-                c * term.weight for c in (*part.node_costs.values(), *part.edge_costs.values())
-            ]
-    finite = [float(np.max(np.abs(a[np.isfinite(a)]))) for a in arrays if np.isfinite(a).any()]
-    largest = max(finite, default=0.0)
-    return 1e3 / largest if largest > 0 else 1.0
 
 
 def _integral(values: Values, tol: float = 1e-6) -> bool:

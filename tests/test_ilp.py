@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from autosbp.ilp import (
     solve,
     solve_below,
 )
+from autosbp.ilp_solvers import fix_by_reduced_costs, relax
 
 
 def random_problem(
@@ -166,3 +169,59 @@ def test_infeasible_raises_plan_error() -> None:
     )
     with pytest.raises(PlanError, match="infeasible"):
         solve(problem)
+
+
+def fractional_cases() -> list:
+    """Random problems with a tight memory limit whose LP relaxation is fractional: `solve`
+    rounds them and fixes columns by reduced cost before its MIP."""
+    cases = []
+    for seed in range(40):
+        problem = random_problem(seed, 7, 3, memory=True, forbid=0.2)
+        try:
+            relaxed = relax(problem, 60.0)
+        except PlanError:
+            continue
+        values = np.concatenate(list(relaxed.values.values())) if relaxed else []
+        if any(1e-6 < x < 1 - 1e-6 for x in values):
+            cases.append(pytest.param(problem, relaxed, id=f"s{seed}"))
+    assert len(cases) >= 5, "the table no longer exercises fractional relaxations"
+    return cases
+
+
+@pytest.mark.parametrize(("problem", "relaxed"), fractional_cases())
+def test_fractional_relaxations_solve_to_brute_force(problem: Problem, relaxed) -> None:
+    expected = brute_force(problem)
+    got = solve(problem)
+    assert got.status == "optimal"
+    assert problem.feasible(got.choice)
+    assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
+
+
+@pytest.mark.parametrize(("problem", "relaxed"), fractional_cases())
+@pytest.mark.parametrize("above", [1.0, 1.05, 1.3])
+def test_fixing_keeps_every_solution_better_than_the_bound(
+    problem: Problem, relaxed, above: float
+) -> None:
+    upper = brute_force(problem).objective * above
+    fixed = fix_by_reduced_costs(problem, relaxed, upper)
+    for choice in assignments(problem):
+        if problem.feasible(choice) and problem.objective(choice) < upper:
+            assert fixed.feasible(choice), f"fixing dropped {choice}, better than {upper}"
+
+
+def test_fixing_at_the_optimum_drops_solutions() -> None:
+    # Not a theorem per problem (the LP gap may exceed every reduced cost), but on this table
+    # the fixing must do something, or solve_below's rounding and fixing are dead weight.
+    dropped = 0
+    for case in fractional_cases():
+        problem, relaxed = case.values
+        fixed = fix_by_reduced_costs(problem, relaxed, brute_force(problem).objective)
+        dropped += sum(problem.feasible(c) and not fixed.feasible(c) for c in assignments(problem))
+    assert dropped > 0
+
+
+def assignments(problem: Problem) -> Iterator[dict]:
+    keys = list(problem.node_costs)
+    sizes = [len(problem.node_costs[k]) for k in keys]
+    for combo in itertools.product(*(range(s) for s in sizes)):
+        yield dict(zip(keys, combo, strict=True))

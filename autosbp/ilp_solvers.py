@@ -1,0 +1,241 @@
+"""The ILP of `autosbp.ilp` as sparse matrices, and the solvers that run on them.
+
+Lives here: `LinearProgram` (the formulation of `ilp`'s docstring as numpy/scipy matrices: one
+build serves the LP and the MIP), `relax` (the LP relaxation by HiGHS through scipy, with its
+reduced costs), `fix_by_reduced_costs` (drops the candidates and pairs that no solution better
+than a known value can use), `solve_mip` (the same matrices with x integral, by OR-Tools; CBC by
+default: HiGHS through pywraplp ignores the gap setting and prints a banner).
+Lives elsewhere: what the problem means and the search over relaxations (`ilp`).
+
+Reduced-cost fixing (textbook branch and bound; MIP solvers do it inside once they hold an
+incumbent): with an optimal LP dual, every feasible x satisfies c x >= L + sum_j d_j x_j for the
+LP optimum L and the reduced costs d_j >= 0 of the columns at their lower bound 0 (columns at
+their upper bound add d_j (x_j - 1) >= 0). A column whose d_j exceeds U - L, for a value U some
+solution already reaches, is 0 in every solution better than U.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from ortools.linear_solver import pywraplp
+from ortools.linear_solver.python import model_builder_helper
+from scipy import sparse
+from scipy.optimize import linprog
+
+from autosbp.errors import NoFitError, PlanError
+
+if TYPE_CHECKING:
+    from autosbp.ilp import Problem
+
+Key = Any  # as in `ilp`
+Values = dict[Key, list[float]]  # per node, its candidates' values
+
+
+@dataclass(frozen=True)
+class Relaxed:
+    """An optimal LP relaxation: x's values per node, the optimum (seconds, a lower bound of
+    the ILP), and per column of `lp` its reduced cost (seconds; >= 0 at the lower bound)."""
+
+    values: Values
+    bound_s: float
+    reduced_s: np.ndarray
+    lp: LinearProgram
+
+
+def relax(problem: Problem, time_limit_s: float) -> Relaxed | None:
+    """The LP relaxation (x in [0, 1]) solved by HiGHS through scipy; None if HiGHS stops
+    without an optimum (out of time). The matrices are built with numpy, a fraction of the time
+    pywraplp takes for the same rows. Presolve is off: on the 22 LPs of a 96-layer GPT-3 search
+    it took 3x the time of solving without it (7.3 s vs 2.3 s), for the same optima (measured,
+    scipy 1.17)."""
+    lp = LinearProgram(problem)
+    result = linprog(
+        lp.cost, A_ub=lp.upper_rows(), b_ub=lp.upper_bounds, A_eq=lp.equal_rows(),
+        b_eq=lp.equal_bounds, bounds=np.stack([np.zeros(lp.size), lp.upper], axis=1),
+        method="highs", options={"time_limit": time_limit_s, "presolve": False},
+    )  # fmt: skip
+    if result.status == 2:
+        raise NoFitError("no strategy assignment satisfies the constraints (infeasible LP).")
+    if result.status != 0:
+        return None
+    values = {v: list(result.x[at : at + n]) for v, (at, n) in lp.x_at.items()}
+    reduced = (result.lower.marginals + result.upper.marginals) / lp.scale
+    return Relaxed(values, float(result.fun) / lp.scale, reduced, lp)
+
+
+FIXING_TOLERANCE = 1e-7  # relative; HiGHS's optima and duals are good to ~1e-9 of the costs
+
+
+def fix_by_reduced_costs(problem: Problem, relaxed: Relaxed, upper_s: float) -> Problem:
+    """`problem` less the candidates and edge pairs whose reduced cost exceeds `upper_s` - the
+    LP bound (forbidden: an infinite cost), so its solutions include every solution of
+    `problem` better than `upper_s` (the module docstring). Same keys and candidate indices."""
+    lp = relaxed.lp
+    slack_s = upper_s - relaxed.bound_s
+    slack_s += FIXING_TOLERANCE * max(abs(upper_s), abs(relaxed.bound_s))  # the LP's own error
+    keep = relaxed.reduced_s <= slack_s
+    kept = {v: keep[at : at + n] for v, (at, n) in lp.x_at.items()}
+    nodes = {v: np.where(kept[v], c, np.inf) for v, c in problem.node_costs.items()}
+    edges = {}
+    for (u, v), matrix in problem.edge_costs.items():
+        first, i, j = lp.y_at[(u, v)]
+        dropped = ~keep[first : first + len(i)] | ~kept[u][i] | ~kept[v][j]
+        fixed = np.array(matrix, dtype=float)
+        fixed[i[dropped], j[dropped]] = np.inf
+        edges[(u, v)] = fixed
+    return replace(problem, node_costs=nodes, edge_costs=edges)
+
+
+class LinearProgram:
+    """The formulation of the module docstring as sparse matrices: columns x (per node, its
+    candidates), y (per edge, its allowed pairs), z (per max term); rows one-hot, marginals
+    (equalities), memory and max terms (upper bounds)."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.scale = scale = objective_scale(problem)  # as for the MIP: costs near 1e3
+        self.x_at: dict[Key, tuple[int, int]] = {}
+        costs: list[np.ndarray] = []
+        upper: list[np.ndarray] = []
+        columns = 0
+        for v, node_costs in problem.node_costs.items():
+            c = np.asarray(node_costs, dtype=float) * scale
+            self.x_at[v] = (columns, len(c))
+            columns += len(c)
+            finite = np.isfinite(c)
+            costs.append(np.where(finite, c, 0.0))
+            upper.append(finite.astype(float))  # an infinite cost: the candidate is forbidden
+        self._eq: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, cols, values)
+        rows = 0
+        for at, n in self.x_at.values():  # one-hot
+            self._eq.append((np.full(n, rows), at + np.arange(n), np.ones(n)))
+            rows += 1
+        equal_bounds = [np.ones(rows)]
+        self.y_at: dict[tuple[Key, Key], tuple[int, np.ndarray, np.ndarray]] = {}
+        for (u, v), matrix in problem.edge_costs.items():
+            (u_at, nu), (v_at, nv) = self.x_at[u], self.x_at[v]
+            i, j = np.nonzero(np.isfinite(matrix))
+            y = columns + np.arange(len(i))
+            self.y_at[(u, v)] = (columns, i, j)
+            costs.append(matrix[i, j] * scale)
+            upper.append(np.ones(len(i)))
+            # sum_j y[i, j] - x[u, i] = 0, then sum_i y[i, j] - x[v, j] = 0
+            self._eq += [
+                (rows + i, y, np.ones(len(i))),
+                (rows + nu + j, y, np.ones(len(i))),
+                (rows + np.arange(nu), u_at + np.arange(nu), -np.ones(nu)),
+                (rows + nu + np.arange(nv), v_at + np.arange(nv), -np.ones(nv)),
+            ]
+            equal_bounds.append(np.zeros(nu + nv))
+            rows += nu + nv
+            columns += len(i)
+        self._ub: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        bounds: list[float] = []
+        for mem in problem.memory:  # scaled by the limit, as for the MIP
+            per_byte = 1.0 / max(abs(mem.limit_bytes), 1.0)
+            for v, per in mem.bytes_per_candidate.items():
+                at, n = self.x_at[v]
+                self._ub.append((np.full(n, len(bounds)), at + np.arange(n), per_byte * per))
+            bounds.append((mem.limit_bytes - mem.constant_bytes) * per_byte)
+        for term in problem.max_terms:  # part - z <= 0 for every part; z costs weight
+            z = columns
+            costs.append(np.array([term.weight]))
+            upper.append(np.array([np.inf]))
+            columns += 1
+            for part in term.parts:
+                row = len(bounds)
+                self._ub.append((np.array([row]), np.array([z]), np.array([-1.0])))
+                for v, c in part.node_costs.items():
+                    at, n = self.x_at[v]
+                    self._ub.append((np.full(n, row), at + np.arange(n), scale * c))
+                for edge, matrix in part.edge_costs.items():
+                    assert edge in self.y_at, f"max term edge {edge} is not an edge of the problem"
+                    first, i, j = self.y_at[edge]
+                    self._ub.append(
+                        (np.full(len(i), row), first + np.arange(len(i)), scale * matrix[i, j])
+                    )
+                bounds.append(0.0)
+        self.size = columns
+        self.cost = np.concatenate(costs)
+        self.upper = np.concatenate(upper)
+        self.upper_bounds = np.array(bounds) if bounds else None
+        self.equal_bounds = np.concatenate(equal_bounds)
+
+    def equal_rows(self) -> sparse.csr_matrix:
+        return _sparse(self._eq, len(self.equal_bounds), self.size)
+
+    def upper_rows(self) -> sparse.csr_matrix | None:
+        if self.upper_bounds is None:
+            return None
+        return _sparse(self._ub, len(self.upper_bounds), self.size)
+
+    def rows(self) -> sparse.csr_matrix:
+        """Every row: the equalities, then the upper bounds (`row_bounds` in the same order)."""
+        upper = self.upper_rows()
+        return sparse.vstack([self.equal_rows(), *([upper] if upper is not None else [])]).tocsr()
+
+    def row_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per row of `rows`, its least and greatest value."""
+        below = self.upper_bounds if self.upper_bounds is not None else np.zeros(0)
+        lower = np.concatenate([self.equal_bounds, np.full(len(below), -np.inf)])
+        return lower, np.concatenate([self.equal_bounds, below])
+
+
+def _sparse(
+    entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]], rows: int, columns: int
+) -> sparse.csr_matrix:
+    row, col, value = (np.concatenate([e[k] for e in entries]) for k in range(3))
+    return sparse.csr_matrix((value, (row, col)), shape=(rows, columns))
+
+
+def solve_mip(
+    problem: Problem, solver: str, *, time_limit_s: float, rel_gap: float
+) -> tuple[Values, int, float] | int:
+    """(x values, status, best bound), or the solver's status when it has no solution
+    (pywraplp.Solver.INFEASIBLE, or NOT_SOLVED when out of time). The model is the LP's
+    matrices with x integral, handed to OR-Tools whole (building it row by row through
+    pywraplp took 0.3-0.5 s of a 1 s GPT-3 solve, measured)."""
+    mip = pywraplp.Solver.CreateSolver(solver)
+    if mip is None:
+        raise PlanError(f"OR-Tools has no {solver} solver here; use solver='CBC' or 'SCIP'.")
+    for v, costs in problem.node_costs.items():
+        if len(costs) == 0:
+            raise PlanError(f"node {v!r} has no candidate strategy.")
+    lp = LinearProgram(problem)
+    model = model_builder_helper.ModelBuilderHelper()
+    lower, upper = lp.row_bounds()
+    arrays = (np.zeros(lp.size), lp.upper, lp.cost, lower, upper)
+    model.fill_model_from_sparse_data(*arrays, lp.rows())  # type: ignore[arg-type]  # a wrong stub
+    for at, n in lp.x_at.values():
+        for column in range(at, at + n):
+            model.set_var_integrality(column, True)
+    message = mip.LoadModelFromProto(model_builder_helper.to_mpmodel_proto(model))
+    assert not message, f"OR-Tools refused the model: {message}"
+    mip.SetTimeLimit(int(time_limit_s * 1000))
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, rel_gap)
+    status = mip.Solve(params)
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return int(status)
+    columns = mip.variables()
+    values = {
+        v: [columns[k].solution_value() for k in range(at, at + n)]
+        for v, (at, n) in lp.x_at.items()
+    }
+    return values, status, mip.Objective().BestBound() / lp.scale
+
+
+def objective_scale(problem: Problem) -> float:
+    """Costs are seconds, often 1e-6..1e-3: scale the largest to 1e3 so the solvers' absolute
+    tolerances (about 1e-6) are negligible beside every cost."""
+    arrays = [*problem.node_costs.values(), *problem.edge_costs.values()]
+    for term in problem.max_terms:
+        for part in term.parts:
+            arrays += [
+                c * term.weight for c in (*part.node_costs.values(), *part.edge_costs.values())
+            ]
+    finite = [float(np.max(np.abs(a[np.isfinite(a)]))) for a in arrays if np.isfinite(a).any()]
+    largest = max(finite, default=0.0)
+    return 1e3 / largest if largest > 0 else 1.0

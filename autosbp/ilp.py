@@ -53,7 +53,14 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from autosbp.errors import NoFitError, PlanError
-from autosbp.ilp_solvers import Relaxed, Values, fix_by_reduced_costs, relax, solve_mip
+from autosbp.ilp_solvers import (
+    Relaxed,
+    Values,
+    fix_by_reduced_costs,
+    relax,
+    restrict,
+    solve_mip,
+)
 
 Key = Any  # a node's name (str) in the planner; any hashable value in tests
 
@@ -240,11 +247,11 @@ def _solve_on_support(
 ) -> Solution | None:
     """A solution using only candidates the LP gives weight (a small MIP: the LP is fractional
     at a few nodes), or None if none fits."""
-    used = {v: np.array(xs) > SUPPORT_WEIGHT for v, xs in relaxed.values.items()}
-    nodes = {v: np.where(used[v], c, math.inf) for v, c in problem.node_costs.items()}
-    result = solve_mip(
-        replace(problem, node_costs=nodes), solver, time_limit_s=time_limit_s, rel_gap=1e-9
-    )
+    used = np.ones(relaxed.lp.size, dtype=bool)  # every pair of the used candidates
+    for v, (at, n) in relaxed.lp.x_at.items():
+        used[at : at + n] = np.array(relaxed.values[v]) > SUPPORT_WEIGHT
+    support = restrict(problem, relaxed.lp, used)
+    result = solve_mip(support, solver, time_limit_s=time_limit_s, rel_gap=1e-9)
     return None if isinstance(result, int) else _solution_of(problem, result[0])
 
 

@@ -71,21 +71,26 @@ FIXING_TOLERANCE = 1e-7  # relative; HiGHS's optima and duals are good to ~1e-9 
 
 def fix_by_reduced_costs(problem: Problem, relaxed: Relaxed, upper_s: float) -> Problem:
     """`problem` less the candidates and edge pairs whose reduced cost exceeds `upper_s` - the
-    LP bound (forbidden: an infinite cost), so its solutions include every solution of
-    `problem` better than `upper_s` (the module docstring). Same keys and candidate indices."""
-    lp = relaxed.lp
+    LP bound, so its solutions include every solution of `problem` better than `upper_s` (the
+    module docstring)."""
     slack_s = upper_s - relaxed.bound_s
     slack_s += FIXING_TOLERANCE * max(abs(upper_s), abs(relaxed.bound_s))  # the LP's own error
-    keep = relaxed.reduced_s <= slack_s
+    return restrict(problem, relaxed.lp, relaxed.reduced_s <= slack_s)
+
+
+def restrict(problem: Problem, lp: LinearProgram, keep: np.ndarray) -> Problem:
+    """`problem` with the columns of `lp` (`problem`'s) that `keep` does not hold forbidden (an
+    infinite cost), and with them every pair of a forbidden candidate: same keys and candidate
+    indices, and no column for them in its own LinearProgram."""
     kept = {v: keep[at : at + n] for v, (at, n) in lp.x_at.items()}
     nodes = {v: np.where(kept[v], c, np.inf) for v, c in problem.node_costs.items()}
     edges = {}
     for (u, v), matrix in problem.edge_costs.items():
         first, i, j = lp.y_at[(u, v)]
         dropped = ~keep[first : first + len(i)] | ~kept[u][i] | ~kept[v][j]
-        fixed = np.array(matrix, dtype=float)
-        fixed[i[dropped], j[dropped]] = np.inf
-        edges[(u, v)] = fixed
+        restricted = np.array(matrix, dtype=float)
+        restricted[i[dropped], j[dropped]] = np.inf
+        edges[(u, v)] = restricted
     return replace(problem, node_costs=nodes, edge_costs=edges)
 
 

@@ -21,7 +21,13 @@ from autosbp.ilp import MemoryConstraint, Problem, Solution, brute_force, solve
 from autosbp.plan import Plan
 from autosbp.planner.api import ClusterPrices, plan_graph, plan_graphs
 from autosbp.planner.pipeline import split_stages
-from autosbp.planner.search import build_problem, powers_of_two_dividing, strategy_space
+from autosbp.planner.reduce import tie_stages
+from autosbp.planner.search import (
+    build_problem,
+    powers_of_two_dividing,
+    price_graph,
+    strategy_space,
+)
 from autosbp.rebatch import micro_batch_graphs
 from autosbp.sbp import Mesh, Split, parse_nd_sbp
 from autosbp.zoo import GPT3_175B, ZOO_MODELS, build_model, gpt3_175b, gpt3_megatron
@@ -221,6 +227,57 @@ def test_pipelined_problem_equals_brute_force(memory_fraction: float | None) -> 
     exact = problem(limit)
     assert math.prod(len(c) for c in exact.node_costs.values()) <= 2_000_000
     solved_like_brute_force(exact)
+
+
+@pytest.mark.parametrize(
+    ("stages", "recompute"), [(1, "none"), (1, "full"), (2, "none"), (2, "selective"), (4, "full")]
+)
+def test_tied_blocks_price_like_the_whole_graph(stages: int, recompute: str) -> None:
+    # The problem over representatives (4 blocks tied to the first) prices every tied choice
+    # as the problem over every node does: the counts of `tie_stages` (nodes, twin edges,
+    # tensors sent between stages) stand for the graph. Memory is compared without
+    # recomputation (with it, tied blocks share one rematerialized block; untied ones cannot).
+    model, inputs = build_model(
+        "gpt", device="meta", layers=4, hidden=64, heads=4, seq=16, vocab=128, batch=8
+    )
+    graph, mesh, prices = capture(model, inputs), Mesh((2, 2)), a100_prices()
+    split, whole = split_stages(graph, stages), {name: name for name in graph.order}
+    common = {
+        "optimizer": "adam", "memory_limit_bytes": 1e15, "micro_batches": 4, "split": split,
+        "recompute": recompute,
+    }  # fmt: skip
+    tied = build_problem(graph, mesh, prices, **common)
+    untied = build_problem(
+        graph, mesh, prices, **common, priced=price_graph(graph, mesh, prices, representative=whole),
+        tied=tie_stages(graph, split, whole),
+    )  # fmt: skip
+    rep = tied.representative
+    assert len(set(rep.values())) < len(rep) / 2, "the blocks were not tied"
+    crossing = {
+        (u, out_idx, split.stage_of[v])
+        for u, v, uses in graph.graph.edges(data="uses")
+        if split.stage_of[u] < split.stage_of[v] and graph.graph.nodes[u]["role"] is not Role.INPUT
+        for out_idx, _ in uses
+    }
+    assert set(tie_stages(graph, split).sends) == crossing and (stages == 1) == (not crossing)
+    rng = np.random.default_rng(stages)
+    choices = [solve(tied.problem).choice] + [
+        {r: int(rng.integers(len(c))) for r, c in tied.problem.node_costs.items()}
+        for _ in range(20)
+    ]
+    for choice in choices:
+        expanded = {name: choice[rep[name]] for name in graph.order}
+        assert untied.problem.objective(expanded) == pytest.approx(
+            tied.problem.objective(choice), rel=1e-9
+        )
+        if recompute == "none":
+            for a, b in zip(tied.problem.memory, untied.problem.memory, strict=True):
+                assert memory_used(b, expanded) == pytest.approx(memory_used(a, choice), rel=1e-9)
+
+
+def memory_used(constraint: MemoryConstraint, choice: dict) -> float:
+    per = constraint.bytes_per_candidate
+    return constraint.constant_bytes + sum(float(b[choice[v]]) for v, b in per.items())
 
 
 @pytest.mark.slow

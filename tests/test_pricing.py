@@ -76,7 +76,8 @@ def test_edge_tables_shared_across_edges_and_micro_batches_equal_fresh_prices() 
     checked = 0
     for graph in graphs.values():
         priced = price_graph(graph, MESH, prices, pricer=shared)
-        for (u, v), (both, forward) in priced.edges.items():
+        for u, v in graph.graph.edges:
+            both, forward = priced.edge_prices(u, v)
             uses = graph.graph.edges[u, v]["uses"]
             producer, consumer = priced.strategies[u], priced.strategies[v]
             expected_both, expected_forward = np.zeros(both.shape), np.zeros(both.shape)

@@ -1,10 +1,12 @@
 """Shrink the ILP before solving: repeated blocks share one set of variables.
 
 Lives here: `tie_blocks`, which maps every node of block k > 0 to the node at the same position
-of the first block, when the blocks are identical (same ops, shapes and dtypes in the same order).
-The problem builder sums the costs and memory of tied nodes onto their representative and merges
-the edges between them, so a 96-layer transformer costs the solver what one layer costs.
-Lives elsewhere: building and solving the problem (`search`, `ilp`).
+of the first block, when the blocks are identical (same ops, shapes and dtypes in the same order);
+`tie_stages`, the nodes and edges of a graph cut into stages counted per representative. The
+problem builder sums the costs and memory of tied nodes onto their representative and merges
+the edges between them, so a 96-layer transformer costs the solver what one layer costs, and
+loops over these counts, not the graph, so it builds as fast as for one layer.
+Lives elsewhere: building and solving the problem (`search`, `ilp`), stages (`pipeline`).
 
 This restricts the search to plans where every repeated block takes the same signatures, as
 Megatron-LM and Alpa do; the result is exact for that space (brute force agrees in the tests).
@@ -13,9 +15,11 @@ Reference: autoparallel `repeated_subgraphs` (ilp-planners.md, "Graph-size reduc
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 
-from autosbp.graph import OpGraph
+from autosbp.graph import OpGraph, Role
+from autosbp.planner.pipeline import StageSplit, read_outside_block
 
 
 def tie_blocks(graph: OpGraph) -> dict[str, str]:
@@ -35,6 +39,55 @@ def tie_blocks(graph: OpGraph) -> dict[str, str]:
         for rep, name in zip(first, other, strict=True):
             representative[name] = rep
     return representative
+
+
+@dataclass(frozen=True)
+class TiedStages:
+    """A graph cut into stages, counted per representative (`tie_blocks`). An edge stands for
+    its twins: the edges between the same representatives with the same uses and tensors (one
+    boxing price serves them all, `twin_key`)."""
+
+    representative: dict[str, str]
+    nodes: Counter[tuple[str, int, bool]]  # (representative, stage, read outside its block) -> n
+    edges: Counter[tuple[tuple[str, str], int]]  # (an edge for its twins, consumer's stage) -> n
+    sends: tuple[tuple[str, int, int], ...]  # (producer, output index, stage receiving it)
+
+    def copies(self) -> Counter[tuple[int, str]]:
+        """(stage, representative) -> how many nodes it stands for there."""
+        found: Counter[tuple[int, str]] = Counter()
+        for (rep, stage, _), n in self.nodes.items():
+            found[(stage, rep)] += n
+        return found
+
+
+def tie_stages(
+    graph: OpGraph, split: StageSplit, representative: dict[str, str] | None = None
+) -> TiedStages:
+    """Count `graph`'s nodes and edges per representative and stage; every tensor that a later
+    stage reads from an earlier one (not a model input) once per receiving stage."""
+    rep = representative or tie_blocks(graph)
+    stage_of = split.stage_of
+    nodes = Counter(
+        (rep[name], stage_of[name], read_outside_block(graph, name)) for name in graph.order
+    )
+    members: dict[tuple, tuple[str, str]] = {}
+    edges: Counter[tuple[tuple[str, str], int]] = Counter()
+    sends: dict[tuple[str, int, int], None] = {}
+    for u, v in graph.graph.edges:
+        member = members.setdefault(twin_key(graph, rep, u, v), (u, v))
+        edges[(member, stage_of[v])] += 1
+        if stage_of[u] != stage_of[v] and graph.graph.nodes[u]["role"] is not Role.INPUT:
+            for out_idx, _ in graph.graph.edges[u, v]["uses"]:
+                sends[(u, out_idx, stage_of[v])] = None
+    return TiedStages(rep, nodes, edges, tuple(sends))
+
+
+def twin_key(graph: OpGraph, rep: dict[str, str], u: str, v: str) -> tuple:
+    """Equal for edges that boxing prices alike: between the same representatives, with the
+    same uses (output index -> input index) of the same tensors."""
+    uses = tuple(graph.graph.edges[u, v]["uses"])
+    metas = tuple(graph.graph.nodes[u]["outputs"][out_idx] for out_idx, _ in uses)
+    return (rep[u], rep[v], uses, metas)
 
 
 def _same_shape(graph: OpGraph, a: list[str], b: list[str]) -> bool:

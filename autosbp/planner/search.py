@@ -20,8 +20,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,11 +52,10 @@ from autosbp.planner.pipeline import (
     RECOMPUTE_MODES,
     StageSplit,
     in_flight,
-    read_outside_block,
     recomputed,
     split_stages,
 )
-from autosbp.planner.reduce import tie_blocks
+from autosbp.planner.reduce import TiedStages, tie_blocks, tie_stages, twin_key
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split, local_shape
 from autosbp.schedule import hidden_sync_s, simulate, sync_buckets
@@ -131,8 +129,7 @@ def mesh_shapes(devices: int, link_of: LinkOf, devices_per_node: int | None = No
 class Priced:
     """Prices of a graph on a stage mesh that do not depend on stages, micro-batches or
     recomputation: candidates, and (computed on first use: most configurations of a search are
-    ruled out by their node prices alone) every edge's boxing matrices, forward + backward and
-    forward alone, per micro-batch."""
+    ruled out by their node prices alone) the edges' boxing matrices."""
 
     mesh: Mesh
     representative: dict[str, str]
@@ -140,25 +137,23 @@ class Priced:
     graph: OpGraph
     pricer: BoxingPricer
 
-    @cached_property
-    def edges(self) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
-        """The same edge in every tied block is priced once."""
-        graph, rep, strategies = self.graph, self.representative, self.strategies
-        matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
-        for u, v, data in graph.graph.edges(data=True):
-            uses = data["uses"]
-            metas = tuple(graph.graph.nodes[u]["outputs"][out_idx] for out_idx, _ in uses)
-            cache_key = (rep[u], rep[v], tuple(uses), metas)
-            if cache_key not in matrices:
-                matrices[cache_key] = tuple(  # type: ignore[assignment]
-                    edge_matrix(
-                        strategies[u], strategies[v], uses, metas, self.pricer, forward_only=f
-                    )
-                    for f in (False, True)
-                )
-            edges[(u, v)] = matrices[cache_key]
-        return edges
+    matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict, repr=False, compare=False
+    )  # per edge twin (`reduce.twin_key`), filled on first use
+
+    def edge_prices(self, u: str, v: str) -> tuple[np.ndarray, np.ndarray]:
+        """The boxing matrices of edge (u, v), forward + backward and forward alone, per
+        micro-batch; priced once for all its twins."""
+        key = twin_key(self.graph, self.representative, u, v)
+        found = self.matrices.get(key)
+        if found is None:
+            uses, metas = key[2], key[3]
+            su, sv = self.strategies[u], self.strategies[v]
+            found = self.matrices[key] = (
+                edge_matrix(su, sv, uses, metas, self.pricer, forward_only=False),
+                edge_matrix(su, sv, uses, metas, self.pricer, forward_only=True),
+            )
+        return found
 
 
 def price_graph(
@@ -167,11 +162,13 @@ def price_graph(
     prices: Prices,
     allow: Allow | None = None,
     pricer: BoxingPricer | None = None,
+    representative: dict[str, str] | None = None,
 ) -> Priced:
-    """Candidates of every representative node (`reduce.tie_blocks`); edges on first use.
-    `pricer`: a boxing pricer of `mesh` to reuse (its chains serve every micro-batch size)."""
+    """Candidates of every representative node (`reduce.tie_blocks`, or `representative` where
+    given); edges on first use. `pricer`: a boxing pricer of `mesh` to reuse (its chains serve
+    every micro-batch size)."""
     pricer = pricer or BoxingPricer(prices, mesh)
-    rep = tie_blocks(graph)
+    rep = representative or tie_blocks(graph)
     bucket_bytes = sync_bucket_bytes(graph)
     strategies: dict[str, NodeStrategies] = {}
     for name, attrs in graph.nodes():
@@ -196,6 +193,7 @@ def build_problem(
     recompute: str = "none",
     stage_link: str = "inter_node",
     priced: Priced | None = None,
+    tied: TiedStages | None = None,
 ) -> MeshProblem:
     """The ILP of `graph` (one micro-batch) with `split`'s stages, each on a mesh like `mesh`.
 
@@ -208,6 +206,7 @@ def build_problem(
     """
     split = split or split_stages(graph, 1)
     priced = priced or price_graph(graph, mesh, prices, allow)
+    tied = tied or tie_stages(graph, split, priced.representative)
     pricer_p2p = _P2P(prices, mesh, stage_link)
     stages = range(split.num_stages)
     busy = [_Acc() for _ in stages]
@@ -217,7 +216,7 @@ def build_problem(
     sync = [_Acc() for _ in stages]
     param_bytes = [0] * split.num_stages
     memory = [_Acc() for _ in stages]
-    rep, stage_of, strategies = priced.representative, split.stage_of, priced.strategies
+    rep, strategies, nodes = priced.representative, priced.strategies, graph.graph.nodes
     kept_bytes: dict[str, np.ndarray] = {}  # per representative: tied nodes keep the same
 
     def saved_bytes(name: str, attrs: dict) -> np.ndarray:
@@ -225,14 +224,9 @@ def build_problem(
             kept_bytes[rep[name]] = _bytes(attrs, strategies[name], mesh, optimizer)
         return kept_bytes[rep[name]]
 
-    # Tied nodes and edges are twins: price each group once, times its count (the loops over
-    # the graph only count, so a 96-layer model builds about as fast as a 12-layer one).
-    node_groups: Counter[tuple[str, int, bool]] = Counter()
-    for name, attrs in graph.nodes():
-        kept = recompute == "full" and attrs["role"] is Role.COMPUTE
-        node_groups[(rep[name], stage_of[name], kept and read_outside_block(graph, name))] += 1
-    for (r, s, read_outside), n in node_groups.items():
-        attrs, found = graph.graph.nodes[r], strategies[r]
+    # Tied nodes and edges are twins: price each group once, times its count.
+    for (r, s, read_outside), n in tied.nodes.items():
+        attrs, found = nodes[r], strategies[r]
         k = in_flight(s, split.num_stages)
         if attrs["role"] is Role.PARAMETER:
             update[s].node(r, n * found.compute_s)
@@ -250,7 +244,8 @@ def build_problem(
             forward[s].node(r, n * fwd)
         saved = saved_bytes(r, attrs)
         if attrs["role"] is Role.COMPUTE and recomputed(attrs, recompute):
-            memory[s].node(r, n * saved * (k if read_outside else 0))
+            kept = recompute == "full" and read_outside  # a block's output stays
+            memory[s].node(r, n * saved * (k if kept else 0))
             memory[s].transient(r, saved)  # one block rematerialized at a time
         else:
             memory[s].node(r, n * saved * (1 if attrs["role"] is not Role.COMPUTE else k))
@@ -262,28 +257,16 @@ def build_problem(
     overflows = memory_limit_bytes is not None and any(
         _least_bytes(a, sizes) > memory_limit_bytes for a in memory
     )
-    edge_groups: Counter[tuple[str, str, int, bool, int]] = Counter()
-    matrices: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # tied edges share their matrices
-    sent: set[tuple[str, int, int]] = set()
-    for (u, v), both_and_forward in priced.edges.items() if not overflows else ():
-        su, sv = stage_of[u], stage_of[v]
-        again = recomputed(graph.graph.nodes[v], recompute)
-        edge_groups[(rep[u], rep[v], sv, again, id(both_and_forward))] += 1
-        matrices[id(both_and_forward)] = both_and_forward
-        if su == sv or graph.graph.nodes[u]["role"] is Role.INPUT:
-            continue
-        for out_idx, _ in graph.graph.edges[u, v]["uses"]:
-            if (u, out_idx, sv) in sent:
-                continue
-            sent.add((u, out_idx, sv))
-            meta = graph.graph.nodes[u]["outputs"][out_idx]
-            local = pricer_p2p.local_bytes(strategies[u], out_idx, meta)
-            send[sv - 1].node(rep[u], pricer_p2p.time_s(local))
-            memory[sv].node(rep[u], local * in_flight(sv, split.num_stages))
-    for (ru, rv, sv, again, at), n in edge_groups.items():
-        both, fwd_only = matrices[at]
-        busy[sv].edge((ru, rv), n * (both + fwd_only) if again else n * both)
-        forward[sv].edge((ru, rv), n * fwd_only)
+    for ((u, v), sv), n in tied.edges.items() if not overflows else ():
+        both, fwd_only = priced.edge_prices(u, v)
+        again = recomputed(nodes[rep[v]], recompute)  # tied nodes are recomputed alike
+        busy[sv].edge((rep[u], rep[v]), n * (both + fwd_only) if again else n * both)
+        forward[sv].edge((rep[u], rep[v]), n * fwd_only)
+    for u, out_idx, sv in tied.sends if not overflows else ():
+        meta = nodes[u]["outputs"][out_idx]
+        local = pricer_p2p.local_bytes(strategies[u], out_idx, meta)
+        send[sv - 1].node(rep[u], pricer_p2p.time_s(local))
+        memory[sv].node(rep[u], local * in_flight(sv, split.num_stages))
     busy_c = tuple(a.costs(sizes) for a in busy)
     forward_c = tuple(a.costs(sizes) for a in forward)
     update_c = tuple(a.costs(sizes) for a in update)
@@ -734,7 +717,8 @@ def search(
                 refused.append(str(exc))
                 break
             floors = compute_floors(graph, prices, stage_devices)
-            copies = copies_per_stage(graph, split)
+            tied = tie_stages(graph, split)
+            copies = tied.copies()
             best_here, fits_plainly, cut = None, False, False
             candidates: list[tuple[float, int, MeshProblem]] = []  # (lower bound, order, problem)
             for mesh in meshes:
@@ -751,7 +735,9 @@ def search(
                         )
                     if mesh not in pricers:
                         pricers[mesh] = BoxingPricer(prices, mesh)
-                    priced = priced or price_graph(graph, mesh, prices, space.allow, pricers[mesh])
+                    priced = priced or price_graph(
+                        graph, mesh, prices, space.allow, pricers[mesh], tied.representative
+                    )
                     node_times = {n: _unhidden_s(s) for n, s in priced.strategies.items()}
                     if step_bound(graph, copies, num_stages, node_times, count, mode) >= cutoff:
                         cut = True
@@ -760,7 +746,7 @@ def search(
                         graph, mesh, prices, optimizer=optimizer,
                         memory_limit_bytes=memory_limit_bytes, allow=space.allow,
                         micro_batches=count, split=split, recompute=mode, stage_link=across,
-                        priced=priced,
+                        priced=priced, tied=tied,
                     )  # fmt: skip
                     tried.append(mp)
                     bound = lower_bound_of(mp, time_limit_s)
@@ -813,18 +799,9 @@ def compute_floors(graph: OpGraph, prices: Prices, devices: int) -> dict[str, np
     return floors
 
 
-Copies = Counter[tuple[int, str]]  # (stage, representative node) -> how many nodes it stands for
-
-
-def copies_per_stage(graph: OpGraph, split: StageSplit) -> Copies:
-    """How many nodes of each stage every representative stands for (`reduce.tie_blocks`)."""
-    rep = tie_blocks(graph)
-    return Counter((split.stage_of[name], rep[name]) for name in graph.order)
-
-
 def step_bound(
     graph: OpGraph,
-    copies: Copies,
+    copies: Counter[tuple[int, str]],
     num_stages: int,
     times: Mapping[str, np.ndarray],
     micro_batches: int,

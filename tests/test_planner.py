@@ -21,7 +21,7 @@ from autosbp.ilp import MemoryConstraint, Problem, Solution, brute_force, solve
 from autosbp.plan import Plan
 from autosbp.planner.api import ClusterPrices, plan_graph, plan_graphs
 from autosbp.planner.pipeline import split_stages
-from autosbp.planner.reduce import tie_stages
+from autosbp.planner.reduce import tie_graph, tie_stages
 from autosbp.planner.search import (
     build_problem,
     powers_of_two_dividing,
@@ -249,7 +249,7 @@ def test_tied_blocks_price_like_the_whole_graph(stages: int, recompute: str) -> 
     tied = build_problem(graph, mesh, prices, **common)
     untied = build_problem(
         graph, mesh, prices, **common, priced=price_graph(graph, mesh, prices, representative=whole),
-        tied=tie_stages(graph, split, whole),
+        tied=tie_stages(tie_graph(graph, whole), split),
     )  # fmt: skip
     rep = tied.representative
     assert len(set(rep.values())) < len(rep) / 2, "the blocks were not tied"
@@ -259,7 +259,9 @@ def test_tied_blocks_price_like_the_whole_graph(stages: int, recompute: str) -> 
         if split.stage_of[u] < split.stage_of[v] and graph.graph.nodes[u]["role"] is not Role.INPUT
         for out_idx, _ in uses
     }
-    assert set(tie_stages(graph, split).sends) == crossing and (stages == 1) == (not crossing)
+    assert set(tie_stages(tie_graph(graph), split).sends) == crossing and (stages == 1) == (
+        not crossing
+    )
     rng = np.random.default_rng(stages)
     choices = [solve(tied.problem).choice] + [
         {r: int(rng.integers(len(c))) for r, c in tied.problem.node_costs.items()}

@@ -2,7 +2,8 @@
 
 Lives here: `tie_blocks`, which maps every node of block k > 0 to the node at the same position
 of the first block, when the blocks are identical (same ops, shapes and dtypes in the same order);
-`tie_stages`, the nodes and edges of a graph cut into stages counted per representative. The
+`tie_graph` and `tie_stages`, the nodes and edges of a graph cut into stages counted per
+representative (the first once per graph, the second per stage count). The
 problem builder sums the costs and memory of tied nodes onto their representative and merges
 the edges between them, so a 96-layer transformer costs the solver what one layer costs, and
 loops over these counts, not the graph, so it builds as fast as for one layer.
@@ -60,24 +61,37 @@ class TiedStages:
         return found
 
 
-def tie_stages(
-    graph: OpGraph, split: StageSplit, representative: dict[str, str] | None = None
-) -> TiedStages:
-    """Count `graph`'s nodes and edges per representative and stage; every tensor that a later
-    stage reads from an earlier one (not a model input) once per receiving stage."""
+@dataclass(frozen=True)
+class TiedGraph:
+    """What `tie_stages` needs of a graph, whatever its stages: each node's representative and
+    whether a node outside its block reads it, each edge's twin that stands for it."""
+
+    graph: OpGraph
+    representative: dict[str, str]
+    read_outside: dict[str, bool]
+    member: dict[tuple[str, str], tuple[str, str]]  # edge -> the first of its twins
+
+
+def tie_graph(graph: OpGraph, representative: dict[str, str] | None = None) -> TiedGraph:
     rep = representative or tie_blocks(graph)
-    stage_of = split.stage_of
-    nodes = Counter(
-        (rep[name], stage_of[name], read_outside_block(graph, name)) for name in graph.order
-    )
     members: dict[tuple, tuple[str, str]] = {}
-    edges: Counter[tuple[tuple[str, str], int]] = Counter()
+    member = {
+        (u, v): members.setdefault(twin_key(graph, rep, u, v), (u, v)) for u, v in graph.graph.edges
+    }
+    outside = {name: read_outside_block(graph, name) for name in graph.order}
+    return TiedGraph(graph, rep, outside, member)
+
+
+def tie_stages(tied: TiedGraph, split: StageSplit) -> TiedStages:
+    """Count the graph's nodes and edges per representative and stage; every tensor that a
+    later stage reads from an earlier one (not a model input) once per receiving stage."""
+    graph, rep, stage_of = tied.graph, tied.representative, split.stage_of
+    nodes = Counter((rep[name], stage_of[name], tied.read_outside[name]) for name in graph.order)
+    edges = Counter((member, stage_of[v]) for (_, v), member in tied.member.items())
     sends: dict[tuple[str, int, int], None] = {}
-    for u, v in graph.graph.edges:
-        member = members.setdefault(twin_key(graph, rep, u, v), (u, v))
-        edges[(member, stage_of[v])] += 1
+    for u, v, uses in graph.graph.edges(data="uses"):
         if stage_of[u] != stage_of[v] and graph.graph.nodes[u]["role"] is not Role.INPUT:
-            for out_idx, _ in graph.graph.edges[u, v]["uses"]:
+            for out_idx, _ in uses:
                 sends[(u, out_idx, stage_of[v])] = None
     return TiedStages(rep, nodes, edges, tuple(sends))
 

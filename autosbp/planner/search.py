@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,7 +55,14 @@ from autosbp.planner.pipeline import (
     recomputed,
     split_stages,
 )
-from autosbp.planner.reduce import TiedStages, tie_blocks, tie_stages, twin_key
+from autosbp.planner.reduce import (
+    TiedGraph,
+    TiedStages,
+    tie_blocks,
+    tie_graph,
+    tie_stages,
+    twin_key,
+)
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split, local_shape
 from autosbp.schedule import hidden_sync_s, simulate, sync_buckets
@@ -206,7 +213,7 @@ def build_problem(
     """
     split = split or split_stages(graph, 1)
     priced = priced or price_graph(graph, mesh, prices, allow)
-    tied = tied or tie_stages(graph, split, priced.representative)
+    tied = tied or tie_stages(tie_graph(graph, priced.representative), split)
     pricer_p2p = _P2P(prices, mesh, stage_link)
     stages = range(split.num_stages)
     busy = [_Acc() for _ in stages]
@@ -690,6 +697,7 @@ def search(
     counts = space.micro_batches or powers_of_two_dividing(batch)
     idle = 0  # stage counts in a row that found nothing faster
     pricers: dict[Mesh, BoxingPricer] = {}  # one per stage mesh, across micro-batch counts
+    graphs_tied: dict[int, TiedGraph] = {}  # per micro-batch count, across stage counts
     for num_stages in space.stage_counts:
         if devices % num_stages:
             refused.append(f"{num_stages} stages do not divide {devices} devices")
@@ -716,9 +724,11 @@ def search(
             except PlanError as exc:
                 refused.append(str(exc))
                 break
-            floors = compute_floors(graph, prices, stage_devices)
-            tied = tie_stages(graph, split)
+            if count not in graphs_tied:
+                graphs_tied[count] = tie_graph(graph)
+            tied = tie_stages(graphs_tied[count], split)
             copies = tied.copies()
+            floors = compute_floors(graph, prices, stage_devices, {r for _, r in copies})
             best_here, fits_plainly, cut = None, False, False
             candidates: list[tuple[float, int, MeshProblem]] = []  # (lower bound, order, problem)
             for mesh in meshes:
@@ -784,13 +794,16 @@ def search(
     return best
 
 
-def compute_floors(graph: OpGraph, prices: Prices, devices: int) -> dict[str, np.ndarray]:
-    """Per compute node, the least forward + backward time any signature on `devices` devices
-    can take (one value: its flops and bytes spread evenly; a signature's local share is never
-    smaller, and the roofline only grows with flops and bytes)."""
+def compute_floors(
+    graph: OpGraph, prices: Prices, devices: int, only: Collection[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Per compute node (of `only`, where given), the least forward + backward time any
+    signature on `devices` devices can take (one value: its flops and bytes spread evenly; a
+    signature's local share is never smaller, and the roofline only grows with flops and
+    bytes)."""
     floors: dict[str, np.ndarray] = {}
     for name, attrs in graph.nodes(Role.COMPUTE):
-        if attrs["flops"] or attrs["bytes"]:
+        if (attrs["flops"] or attrs["bytes"]) and (only is None or name in only):
             dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
             moved = 0.0 if returns_view(attrs["target"]) else attrs["bytes"] / devices
             special = attrs["transcendentals"] / devices

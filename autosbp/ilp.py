@@ -54,6 +54,7 @@ from ortools.linear_solver import pywraplp
 
 from autosbp.errors import NoFitError, PlanError
 from autosbp.ilp_solvers import (
+    CutOff,
     Relaxed,
     Values,
     fix_by_reduced_costs,
@@ -150,12 +151,12 @@ def solve(
     return found
 
 
-def lower_bound(problem: Problem, *, time_limit_s: float = 60.0) -> float:
-    """A bound no solution of `problem` beats: its LP relaxation's optimum (-inf if the LP
-    runs out of time). NoFitError if nothing fits (each node at its smallest bytes, or an
-    infeasible LP)."""
+def lower_bound(problem: Problem, *, time_limit_s: float = 60.0, cutoff: float = math.inf) -> float:
+    """A bound no solution of `problem` beats: its LP relaxation's optimum, or `cutoff` as soon
+    as the LP shows that no solution beats it (-inf if the LP runs out of time). NoFitError if
+    nothing fits (each node at its smallest bytes, or an infeasible LP)."""
     _check_memory_floor(problem)
-    relaxed = relax(problem, time_limit_s)
+    relaxed = relax(problem, time_limit_s, cutoff)
     return relaxed.bound_s if relaxed is not None else -math.inf
 
 
@@ -179,11 +180,11 @@ def solve_below(
         by_parts = _solve_by_parts(problem, cutoff, solver, time_limit_s, rel_gap)
         if by_parts is not _UNDECIDED:
             return by_parts and replace(by_parts, seconds=time.perf_counter() - start)
-    relaxed = relax(problem, time_limit_s)
+    relaxed = relax(problem, time_limit_s, cutoff)
     rounded = None
+    if isinstance(relaxed, CutOff) or (relaxed is not None and relaxed.bound_s >= cutoff):
+        return None
     if relaxed is not None:
-        if relaxed.bound_s >= cutoff:
-            return None
         if _integral(relaxed.values):
             choice = _choice(relaxed.values)
             return Solution(

@@ -20,7 +20,7 @@ from autosbp.ilp import (
     solve,
     solve_below,
 )
-from autosbp.ilp_solvers import fix_by_reduced_costs, relax
+from autosbp.ilp_solvers import CutOff, Relaxed, fix_by_reduced_costs, relax
 
 
 def random_problem(
@@ -225,3 +225,38 @@ def assignments(problem: Problem) -> Iterator[dict]:
     sizes = [len(problem.node_costs[k]) for k in keys]
     for combo in itertools.product(*(range(s) for s in sizes)):
         yield dict(zip(keys, combo, strict=True))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("below", [0.5, 0.9, 0.99, 1.01])
+def test_the_lp_stops_at_a_cutoff_only_when_its_bound_passes_it(
+    seed: int, stages: int, below: float
+) -> None:
+    problem = staged_random_problem(seed, stages)
+    try:
+        full = relax(problem, 60.0)
+    except PlanError:
+        return
+    assert isinstance(full, Relaxed)
+    cutoff = full.bound_s * below
+    got = relax(problem, 60.0, cutoff)
+    if isinstance(got, CutOff):
+        assert full.bound_s >= cutoff * (1 - 1e-9) and got.bound_s == cutoff
+    else:
+        assert isinstance(got, Relaxed) and got.bound_s == pytest.approx(full.bound_s, rel=1e-9)
+    assert lower_bound(problem, cutoff=cutoff) <= brute_force(problem).objective * (1 + 1e-9)
+
+
+def test_the_lp_stops_at_a_cutoff_on_some_problems() -> None:
+    # Guard for the test above: HiGHS's objective bound reaches us (scipy passes it on).
+    stopped = 0
+    for seed in range(6):
+        problem = staged_random_problem(seed, 1)
+        try:
+            full = relax(problem, 60.0)
+        except PlanError:
+            continue  # nothing fits
+        if isinstance(full, Relaxed):
+            stopped += isinstance(relax(problem, 60.0, full.bound_s * 0.5), CutOff)
+    assert stopped > 0

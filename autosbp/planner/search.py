@@ -472,13 +472,15 @@ def _restricted(found: NodeStrategies, attrs: dict, allow: Allow | None) -> Node
     return found.restricted(keep)
 
 
-def lower_bound_of(mesh_problem: MeshProblem, time_limit_s: float) -> float | None:
-    """A step time no choice on this mesh beats (the LP relaxation's), or None if nothing fits
-    (a node without candidates, or memory)."""
+def lower_bound_of(
+    mesh_problem: MeshProblem, time_limit_s: float, cutoff: float = math.inf
+) -> float | None:
+    """A step time no choice on this mesh beats (the LP relaxation's, or `cutoff` once the LP
+    shows that), or None if nothing fits (a node without candidates, or memory)."""
     if any(len(s.candidates) == 0 for s in mesh_problem.strategies.values()):
         return None
     try:
-        return lower_bound(mesh_problem.problem, time_limit_s=time_limit_s)
+        return lower_bound(mesh_problem.problem, time_limit_s=time_limit_s, cutoff=cutoff)
     except NoFitError:
         return None
 
@@ -759,7 +761,7 @@ def search(
                         priced=priced, tied=tied,
                     )  # fmt: skip
                     tried.append(mp)
-                    bound = lower_bound_of(mp, time_limit_s)
+                    bound = lower_bound_of(mp, time_limit_s, cutoff)
                     if bound is not None:
                         candidates.append((bound, len(candidates), mp))
             # Most promising first (least LP bound): its plan then cuts the others unsolved.

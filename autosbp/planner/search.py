@@ -178,10 +178,9 @@ def price_graph(
     rep = representative or tie_blocks(graph)
     bucket_bytes = sync_bucket_bytes(graph)
     strategies: dict[str, NodeStrategies] = {}
-    for name, attrs in graph.nodes():
-        if rep[name] == name:
-            found = node_strategies(graph, name, pricer, bucket_bytes)
-            strategies[name] = _restricted(found, attrs, allow)
+    for name in dict.fromkeys(rep.values()):
+        found = node_strategies(graph, name, pricer, bucket_bytes)
+        strategies[name] = _restricted(found, graph.graph.nodes[name], allow)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
     return Priced(mesh, rep, strategies, graph, pricer)
@@ -750,7 +749,7 @@ def search(
                     priced = priced or price_graph(
                         graph, mesh, prices, space.allow, pricers[mesh], tied.representative
                     )
-                    node_times = {n: _unhidden_s(s) for n, s in priced.strategies.items()}
+                    node_times = {r: _unhidden_s(priced.strategies[r]) for _, r in copies}
                     if step_bound(graph, copies, num_stages, node_times, count, mode) >= cutoff:
                         cut = True
                         continue  # its cheapest signatures, without boxing, are too slow

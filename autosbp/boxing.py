@@ -2,7 +2,8 @@
 
 Lives here: `plan_boxing` (input checks, then the cheapest chain by total bytes: a shortest-path
 search over nD SBPs, the "middle nodes" of OneFlow, on meshes of any rank; across two disjoint
-meshes, hops on the source mesh, one send/recv, hops on the destination mesh).
+meshes, hops on the source mesh, one send/recv, hops on the destination mesh); `price_boxing`,
+the same chain on one mesh as the numbers that price it.
 Lives elsewhere: the steps, their table, bytes and duals (`boxing_steps`); what a step does to
 tensors in pure torch (`boxing_ops`: `simulate_boxing`, the oracle of the runtime) and with
 torch.distributed (`runtime.boxing`); what a step costs in seconds (`costmodel`). The public names
@@ -45,6 +46,7 @@ from autosbp.boxing_steps import (
     dual_step,
     hop_bytes,
     hop_kind,
+    hop_size,
     later_split_dims,
     local_box,
     make_hop,
@@ -71,6 +73,7 @@ __all__ = [
     "dual_step",
     "local_box",
     "plan_boxing",
+    "price_boxing",
     "simulate_boxing",
 ]
 
@@ -116,6 +119,31 @@ def plan_boxing(
         cross_step(cross_src, cross_dst, shape, src_mesh, end_mesh, dtype, transfers),
         *_make_hops(after, shape, end_mesh, dtype),
     ]
+
+
+StepPrice = tuple[StepKind, int, int, str | None]  # (kind, message bytes, group size, link class)
+
+
+def price_boxing(
+    nd_src: NdSbp, nd_dst: NdSbp, shape: tuple[int, ...], mesh: Mesh, dtype: torch.dtype
+) -> tuple[StepPrice, ...]:
+    """`plan_boxing(nd_src, nd_dst, shape, mesh, dtype=dtype)` on one mesh, each step as what
+    prices it, without building the steps (the planner prices thousands of chains): the same
+    checks and errors, the same chain."""
+    check_nd_sbp(nd_src, shape, mesh.shape, what="boxing source")
+    check_nd_sbp(nd_dst, shape, mesh.shape, what="boxing destination")
+    if nd_src == nd_dst:
+        return ()
+    _check_partial_ops(nd_src, nd_dst)
+    hops = _chain_same(_encode(nd_src), _encode(nd_dst), canonical_shape(shape, mesh), mesh.shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    prices = []
+    for src, dst, mesh_dim in hops:
+        sized = hop_size(src, dst[mesh_dim], mesh_dim, mesh.shape, nbytes)
+        assert sized is not None, f"the search used a hop that hop_size refuses: {src} -> {dst}"
+        kind, message_bytes = sized[:2]
+        prices.append((kind, message_bytes, mesh.shape[mesh_dim], mesh.link_classes[mesh_dim]))
+    return tuple(prices)
 
 
 # ---------------------------------------------------------------------------------------------

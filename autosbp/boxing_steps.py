@@ -276,17 +276,11 @@ def make_hop(
     src: NdSbp, dst: NdSbp, mesh_dim: int, shape: tuple[int, ...], mesh: Mesh, dtype: torch.dtype
 ) -> BoxingStep | None:
     """The step that changes `mesh_dim` from src to dst, or None where no one step does it."""
-    p = mesh.shape[mesh_dim]
-    codes = [sbp_code(s) for s in src]
-    later = later_split_dims(codes, mesh.shape, mesh_dim)
-    kind = hop_kind(codes[mesh_dim], sbp_code(dst[mesh_dim]), p, later)
-    if kind is None:
+    codes = tuple(sbp_code(s) for s in src)
+    sized = hop_size(codes, sbp_code(dst[mesh_dim]), mesh_dim, mesh.shape, _nbytes(shape, dtype))
+    if sized is None:
         return None
-    others = [(s, n) for e, (s, n) in enumerate(zip(src, mesh.shape, strict=True)) if e != mesh_dim]
-    pieces = math.prod(n for s, n in others if isinstance(s, Split))
-    group_bytes = math.prod(shape) * dtype.itemsize // pieces
-    num_groups = mesh.size // p
-    message = group_bytes // p if kind is StepKind.ALL_TO_ALL else group_bytes
+    kind, message_bytes, num_groups, total_bytes = sized
     return BoxingStep(
         kind=kind,
         src=src,
@@ -296,11 +290,41 @@ def make_hop(
         mesh=mesh,
         dst_mesh=mesh,
         dtype=dtype,
-        group_size=p,
+        group_size=mesh.shape[mesh_dim],
         num_groups=num_groups,
-        message_bytes=0 if kind is StepKind.LOCAL else message,
-        total_bytes=hop_bytes(kind, group_bytes, p, num_groups),
+        message_bytes=message_bytes,
+        total_bytes=total_bytes,
     )
+
+
+def hop_size(
+    codes: tuple[int, ...], code: int, mesh_dim: int, mesh_shape: tuple[int, ...], nbytes: int
+) -> tuple[StepKind, int, int, int] | None:
+    """(kind, message bytes, number of groups, total bytes) of the step that changes `mesh_dim`
+    of the SBP codes `codes` to `code`, for a tensor of `nbytes`; None where no one step does it."""
+    p = mesh_shape[mesh_dim]
+    kind = hop_kind(codes[mesh_dim], code, p, later_split_dims(codes, mesh_shape, mesh_dim))
+    if kind is None:
+        return None
+    pieces = math.prod(
+        n
+        for e, (c, n) in enumerate(zip(codes, mesh_shape, strict=True))
+        if e != mesh_dim and c >= 0
+    )
+    group_bytes = nbytes // pieces
+    num_groups = math.prod(mesh_shape) // p
+    message = (
+        0
+        if kind is StepKind.LOCAL
+        else group_bytes // p
+        if kind is StepKind.ALL_TO_ALL
+        else group_bytes
+    )
+    return kind, message, num_groups, hop_bytes(kind, group_bytes, p, num_groups)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 def cross_transfers(

@@ -13,7 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autosbp.boxing import TRANSITIONS, StepKind, dual_nd_sbp, dual_step, plan_boxing
+from autosbp.boxing import (
+    TRANSITIONS,
+    StepKind,
+    dual_nd_sbp,
+    dual_step,
+    plan_boxing,
+    price_boxing,
+)
 from autosbp.boxing_ops import simulate_boxing
 from autosbp.boxing_steps import make_hop
 from autosbp.errors import SbpError
@@ -161,6 +168,28 @@ def test_chains_are_as_cheap_as_brute_force(mesh_shape):
             assert _total(steps) == brute[dst], (
                 f"{format_nd_sbp(src)}->{format_nd_sbp(dst)}: {steps}"
             )
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "shape", "dtype"),
+    [
+        ((2, 2), (12, 6), torch.float32),
+        ((2, 3), (12, 6), torch.bfloat16),
+        ((2, 2, 2), (8, 4), torch.float32),
+    ],
+    ids=["2x2", "2x3-bf16", "2x2x2"],
+)
+def test_price_boxing_prices_the_planned_chain(mesh_shape, shape, dtype):
+    mesh = Mesh(mesh_shape, link_classes=tuple(f"link{d}" for d in range(len(mesh_shape))))
+    checked = 0
+    for src, dst in itertools.product(_fitting_nd_sbps(shape, mesh), repeat=2):
+        steps = plan_boxing(src, dst, shape, mesh, dtype=dtype)
+        expected = tuple((s.kind, s.message_bytes, s.group_size, s.link_class) for s in steps)
+        assert price_boxing(src, dst, shape, mesh, dtype) == expected
+        checked += bool(steps)
+    assert checked > 50
+    with pytest.raises(SbpError, match="boxing destination"):
+        price_boxing((B,) * mesh.ndim, (S(0),) * mesh.ndim, (3, 4), mesh, dtype)
 
 
 def test_same_tensor_dim_split_twice_routes_around_the_strided_group():

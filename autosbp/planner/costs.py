@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from autosbp import schedule
-from autosbp.boxing import canonical_shape, plan_boxing
+from autosbp.boxing import StepPrice, canonical_shape, price_boxing
 from autosbp.boxing_steps import BoxingStep, StepKind, dual_nd_sbp
 from autosbp.errors import SbpError
 from autosbp.graph import OpGraph, Role, TensorMeta
@@ -94,10 +94,6 @@ class NodeStrategies:
         accumulate = self.accumulate_s[keep] if self.accumulate_s is not None else None
         candidates = tuple(self.candidates[i] for i in keep)
         return NodeStrategies(self.name, candidates, self.compute_s[keep], sync, accumulate)
-
-
-# A boxing step reduced to what its price needs: (kind, message bytes, group size, link class).
-StepPrice = tuple[StepKind, int, int, str | None]
 
 
 class BoxingPricer:
@@ -206,13 +202,12 @@ class BoxingPricer:
         key = (src, dst, canonical_shape(shape, self.mesh), dtype)
         if key not in self._chains:
             try:
-                chain = plan_boxing(
-                    self._layouts[src], self._layouts[dst], shape, self.mesh, dtype=dtype
+                steps = price_boxing(
+                    self._layouts[src], self._layouts[dst], shape, self.mesh, dtype
                 )
             except SbpError:
                 self._chains[key] = None
             else:
-                steps = tuple((s.kind, s.message_bytes, s.group_size, s.link_class) for s in chain)
                 self._chains[key] = (steps, math.prod(shape) * dtype.itemsize)
         return self._chains[key]
 

@@ -73,7 +73,7 @@ from autosbp.graph import OpGraph, Role  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import ClusterPrices, plan_graph  # noqa: E402
 from autosbp.planner.costs import BACKWARD_FACTOR, BoxingPricer, sync_bucket_bytes  # noqa: E402
-from autosbp.planner.search import strategy_space  # noqa: E402
+from autosbp.planner.strategies import strategy_space  # noqa: E402
 from autosbp.sbp import Mesh, parse_nd_sbp  # noqa: E402
 from autosbp.schedule import simulate  # noqa: E402
 from autosbp.zoo import build_model  # noqa: E402

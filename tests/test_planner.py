@@ -21,13 +21,10 @@ from autosbp.ilp import MemoryConstraint, Problem, Solution, brute_force, solve
 from autosbp.plan import Plan
 from autosbp.planner.api import ClusterPrices, plan_graph, plan_graphs
 from autosbp.planner.pipeline import split_stages
+from autosbp.planner.problem import build_problem, price_graph
 from autosbp.planner.reduce import tie_graph, tie_stages
-from autosbp.planner.search import (
-    build_problem,
-    powers_of_two_dividing,
-    price_graph,
-    strategy_space,
-)
+from autosbp.planner.search import powers_of_two_dividing
+from autosbp.planner.strategies import strategy_space
 from autosbp.rebatch import micro_batch_graphs
 from autosbp.sbp import Mesh, Split, parse_nd_sbp
 from autosbp.zoo import GPT3_175B, ZOO_MODELS, build_model, gpt3_175b, gpt3_megatron
@@ -371,7 +368,7 @@ def test_compare_prices_hand_plans_beside_auto(tmp_path) -> None:
 def test_compute_floors_never_exceed_any_signature(mesh: tuple[int, ...]) -> None:
     # The search skips configurations by these floors: they must be lower bounds (sizes where
     # memory traffic, not the per-op overhead, sets many ops' times: views included).
-    from autosbp.planner.search import compute_floors, price_graph
+    from autosbp.planner.search import compute_floors
 
     model, inputs = build_model(
         "gpt", device="meta", layers=1, hidden=1024, heads=8, seq=512, batch=8

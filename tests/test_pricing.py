@@ -19,7 +19,7 @@ from autosbp.errors import SbpError
 from autosbp.graph import TensorMeta
 from autosbp.planner.api import ClusterPrices
 from autosbp.planner.costs import BoxingPricer
-from autosbp.planner.search import price_graph
+from autosbp.planner.problem import price_graph
 from autosbp.rebatch import micro_batch_graphs
 from autosbp.sbp import B, Mesh, NdSbp, P, S
 from autosbp.zoo import build_model

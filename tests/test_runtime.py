@@ -29,7 +29,8 @@ from autosbp.errors import ExecutionError, PlanError
 from autosbp.graph import OpGraph
 from autosbp.plan import Plan
 from autosbp.planner.assemble import PlanContext, assemble_plan
-from autosbp.planner.search import search, strategy_space
+from autosbp.planner.search import search
+from autosbp.planner.strategies import strategy_space
 from autosbp.zoo import build_model
 from costmodel.launch import run_workers
 from runtime import Engine

@@ -11,7 +11,7 @@ import torch
 
 from autosbp import schedule
 from autosbp.capturing import capture
-from autosbp.planner.search import build_problem, predict
+from autosbp.planner.problem import build_problem, predict
 from autosbp.sbp import Mesh
 from autosbp.schedule import hidden_sync_s
 from tests.test_planner import TinyNet, a100_prices, limit_between, solved_like_brute_force

@@ -18,14 +18,8 @@ from autosbp.errors import PlanError
 from autosbp.graph import OpGraph
 from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
-from autosbp.planner.search import (
-    Found,
-    GraphFor,
-    hand_strategies,
-    powers_of_two_dividing,
-    search,
-    strategy_space,
-)
+from autosbp.planner.search import Found, GraphFor, powers_of_two_dividing, search
+from autosbp.planner.strategies import hand_strategies, strategy_space
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers
@@ -84,7 +78,7 @@ def auto_parallelize(
     the micro-batch count (unless `micro_batches` is given) and the recomputation (`recompute`:
     auto, none, selective or full); `strategy` restricts it to a hand plan (dp, fsdp,
     megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model. `compare`: also price the
-    usual hand plans (`search.hand_strategies`) into `Plan.hand_plans`; with strategy auto, a
+    usual hand plans (`strategies.hand_strategies`) into `Plan.hand_plans`; with strategy auto, a
     hand plan the heuristic outer search missed and that is faster becomes the plan.
     """
     from autosbp.rebatch import micro_batch_graphs

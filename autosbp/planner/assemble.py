@@ -14,7 +14,8 @@ import torch
 from autosbp.graph import Role
 from autosbp.ilp import Costs, Solution
 from autosbp.plan import Alternative, NodePlan, ParamPlan, Plan, Predicted, SolverReport, StagePlan
-from autosbp.planner.search import Found, MeshProblem
+from autosbp.planner.problem import MeshProblem
+from autosbp.planner.search import Found
 from autosbp.sbp import format_nd_sbp
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -1,0 +1,135 @@
+"""Hand plans as restrictions of the search: `dp`, `fsdp`, `megatron:tp=..,pp=..,dp=..` (and
+`auto`, no restriction) become a `Space`: the stage counts, meshes, micro-batch counts,
+recomputation modes and candidate signatures the search may choose from.
+
+Lives here: `strategy_space` (parse a strategy), `hand_strategies` (the usual hand plans for a
+device count, priced beside auto). Lives elsewhere: the search (`search`), the candidates
+themselves (`rules`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autosbp.errors import PlanError
+from autosbp.graph import Role
+from autosbp.planner.pipeline import (
+    RECOMPUTE_MODES,
+)
+from autosbp.planner.problem import Allow
+from autosbp.rules import NdSignature
+from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may choose: stage counts, micro-batch counts (None: powers of two that
+    divide the batch), recomputation modes, and the hand-plan restrictions."""
+
+    stage_counts: tuple[int, ...]
+    recompute: tuple[str, ...]
+    micro_batches: tuple[int, ...] | None = None
+    allow: Allow | None = None
+    mesh_ok: Callable[[Mesh], bool] = lambda mesh: True
+
+
+def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | None = None) -> Space:
+    """What `strategy` lets the search choose (`auto` restricts nothing; stage counts up to
+    `max_stages` then). `recompute`: a mode, or `auto` for every mode."""
+    modes: tuple[str, ...]
+    if recompute == "auto":
+        modes = RECOMPUTE_MODES
+    elif recompute in RECOMPUTE_MODES:
+        modes = (recompute,)
+    else:
+        raise PlanError(
+            f"recompute {recompute!r} is not known; use auto, {', '.join(RECOMPUTE_MODES)}."
+        )
+    if strategy == "auto":
+        return Space(tuple(range(1, (max_stages or 1) + 1)), modes)
+    if strategy == "dp":
+        return Space(
+            (1,), modes, allow=_allow(param=lambda nd, shape: all(isinstance(s, Broadcast) for s in nd)),
+            mesh_ok=lambda m: m.ndim == 1,
+        )  # fmt: skip
+    if strategy == "fsdp":
+        return Space(
+            (1,), modes, allow=_allow(param=lambda nd, shape: isinstance(nd[0], Split)),
+            mesh_ok=lambda m: m.ndim == 1,
+        )  # fmt: skip
+    if strategy.startswith("megatron:"):
+        tp, pp, dp, mb = _megatron_degrees(strategy)
+        counts = (mb,) if mb is not None else None
+        if tp == 1:  # no tensor parallelism: plain data parallelism in each stage
+            allow = _allow(param=lambda nd, shape: all(isinstance(s, Broadcast) for s in nd))
+            return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp,))
+        # Megatron: every weight matrix (and embedding table) split on the tp mesh dim, the ILP
+        # picking which dim (column or row parallel); vectors (biases, norms) free; data split
+        # on the dp mesh dim, where weights are replicated.
+        if dp == 1:  # tensor parallelism alone: every device sees the whole batch
+            allow = _allow(param=_tensor_parallel(0), data=lambda nd: nd == (Broadcast(),))
+            return Space((pp,), modes, counts, allow, lambda m: m.shape == (tp,))
+        allow = _allow(
+            param=lambda nd, shape: isinstance(nd[0], Broadcast) and _tensor_parallel(1)(nd, shape),
+            data=lambda nd: nd == (Split(0), Broadcast()),
+        )
+        return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp, tp))
+    raise PlanError(
+        f"unknown strategy {strategy!r}; use auto, dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M]."
+    )
+
+
+def hand_strategies(devices: int, devices_per_node: int, blocks: int) -> list[str]:
+    """The hand plans worth comparing with: dp, fsdp, and Megatron-style plans with tensor
+    parallel 2 or a whole node, 2 to 16 stages (at most one per block), data parallel for the
+    rest (micro-batch counts searched)."""
+    tps = sorted({t for t in (1, 2, devices_per_node) if t <= devices})
+    stage_counts = [p for p in (1, 2, 4, 8, 16) if p <= max(blocks, 1)]
+    megatron = [
+        f"megatron:tp={tp},pp={pp},dp={devices // (tp * pp)}"
+        for tp in tps
+        for pp in stage_counts
+        if tp * pp > 1 and devices % (tp * pp) == 0
+    ]
+    return ["dp", "fsdp", *megatron]
+
+
+def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None]:
+    """(tp, pp, dp, mb) of `megatron:tp=T,pp=P,dp=D,mb=M` (each optional: 1, mb searched)."""
+    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4 optional)"
+    try:
+        fields = {
+            k: int(v)
+            for k, v in (item.split("=") for item in strategy.removeprefix("megatron:").split(","))
+        }
+    except ValueError:
+        raise PlanError(f"cannot read {strategy!r}; {example}.") from None
+    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb"})
+    if unknown:
+        raise PlanError(f"{strategy!r} has unknown degree(s) {unknown}; {example}.")
+    if any(v < 1 for v in fields.values()):
+        raise PlanError(f"{strategy!r}: degrees must be positive; {example}.")
+    return fields.get("tp", 1), fields.get("pp", 1), fields.get("dp", 1), fields.get("mb")
+
+
+def _tensor_parallel(mesh_dim: int) -> Callable[[NdSbp, tuple[int, ...]], bool]:
+    """Matrices split on `mesh_dim`; vectors anything."""
+    return lambda nd, shape: len(shape) < 2 or isinstance(nd[mesh_dim], Split)
+
+
+def _allow(param: Callable | None = None, data: Callable | None = None) -> Allow:
+    """`param(nd_sbp, shape) -> bool` filters parameter layouts, `data(nd_sbp)` input layouts
+    (default: the batch split on every mesh dim)."""
+
+    def allow(attrs: dict, sig: NdSignature) -> bool:
+        if attrs["role"] is Role.PARAMETER and param is not None:
+            return bool(param(sig.outputs[0], attrs["outputs"][0].shape))
+        if attrs["role"] is Role.INPUT:
+            nd = sig.outputs[0]
+            if data is not None:
+                return bool(data(nd))
+            return all(isinstance(s, Split) and s.dim == 0 for s in nd)
+        return True
+
+    return allow

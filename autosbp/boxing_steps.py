@@ -277,7 +277,8 @@ def make_hop(
 ) -> BoxingStep | None:
     """The step that changes `mesh_dim` from src to dst, or None where no one step does it."""
     codes = tuple(sbp_code(s) for s in src)
-    sized = hop_size(codes, sbp_code(dst[mesh_dim]), mesh_dim, mesh.shape, _nbytes(shape, dtype))
+    nbytes = math.prod(shape) * dtype.itemsize
+    sized = hop_size(codes, sbp_code(dst[mesh_dim]), mesh_dim, mesh.shape, nbytes)
     if sized is None:
         return None
     kind, message_bytes, num_groups, total_bytes = sized
@@ -313,18 +314,9 @@ def hop_size(
     )
     group_bytes = nbytes // pieces
     num_groups = math.prod(mesh_shape) // p
-    message = (
-        0
-        if kind is StepKind.LOCAL
-        else group_bytes // p
-        if kind is StepKind.ALL_TO_ALL
-        else group_bytes
-    )
-    return kind, message, num_groups, hop_bytes(kind, group_bytes, p, num_groups)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
+    message = group_bytes // p if kind is StepKind.ALL_TO_ALL else group_bytes
+    total = hop_bytes(kind, group_bytes, p, num_groups)
+    return kind, 0 if kind is StepKind.LOCAL else message, num_groups, total
 
 
 def cross_transfers(

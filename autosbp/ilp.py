@@ -47,6 +47,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -181,9 +182,9 @@ def solve_below(
         if by_parts is not _UNDECIDED:
             return by_parts and replace(by_parts, seconds=time.perf_counter() - start)
     relaxed = relax(problem, time_limit_s, cutoff)
-    rounded = None
     if isinstance(relaxed, CutOff) or (relaxed is not None and relaxed.bound_s >= cutoff):
         return None
+    rounded = None
     if relaxed is not None:
         if _integral(relaxed.values):
             choice = _choice(relaxed.values)
@@ -197,7 +198,7 @@ def solve_below(
         found, lower = _solve_whole(problem, solver, time_limit_s, rel_gap)
     else:
         found, lower = _solve_fixed(problem, relaxed, upper, solver, time_limit_s, rel_gap)
-    best = min((s for s in (found, rounded) if s is not None), key=_value, default=None)
+    best = min((s for s in (found, rounded) if s is not None), key=objective_of, default=None)
     if best is None and lower < cutoff:
         raise PlanError(_out_of_time(solver, time_limit_s))
     if best is None or best.objective >= cutoff:
@@ -243,6 +244,9 @@ def _solve_fixed(
     return _solution_of(problem, result[0]), min(result[2], upper)
 
 
+SUPPORT_WEIGHT = 1e-6  # an LP value above this puts the candidate in the rounding MIP
+
+
 def _solve_on_support(
     problem: Problem, relaxed: Relaxed, solver: str, time_limit_s: float
 ) -> Solution | None:
@@ -256,16 +260,12 @@ def _solve_on_support(
     return None if isinstance(result, int) else _solution_of(problem, result[0])
 
 
-SUPPORT_WEIGHT = 1e-6  # an LP value above this puts the candidate in the rounding MIP
-
-
 def _solution_of(problem: Problem, values: Values) -> Solution:
     choice = _choice(values)
     return Solution(choice, problem.objective(choice), "feasible", math.nan, 0.0)
 
 
-def _value(solution: Solution) -> float:
-    return solution.objective
+objective_of = attrgetter("objective")
 
 
 def _out_of_time(solver: str, time_limit_s: float, status: int | None = None) -> str:

@@ -43,19 +43,8 @@ from autosbp.planner.costs import (
     sync_bucket_bytes,
 )
 from autosbp.planner.memory import candidate_bytes
-from autosbp.planner.pipeline import (
-    StageSplit,
-    in_flight,
-    recomputed,
-    split_stages,
-)
-from autosbp.planner.reduce import (
-    TiedStages,
-    tie_blocks,
-    tie_graph,
-    tie_stages,
-    twin_key,
-)
+from autosbp.planner.pipeline import StageSplit, in_flight, recomputed, split_stages
+from autosbp.planner.reduce import TiedStages, tie_blocks, tie_graph, tie_stages, twin_key
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, Mesh, local_shape
 from autosbp.schedule import hidden_sync_s, simulate, sync_buckets

@@ -3,11 +3,11 @@
 Lives here: `tie_blocks`, which maps every node of block k > 0 to the node at the same position
 of the first block, when the blocks are identical (same ops, shapes and dtypes in the same order);
 `tie_graph` and `tie_stages`, the nodes and edges of a graph cut into stages counted per
-representative (the first once per graph, the second per stage count). The
-problem builder sums the costs and memory of tied nodes onto their representative and merges
-the edges between them, so a 96-layer transformer costs the solver what one layer costs, and
-loops over these counts, not the graph, so it builds as fast as for one layer.
-Lives elsewhere: building and solving the problem (`search`, `ilp`), stages (`pipeline`).
+representative (the first once per graph, the second per stage count). The problem builder
+sums the costs and memory of tied nodes onto their representative and merges the edges between
+them, so a 96-layer transformer costs the solver what one layer costs, and it loops over these
+counts, not over the graph, so it builds about as fast as for one layer.
+Lives elsewhere: building and solving the problem (`problem`, `ilp`), stages (`pipeline`).
 
 This restricts the search to plans where every repeated block takes the same signatures, as
 Megatron-LM and Alpa do; the result is exact for that space (brute force agrees in the tests).
@@ -73,6 +73,7 @@ class TiedGraph:
 
 
 def tie_graph(graph: OpGraph, representative: dict[str, str] | None = None) -> TiedGraph:
+    """`graph`'s ties (`tie_blocks`, or `representative` where given)."""
     rep = representative or tie_blocks(graph)
     members: dict[tuple, tuple[str, str]] = {}
     member = {

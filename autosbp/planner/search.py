@@ -22,9 +22,7 @@ import torch
 
 from autosbp.errors import NoFitError, PlanError
 from autosbp.graph import OpGraph, Role
-from autosbp.ilp import (
-    Solution,
-)
+from autosbp.ilp import Solution
 from autosbp.plan import format_bytes
 from autosbp.planner.costs import (
     BACKWARD_FACTOR,
@@ -33,10 +31,7 @@ from autosbp.planner.costs import (
     Prices,
     returns_view,
 )
-from autosbp.planner.pipeline import (
-    recomputed,
-    split_stages,
-)
+from autosbp.planner.pipeline import recomputed, split_stages
 from autosbp.planner.problem import (
     MeshProblem,
     Prediction,
@@ -47,11 +42,7 @@ from autosbp.planner.problem import (
     price_graph,
     solve_mesh,
 )
-from autosbp.planner.reduce import (
-    TiedGraph,
-    tie_graph,
-    tie_stages,
-)
+from autosbp.planner.reduce import TiedGraph, tie_graph, tie_stages
 from autosbp.planner.strategies import Space
 from autosbp.sbp import Mesh
 

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 from autosbp.errors import PlanError
 from autosbp.graph import Role
-from autosbp.planner.pipeline import (
-    RECOMPUTE_MODES,
-)
+from autosbp.planner.pipeline import RECOMPUTE_MODES
 from autosbp.planner.problem import Allow
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split

@@ -91,9 +91,25 @@ class Predicted:
 
 @dataclass(frozen=True)
 class SolverReport:
+    """The search behind the plan: the status and proven gap of the chosen configuration's
+    ILP, the whole search's wall time, the configurations it reached, how many of them an LP
+    bounded and how many it solved (0 in plans written before these were recorded)."""
+
     status: str
     gap: float
     seconds: float
+    configurations: int = 0
+    bounded: int = 0
+    solved: int = 0
+
+    def effort(self) -> str:
+        """ ", 35 configurations (22 bounded by their LP, 2 solved)", or nothing if unknown."""
+        if not self.configurations:
+            return ""
+        return (
+            f", {self.configurations} configurations ({self.bounded} bounded by their LP, "
+            f"{self.solved} solved)"
+        )
 
 
 @dataclass(frozen=True)
@@ -294,7 +310,8 @@ class Plan:
             f"step {format_seconds(self.predicted.step_time_s)} ({breakdown}); "
             f"{self.predicted.throughput_samples_per_s:.1f} samples/s; micro-batches {self.micro_batches}; "
             f"recompute {self.recompute}; "
-            f"solver {self.solver.status}, gap {self.solver.gap:.2%}, {self.solver.seconds:.1f} s"
+            f"solver {self.solver.status}, gap {self.solver.gap:.2%}; search "
+            f"{self.solver.seconds:.1f} s{self.solver.effort()}"
         )
         best = self.best_hand_plan()
         if best is not None and best.step_time_s is not None:

@@ -7,7 +7,8 @@ the dgx-a100 profile with 128 nodes, at the profile's memory limit (80 GB less t
 For each depth it prints the capture time (torch.export on the meta device, micro-batch graphs
 for every power-of-two count), the full search time (stage counts, stage meshes, micro-batch
 counts, recomputation, one signature per op: the least of --repeat searches, taken in turn
-across depths as the host drifts, and the most beside it), the solver's status and gap, the chosen plan,
+across depths as the host drifts, and the most beside it), the configurations the search
+reached, bounded by an LP and solved, the solver's status and gap, the chosen plan,
 and the ratio of each search time to the shallowest one. Targets (issue "Planner"): search
 <= 30 s on a 2-core machine, gap <= 1%, 96 layers <= 2x the time of 12.
 
@@ -110,8 +111,8 @@ def main() -> None:
     base = min(depths[0].search_s)
     print(
         f"{'layers':>6} {'capture s':>9} {'search s':>8} {'(most)':>6} {'vs first':>8} "
-        f"{'status':>8} {'gap':>6} {'auto plan':<34} {'step s':>7} {'megatron step s':>15} "
-        f"{'auto/megatron':>13}"
+        f"{'configs/LP/solved':>17} {'status':>8} {'gap':>6} {'auto plan':<34} {'step s':>7} "
+        f"{'megatron step s':>15} {'auto/megatron':>13}"
     )
     for depth in depths:
         auto, megatron = depth.auto, depth.megatron
@@ -123,9 +124,10 @@ def main() -> None:
             if megatron
             else f"{'-':>13}"
         )
+        effort = f"{auto.solver.configurations}/{auto.solver.bounded}/{auto.solver.solved}"
         print(
             f"{depth.layers:>6} {depth.capture_s:>9.1f} {search_s:>8.1f} "
-            f"{max(depth.search_s):>6.1f} {search_s / base:>7.2f}x {auto.solver.status:>8} "
+            f"{max(depth.search_s):>6.1f} {search_s / base:>7.2f}x {effort:>17} {auto.solver.status:>8} "
             f"{auto.solver.gap:>6.2%} {describe(auto):<34} {auto.predicted.step_time_s:>7.2f} "
             f"{hand} {ratio}"
         )

@@ -46,6 +46,19 @@ def test_round_trip(tmp_path: Path) -> None:
     ]
 
 
+def test_plans_written_before_the_search_effort_was_recorded_load(tmp_path: Path) -> None:
+    path = sample_plan().save(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    assert data["solver"] == {
+        "status": "optimal", "gap": 0.0, "seconds": 0.1, "configurations": 0, "bounded": 0,
+        "solved": 0,
+    }  # fmt: skip
+    for key in ("configurations", "bounded", "solved"):
+        del data["solver"][key]
+    path.write_text(json.dumps(data))
+    assert Plan.load(path) == sample_plan()
+
+
 def _damage(data: dict, how: str) -> dict | str:
     if how == "truncated":
         return json.dumps(data)[:200]

@@ -132,6 +132,10 @@ def test_small_model_with_big_batch_gets_data_parallel_compute() -> None:
 def test_hand_plans_are_priced_and_never_beat_auto() -> None:
     kw = {"layers": 2, "hidden": 256, "heads": 8, "seq": 64, "vocab": 512, "batch": 8}
     auto = plan("gpt", 4, **kw)
+    # The plan reports the search behind it: every count bounded by the one before.
+    report = auto.solver
+    assert report.configurations >= report.bounded >= report.solved >= 1, report
+    assert f"{report.configurations} configurations" in str(auto.summary().caption)
     for strategy in ("dp", "fsdp", "megatron:tp=2,dp=2"):
         hand = plan("gpt", 4, strategy, **kw)
         assert hand.strategy == strategy

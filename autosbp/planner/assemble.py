@@ -96,9 +96,19 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             throughput_samples_per_s=ctx.global_batch / max(pred.step_time_s, 1e-12),
             breakdown=breakdown(found),
         ),
-        solver=SolverReport(solution.status, solution.gap, solution.seconds),
+        solver=solver_report(found),
         alternatives=alternatives(solved, solution),
     )
+
+
+def solver_report(found: Found) -> SolverReport:
+    solution, effort = found.solution, found.effort
+    if effort is None:  # not from `search`: the chosen configuration's solve alone
+        return SolverReport(solution.status, solution.gap, solution.seconds)
+    return SolverReport(
+        solution.status, solution.gap, effort.seconds, effort.configurations, effort.bounded,
+        effort.solved,
+    )  # fmt: skip
 
 
 def breakdown(found: Found) -> dict[str, float]:

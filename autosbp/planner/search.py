@@ -13,9 +13,10 @@ The outer loops are heuristic where stated in `search`; each configuration is so
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -77,6 +78,19 @@ class Found:
     solution: Solution
     prediction: Prediction
     graph: OpGraph
+    effort: SearchEffort | None = None  # of the search that found it
+
+
+@dataclass(frozen=True)
+class SearchEffort:
+    """What a search did: its wall time, the configurations it reached (stage count, stage
+    mesh, micro-batch count, recomputation), how many of them an LP bounded (the rest were cut
+    by the cheaper bounds or overflowed memory) and how many it solved."""
+
+    seconds: float
+    configurations: int
+    bounded: int
+    solved: int
 
 
 IDLE_STAGE_COUNTS = 2  # see `search` (measured on GPT-3: the best stage count is the first)
@@ -110,6 +124,8 @@ def search(
     overheads: the search stops once a count is slower than the one before (the step time is
     taken to be unimodal in the count; a heuristic, stated in the plan's breakdown).
     """
+    start = time.perf_counter()
+    reached = bounded = solved = 0
     best: Found | None = None
     tried: list[MeshProblem] = []
     refused: list[str] = []
@@ -153,6 +169,7 @@ def search(
             for mesh in meshes:
                 priced: Priced | None = None
                 for mode in space.recompute:
+                    reached += 1
                     cutoff = best.prediction.step_time_s if best is not None else math.inf
                     if step_bound(graph, copies, num_stages, floors, count, mode) >= cutoff:
                         cut = True
@@ -179,12 +196,14 @@ def search(
                     )  # fmt: skip
                     tried.append(mp)
                     bound = lower_bound_of(mp, time_limit_s, cutoff)
+                    bounded += bound is not None
                     if bound is not None:
                         candidates.append((bound, len(candidates), mp))
             # Most promising first (least LP bound): its plan then cuts the others unsolved.
             for bound, _, mp in sorted(candidates, key=lambda c: c[:2]):
                 cutoff = best.prediction.step_time_s if best is not None else math.inf
                 solution = solve_mesh(mp, time_limit_s, cutoff) if bound < cutoff else None
+                solved += bound < cutoff
                 if solution is None:
                     cut = cut or math.isfinite(cutoff)
                     continue
@@ -210,7 +229,8 @@ def search(
         )
     if best is None:
         raise NoFitError(_no_fit_message(tried, memory_limit_bytes, refused))
-    return best
+    effort = SearchEffort(time.perf_counter() - start, reached, bounded, solved)
+    return replace(best, effort=effort)
 
 
 def compute_floors(

@@ -9,7 +9,8 @@ for every power-of-two count), the full search time (stage counts, stage meshes,
 counts, recomputation, one signature per op: the least of --repeat searches, taken in turn
 across depths as the host drifts, and the most beside it), the configurations the search
 reached, bounded by an LP and solved, the solver's status and gap, the chosen plan,
-and the ratio of each search time to the shallowest one. Targets (issue "Planner"): search
+and the ratio of each search time to the shallowest one (of the least times, then turn by
+turn: searches of one turn ran minutes apart at most). Targets (issue "Planner"): search
 <= 30 s on a 2-core machine, gap <= 1%, 96 layers <= 2x the time of 12.
 
 Beside each auto plan it prices the Megatron-LM plan of Narayanan et al. 2021 for this model
@@ -131,6 +132,11 @@ def main() -> None:
             f"{auto.solver.gap:>6.2%} {describe(auto):<34} {auto.predicted.step_time_s:>7.2f} "
             f"{hand} {ratio}"
         )
+    for depth in depths[1:]:
+        turns = ", ".join(
+            f"{a / b:.2f}x" for a, b in zip(depth.search_s, depths[0].search_s, strict=True)
+        )
+        print(f"{depth.layers} vs {depths[0].layers} layers, turn by turn: {turns}")
     print(
         f"regenerate: python bench/plan_speed.py --layers {' '.join(map(str, args.layers))} "
         f"--repeat {args.repeat}"

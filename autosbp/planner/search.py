@@ -16,7 +16,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from autosbp.planner.costs import (
     Prices,
     returns_view,
 )
-from autosbp.planner.pipeline import recomputed, split_stages
+from autosbp.planner.pipeline import StageSplit, recomputed, split_stages
 from autosbp.planner.problem import (
     MeshProblem,
     Prediction,
@@ -43,7 +43,7 @@ from autosbp.planner.problem import (
     price_graph,
     solve_mesh,
 )
-from autosbp.planner.reduce import TiedGraph, tie_graph, tie_stages
+from autosbp.planner.reduce import TiedGraph, TiedStages, tie_graph, tie_stages
 from autosbp.planner.strategies import Space
 from autosbp.sbp import Mesh
 
@@ -124,96 +124,108 @@ def search(
     overheads: the search stops once a count is slower than the one before (the step time is
     taken to be unimodal in the count; a heuristic, stated in the plan's breakdown).
     """
-    start = time.perf_counter()
-    reached = bounded = solved = 0
-    best: Found | None = None
-    tried: list[MeshProblem] = []
-    refused: list[str] = []
-    counts = space.micro_batches or powers_of_two_dividing(batch)
-    idle = 0  # stage counts in a row that found nothing faster
-    pricers: dict[Mesh, BoxingPricer] = {}  # one per stage mesh, across micro-batch counts
-    graphs_tied: dict[int, TiedGraph] = {}  # per micro-batch count, across stage counts
-    for num_stages in space.stage_counts:
-        if devices % num_stages:
-            refused.append(f"{num_stages} stages do not divide {devices} devices")
-            continue
-        if idle >= IDLE_STAGE_COUNTS:
-            break
-        best_before = best
-        stage_devices = devices // num_stages
+    return _Search(
+        graph_for, batch, devices, prices, link_of, space, optimizer, memory_limit_bytes,
+        time_limit_s, devices_per_node, progress,
+    ).run()  # fmt: skip
 
-        def stage_link(shape: tuple[int, ...], dim: int, p: int = num_stages) -> str:
-            return link_of((p, *shape), dim + 1)
+
+@dataclass(frozen=True)
+class _AtCount:
+    """One micro-batch count of one stage count: its graph, stages, ties and compute floors."""
+
+    count: int
+    num_stages: int
+    graph: OpGraph
+    split: StageSplit
+    tied: TiedStages
+    copies: Counter[tuple[int, str]]
+    floors: dict[str, np.ndarray]
+
+
+@dataclass
+class _Outcome:
+    """What one micro-batch count gave: its fastest plan, whether a plan fit without
+    recomputation, whether a bound cut a configuration (the loops' stop rules read these)."""
+
+    best_here: Found | None = None
+    fits_plainly: bool = False
+    cut: bool = False
+
+
+@dataclass
+class _Search:
+    """One `search`: its request, then its state: the best plan so far, what was tried and
+    refused, the boxing pricers (one per stage mesh) and ties (one per micro-batch count) it
+    reuses, and its effort."""
+
+    graph_for: GraphFor
+    batch: int
+    devices: int
+    prices: Prices
+    link_of: LinkOf
+    space: Space
+    optimizer: str
+    memory_limit_bytes: float | None
+    time_limit_s: float
+    devices_per_node: int | None
+    progress: Callable[[str], None] | None
+    best: Found | None = None
+    tried: list[MeshProblem] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
+    graphs_tied: dict[int, TiedGraph] = field(default_factory=dict)
+    reached: int = 0
+    bounded: int = 0
+    solved: int = 0
+
+    def run(self) -> Found:
+        start = time.perf_counter()
+        idle = 0  # stage counts in a row that found nothing faster
+        for num_stages in self.space.stage_counts:
+            if self.devices % num_stages:
+                self.refused.append(f"{num_stages} stages do not divide {self.devices} devices")
+                continue
+            if idle >= IDLE_STAGE_COUNTS:
+                break
+            best_before = self.best
+            self.stage_count(num_stages)
+            idle = idle + 1 if self.best is not None and self.best is best_before else 0
+        if self.best is None and not self.tried and not self.refused:
+            raise PlanError(
+                f"the strategy needs a mesh that {self.devices} devices cannot form; check that "
+                f"its degrees multiply to {self.devices}."
+            )
+        if self.best is None:
+            raise NoFitError(_no_fit_message(self.tried, self.memory_limit_bytes, self.refused))
+        effort = SearchEffort(time.perf_counter() - start, self.reached, self.bounded, self.solved)
+        return replace(self.best, effort=effort)
+
+    def stage_count(self, num_stages: int) -> None:
+        """Every micro-batch count worth trying with `num_stages` stages (`search`'s rules)."""
+        stage_devices = self.devices // num_stages
+
+        def stage_link(shape: tuple[int, ...], dim: int) -> str:
+            return self.link_of((num_stages, *shape), dim + 1)
 
         meshes = [
-            m for m in mesh_shapes(stage_devices, stage_link, devices_per_node) if space.mesh_ok(m)
+            m
+            for m in mesh_shapes(stage_devices, stage_link, self.devices_per_node)
+            if self.space.mesh_ok(m)
         ]
-        across = link_of((num_stages, stage_devices), 0)
+        across = self.link_of((num_stages, stage_devices), 0)
         previous: float | None = None
-        for count in counts:
+        for count in self.space.micro_batches or powers_of_two_dividing(self.batch):
             if num_stages > 1 and count < num_stages:
                 continue
-            graph = graph_for(count)
-            try:
-                split = split_stages(graph, num_stages)
-            except PlanError as exc:
-                refused.append(str(exc))
-                break
-            if count not in graphs_tied:
-                graphs_tied[count] = tie_graph(graph)
-            tied = tie_stages(graphs_tied[count], split)
-            copies = tied.copies()
-            floors = compute_floors(graph, prices, stage_devices, {r for _, r in copies})
-            best_here, fits_plainly, cut = None, False, False
-            candidates: list[tuple[float, int, MeshProblem]] = []  # (lower bound, order, problem)
-            for mesh in meshes:
-                priced: Priced | None = None
-                for mode in space.recompute:
-                    reached += 1
-                    cutoff = best.prediction.step_time_s if best is not None else math.inf
-                    if step_bound(graph, copies, num_stages, floors, count, mode) >= cutoff:
-                        cut = True
-                        continue  # even perfectly sharded compute alone is too slow
-                    if progress:
-                        progress(
-                            f"stages {num_stages}, mesh {'x'.join(map(str, mesh.shape))}, "
-                            f"{count} micro-batches, recompute {mode}"
-                        )
-                    if mesh not in pricers:
-                        pricers[mesh] = BoxingPricer(prices, mesh)
-                    priced = priced or price_graph(
-                        graph, mesh, prices, space.allow, pricers[mesh], tied.representative
-                    )
-                    node_times = {r: _unhidden_s(priced.strategies[r]) for _, r in copies}
-                    if step_bound(graph, copies, num_stages, node_times, count, mode) >= cutoff:
-                        cut = True
-                        continue  # its cheapest signatures, without boxing, are too slow
-                    mp = build_problem(
-                        graph, mesh, prices, optimizer=optimizer,
-                        memory_limit_bytes=memory_limit_bytes, allow=space.allow,
-                        micro_batches=count, split=split, recompute=mode, stage_link=across,
-                        priced=priced, tied=tied,
-                    )  # fmt: skip
-                    tried.append(mp)
-                    bound = lower_bound_of(mp, time_limit_s, cutoff)
-                    bounded += bound is not None
-                    if bound is not None:
-                        candidates.append((bound, len(candidates), mp))
-            # Most promising first (least LP bound): its plan then cuts the others unsolved.
-            for bound, _, mp in sorted(candidates, key=lambda c: c[:2]):
-                cutoff = best.prediction.step_time_s if best is not None else math.inf
-                solution = solve_mesh(mp, time_limit_s, cutoff) if bound < cutoff else None
-                solved += bound < cutoff
-                if solution is None:
-                    cut = cut or math.isfinite(cutoff)
-                    continue
-                fits_plainly |= mp.recompute == "none"
-                found = Found(mp, solution, predict(mp, solution), graph)
-                if best_here is None or _faster(found, best_here):
-                    best_here = found
-                if best is None or _faster(found, best):
-                    best = found
-            if num_stages == 1 and (fits_plainly or (cut and best_here is None)):
+            here = self.at_count(count, num_stages, stage_devices)
+            if here is None:
+                break  # the graph cannot be cut into these stages (refused)
+            outcome = _Outcome()
+            candidates = [c for mesh in meshes for c in self.bound(here, mesh, across, outcome)]
+            self.solve(here, candidates, outcome)
+            best_here, cut = outcome.best_here, outcome.cut
+            if num_stages == 1 and (outcome.fits_plainly or (cut and best_here is None)):
                 break  # more micro-batches only add per-micro-batch overheads
             if best_here is None and not cut:
                 continue  # nothing fits yet: more micro-batches keep less in flight
@@ -221,16 +233,83 @@ def search(
             if num_stages > 1 and previous is not None and time_here >= previous:
                 break  # not faster than with fewer micro-batches (or, twice, all cut off)
             previous = time_here if previous is None else min(previous, time_here)
-        idle = idle + 1 if best is not None and best is best_before else 0
-    if best is None and not tried and not refused:
-        raise PlanError(
-            f"the strategy needs a mesh that {devices} devices cannot form; check that its "
-            f"degrees multiply to {devices}."
-        )
-    if best is None:
-        raise NoFitError(_no_fit_message(tried, memory_limit_bytes, refused))
-    effort = SearchEffort(time.perf_counter() - start, reached, bounded, solved)
-    return replace(best, effort=effort)
+
+    def at_count(self, count: int, num_stages: int, stage_devices: int) -> _AtCount | None:
+        graph = self.graph_for(count)
+        try:
+            split = split_stages(graph, num_stages)
+        except PlanError as exc:
+            self.refused.append(str(exc))
+            return None
+        if count not in self.graphs_tied:
+            self.graphs_tied[count] = tie_graph(graph)
+        tied = tie_stages(self.graphs_tied[count], split)
+        copies = tied.copies()
+        floors = compute_floors(graph, self.prices, stage_devices, {r for _, r in copies})
+        return _AtCount(count, num_stages, graph, split, tied, copies, floors)
+
+    def cutoff(self) -> float:
+        return self.best.prediction.step_time_s if self.best is not None else math.inf
+
+    def bound(
+        self, here: _AtCount, mesh: Mesh, across: str, outcome: _Outcome
+    ) -> list[tuple[float, MeshProblem]]:
+        """The configurations of `mesh` at this count (one per recomputation mode) that no
+        cheaper bound cuts, each with its LP bound."""
+        graph, count, num_stages = here.graph, here.count, here.num_stages
+        priced: Priced | None = None
+        bounded: list[tuple[float, MeshProblem]] = []
+        for mode in self.space.recompute:
+            self.reached += 1
+            cutoff = self.cutoff()
+            if step_bound(graph, here.copies, num_stages, here.floors, count, mode) >= cutoff:
+                outcome.cut = True
+                continue  # even perfectly sharded compute alone is too slow
+            if self.progress:
+                self.progress(
+                    f"stages {num_stages}, mesh {'x'.join(map(str, mesh.shape))}, "
+                    f"{count} micro-batches, recompute {mode}"
+                )
+            if mesh not in self.pricers:
+                self.pricers[mesh] = BoxingPricer(self.prices, mesh)
+            priced = priced or price_graph(
+                graph, mesh, self.prices, self.space.allow, self.pricers[mesh],
+                here.tied.representative,
+            )  # fmt: skip
+            node_times = {r: _unhidden_s(priced.strategies[r]) for _, r in here.copies}
+            if step_bound(graph, here.copies, num_stages, node_times, count, mode) >= cutoff:
+                outcome.cut = True
+                continue  # its cheapest signatures, without boxing, are too slow
+            mp = build_problem(
+                graph, mesh, self.prices, optimizer=self.optimizer,
+                memory_limit_bytes=self.memory_limit_bytes, allow=self.space.allow,
+                micro_batches=count, split=here.split, recompute=mode, stage_link=across,
+                priced=priced, tied=here.tied,
+            )  # fmt: skip
+            self.tried.append(mp)
+            bound = lower_bound_of(mp, self.time_limit_s, cutoff)
+            if bound is not None:
+                self.bounded += 1
+                bounded.append((bound, mp))
+        return bounded
+
+    def solve(
+        self, here: _AtCount, candidates: list[tuple[float, MeshProblem]], outcome: _Outcome
+    ) -> None:
+        """Most promising first (least LP bound): its plan then cuts the others unsolved."""
+        for bound, mp in sorted(candidates, key=lambda c: c[0]):  # stable: ties keep order
+            cutoff = self.cutoff()
+            solution = solve_mesh(mp, self.time_limit_s, cutoff) if bound < cutoff else None
+            self.solved += bound < cutoff
+            if solution is None:
+                outcome.cut = outcome.cut or math.isfinite(cutoff)
+                continue
+            outcome.fits_plainly |= mp.recompute == "none"
+            found = Found(mp, solution, predict(mp, solution), here.graph)
+            if outcome.best_here is None or _faster(found, outcome.best_here):
+                outcome.best_here = found
+            if self.best is None or _faster(found, self.best):
+                self.best = found
 
 
 def compute_floors(

@@ -54,6 +54,9 @@ class CutOff:
     bound_s: float
 
 
+OBJECTIVE_BOUND_REACHED = "Bound on objective reached"  # HiGHS's words for that model status
+
+
 def relax(
     problem: Problem, time_limit_s: float, cutoff_s: float = math.inf
 ) -> Relaxed | CutOff | None:
@@ -89,9 +92,6 @@ def relax(
     return Relaxed(values, float(result.fun) / lp.scale, reduced, lp)
 
 
-OBJECTIVE_BOUND_REACHED = "Bound on objective reached"  # HiGHS's words for that model status
-
-
 FIXING_TOLERANCE = 1e-7  # relative; HiGHS's optima and duals are good to ~1e-9 of the costs
 
 
@@ -121,7 +121,7 @@ def restrict(problem: Problem, lp: LinearProgram, keep: np.ndarray) -> Problem:
 
 
 class LinearProgram:
-    """The formulation of the module docstring as sparse matrices: columns x (per node, its
+    """The formulation of `ilp`'s docstring as sparse matrices: columns x (per node, its
     candidates), y (per edge, its allowed pairs), z (per max term); rows one-hot, marginals
     (equalities), memory and max terms (upper bounds)."""
 

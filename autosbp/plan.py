@@ -103,7 +103,8 @@ class SolverReport:
     solved: int = 0
 
     def effort(self) -> str:
-        """ ", 35 configurations (22 bounded by their LP, 2 solved)", or nothing if unknown."""
+        """The search effort as the summary says it (", 35 configurations (22 bounded by
+        their LP, 2 solved)"), or "" for a plan written before it was recorded."""
         if not self.configurations:
             return ""
         return (

@@ -33,8 +33,8 @@ What it measures ("Actor runtime" issue: the cost model must predict what the ru
   reset.
 
 - the machine's drift: in every spawn, before the cases, every rank times a 512^3 fp32 matmul,
-  an add of 2^22 elements and 20 autograd adds of one element (all ranks at once, the slowest rank, median of 5), printed per
-  process count beside the profile's prices of the same ops (the profile was measured at
+  an add of 2^22 elements and the profiler's overhead chain (`OVERHEAD_OPS` autograd adds of
+  one element; all ranks at once, the slowest rank, median of 5), printed per process count beside the profile's prices of the same ops (the profile was measured at
   another time), with the error of every prediction scaled by the probes' geometric mean as a
   diagnostic: which part of the error is the machine's state, which the model's. The target
   is the unscaled error.
@@ -79,6 +79,7 @@ from autosbp.schedule import simulate  # noqa: E402
 from autosbp.zoo import build_model  # noqa: E402
 from costmodel import Cluster, load_profile  # noqa: E402
 from costmodel.launch import run_workers  # noqa: E402
+from costmodel.profiler_worker import OVERHEAD_OPS  # noqa: E402
 from runtime.train import adam  # noqa: E402
 
 PROFILE = "cpu-gloo"
@@ -259,12 +260,14 @@ StepMarks = tuple[float, float, float, float, float, float]
 Probes = dict[str, float]  # probe name -> seconds per call, this rank
 # What the machine runs at while the bench measures, beside the profile's price of the same
 # work (the profile was measured at another time: the two differ by the machine's drift):
-# name -> its price on a cluster. The autograd probe is 20 adds on one element, forward and
-# backward: 20 ops at the per-op floor, each priced 1 + BACKWARD_FACTOR times.
+# name -> its price on a cluster. The autograd probe is OVERHEAD_OPS adds on one element, forward
+# and backward: that many ops at the per-op floor, each priced 1 + BACKWARD_FACTOR times.
 PROBES: dict[str, Callable[[Cluster], float]] = {
     "matmul 512^3": lambda c: c.op_time_s(2.0 * 512**3, 3.0 * 512**2 * 4, "fp32"),
     "add of 2^22": lambda c: c.op_time_s(2.0**22, 3.0 * 2**22 * 4, "fp32"),
-    "20 autograd adds": lambda c: 20 * (1 + BACKWARD_FACTOR) * c.op_time_s(1, 12, "fp32"),
+    f"{OVERHEAD_OPS} autograd adds": (
+        lambda c: OVERHEAD_OPS * (1 + BACKWARD_FACTOR) * c.op_time_s(1, 12, "fp32")
+    ),
 }
 
 
@@ -279,14 +282,14 @@ def time_probes() -> Probes:
 
     def autograd_adds() -> None:
         out = leaf
-        for _ in range(20):
+        for _ in range(OVERHEAD_OPS):
             out = out + 1.0
         out.backward()
 
     calls = {
         "matmul 512^3": lambda: torch.matmul(a, b, out=c),
         "add of 2^22": lambda: torch.add(x, y, out=z),
-        "20 autograd adds": autograd_adds,
+        f"{OVERHEAD_OPS} autograd adds": autograd_adds,
     }
     out = {}
     for name, call in calls.items():

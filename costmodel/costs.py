@@ -23,7 +23,8 @@ shared/reference/profiling.md, section 3):
   measured sizes <= n and the alpha-beta price of the largest unmeasured size <= n, so more bytes or
   a bigger group never costs less.
 - op time (roofline with partial overlap): with c = flops / (peak[dtype] * matmul efficiency)
-  + transcendentals / transcendental rate (free where the profile states no rate) and m = bytes / (memory bandwidth * memory-bound efficiency), max(c, m) + (1 - o) x min(c, m)
+  + transcendentals / transcendental rate (free where the profile states no rate) and
+  m = bytes / (memory bandwidth * memory-bound efficiency), max(c, m) + (1 - o) x min(c, m)
   with o the profile's memory_overlap (1, the roofline's max, where it states none), and at
   least the op overhead floor. Measured on a 2-core EPYC (torch 2.13, 1 thread): a 32-row fp32
   matmul into 1024x1024 weights streamed from memory (16 weights, 64 MiB, in turn) took

@@ -6,8 +6,8 @@ frozen dataclasses a profile is made of. Lives elsewhere: JSON reading, validati
 
 Invariants: a `Profile` mirrors the JSON file one to one (numbers stay in the unit they were written
 in; `Quantity.base` converts), so save -> load is the identity; an optional field the file omits
-(efficiency.overlap, efficiency.memory_overlap) is None, and stays omitted when saved; every `Quantity` has a `Source`;
-every link class a profile defines has all five collective kinds (send_recv is the p2p cost);
+(device.transcendental_rate, efficiency.overlap, efficiency.memory_overlap) is None, and stays
+omitted when saved; every `Quantity` has a `Source`; every link class a profile defines has all five collective kinds (send_recv is the p2p cost);
 the JSON shape and its rules are in costmodel/schemas/profile.schema.json.
 """
 

@@ -160,7 +160,8 @@ class GradSync:
                     p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params
                 ]
                 if bucket.flat is None:  # kept across steps: no fresh buffer per step
-                    bucket.flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)
+                    size, like = sum(g.numel() for g in grads), grads[0]
+                    bucket.flat = torch.empty(size, dtype=like.dtype, device=like.device)
                 torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
                 bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self._next = max(self._next, until)

@@ -103,8 +103,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
 
 def solver_report(found: Found) -> SolverReport:
     solution, effort = found.solution, found.effort
-    if effort is None:  # not from `search`: the chosen configuration's solve alone
-        return SolverReport(solution.status, solution.gap, solution.seconds)
+    assert effort is not None, "plans are assembled from what `search` returns"
     return SolverReport(
         solution.status, solution.gap, effort.seconds, effort.configurations, effort.bounded,
         effort.solved,

@@ -32,10 +32,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
-from autosbp.errors import SbpError
-
 GRAD_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MB), torch docs
 
 
@@ -57,29 +53,6 @@ def hidden_sync_s(sync_s: float, backward_s: float, buckets: int, overlap: float
 def sync_buckets(param_bytes: int) -> int:
     """How many buckets the gradients of `param_bytes` of parameters fill, at least one."""
     return max(1, math.ceil(param_bytes / GRAD_BUCKET_BYTES))
-
-
-def split_micro_batches(
-    inputs: Sequence[torch.Tensor], micro_batches: int
-) -> list[tuple[torch.Tensor, ...]]:
-    """Cut every input along dim 0 (the batch) into `micro_batches` equal, consecutive pieces.
-
-    Training on the pieces one after another, each loss scaled by 1/micro_batches, gives the
-    gradients of the whole batch when the loss is a mean over the batch (torch's default
-    reductions); a loss summed over the batch would need no scaling.
-    """
-    if micro_batches < 1:
-        raise SbpError(f"micro_batches must be at least 1, got {micro_batches}.")
-    if micro_batches == 1:
-        return [tuple(inputs)]
-    for position, x in enumerate(inputs):
-        if x.dim() == 0 or x.shape[0] % micro_batches:
-            raise SbpError(
-                f"input #{position} of shape {tuple(x.shape)} cannot be cut into {micro_batches} "
-                "micro-batches along dim 0 (the batch); use a batch divisible by the micro-batch count."
-            )
-    pieces = [x.chunk(micro_batches, dim=0) for x in inputs]
-    return [tuple(p[k] for p in pieces) for k in range(micro_batches)]
 
 
 class Phase(enum.Enum):

@@ -67,9 +67,9 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 from rich.console import Console  # noqa: E402 - after the path fix above
 from rich.table import Table  # noqa: E402
 
-from autosbp.boxing_steps import dual_nd_sbp  # noqa: E402
-from autosbp.capturing import capture_micro_batch  # noqa: E402
-from autosbp.graph import OpGraph, Role  # noqa: E402
+from autosbp.boxing.steps import dual_nd_sbp  # noqa: E402
+from autosbp.capturing.export import capture_micro_batch  # noqa: E402
+from autosbp.capturing.graph import OpGraph, Role  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import ClusterPrices, plan_graph  # noqa: E402
 from autosbp.planner.costs import BACKWARD_FACTOR, BoxingPricer, sync_bucket_bytes  # noqa: E402

@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # this script's folder would shadow packages
 
-from autosbp.graph import OpGraph  # noqa: E402
+from autosbp.capturing.graph import OpGraph  # noqa: E402
+from autosbp.capturing.rebatch import micro_batch_graphs  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import plan_graphs  # noqa: E402
 from autosbp.planner.search import powers_of_two_dividing  # noqa: E402
-from autosbp.rebatch import micro_batch_graphs  # noqa: E402
 from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron  # noqa: E402
 
 DEVICES = 1024

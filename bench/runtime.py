@@ -54,7 +54,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from torch import nn  # noqa: E402
 
-from autosbp.capturing import capture_micro_batch  # noqa: E402
+from autosbp.capturing.export import capture_micro_batch  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import plan_graph  # noqa: E402
 from autosbp.zoo import build_model  # noqa: E402

@@ -2,8 +2,8 @@
 
 Lives here: `execute_boxing` (this rank's local tensor through a chain of steps) and the one
 autograd function that runs a step forward and its dual step backward. Lives elsewhere: planning
-and the steps' meaning (`autosbp.boxing`, `autosbp.boxing_steps`), the local ops and message
-slices shared with the simulator (`autosbp.boxing_ops`), process groups (`runtime.groups`).
+and the steps' meaning (`autosbp.boxing`, `autosbp.boxing.steps`), the local ops and message
+slices shared with the simulator (`autosbp.boxing.simulate`), process groups (`runtime.groups`).
 
 Invariants:
 - Every rank of the world calls `execute_boxing` with the same steps, in the same order as every
@@ -12,7 +12,7 @@ Invariants:
   all-reduce <-> all-reduce, all-to-all S(i)->S(j) <-> S(j)->S(i), slice <-> zero-pad, keep-or-zero
   <-> itself, send/recv <-> the same messages reversed. So the gradient of a B tensor comes back P
   and of a P tensor B: a loss replicated on every rank must be seeded as P (e.g. 1 on one rank).
-- Results equal `boxing_ops.simulate_boxing` on the same pieces (tested on gloo).
+- Results equal `autosbp.boxing.simulate_boxing` on the same pieces (tested on gloo).
 - A collective splits along tensor dim k by moving k to the front, so S(1) gathers concatenate
   along dim 1, not dim 0.
 Reference: torch.distributed collectives (`all_gather_single`, `reduce_scatter_single`,
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autosbp.boxing_ops import apply_local_step, transfer_slices
-from autosbp.boxing_steps import BoxingStep, StepKind, dual_step
+from autosbp.boxing.simulate import apply_local_step, transfer_slices
+from autosbp.boxing.steps import BoxingStep, StepKind, dual_step
 from autosbp.sbp import Mesh, Split, format_nd_sbp, local_shape
 from costmodel.errors import ExecutionError
 from runtime.groups import ProcessGroups

@@ -59,8 +59,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from autosbp.capturing.graph import Role
 from autosbp.errors import ExecutionError, PlanError
-from autosbp.graph import Role
 from autosbp.layout import assemble_tensor, shard_tensor
 from autosbp.sbp import B, Broadcast, Mesh, NdSbp, format_nd_sbp, local_shape, parse_nd_sbp
 from runtime.checkpoint_format import (

@@ -26,8 +26,8 @@ import torch
 import torch.utils.checkpoint
 
 from autosbp.boxing import plan_boxing
-from autosbp.boxing_steps import BoxingStep, StepKind
-from autosbp.graph import InputRef
+from autosbp.boxing.steps import BoxingStep, StepKind
+from autosbp.capturing.graph import InputRef
 from autosbp.rules import LocalOp
 from autosbp.rules.core import as_tuple
 from autosbp.sbp import Mesh, NdSbp

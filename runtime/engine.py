@@ -7,7 +7,7 @@ cross-stage sends and receives, the loss seed, gradient sync, the optimizer) and
 `full_state_dict`. Lives elsewhere: the stage's program (`runtime.program`), the firing order
 (`autosbp.schedule.stage_orders`), the collectives and process groups (`runtime.boxing`,
 `runtime.groups`), the gradient sync (`runtime.grad_sync`), the plan (`autosbp.plan`),
-capture (`autosbp.capturing`).
+capture (`autosbp.capturing.export`).
 
 Invariants:
 - Everything is planned in the constructor; `step` runs prebuilt closures only.
@@ -42,13 +42,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autosbp.capturing.batches import split_micro_batches
+from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.errors import ExecutionError, PlanError
-from autosbp.graph import OpGraph, Role, TensorMeta
 from autosbp.layout import shard_tensor
 from autosbp.plan import Plan
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Mesh, NdSbp, P, Partial, format_nd_sbp, local_shape
-from autosbp.schedule import Phase, split_micro_batches, stage_orders
+from autosbp.schedule import Phase, stage_orders
 from autosbp.timeline import Recorder
 from runtime.closures import Boxer
 from runtime.grad_sync import GradSync, build_sync_groups, sync_patterns
@@ -89,7 +90,7 @@ class Engine:
         plan.check_world(dist.get_world_size())
         self.micro_batches = plan.micro_batches
         if graph is None:  # the program runs one micro-batch: capture at that size
-            from autosbp.capturing import capture_micro_batch
+            from autosbp.capturing.export import capture_micro_batch
 
             graph = capture_micro_batch(model, example_inputs, self.micro_batches)
         plan.check_model(graph.fingerprint(), f"model `{graph.model_name}`")

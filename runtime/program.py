@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from autosbp.boxing_steps import local_box
+from autosbp.boxing.steps import local_box
+from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.errors import PlanError
-from autosbp.graph import OpGraph, Role, TensorMeta
 from autosbp.plan import Plan
 from autosbp.planner.pipeline import recomputed
 from autosbp.rules import NdSignature, local_op, nd_signatures

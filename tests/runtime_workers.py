@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from autosbp.capturing import capture_micro_batch
+from autosbp.capturing.export import capture_micro_batch
+from autosbp.capturing.graph import OpGraph
 from autosbp.errors import AutosbpError
-from autosbp.graph import OpGraph
 from autosbp.plan import Plan
 from autosbp.zoo import build_model
 from runtime import Engine

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from autosbp.boxing import dual_nd_sbp, dual_step, plan_boxing
-from autosbp.boxing_ops import simulate_boxing
+from autosbp.boxing.simulate import simulate_boxing
 from autosbp.sbp import B, Mesh, P, S, format_nd_sbp
 from costmodel.errors import ExecutionError
 from costmodel.launch import run_workers

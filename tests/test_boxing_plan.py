@@ -21,8 +21,8 @@ from autosbp.boxing import (
     plan_boxing,
     price_boxing,
 )
-from autosbp.boxing_ops import simulate_boxing
-from autosbp.boxing_steps import make_hop
+from autosbp.boxing.simulate import simulate_boxing
+from autosbp.boxing.steps import make_hop
 from autosbp.errors import SbpError
 from autosbp.sbp import B, Mesh, P, S, format_nd_sbp, split_factors
 from tests.dist_helpers import (

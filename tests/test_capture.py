@@ -1,4 +1,4 @@
-"""Graph capture: the node/edge contract of autosbp.graph, exactness, blocks, errors, the CLI.
+"""Graph capture: the node/edge contract of autosbp.capturing.graph, exactness, blocks, errors, the CLI.
 
 Oracle: eager torch. Interpreting a captured graph node by node (`run_graph`) must give the eager
 loss bit for bit (same kernels, same order), and the same buffer updates.
@@ -15,11 +15,11 @@ from torch import nn
 
 import autosbp
 from autosbp import cli
-from autosbp.capturing import capture, run_graph
+from autosbp.capturing.export import capture, run_graph
+from autosbp.capturing.flops import count_flops, count_transcendentals, op_family
+from autosbp.capturing.graph import InputRef, OpGraph, Role, TensorMeta
+from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import CaptureError
-from autosbp.flops import count_flops, count_transcendentals, op_family
-from autosbp.graph import InputRef, OpGraph, Role, TensorMeta
-from autosbp.rebatch import micro_batch_graphs
 from autosbp.zoo import ZOO_MODELS, build_model
 
 _CAPTURED: dict[str, tuple[nn.Module, tuple[torch.Tensor, ...], OpGraph]] = {}

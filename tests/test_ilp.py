@@ -10,17 +10,9 @@ import numpy as np
 import pytest
 
 from autosbp.errors import PlanError
-from autosbp.ilp import (
-    Costs,
-    MaxTerm,
-    MemoryConstraint,
-    Problem,
-    brute_force,
-    lower_bound,
-    solve,
-    solve_below,
-)
-from autosbp.ilp_solvers import CutOff, Relaxed, fix_by_reduced_costs, relax
+from autosbp.planner.ilp import brute_force, lower_bound, solve, solve_below
+from autosbp.planner.ilp_problem import Costs, MaxTerm, MemoryConstraint, Problem
+from autosbp.planner.ilp_solvers import CutOff, Relaxed, fix_by_reduced_costs, relax
 
 
 def random_problem(

@@ -14,18 +14,19 @@ import pytest
 import torch
 from torch import nn
 
-from autosbp.capturing import capture
+from autosbp.capturing.export import capture
+from autosbp.capturing.graph import Role
+from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import PlanError
-from autosbp.graph import Role
-from autosbp.ilp import MemoryConstraint, Problem, Solution, brute_force, solve
 from autosbp.plan import Plan
 from autosbp.planner.api import ClusterPrices, plan_graph, plan_graphs
+from autosbp.planner.ilp import brute_force, solve
+from autosbp.planner.ilp_problem import MemoryConstraint, Problem, Solution
 from autosbp.planner.pipeline import split_stages
 from autosbp.planner.problem import build_problem, price_graph
 from autosbp.planner.reduce import tie_graph, tie_stages
 from autosbp.planner.search import powers_of_two_dividing
 from autosbp.planner.strategies import strategy_space
-from autosbp.rebatch import micro_batch_graphs
 from autosbp.sbp import Mesh, Split, parse_nd_sbp
 from autosbp.zoo import GPT3_175B, ZOO_MODELS, build_model, gpt3_175b, gpt3_megatron
 from costmodel import Cluster, load_profile
@@ -390,7 +391,7 @@ def test_boxing_prices_reused_across_shapes_equal_fresh_ones() -> None:
     # shape; priced afresh, every shape must cost the same.
     import itertools
 
-    from autosbp.graph import TensorMeta
+    from autosbp.capturing.graph import TensorMeta
     from autosbp.planner.costs import BoxingPricer
     from autosbp.sbp import Broadcast, Partial
 
@@ -411,7 +412,7 @@ def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> No
     # A zoo model on a 2x2 mesh as the search builds it. To keep the enumeration small (1e5),
     # mesh dim 0 is data parallel and most weights are replicated; every compute op chooses
     # freely on mesh dim 1 (tensor parallel, partial sums, replication), and so does the head.
-    from autosbp.graph import Role
+    from autosbp.capturing.graph import Role
     from autosbp.sbp import Broadcast
 
     model, inputs = build_model("mlp", layers=1, hidden=8, batch=4)

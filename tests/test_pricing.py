@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from autosbp.boxing import canonical_shape, dual_nd_sbp, plan_boxing
+from autosbp.capturing.graph import TensorMeta
+from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import SbpError
-from autosbp.graph import TensorMeta
 from autosbp.planner.api import ClusterPrices
 from autosbp.planner.costs import BoxingPricer
 from autosbp.planner.problem import price_graph
-from autosbp.rebatch import micro_batch_graphs
 from autosbp.sbp import B, Mesh, NdSbp, P, S
 from autosbp.zoo import build_model
 from costmodel import Cluster, load_profile

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from autosbp import rebatch
-from autosbp.capturing import capture, capture_micro_batch
+from autosbp.capturing import rebatch
+from autosbp.capturing.export import capture, capture_micro_batch
+from autosbp.capturing.graph import OpGraph
+from autosbp.capturing.rebatch import BatchFamily, micro_batch_graphs
 from autosbp.errors import CaptureError, SbpError
-from autosbp.graph import OpGraph
-from autosbp.rebatch import BatchFamily, micro_batch_graphs
 from autosbp.zoo import ZOO_MODELS, build_model
 
 _TINY: dict[str, dict[str, Any]] = {

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autosbp.graph import Role, TensorMeta
+from autosbp.capturing.graph import Role, TensorMeta
 from autosbp.rules import (
     NdSignature,
     Signature,

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from autosbp.capturing import capture
-from autosbp.graph import OpGraph, Role
+from autosbp.capturing.export import capture
+from autosbp.capturing.graph import OpGraph, Role
 from autosbp.rules import has_rule, nd_signatures
 from autosbp.rules.oracle import run_global, simulate
 from autosbp.zoo import build_model

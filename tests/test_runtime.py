@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from autosbp.capturing import capture_micro_batch
+from autosbp.capturing.export import capture_micro_batch
+from autosbp.capturing.graph import OpGraph
 from autosbp.errors import ExecutionError, PlanError
-from autosbp.graph import OpGraph
 from autosbp.plan import Plan
 from autosbp.planner.assemble import PlanContext, assemble_plan
 from autosbp.planner.search import search

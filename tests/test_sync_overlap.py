@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autosbp import schedule
-from autosbp.capturing import capture
+from autosbp.capturing.export import capture
 from autosbp.planner.problem import build_problem, predict
 from autosbp.sbp import Mesh
 from autosbp.schedule import hidden_sync_s

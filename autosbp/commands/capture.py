@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from autosbp.graph import OpGraph
+    from autosbp.capturing.graph import OpGraph
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
@@ -54,7 +54,7 @@ def load_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from autosbp.capturing import capture
+    from autosbp.capturing.export import capture
 
     model, inputs = load_from_args(args)
     opgraph = capture(model, inputs, name=args.model)
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 def print_summary(opgraph: OpGraph, console: Console) -> None:
     """The totals, a table of op families, the repeated blocks and the ops without a rule."""
-    from autosbp.graph import Role
+    from autosbp.capturing.graph import Role
 
     params = [a["outputs"][0] for _, a in opgraph.parameters()]
     compute = [a for _, a in opgraph.nodes(Role.COMPUTE)]
@@ -83,7 +83,7 @@ def print_summary(opgraph: OpGraph, console: Console) -> None:
 
 
 def _family_table(compute: list[dict[str, Any]]) -> Table:
-    from autosbp.flops import op_family
+    from autosbp.capturing.flops import op_family
 
     nodes: Counter[str] = Counter()
     flops: Counter[str] = Counter()

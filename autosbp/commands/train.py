@@ -105,7 +105,7 @@ def _plan_for(
 def _check_plan_model(plan: Plan, model: str, model_args: dict) -> None:
     """Refuse a plan made for another model here, before any process starts (a worker would
     refuse it too, but only after launching, as a failed rank)."""
-    from autosbp.capturing import capture_micro_batch
+    from autosbp.capturing.export import capture_micro_batch
     from autosbp.zoo import load_model
 
     module, inputs = load_model(model, model_args, device="meta")
@@ -219,9 +219,9 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 
 def _gpt3(layers: int, out: Path, console: Console) -> Path:
     """Plan GPT-3 175B on 1024 A100s and print it beside the Megatron-LM plan; save the plan."""
+    from autosbp.capturing.rebatch import micro_batch_graphs
     from autosbp.planner.api import plan_graphs
     from autosbp.planner.search import powers_of_two_dividing
-    from autosbp.rebatch import micro_batch_graphs
     from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron
 
     hand, hand_count = gpt3_megatron(layers)

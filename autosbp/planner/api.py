@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from autosbp.capturing.graph import OpGraph
 from autosbp.errors import PlanError
-from autosbp.graph import OpGraph
 from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
 from autosbp.planner.search import Found, GraphFor, powers_of_two_dividing, search
@@ -81,7 +81,7 @@ def auto_parallelize(
     usual hand plans (`strategies.hand_strategies`) into `Plan.hand_plans`; with strategy auto, a
     hand plan the heuristic outer search missed and that is faster becomes the plan.
     """
-    from autosbp.rebatch import micro_batch_graphs
+    from autosbp.capturing.rebatch import micro_batch_graphs
 
     _check_request(devices, optimizer, dtype)  # before the capture, which can take a while
     _check_limits(memory_limit, global_batch, time_limit_s)
@@ -253,7 +253,7 @@ def _check_limits(memory_limit: int | None, global_batch: int | None, time_limit
 
 
 def _batch_of(graph: OpGraph) -> int:
-    from autosbp.graph import Role
+    from autosbp.capturing.graph import Role
 
     for _, attrs in graph.nodes(Role.INPUT):
         if attrs["outputs"] and attrs["outputs"][0].shape:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from autosbp.graph import Role
-from autosbp.ilp import Costs, Solution
+from autosbp.capturing.graph import Role
 from autosbp.plan import Alternative, NodePlan, ParamPlan, Plan, Predicted, SolverReport, StagePlan
+from autosbp.planner.ilp_problem import Costs, Solution
 from autosbp.planner.problem import MeshProblem
 from autosbp.planner.search import Found
 from autosbp.sbp import format_nd_sbp

@@ -44,9 +44,9 @@ import torch
 
 from autosbp import schedule
 from autosbp.boxing import StepPrice, canonical_shape, price_boxing
-from autosbp.boxing_steps import BoxingStep, StepKind, dual_nd_sbp
+from autosbp.boxing.steps import BoxingStep, StepKind, dual_nd_sbp
+from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.errors import SbpError
-from autosbp.graph import OpGraph, Role, TensorMeta
 from autosbp.rules import NdSignature, nd_signatures
 from autosbp.sbp import Broadcast, Mesh, NdSbp, local_shape
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from autosbp.flops import op_family
-from autosbp.graph import Role
+from autosbp.capturing.flops import op_family
+from autosbp.capturing.graph import Role
 from autosbp.rules import NdSignature
 from autosbp.sbp import local_shape
 

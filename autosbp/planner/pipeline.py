@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from autosbp.capturing.flops import op_family
+from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
-from autosbp.flops import op_family
-from autosbp.graph import OpGraph, Role
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 KEPT_UNDER_SELECTIVE = frozenset({"matmul", "attention", "conv", "embedding"})

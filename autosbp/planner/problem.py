@@ -22,17 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import NoFitError
-from autosbp.graph import OpGraph, Role
-from autosbp.ilp import (
-    Costs,
-    MaxTerm,
-    MemoryConstraint,
-    Problem,
-    Solution,
-    lower_bound,
-    solve_below,
-)
 from autosbp.planner.costs import (
     BACKWARD_FACTOR,
     BoxingPricer,
@@ -42,6 +33,8 @@ from autosbp.planner.costs import (
     node_strategies,
     sync_bucket_bytes,
 )
+from autosbp.planner.ilp import lower_bound, solve_below
+from autosbp.planner.ilp_problem import Costs, MaxTerm, MemoryConstraint, Problem, Solution
 from autosbp.planner.memory import candidate_bytes
 from autosbp.planner.pipeline import StageSplit, in_flight, recomputed, split_stages
 from autosbp.planner.reduce import TiedStages, tie_blocks, tie_graph, tie_stages, twin_key

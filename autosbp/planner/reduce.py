@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from autosbp.graph import OpGraph, Role
+from autosbp.capturing.graph import OpGraph, Role
 from autosbp.planner.pipeline import StageSplit, read_outside_block
 
 

@@ -21,9 +21,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import NoFitError, PlanError
-from autosbp.graph import OpGraph, Role
-from autosbp.ilp import Solution
 from autosbp.plan import format_bytes
 from autosbp.planner.costs import (
     BACKWARD_FACTOR,
@@ -32,6 +31,7 @@ from autosbp.planner.costs import (
     Prices,
     returns_view,
 )
+from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.pipeline import StageSplit, recomputed, split_stages
 from autosbp.planner.problem import (
     MeshProblem,

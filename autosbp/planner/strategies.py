@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from autosbp.capturing.graph import Role
 from autosbp.errors import PlanError
-from autosbp.graph import Role
 from autosbp.planner.pipeline import RECOMPUTE_MODES
 from autosbp.planner.problem import Allow
 from autosbp.rules import NdSignature

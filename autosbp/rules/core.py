@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from autosbp.graph import InputRef
+from autosbp.capturing.graph import InputRef
 from autosbp.sbp import B, Broadcast, NdSbp, P, Partial, Sbp, Split, format_nd_sbp, local_shape
 
 Node: TypeAlias = Mapping[str, Any]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from autosbp.graph import InputRef, Role, TensorMeta
+from autosbp.capturing.graph import InputRef, Role, TensorMeta
 from autosbp.layout import assemble_tensor
 from autosbp.rules import local_op
 from autosbp.rules.core import NdSignature, Node, as_tuple, default_local_op, resolve_refs

@@ -1,9 +1,9 @@
 """Graph capture: an nn.Module and example inputs -> an `OpGraph` of ATen ops; and its interpreter.
 
 Lives here: `capture` (torch.export in training IR, then one networkx node per placeholder, ATen
-call and the loss output, with the attributes documented in `autosbp.graph`) and `run_graph`, the
-reference interpreter of a captured graph. Lives elsewhere: the node/edge vocabulary (`graph`),
-export failures as messages (`capture_failures`), flop formulas and op families (`flops`),
+call and the loss output, with the attributes documented in `capturing.graph`) and `run_graph`, the reference
+interpreter of a captured graph. Lives elsewhere: the node/edge vocabulary (`graph`),
+export failures as messages (`failures`), flop formulas and op families (`flops`),
 repeated blocks (`blocks`), SBP rules (`rules`), the distributed interpreter (`runtime`).
 
 Invariants:
@@ -36,15 +36,16 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from autosbp.blocks import assign_blocks
-from autosbp.capture_failures import (
+from autosbp.capturing.batches import split_micro_batches
+from autosbp.capturing.blocks import assign_blocks
+from autosbp.capturing.failures import (
     explain_export_failure,
     torch_report_held_back,
     unsupported_node_message,
 )
+from autosbp.capturing.flops import count_flops, count_transcendentals
+from autosbp.capturing.graph import InputRef, OpGraph, Role, TensorMeta
 from autosbp.errors import CaptureError
-from autosbp.flops import count_flops, count_transcendentals
-from autosbp.graph import InputRef, OpGraph, Role, TensorMeta
 
 __all__ = ["capture", "capture_micro_batch", "run_graph"]
 
@@ -83,8 +84,6 @@ def capture_micro_batch(
 ) -> OpGraph:
     """The graph of one micro-batch of `example_inputs` (a global batch): what a plan with
     `micro_batches` is made for, and what the runtime runs once per micro-batch."""
-    from autosbp.schedule import split_micro_batches
-
     return capture(model, list(split_micro_batches(example_inputs, micro_batches)[0]), name=name)
 
 
@@ -305,7 +304,7 @@ def _attrs(
     outputs: tuple[TensorMeta, ...] = (),
     module_path: str = "",
 ) -> dict[str, Any]:
-    """A node's attributes (see `autosbp.graph`) with the defaults of a non-compute node."""
+    """A node's attributes (see `autosbp.capturing.graph`) with the defaults of a non-compute node."""
     nbytes = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
     return {
         "op": op,

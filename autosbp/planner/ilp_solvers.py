@@ -1,11 +1,12 @@
-"""The ILP of `autosbp.ilp` as sparse matrices, and the solvers that run on them.
+"""The ILP of `autosbp.planner.ilp` as sparse matrices, and the solvers that run on them.
 
 Lives here: `LinearProgram` (the formulation of `ilp`'s docstring as numpy/scipy matrices: one
 build serves the LP and the MIP), `relax` (the LP relaxation by HiGHS through scipy, with its
 reduced costs), `fix_by_reduced_costs` (drops the candidates and pairs that no solution better
 than a known value can use), `solve_mip` (the same matrices with x integral, by OR-Tools; CBC by
 default: HiGHS through pywraplp ignores the gap setting and prints a banner).
-Lives elsewhere: what the problem means and the search over relaxations (`ilp`).
+Lives elsewhere: the problem's types (`ilp_problem`, imported here), what the problem means
+and the search over relaxations (`ilp`, which imports this module; never the other way).
 
 Reduced-cost fixing (textbook branch and bound; MIP solvers do it inside once they hold an
 incumbent): with an optimal LP dual, every feasible x satisfies c x >= L + sum_j d_j x_j for the
@@ -19,7 +20,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from ortools.linear_solver import pywraplp
@@ -28,11 +28,8 @@ from scipy import sparse
 from scipy.optimize import OptimizeWarning, linprog
 
 from autosbp.errors import NoFitError, PlanError
+from autosbp.planner.ilp_problem import Key, Problem
 
-if TYPE_CHECKING:
-    from autosbp.ilp import Problem
-
-Key = Any  # as in `ilp`
 Values = dict[Key, list[float]]  # per node, its candidates' values
 
 

@@ -1,7 +1,7 @@
 """Repeated blocks: which captured nodes belong to transformer layer k (or residual block k).
 
 Lives here: `assign_blocks`, which picks the repeated-block container of a captured graph and sets
-each node's `block`. Lives elsewhere: capture itself (`capture`), tying blocks in the planner.
+each node's `block`. Lives elsewhere: capture itself (`export`), tying blocks in the planner.
 
 The container is a module path whose numbered children (`blocks.0`, `blocks.1`, ... from a
 ModuleList or Sequential) are >= 2 modules of one type; among those, the one with the most
@@ -19,7 +19,7 @@ from typing import Any
 
 import networkx as nx
 
-from autosbp.graph import Role
+from autosbp.capturing.graph import Role
 
 __all__ = ["assign_blocks"]
 

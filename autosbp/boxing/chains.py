@@ -1,13 +1,12 @@
-"""Boxing: plan the conversion of a tensor from one nD SBP to another as a chain of steps.
+"""Boxing chains: plan the conversion of a tensor from one nD SBP to another as a chain of steps.
 
 Lives here: `plan_boxing` (input checks, then the cheapest chain by total bytes: a shortest-path
 search over nD SBPs, the "middle nodes" of OneFlow, on meshes of any rank; across two disjoint
 meshes, hops on the source mesh, one send/recv, hops on the destination mesh); `price_boxing`,
 the same chain on one mesh as the numbers that price it.
-Lives elsewhere: the steps, their table, bytes and duals (`boxing_steps`); what a step does to
-tensors in pure torch (`boxing_ops`: `simulate_boxing`, the oracle of the runtime) and with
-torch.distributed (`runtime.boxing`); what a step costs in seconds (`costmodel`). The public names
-of `boxing_steps` and `boxing_ops` are re-exported here: import them from `autosbp.boxing`.
+Lives elsewhere: the steps, their table, bytes and duals (`boxing.steps`); what a step does to
+tensors in pure torch (`boxing.simulate`: `simulate_boxing`, the oracle of the runtime) and with
+torch.distributed (`runtime.boxing`); what a step costs in seconds (`costmodel`).
 
 Invariants: steps chain (`steps[k].dst == steps[k + 1].src`), start at the source and end at the
 destination; the chain's summed `total_bytes` is minimal over chains of supported hops (ties: fewest
@@ -31,24 +30,18 @@ from functools import lru_cache
 
 import torch
 
-from autosbp.boxing_ops import simulate_boxing
-from autosbp.boxing_steps import (
+from autosbp.boxing.steps import (
     CODE_B,
     CODE_P,
-    TRANSITIONS,
     BoxingStep,
     StepKind,
-    Transfer,
     code_sbp,
     cross_step,
     cross_transfers,
-    dual_nd_sbp,
-    dual_step,
     hop_bytes,
     hop_kind,
     hop_size,
     later_split_dims,
-    local_box,
     make_hop,
     sbp_code,
 )
@@ -62,20 +55,6 @@ from autosbp.sbp import (
     check_nd_sbp,
     format_nd_sbp,
 )
-
-__all__ = [
-    "TRANSITIONS",
-    "BoxingStep",
-    "StepKind",
-    "Transfer",
-    "canonical_shape",
-    "dual_nd_sbp",
-    "dual_step",
-    "local_box",
-    "plan_boxing",
-    "price_boxing",
-    "simulate_boxing",
-]
 
 
 def plan_boxing(

@@ -30,10 +30,11 @@ fixes the columns whose reduced costs show they cannot beat it, before the MIP o
 (`ilp_solvers.fix_by_reduced_costs`): a binding memory limit makes the LP fractional at a few
 nodes, and the fixing keeps about a fifth of the columns.
 
-Lives here: `Problem` (plain numbers: costs in seconds, memory in bytes), `solve`,
+Lives here: `solve`,
 `solve_below` (which gives up as soon as a bound shows nothing beats a cutoff: a search skips
 hopeless problems) and `lower_bound` (a search orders problems by it), `brute_force` (the
-oracle for tests). Lives elsewhere: the problem as sparse matrices and the solvers run on them
+oracle for tests). Lives elsewhere: the problem's types (`ilp_problem`: `Problem`, plain
+numbers: costs in seconds, memory in bytes), the problem as sparse matrices and the solvers run on them
 (`ilp_solvers`: the LP relaxation by HiGHS through scipy, the MIP by OR-Tools, CBC by default),
 turning a graph, a mesh and a cost model into a Problem (`planner`), reducing graphs before
 solving (`reduce`).
@@ -45,16 +46,16 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from operator import attrgetter
-from typing import Any
 
 import numpy as np
 from ortools.linear_solver import pywraplp
 
 from autosbp.errors import NoFitError, PlanError
-from autosbp.ilp_solvers import (
+from autosbp.planner.ilp_problem import Key, MaxTerm, Problem, Solution
+from autosbp.planner.ilp_solvers import (
     CutOff,
     Relaxed,
     Values,
@@ -63,77 +64,6 @@ from autosbp.ilp_solvers import (
     restrict,
     solve_mip,
 )
-
-Key = Any  # a node's name (str) in the planner; any hashable value in tests
-
-
-@dataclass(frozen=True)
-class MemoryConstraint:
-    """sum over nodes of bytes[v][chosen candidate] + constant_bytes <= limit_bytes."""
-
-    bytes_per_candidate: Mapping[Key, np.ndarray]
-    limit_bytes: float
-    constant_bytes: float = 0.0
-    name: str = "memory"
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Node-candidate and edge-pair costs; `value` prices one assignment."""
-
-    node_costs: Mapping[Key, np.ndarray]
-    edge_costs: Mapping[tuple[Key, Key], np.ndarray] = field(default_factory=dict)
-
-    def value(self, choice: Mapping[Key, int]) -> float:
-        total = sum(float(c[choice[v]]) for v, c in self.node_costs.items())
-        total += sum(float(m[choice[u], choice[v]]) for (u, v), m in self.edge_costs.items())
-        return total
-
-
-@dataclass(frozen=True)
-class MaxTerm:
-    """`weight` x the largest of `parts`. Every edge of a part must be an edge of the Problem
-    (its matrix there says which pairs are allowed)."""
-
-    weight: float
-    parts: Sequence[Costs]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Costs per node candidate and per edge pair; `math.inf` in an edge matrix forbids a pair.
-    The objective adds `max_terms` to the node and edge costs."""
-
-    node_costs: Mapping[Key, np.ndarray]
-    edge_costs: Mapping[tuple[Key, Key], np.ndarray] = field(default_factory=dict)
-    memory: Sequence[MemoryConstraint] = ()
-    max_terms: Sequence[MaxTerm] = ()
-
-    def objective(self, choice: Mapping[Key, int]) -> float:
-        total = Costs(self.node_costs, self.edge_costs).value(choice)
-        for term in self.max_terms:
-            total += term.weight * max(part.value(choice) for part in term.parts)
-        return total
-
-    def feasible(self, choice: Mapping[Key, int], tol: float = 1e-6) -> bool:
-        if not math.isfinite(self.objective(choice)):
-            return False
-        for mem in self.memory:
-            used = mem.constant_bytes + sum(
-                float(b[choice[v]]) for v, b in mem.bytes_per_candidate.items()
-            )
-            if used > mem.limit_bytes * (1 + tol):
-                return False
-        return True
-
-
-@dataclass(frozen=True)
-class Solution:
-    choice: dict[Key, int]
-    objective: float
-    status: str  # "optimal" | "feasible"
-    gap: float
-    seconds: float
 
 
 def solve(

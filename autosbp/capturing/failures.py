@@ -6,7 +6,7 @@ outside torch, the stdlib and autosbp), the module that ran it (by identity in t
 names a fix; `unsupported_node_message` for exported constructs that are not ATen ops
 (torch.no_grad() or autocast inside forward, torch.cond); `torch_report_held_back`, which keeps
 torch's own failure report (logged tracebacks, a printed partial graph) off the console. Lives
-elsewhere: the export call itself (`capture`).
+elsewhere: the export call itself (`export.capture`).
 
 Invariants: the message is one paragraph with no torch traceback; the caller chains the original
 exception (`raise ... from exc`) so the full torch report stays available to debuggers.

@@ -2,7 +2,7 @@
 
 Lives here: `op_family` (a coarse family per ATen op, for summaries and flop formulas) and
 `count_flops` (forward flops of one node from its input/output shapes). Lives elsewhere: the graph
-(`graph`), capture (`capture`), the SBP rules of each family (`rules`), time from flops
+(`graph`), capture (`export`), the SBP rules of each family (`rules`), time from flops
 (`costmodel`).
 
 Conventions (one multiply-add = 2 flops, fp32 or not):
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autosbp.graph import TensorMeta
+from autosbp.capturing.graph import TensorMeta
 
 # Op family of the op packet name ("aten.linear" for "aten.linear.default").
 _FAMILY_OPS: dict[str, tuple[str, ...]] = {

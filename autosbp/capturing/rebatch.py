@@ -3,8 +3,8 @@
 Lives here: `BatchFamily` (fitted from two captures of one model at batches b1 != b2, both >= 2;
 `graph_at(b)` is the graph at batch b) and `micro_batch_graphs` (one micro-batch graph per
 micro-batch count, exporting at most twice when the model rebatches). Lives elsewhere: capture
-itself and its node attributes (`capturing`, `graph`), flop formulas (`flops`), cutting a batch
-into micro-batches (`schedule.split_micro_batches`).
+itself and its node attributes (`export`, `graph`), flop formulas (`flops`), cutting a batch
+into micro-batches (`capturing.batches`).
 
 Why: an export of GPT-3 (96 layers) takes ~11 s, and the planner wants the micro-batch graph for
 several micro-batch counts. With static shapes, every batch-dependent int of the graph (a tensor
@@ -48,11 +48,11 @@ import networkx as nx
 import torch
 from torch import nn
 
-from autosbp.capturing import _attrs, capture_micro_batch
+from autosbp.capturing.batches import split_micro_batches
+from autosbp.capturing.export import _attrs, capture_micro_batch
+from autosbp.capturing.flops import count_flops, count_transcendentals
+from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.errors import CaptureError
-from autosbp.flops import count_flops, count_transcendentals
-from autosbp.graph import OpGraph, Role, TensorMeta
-from autosbp.schedule import split_micro_batches
 
 __all__ = ["BatchFamily", "micro_batch_graphs"]
 

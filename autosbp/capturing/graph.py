@@ -3,7 +3,7 @@
 Lives here: the node/edge vocabulary (`Role`, `TensorMeta`, `InputRef`, `OpGraph`) shared by
 capture (which builds graphs), rules (which read a node's op, args and shapes), the planner and
 the runtime (which interprets the same nodes with local shapes). Lives elsewhere: building a
-graph from a model (`capture`), signatures of ops (`rules`).
+graph from a model (`export`), signatures of ops (`rules`).
 
 Node attributes (every node):
   op           str, the ATen overload name ("aten.linear.default"), or "placeholder"/"output"

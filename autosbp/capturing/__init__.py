@@ -1,0 +1,18 @@
+"""Capturing: a model and example inputs become the operator graph the planner and runtime read.
+
+Lives here, one module per responsibility:
+- `graph`: the node and edge vocabulary (`OpGraph`, `Role`, `TensorMeta`, `InputRef`);
+- `export`: `capture` (torch.export -> `OpGraph`) and `run_graph`, its reference interpreter;
+- `failures`: export failures as one-paragraph errors naming the user's code;
+- `flops`: op families, flop and transcendental counts by formula;
+- `blocks`: which nodes belong to repeated block k (transformer layer k);
+- `batches`: cutting a batch into micro-batches (shared with the runtime);
+- `rebatch`: the graph at any batch size from two captures.
+Lives elsewhere: which SBP signatures an op has (`rules`), prices and plans (`planner`), the
+distributed interpreter (`runtime`). Capture knows nothing of the planner or the pipeline
+schedule: nothing here imports them.
+"""
+
+from autosbp.capturing.export import capture
+
+__all__ = ["capture"]

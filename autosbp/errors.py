@@ -12,8 +12,8 @@ from __future__ import annotations
 from costmodel.errors import AutosbpError, ExecutionError, ProfileError
 
 __all__ = [
-    "AutosbpError", "CaptureError", "ExecutionError", "NoFitError", "PlanError", "ProfileError",
-    "SbpError",
+    "AutosbpError", "CaptureError", "ExecutionError", "MicroBatchError", "NoFitError", "PlanError",
+    "ProfileError", "SbpError",
 ]  # fmt: skip
 
 
@@ -23,6 +23,12 @@ class SbpError(AutosbpError, ValueError):
 
 class CaptureError(AutosbpError):
     """A model that cannot be captured into an operator graph."""
+
+
+class MicroBatchError(CaptureError):
+    """The model runs on the whole batch but not on a micro-batch of it (BatchNorm on one
+    sample, a batch-size assumption in its code): a search skips that micro-batch count and
+    names the reason when no count is left."""
 
 
 class PlanError(AutosbpError):

@@ -237,13 +237,29 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer assembled whole (tied names included). A collective: every
         rank must call it, and every rank gets the full tensors."""
+        return self._assemble(self.owner, lambda name: self.state.get(name))
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient of the last step, synced and assembled whole (zeros where
+        backward never reached it; tied names included). Valid from the end of `step` until the
+        next one. A collective, like `full_state_dict`."""
+        return self._assemble(
+            {name: self.owner[name] for name in _names(self.graph, Role.PARAMETER)},
+            lambda name: _gradient(self.parameters[name]) if name in self.parameters else None,
+        )
+
+    def _assemble(
+        self, owners: Mapping[str, int], local_of: Callable[[str], torch.Tensor | None]
+    ) -> dict[str, torch.Tensor]:
+        """Each name of `owners` (name -> its stage) whole on every rank: `local_of(name)` is this
+        rank's piece in the name's layout, None off its stage (broadcast from the stage's first
+        device)."""
         out: dict[str, torch.Tensor] = {}
         staged = len(self.plan.stages) > 1
         with torch.no_grad():
-            for name, owner in self.owner.items():
-                shape, layout = self.shapes[name], self.layouts[name]
-                if name in self.state:
-                    local = self.state[name]
+            for name, owner in owners.items():
+                shape, layout, local = self.shapes[name], self.layouts[name], local_of(name)
+                if local is not None:
                     gather = self.boxer.chain(layout, (B,) * self.mesh.ndim, shape, local.dtype)
                     whole = gather(local.detach()).clone()
                 else:
@@ -270,6 +286,10 @@ def _p2p(
     work = op(tensor, peer, tag=tag)
     assert work is not None, "isend/irecv returned no work: is this rank in the default group?"
     return work
+
+
+def _gradient(param: torch.Tensor) -> torch.Tensor:
+    return param.grad if param.grad is not None else torch.zeros_like(param)
 
 
 @contextlib.contextmanager

@@ -1,66 +1,364 @@
-"""The single-device check of a training job: a reference trained beside the plan, compared.
+"""`--check`: is each training step of a plan the step one device takes, up to fp32 rounding?
 
-Lives here: `Reference` (the model trained on one device with the same optimizer, beside a
-float64 copy that tells which elements have vanishing exact gradients) and its comparison with
-the plan's full state. Lives elsewhere: the job that runs it on rank 0 (`runtime.train`), the
-verdict printed by `autosbp train --check` (`autosbp.commands.train`).
+Lives here: `StepChecker` (every rank: gathers the plan's weights and gradients each step; rank 0
+compares them), `Reference` (rank 0's oracle: the model on one device in float64 and in fp32,
+and the job's optimizer on whole tensors), `disable_dropout`, and the bounds below. Lives
+elsewhere: the values a comparison yields and the verdict's text (`runtime.check_report`), the
+job that steps the checker (`runtime.train`), the CLI's table (`autosbp.commands.train`), the
+gathering of whole tensors (`Engine.full_state_dict`, `Engine.full_gradients`).
+
+Why not compare trajectories. Two correct fp32 programs that sum in different orders differ by
+rounding, and Adam divides each gradient element by its own running size: an element whose exact
+gradient is about 0 (an attention key bias, as softmax ignores a constant per row; a bias feeding
+a normalization) takes lr-sized steps in a direction set by rounding noise. Two one-process runs
+that differ only in thread count drift 5.2e-2 apart on ResNet-18. So the check never follows a
+trajectory of its own: at every step t it takes the plan's own weights w_t and asks two
+questions, each with a bound derived below.
+
+1. The forward and backward: the loss L, every parameter's gradient g, every buffer the forward
+   updates (BatchNorm's running statistics). The reference evaluates them at w_t in float64 (x64)
+   and in fp32 (x32), on the plan's micro-batches (the same BatchNorm statistics; each loss scaled
+   by 1/m). float64 rounds 2^29 times finer than fp32, so x64 stands for the exact value, and
+   e1 = ||x32 - x64|| is what fp32 rounding does to this computation on one device: measured,
+   because it depends on every reduction's length n and magnitudes (a sum of n terms errs by
+   about sqrt(n) u sum|terms|, u = 2^-24; Higham & Mary 2019, "A new approach to probabilistic
+   rounding error analysis") and on how each layer conditions the next, which no formula knows
+   for an arbitrary model. The plan adds the same terms in other groupings (shards, then a
+   collective; micro-batches), which obey the same law, so its error eP = ||xP - x64|| must
+   satisfy, per tensor,
+       eP <= NOISE_FACTOR * max(e1, rho * ||x64||, u * ||x64||),
+   where rho = ||g32 - g64|| / ||g64|| over all gradients together is the step's relative
+   rounding, a floor for a tensor whose own e1 is one small sample (a scalar's can be 0 by luck),
+   and u ||x64|| is the rounding of the result itself, which no fp32 value escapes.
+   NOISE_FACTOR = GROUPING_FACTOR * CHANCE_FACTOR: grouping, a sum of n terms cut into N shards
+   and a collective errs like sqrt(n/N + N) <= sqrt(2n) for N <= n, against sqrt(n) on one
+   device, and kernels block their sums alike (2 covers sqrt(2) with room); chance, two
+   independent error samples of the same size (norms over k >= 8 elements, an F(k, k) ratio)
+   differ 8-fold with probability below 2e-6, and an error exceeds 8 times its typical size
+   (the rho floor) with probability about 1e-15 (a normal tail). A wrong rule or boxing step
+   errs by a share of the value itself: a sum counted twice or missed, a wrong shard, 1e-3 and
+   more, 10^3 to 10^6 times the bound.
+   Excluded, and named: a gradient whose float64 value is below ZERO_FRACTION of its fp32
+   rounding error. float64 resolves 2^-29 of fp32's rounding, so such a gradient is exactly 0
+   (the key bias, the bias before a normalization); fp32 holds rounding noise there only, of no
+   scale to compare. The update (2.) still checks what the optimizer does with that noise.
+2. The optimizer's update: the reference applies the job's optimizer, on whole tensors, to w_t
+   with the plan's own gradients, and compares with the plan's w_{t+1}. The same elementwise
+   formula on the same inputs: only the order of operations inside one element may differ
+   (vector lanes against a scalar tail, fused or not; measured: 1 ulp). Per element:
+       |wP' - wR'| <= 2u |wR'| + UPDATE_FRACTION * |w_t - wR'|
+   (each side rounds its last subtraction once; the step itself agrees to k u per side for k of
+   about 10 operations, and Adam's state recurrences keep their rounding below 3u / (1 - beta2),
+   about 2^-12 of the step). A sharding bug (an update missed, doubled, or given another
+   element's state) is off by the step itself, at least 1 - beta1 = 0.1 of it; 2^-10 lies between,
+   4 times above rounding and 100 times below a bug.
+Dropout: a mask drawn per rank cannot match one device's, so the check sets p = 0 on every
+torch.nn dropout module on both sides (named in the report) and then probes that the model is
+deterministic (two forwards under different seeds give the same loss); it refuses a model that is
+still random (functional dropout with its own probability) rather than compare noise.
+An op without a float64 kernel (Hugging Face Mixtral's grouped matmul): it runs in fp32 inside the
+float64 reference (inputs rounded to fp32, output widened) and is named in the report; its
+rounding is then part of both e1 and eP, and the bound stays one device's own error.
+Limit: a kink met within rounding (ReLU at 0, a max or top-k between equal scores) can take a
+different branch in the plan than on one device; about 1e-7 of the elements at kinks per step,
+reported as one tensor failing at one step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+from autosbp.capturing.batches import split_micro_batches
+from autosbp.errors import ExecutionError
+from runtime.check_report import Deviation, Kind, StepCheck
 
-# fp32 cannot resolve a gradient below about this fraction of its tensor's largest one (its
-# rounding noise is larger). Adam divides each gradient by its own running size, so once an
-# element's exact gradient falls below that (an attention key bias: softmax ignores a constant
-# per row, so its exact gradient is 0), its fp32 steps are driven by noise and no two summation
-# orders agree. The exact gradients come from a float64 copy of the reference; the check leaves
-# such elements out from the first step their exact gradient vanished, and reports how many.
-VANISHING_GRAD_FRACTION = 1e-6
+if TYPE_CHECKING:
+    from runtime.engine import Engine
+
+__all__ = ["Reference", "StepChecker", "disable_dropout"]
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+State = Mapping[str, torch.Tensor]
+
+U_FP32 = 2.0**-24  # unit roundoff of IEEE 754 binary32: |fl(x) - x| <= u |x|
+GROUPING_FACTOR = 2.0  # derived in the header (1.): sqrt(2) from cutting a sum, with room
+CHANCE_FACTOR = 8.0  # derived in the header (1.): F(k, k) and normal tails
+NOISE_FACTOR = GROUPING_FACTOR * CHANCE_FACTOR
+ZERO_FRACTION = 2.0**-20  # derived in the header (1.): float64 resolves 2^-29 of fp32's rounding
+UPDATE_FRACTION = 2.0**-10  # derived in the header (2.): rounding 2^-12, a bug 2^-3.3 of a step
+DROPOUT_MODULES = (
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+)  # fmt: skip
+
+
+def disable_dropout(model: nn.Module) -> tuple[str, ...]:
+    """Set p = 0 on every torch.nn dropout module of `model` that draws a mask; their names.
+    The graph keeps its ops (the fingerprint holds no probabilities), so a plan made with
+    dropout runs without it."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, DROPOUT_MODULES) and module.p > 0:
+            module.p = 0.0
+            names.append(name)
+    return tuple(names)
+
+
+@dataclass(frozen=True, slots=True)
+class _Evaluation:
+    """The loss, gradients and updated buffers of one step at given weights, in float64."""
+
+    loss: torch.Tensor
+    gradients: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
 
 
 class Reference:
-    """The same model trained on one device with the same optimizer (the oracle), beside a
-    float64 copy that tells which elements have vanishing exact gradients."""
+    """Rank 0's oracle: `model` on one device in float64 and fp32, and `optimizer` on whole
+    tensors; `check` compares one step of the plan with them (see the module header)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: OptimizerFactory) -> None:
-        import copy
-
-        self.model = copy.deepcopy(model)
-        self.exact = copy.deepcopy(model).double()
-        self.optimizers = [optimizer(m.parameters()) for m in (self.model, self.exact)]
-        self.vanishing = {
-            name: torch.zeros_like(p, dtype=torch.bool) for name, p in self.model.named_parameters()
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerFactory,
+        micro_batches: int,
+        inputs: Sequence[torch.Tensor],
+        dropout: tuple[str, ...] = (),
+    ) -> None:
+        _require_deterministic(model, inputs, dropout)
+        self.fp32 = copy.deepcopy(model)
+        self.fp64 = copy.deepcopy(model).double()
+        self.fallback = _Float32Fallback()
+        self.weights = {
+            name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()
         }
+        self.optimizer = optimizer(list(self.weights.values()))
+        self.micro_batches = micro_batches
+        self.dropout = dropout
 
-    def step(self, inputs: Any) -> float:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        loss = self.model(*inputs)
-        loss.backward()
-        self.exact(*(x.double() if x.is_floating_point() else x for x in inputs)).backward()
-        for name, p in self.exact.named_parameters():
-            grad = p.grad.abs() if p.grad is not None else torch.zeros_like(p)
-            self.vanishing[name] |= grad <= VANISHING_GRAD_FRACTION * grad.max()
-        for optimizer in self.optimizers:
-            optimizer.step()
-        return float(loss.detach())
+    def check(
+        self,
+        step: int,
+        inputs: Sequence[torch.Tensor],
+        before: State,
+        loss: float,
+        gradients: State,
+        after: State,
+    ) -> StepCheck:
+        """Compare the plan's step `step` (its weights `before`, loss, synced `gradients`, and
+        state `after`) with one device at the same weights."""
+        with self.fallback:
+            exact = self._evaluate(self.fp64, before, inputs)
+        single = self._evaluate(self.fp32, before, inputs)
+        excluded = [
+            name
+            for name, g in exact.gradients.items()
+            if g.norm() < ZERO_FRACTION * (single.gradients[name] - g).norm()
+        ]
+        rounding = _relative_error(
+            [single.gradients[n] for n in exact.gradients if n not in excluded],
+            [g for n, g in exact.gradients.items() if n not in excluded],
+        )
+        rows = [
+            _deviation(Kind.LOSS, "loss", torch.tensor(loss), single.loss, exact.loss, rounding)
+        ]
+        rows += [
+            _deviation(Kind.GRADIENT, name, gradients[name], single.gradients[name], g, rounding)
+            for name, g in exact.gradients.items()
+            if name not in excluded
+        ]
+        rows += [
+            _deviation(Kind.BUFFER, name, after[name], single.buffers[name], b, rounding)
+            for name, b in exact.buffers.items()
+        ]
+        rows += self._updates(before, gradients, after)
+        return StepCheck.of(
+            step, float(exact.loss), rounding, rows, tuple(excluded), self.dropout,
+            tuple(sorted(self.fallback.ops)),
+        )  # fmt: skip
 
-    def max_rel_diff(self, full: dict[str, torch.Tensor]) -> float:
-        """Largest ||p - q|| / ||q|| over parameters (q: the fp32 reference), on the elements
-        whose exact gradient never vanished (see VANISHING_GRAD_FRACTION)."""
-        worst = 0.0
-        for name, ref in self.model.named_parameters():
-            keep = ~self.vanishing[name]
-            if keep.any():
-                got, want = full[name][keep], ref.detach()[keep]
-                worst = max(worst, float((got - want).norm() / want.norm().clamp_min(1e-30)))
-        return worst
+    def _evaluate(
+        self, model: nn.Module, state: State, inputs: Sequence[torch.Tensor]
+    ) -> _Evaluation:
+        """`model`'s step at the weights and buffers `state` on the plan's micro-batches, in the
+        model's dtype; results widened to float64."""
+        dtype = next(model.parameters()).dtype
+        buffers = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(state[name])
+                p.grad = None
+            for name, b in buffers.items():
+                if name in state:
+                    b.copy_(state[name])
+        total = torch.zeros((), dtype=dtype)
+        m = self.micro_batches
+        for piece in split_micro_batches(inputs, m):
+            loss = model(*(x.to(dtype) if x.is_floating_point() else x for x in piece)) / m
+            loss.backward()
+            total += loss.detach()
+        gradients = {
+            name: _widen(p.grad if p.grad is not None else torch.zeros_like(p))
+            for name, p in model.named_parameters()
+        }
+        kept = {name: _widen(b.detach()) for name, b in buffers.items() if name in state}
+        return _Evaluation(_widen(total), gradients, kept)
 
-    def excluded_elements(self) -> int:
-        return int(sum(int(mask.sum()) for mask in self.vanishing.values()))
+    def _updates(self, before: State, gradients: State, after: State) -> list[Deviation]:
+        """The job's optimizer on whole tensors from the plan's weights and gradients, against
+        the plan's updated weights (header, 2.)."""
+        with torch.no_grad():
+            for name, w in self.weights.items():
+                w.copy_(before[name])
+                w.grad = gradients[name].to(w.dtype).clone()
+        self.optimizer.step()
+        return [_elementwise(n, after[n], w, before[n]) for n, w in self.weights.items()]
+
+
+class StepChecker:
+    """Every rank: the plan's weights before a step, its gradients and state after it (all
+    collectives, so every rank calls `after_step`); rank 0 also holds the `Reference` built from
+    `model` (dropout already off: `disable_dropout` before the engine) and returns each step's
+    `StepCheck`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        optimizer: OptimizerFactory,
+        dropout: tuple[str, ...] = (),
+    ) -> None:
+        self.engine = engine
+        self.reference = (
+            Reference(model, optimizer, engine.micro_batches, inputs, dropout)
+            if engine.rank == 0
+            else None
+        )
+        self.before = engine.full_state_dict()
+
+    def after_step(
+        self, step: int, inputs: Sequence[torch.Tensor], loss: float
+    ) -> StepCheck | None:
+        gradients, after = self.engine.full_gradients(), self.engine.full_state_dict()
+        before, self.before = self.before, after
+        if self.reference is None:
+            return None
+        return self.reference.check(step, inputs, before, loss, gradients, after)
+
+
+def _deviation(
+    kind: Kind,
+    name: str,
+    plan: torch.Tensor,
+    single: torch.Tensor,
+    exact: torch.Tensor,
+    rounding: float,
+) -> Deviation:
+    """One tensor of the forward/backward against float64 (header, 1.); an integer tensor (a
+    step counter) must be equal."""
+    if not exact.is_floating_point():
+        error = float((plan.to(exact.dtype) != exact).sum())
+        return Deviation(kind, name, tuple(exact.shape), error, 0.0, float(exact.abs().sum()))
+    plan = _widen(plan)
+    size = float(exact.norm())
+    bound = NOISE_FACTOR * max(float((single - exact).norm()), rounding * size, U_FP32 * size)
+    error = float((plan - exact).norm())
+    scale = float((plan * exact).sum() / (exact * exact).sum()) if size > 0 else None
+    if scale is not None and float((plan - scale * exact).norm()) > bound:
+        scale = None  # no single factor explains the difference
+    return Deviation(kind, name, tuple(exact.shape), error, bound, size, scale)
+
+
+def _elementwise(
+    name: str, plan: torch.Tensor, want: torch.Tensor, before: torch.Tensor
+) -> Deviation:
+    """The update of one tensor: its worst element against that element's bound (header, 2.);
+    `size` is that element's step."""
+    shape = tuple(want.shape)
+    plan, want, before = _widen(plan).flatten(), _widen(want).flatten(), _widen(before).flatten()
+    if not want.numel():
+        return Deviation(Kind.UPDATE, name, shape, 0.0, 0.0, 0.0)
+    diff, step = (plan - want).abs(), (before - want).abs()
+    bound = 2 * U_FP32 * want.abs() + UPDATE_FRACTION * step
+    ratio = torch.where(diff > 0, diff / bound, torch.zeros_like(diff))  # x / 0 = inf
+    at = int(ratio.argmax())
+    return Deviation(Kind.UPDATE, name, shape, float(diff[at]), float(bound[at]), float(step[at]))
+
+
+def _relative_error(approx: Iterable[torch.Tensor], exact: Iterable[torch.Tensor]) -> float:
+    """||approx - exact|| / ||exact|| over all tensors together (0 when exact is 0)."""
+    error = size = 0.0
+    for a, e in zip(approx, exact, strict=True):
+        error += float((a - e).square().sum())
+        size += float(e.square().sum())
+    return (error / size) ** 0.5 if size > 0 else 0.0
+
+
+def _widen(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to(torch.float64) if x.is_floating_point() else x.detach()
+
+
+def _require_deterministic(
+    model: nn.Module, inputs: Sequence[torch.Tensor], dropout: tuple[str, ...]
+) -> None:
+    """Refuse a model whose loss still depends on the random seed (header: Dropout)."""
+    losses = []
+    for seed in (1, 2):
+        with torch.random.fork_rng(), torch.no_grad():
+            torch.manual_seed(seed)
+            losses.append(float(copy.deepcopy(model)(*inputs)))
+    if losses[0] != losses[1]:
+        off = f" (dropout modules set to p = 0: {', '.join(dropout)})" if dropout else ""
+        raise ExecutionError(
+            f"--check compares deterministic steps, but the model's loss depends on the random "
+            f"seed: {losses[0]!r} and {losses[1]!r} under two seeds{off}. Functional dropout "
+            "(F.dropout with its own probability, SDPA's dropout_p, a Hugging Face config's "
+            "attention_dropout) or another random op remains; set those probabilities to 0 for "
+            "the check."
+        )
+
+
+class _Float32Fallback(TorchDispatchMode):
+    """Inside the float64 reference: an op that has no float64 kernel runs in fp32 (inputs
+    rounded, outputs widened) and is remembered in `ops`; any other failure is the model's own
+    and propagates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if str(func) not in self.ops:
+            try:
+                return func(*args, **kwargs)
+            except (RuntimeError, NotImplementedError):
+                if func._schema.is_mutable or not _holds_float64((args, kwargs)):
+                    raise
+        out = func(*tree_map(_narrow, args), **tree_map(_narrow, kwargs))
+        self.ops.add(str(func))
+        return tree_map(_widen_fp32, out)
+
+
+def _holds_float64(tree: Any) -> bool:
+    found: list[bool] = []
+    tree_map(lambda x: found.append(isinstance(x, torch.Tensor) and x.dtype == torch.float64), tree)
+    return any(found)
+
+
+def _narrow(x: Any) -> Any:
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.float64 else x
+
+
+def _widen_fp32(x: Any) -> Any:
+    return x.double() if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x

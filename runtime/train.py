@@ -1,10 +1,10 @@
 """Train a model under a plan on N local processes, optionally checked against one device.
 
 Lives here: `TrainSpec` (what to train: a model spec the workers can rebuild, a plan, steps),
-`train_worker` (one rank: an Engine and, on rank 0 with `check`, a single-device reference that
-takes the same steps), `train` (launch, collect, one row per step). Used by `autosbp train` and
-`autosbp demo`. Lives elsewhere: the engine (`runtime.engine`), the launcher
-(`costmodel.launch`), model loading (`autosbp.zoo`).
+`train_worker` (one rank: an Engine and, with `check`, a `StepChecker` that compares every step
+with one device on rank 0), `train` (launch, collect, one row per step). Used by `autosbp train`
+and `autosbp demo`. Lives elsewhere: the engine (`runtime.engine`), the launcher
+(`costmodel.launch`), model loading (`autosbp.zoo`), the check (`runtime.check`).
 
 The batch is the model's example inputs at every step (the demo's task is to fit them), so the
 single-device reference sees exactly what the plan sees; parameters start from the same seed.
@@ -25,7 +25,8 @@ from autosbp.errors import ExecutionError
 from autosbp.plan import Plan
 from autosbp.timeline import Event
 from costmodel.launch import run_workers
-from runtime.check import Reference
+from runtime.check import StepChecker, disable_dropout
+from runtime.check_report import StepCheck, Verdict, judge
 
 FAULT_ENV = "AUTOSBP_FAULT"
 """Testing hook: "rank=R,step=S,kind=K" makes rank R fail just before its step S (0-based) by K:
@@ -49,15 +50,7 @@ class TrainSpec:
 class StepRecord:
     step: int
     loss: float
-    reference_loss: float | None = None
-    max_param_rel_diff: float | None = None
-    excluded_elements: int | None = None  # vanishing-gradient elements left out of the check
-
-    @property
-    def loss_rel_diff(self) -> float | None:
-        if self.reference_loss is None:
-            return None
-        return abs(self.loss - self.reference_loss) / max(abs(self.reference_loss), 1e-30)
+    check: StepCheck | None = None  # with TrainSpec.check, on rank 0: against one device
 
 
 @dataclass(frozen=True)
@@ -66,14 +59,9 @@ class TrainResult:
     step_times_s: tuple[float, ...] = field(default=())
     events: tuple[Event, ...] = field(default=())  # every rank's firings, with TrainSpec.trace
 
-    def worst_rel_diff(self) -> float:
-        diffs = [
-            d
-            for r in self.records
-            for d in (r.loss_rel_diff, r.max_param_rel_diff)
-            if d is not None
-        ]
-        return max(diffs, default=0.0)
+    def verdict(self) -> Verdict:
+        """The check's verdict over every step (with TrainSpec.check)."""
+        return judge([r.check for r in self.records if r.check is not None])
 
 
 def adam(params: Any, lr: float) -> torch.optim.Adam:
@@ -108,8 +96,8 @@ def train_worker(
     from runtime.engine import Engine
 
     model, inputs = load_model(spec.model, spec.model_args)
+    dropout = disable_dropout(model) if spec.check else ()
     plan = Plan.from_json(spec.plan)
-    reference = Reference(model, lambda ps: adam(ps, spec.lr)) if spec.check and rank == 0 else None
     recorder = None
     if spec.trace:
         dist.barrier()  # one origin for every rank (perf_counter is one clock per machine)
@@ -118,6 +106,9 @@ def train_worker(
     engine = Engine(
         model, plan, lambda params: adam(params, spec.lr), example_inputs=inputs, recorder=recorder
     )
+    checker = None
+    if spec.check:  # rank 0 compares each step with one device (runtime.check)
+        checker = StepChecker(engine, model, inputs, lambda ps: adam(ps, spec.lr), dropout)
     rows: list[tuple] = []
     times: list[float] = []
     for step in range(spec.steps):
@@ -125,14 +116,7 @@ def train_worker(
         start = time.perf_counter()
         loss = engine.step(inputs)
         times.append(time.perf_counter() - start)
-        full = engine.full_state_dict() if spec.check else None
-        if reference is not None and full is not None:
-            ref_loss = reference.step(inputs)
-            rows.append(
-                (step, loss, ref_loss, reference.max_rel_diff(full), reference.excluded_elements())
-            )
-        else:
-            rows.append((step, loss, None, None, None))
+        rows.append((step, loss, checker.after_step(step, inputs, loss) if checker else None))
     events = [astuple(e) for e in recorder.events] if recorder is not None else []
     return rows, times, events
 

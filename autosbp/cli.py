@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autosbp.errors import AutosbpError
+from costmodel.text import printable
 
 # (command, module, one-line help). The module owns the command's arguments and behaviour.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -36,6 +37,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     ("profile", "costmodel.commands", "measure this machine's op and collective costs"),
     ("profiles", "costmodel.commands", "list the shipped hardware profiles"),
+    ("zoo", "autosbp.commands.zoo", "list the zoo's models and the arguments --model-args takes"),
 )
 
 
@@ -63,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(_module(args._module).run(args, console) or 0)
     except AutosbpError as exc:
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, soft_wrap=True)
+        message = escape(printable(str(exc)))  # names from input files: shown, not obeyed
+        err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted")

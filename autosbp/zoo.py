@@ -274,7 +274,7 @@ def build_model(
     builder = _BUILDERS.get(name)
     if builder is None:
         raise CaptureError(f"Unknown zoo model {name!r}: choose one of {', '.join(ZOO_MODELS)}.")
-    _check_kwargs(name, builder, kwargs)
+    _check_kwargs(name, kwargs)
     generator = torch.Generator().manual_seed(seed)
     try:
         with torch.random.fork_rng(devices=[]):
@@ -316,15 +316,24 @@ def gpt3_megatron(layers: int = GPT3_175B["layers"], devices: int = 1024) -> tup
     return f"megatron:tp=8,pp={stages},dp={dp},mb={count}", count
 
 
-def _check_kwargs(name: str, builder: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-    params = inspect.signature(builder).parameters
-    accepted = [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    unknown = sorted(set(kwargs) - {p.name for p in accepted})
+def model_arguments(name: str) -> dict[str, Any]:
+    """The arguments zoo model `name` accepts (`--model-args`), with their defaults; `device`
+    and `seed` are accepted by every model besides."""
+    builder = _BUILDERS.get(name)
+    if builder is None:
+        raise CaptureError(f"Unknown zoo model {name!r}: choose one of {', '.join(ZOO_MODELS)}.")
+    params = inspect.signature(builder).parameters.values()
+    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _check_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+    accepted = model_arguments(name)
+    unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
-        options = ", ".join(f"{p.name}={p.default!r}" for p in accepted)
+        options = ", ".join(f"{k}={v!r}" for k, v in accepted.items())
         raise CaptureError(
             f"Zoo model {name!r} has no argument {', '.join(map(repr, unknown))}; "
-            f"it accepts {options} (plus device and seed)."
+            f"it accepts {options} (plus device and seed). `autosbp zoo` lists every model."
         )
 
 

@@ -365,7 +365,7 @@ def load_model(
     try:
         with torch.device(device) if device else contextlib.nullcontext():
             result = func(**args)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit in user code: an error, not our exit
         raise CaptureError(
             f"Calling {func_name}({', '.join(f'{k}={v!r}' for k, v in args.items())}) from "
             f"{path_text} failed with {type(exc).__name__}: {exc}. Fix the function (or "
@@ -387,7 +387,7 @@ def _load_function(path: Path, func_name: str) -> Callable[..., Any]:
     sys.modules[module_name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit in user code: an error, not our exit
         del sys.modules[module_name]
         raise CaptureError(
             f"Importing model file {str(path)!r} failed with {type(exc).__name__}: {exc}. "

@@ -1,7 +1,9 @@
 """Profile JSON <-> frozen `Profile`, and the checks JSON Schema cannot express.
 
-Lives here: `profile_from_dict` (after schema validation: resolves named sources, checks that sizes
-in measured tables increase and that a multi-node topology has an inter_node link) and
+Lives here: `profile_from_dict` (after schema validation: refuses numbers that are not finite
+and text with control characters anywhere, and values beyond any hardware (`MAX_BASE`);
+resolves named sources, checks that sizes in measured tables increase and that a multi-node
+topology has an inter_node link) and
 `profile_to_dict` (shared sources written once in `sources`, referenced by name), and
 `profile_error`, the one place a ProfileError message is phrased (file, JSON path, problem,
 expected, fix). Lives elsewhere: finding, reading and schema-validating files (`profile_io`).
@@ -12,7 +14,8 @@ Invariants: `profile_from_dict(profile_to_dict(p)) == p`; the dict holds only JS
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from costmodel.errors import ProfileError
@@ -34,6 +37,28 @@ from costmodel.profile import (
     SourceKind,
     Topology,
 )
+from costmodel.text import has_control, printable
+from costmodel.units import Dimension, dimension_of, to_base
+
+# The largest value a profile may state, per dimension, in base units: about 100x beyond the
+# largest hardware of 2025 (spec sheets: B200 192 GB HBM3e at 8 TB/s, 4.5e15 dense fp8 flop/s;
+# NVLink 5 at 1.8 TB/s per GPU), so a typo or a fit that overflowed is refused, not priced (a
+# 1e300 flop/s device turns every compute time into 0 and the plan into nonsense). Times: an
+# op, a message or an overhead of more than an hour is no measurement.
+MAX_BASE: dict[Dimension, float] = {
+    Dimension.TIME: 3600.0,
+    Dimension.BYTES: 2.0**50,
+    Dimension.BANDWIDTH: 1e15,
+    Dimension.FLOP_RATE: 1e18,
+    Dimension.RATIO: 1.0,
+    Dimension.DEVICES: 2.0**20,
+    Dimension.NODES: 2.0**20,
+}
+_BASE_UNIT = {
+    Dimension.TIME: " s", Dimension.BYTES: " B", Dimension.BANDWIDTH: " B/s",
+    Dimension.FLOP_RATE: " flop/s", Dimension.RATIO: "", Dimension.DEVICES: " devices",
+    Dimension.NODES: " nodes",
+}  # fmt: skip
 
 
 def profile_error(origin: str, path: str, problem: str, expected: str, fix: str) -> ProfileError:
@@ -63,7 +88,22 @@ class _Decoder:
         return self.shared[obj]
 
     def quantity(self, obj: Mapping[str, Any], path: str) -> Quantity:
+        self.bounded(obj["value"], obj["unit"], f"{path}.value")
         return Quantity(obj["value"], obj["unit"], self.source(obj["source"], f"{path}.source"))
+
+    def bounded(self, value: float, unit: str, path: str) -> None:
+        """ProfileError unless `value` (in `unit`) is within its dimension's MAX_BASE."""
+        dimension = dimension_of(unit)
+        limit = MAX_BASE[dimension]
+        if to_base(value, unit) > limit:
+            raise profile_error(
+                self.origin,
+                path,
+                f"{value:g} {unit} is beyond any hardware",
+                f"at most {limit:g}{_BASE_UNIT[dimension]} (about 100x the largest "
+                "hardware of 2025; see costmodel.profile_codec.MAX_BASE)",
+                "check the number and its unit",
+            )
 
     def table(self, obj: Mapping[str, Any], path: str) -> MeasuredTable:
         points = []
@@ -77,6 +117,10 @@ class _Decoder:
                     "[size, time] pairs sorted by strictly increasing size",
                     "sort the points by size and drop repeated sizes",
                 )
+            for index, (size, time) in enumerate(pts):
+                where = f"{path}.points.{group}[{index}]"
+                self.bounded(size, obj["size_unit"], where)
+                self.bounded(time, obj["time_unit"], where)
             points.append((int(group), tuple((s, t) for s, t in pts)))
         points.sort()
         source = self.source(obj["source"], f"{path}.source")
@@ -106,6 +150,7 @@ def _source(obj: Mapping[str, Any], name: str) -> Source:
 
 def profile_from_dict(data: Mapping[str, Any], origin: str) -> Profile:
     """A schema-valid profile dict as a `Profile`; ProfileError for the semantic faults left."""
+    _check_leaves(data, origin)
     dec = _Decoder(origin, data)
     dev, eff, topo = data["device"], data["efficiency"], data["topology"]
     peak = {
@@ -149,6 +194,38 @@ def profile_from_dict(data: Mapping[str, Any], origin: str) -> Profile:
             'topology.nodes to {"value": 1, "unit": "nodes", ...}',
         )
     return Profile(data["name"], data.get("description", ""), device, efficiency, topology, links)
+
+
+def _check_leaves(data: Mapping[str, Any], origin: str) -> None:
+    """Every number finite (NaN passes every range check of the schema: each comparison with
+    it is false), and no text with control characters (it reaches the terminal)."""
+    for path, value in _leaves(data):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise profile_error(
+                origin, path, f"{value} is not a number to price with", "a finite number",
+                "write the measured or spec-sheet value",
+            )  # fmt: skip
+        if isinstance(value, str) and has_control(value):
+            raise profile_error(
+                origin, path, f"the text {printable(repr(value))} holds control characters",
+                "plain text", "remove the control characters (they would drive the terminal)",
+            )  # fmt: skip
+
+
+def _leaves(data: Any) -> Iterator[tuple[str, Any]]:
+    """(JSON path, value) of every leaf and key, without recursion (the file was parsed, so
+    its depth is bounded by the JSON reader's)."""
+    stack: list[tuple[str, Any]] = [("$", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                yield path, key
+                stack.append((f"{path}.{key}", item))
+        elif isinstance(value, list | tuple):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        else:
+            yield path, value
 
 
 class _Encoder:

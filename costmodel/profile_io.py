@@ -103,7 +103,7 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> Path:
 
 def _parse_json(text: str, origin: str) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         # an unterminated string can only end at the end of the file: JSON strings hold no newline
         truncated = exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string")
@@ -116,6 +116,24 @@ def _parse_json(text: str, origin: str) -> Any:
             f"profile {origin}: {problem}. Expected a complete JSON object. Fix: "
             "restore the file (re-run `autosbp profile`, or repair the JSON)."
         ) from None
+    except RecursionError:
+        raise ProfileError(
+            f"profile {origin}: the JSON nests deeper than a reader goes. Expected a profile "
+            "(it nests 7 levels). Fix: pass a file written by `autosbp profile`."
+        ) from None
+    except _NonFiniteError as exc:
+        raise ProfileError(
+            f"profile {origin}: it holds {exc}, which is not a number a profile can price "
+            "with. Expected finite numbers only. Fix: write the measured or spec-sheet value."
+        ) from None
+
+
+class _NonFiniteError(ValueError):
+    """`NaN`, `Infinity` or `-Infinity` in a JSON text (Python's reader takes them by default)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NonFiniteError(name)
 
 
 def _check_format(data: Any, origin: str) -> None:

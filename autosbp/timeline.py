@@ -23,10 +23,11 @@ import json
 import os
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from autosbp.errors import PlanError
 from autosbp.schedule import Phase, simulate
@@ -35,13 +36,27 @@ if TYPE_CHECKING:
     from autosbp.plan import Plan
 
 __all__ = [
-    "Event", "Recorder", "draw_timelines", "last_step", "predicted_events", "read_chrome_trace",
-    "span_s", "write_chrome_trace",
+    "Event", "Recorder", "SpanHook", "check_chart", "check_drawable", "draw_timelines",
+    "last_step", "predicted_events", "read_chrome_trace", "span_s", "write_chrome_trace",
 ]  # fmt: skip
 
 UPDATE = "update"  # the predicted gradient sync + optimizer span (see the header)
 STEP_END = "optimizer"  # the measured span that ends a rank's step
 _Record = tuple[str, int | None, float, float]  # what a Recorder keeps: kind, mb, start, end
+# What `show` agrees to simulate and draw. The simulation takes about 12 us per firing here
+# (measured: 80,000 firings in 0.96 s), so its bound is about a second; drawing takes about
+# 40 us per span (20,000 spans in 0.8 s) and a row per rank stops being readable (or fitting
+# matplotlib's 2^16 pixels) long before a few hundred rows.
+MAX_SIMULATED_FIRINGS = 100_000
+MAX_DRAWN_SPANS = 100_000
+MAX_DRAWN_RANKS = 128
+
+
+class SpanHook(Protocol):
+    """What the runtime wraps each actor firing in: a `Recorder`, or any object with `span`
+    (a training job also reports its progress there: runtime.train)."""
+
+    def span(self, kind: str, micro_batch: int | None = None) -> AbstractContextManager[None]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +214,39 @@ def _write_atomically(path: Path, write: Callable[[Path], object], what: str) ->
 # ---- predicted and measured steps -----------------------------------------------------------
 
 
-def predicted_events(plan: Plan) -> list[Event]:
-    """One step of `plan` as the actor simulation runs it, on every rank (rank = device id):
-    forward and backward firings, a "send" after each firing whose output goes to another stage,
-    and an "update" after each stage's last backward. Sorted by rank, then start."""
+def check_drawable(plan: Plan) -> None:
+    """PlanError unless the plan's step is small enough to simulate (MAX_SIMULATED_FIRINGS)."""
+    firings = 2 * len(plan.stages) * plan.micro_batches
+    if firings > MAX_SIMULATED_FIRINGS:
+        raise PlanError(
+            f"the plan's step has {firings} firings ({len(plan.stages)} stages x "
+            f"{plan.micro_batches} micro-batches, forward and backward), more than the "
+            f"{MAX_SIMULATED_FIRINGS} a timeline simulates (about a second); its predicted step "
+            f"time is in the plan's summary ({plan.predicted.step_time_s:.6g} s)."
+        )
+
+
+def check_chart(ranks: int, spans: int) -> None:
+    """PlanError unless a chart of `ranks` rows and `spans` bars can be drawn and read."""
+    fix = "record a trace of fewer ranks or steps, or leave out --timeline"
+    if ranks > MAX_DRAWN_RANKS:
+        raise PlanError(
+            f"a timeline draws one row per rank, and {ranks} ranks are more than the "
+            f"{MAX_DRAWN_RANKS} a chart can show; {fix}."
+        )
+    if spans > MAX_DRAWN_SPANS:
+        raise PlanError(
+            f"a timeline of {spans} spans is more than the {MAX_DRAWN_SPANS} a chart can show "
+            f"(a few seconds to draw); {fix}."
+        )
+
+
+def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
+    """One step of `plan` as the actor simulation runs it, on every rank (rank = device id;
+    with `every_rank` False, on the first rank of each stage: the others repeat it): forward
+    and backward firings, a "send" after each firing whose output goes to another stage, and
+    an "update" after each stage's last backward. Sorted by rank, then start."""
+    check_drawable(plan)
     stages = plan.stages
     if all(s.forward_s == 0 and s.backward_s == 0 for s in stages):
         raise PlanError(
@@ -227,7 +271,11 @@ def predicted_events(plan: Plan) -> list[Event]:
     for s, stage in enumerate(stages):
         last = max(f.end_s for f in timeline.firings if f.stage == s)
         spans.append((s, UPDATE, None, last, last + stage.update_s - stage.sync_hidden_s))
-    events = [Event(rank, *span) for span in spans for rank in stages[span[0]].devices]
+    events = [
+        Event(rank, *span)
+        for span in spans
+        for rank in (stages[span[0]].devices if every_rank else stages[span[0]].devices[:1])
+    ]
     return sorted(events, key=lambda e: (e.rank, e.start_s, e.kind))
 
 
@@ -286,6 +334,10 @@ def draw_timelines(
     panels = [("predicted", predicted)]
     if measured is not None:
         panels.append(("measured (last step)", last_step(measured)))
+    check_chart(
+        sum(len({e.rank for e in events}) for _, events in panels),
+        sum(len(events) for _, events in panels),
+    )
     rows = sum(len({e.rank for e in events}) or 1 for _, events in panels)
     fig = Figure(figsize=(12.0, 1.2 + 0.45 * rows + 0.6 * len(panels)))
     FigureCanvasAgg(fig)
@@ -305,20 +357,26 @@ def draw_timelines(
 
 
 def _draw_panel(ax: Any, name: str, events: list[Event]) -> None:
+    """One row per rank; the bars of one row, colour and band are one `broken_barh` call
+    (matplotlib's cost is per call: a call per span took 4 ms, so 20,000 spans took minutes)."""
     ranks = sorted({e.rank for e in events})
+    row_of = {rank: row for row, rank in enumerate(ranks)}
     stage_of = {e.rank: e.stage for e in events}
     t0 = min((e.start_s for e in events), default=0.0)
     total_ms = span_s(events) * 1e3
+    bars: dict[tuple[int, str, bool], list[tuple[float, float]]] = defaultdict(list)
     for e in events:
-        row = ranks.index(e.rank)
+        row = row_of[e.rank]
         x, width = (e.start_s - t0) * 1e3, (e.end_s - e.start_s) * 1e3
-        y, height = (row + 0.2, 0.15) if e.kind in COMMUNICATION else (row - 0.35, 0.55)
-        colour = COLOURS.get(e.kind, OTHER_COLOUR)
-        ax.broken_barh([(x, width)], (y, height), facecolors=colour, edgecolor="white", lw=0.5)
-        if e.micro_batch is not None and e.kind not in COMMUNICATION and width > total_ms / 60:
+        thin = e.kind in COMMUNICATION
+        bars[(row, COLOURS.get(e.kind, OTHER_COLOUR), thin)].append((x, width))
+        if e.micro_batch is not None and not thin and width > total_ms / 60:
             ax.text(
                 x + width / 2, row - 0.07, str(e.micro_batch), ha="center", va="center", fontsize=7
             )
+    for (row, colour, thin), spans in bars.items():
+        y, height = (row + 0.2, 0.15) if thin else (row - 0.35, 0.55)
+        ax.broken_barh(spans, (y, height), facecolors=colour, edgecolor="white", lw=0.5)
     ax.set_yticks(range(len(ranks)), [f"rank {r} (stage {stage_of[r]})" for r in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_title(f"{name}: {total_ms:.3f} ms", loc="left", fontsize=9)

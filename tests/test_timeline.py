@@ -12,7 +12,7 @@ import pytest
 
 from autosbp.cli import main
 from autosbp.errors import PlanError
-from autosbp.plan import Plan, StagePlan
+from autosbp.plan import NodePlan, ParamPlan, Plan, StagePlan
 from autosbp.schedule import simulate
 from autosbp.timeline import (
     Event,
@@ -31,10 +31,19 @@ FORWARD_S, BACKWARD_S, SEND_S, UPDATE_S = 0.001, 0.002, 0.0005, 0.003
 
 
 def pipeline_plan() -> Plan:
-    """2 stages of 2 devices, 4 micro-batches, hand-set times."""
+    """2 stages of 2 devices (a mesh of 2 each, a node on each), 4 micro-batches, hand-set
+    times."""
     stage = StagePlan((0, 1), (2,), (), 0.0, 0, FORWARD_S, BACKWARD_S, SEND_S, UPDATE_S)
     last = dataclasses.replace(stage, devices=(2, 3), send_s=0.0)
-    return dataclasses.replace(sample_plan(), stages=(stage, last), micro_batches=4)
+    nodes = {
+        "linear": NodePlan("aten.linear.default", ("S(0)", "B"), ("S(0)",)),
+        "loss": NodePlan("aten.mse_loss.default", ("S(0)", "S(0)"), ("P",), stage=1),
+    }
+    return dataclasses.replace(
+        sample_plan(), mesh_shape=(2,), mesh_dims=("d0",), link_classes=("intra_node",),
+        stages=(stage, last), micro_batches=4, nodes=nodes,
+        params={"fc.weight": ParamPlan("B", 0, "B", (16, 8))},
+    )  # fmt: skip
 
 
 def as_steps(events: list[Event], steps: int, gap_s: float = 0.001) -> list[Event]:

@@ -2,7 +2,7 @@
 step beside a measured one, and both as a timeline chart.
 
 Lives here: the command's arguments and output. Lives elsewhere: the timelines, trace files and
-the chart (`timeline`), the plan format (`plan`).
+the chart, and the sizes they refuse (`timeline`), the plan format and its checks (`plan`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from rich.console import Console
 
 from autosbp.errors import PlanError
 from autosbp.plan import Plan
+from costmodel.text import printable
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
@@ -27,6 +28,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     # Imported here: timeline loads torch (via schedule), which `autosbp --help` must not wait for.
     from autosbp.timeline import (
+        check_chart,
         draw_timelines,
         last_step,
         predicted_events,
@@ -34,8 +36,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         span_s,
     )
 
-    plan = Plan.load(Path(args.plan))
-    predicted = predicted_events(plan)
+    plan = Plan.load(Path(args.plan))  # consistent in itself, or refused
+    if args.timeline is not None:  # refused before the simulation builds every rank's events
+        check_chart(plan.device_count, 0)
+    predicted = predicted_events(plan, every_rank=args.timeline is not None)
     predicted_s = span_s(predicted)
     measured = None if args.trace is None else read_chrome_trace(Path(args.trace))
     measured_s = None if measured is None else span_s(last_step(measured))
@@ -57,7 +61,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             soft_wrap=True,
         )
     if args.timeline is not None:
-        title = f"{plan.model_name}: {plan.strategy} plan on {plan.device_count} x {plan.profile}"
+        title = printable(
+            f"{plan.model_name}: {plan.strategy} plan on {plan.device_count} x {plan.profile}"
+        )
         path = draw_timelines(args.timeline, predicted, measured, title=title)
         console.print(f"timeline written to {path}", soft_wrap=True)
     return 0

@@ -1,9 +1,11 @@
-"""The Plan: what the planner decided, as frozen values and as validated JSON (design 3.6).
+"""The Plan as frozen values and as validated JSON (design 3.6).
 
-Lives here: the plan's dataclasses, `Plan.save` / `Plan.load` (JSON checked against the published
-schema in autosbp/schemas/plan.schema.json; loading never executes anything), the check that a
-plan belongs to a model, and `Plan.summary()`. Lives elsewhere: how a plan is found (`planner`),
-how it runs (runtime).
+Lives here: the plan's dataclasses, `Plan.save` / `Plan.load` / `Plan.from_json` (JSON checked
+against the published schema in autosbp/schemas/plan.schema.json, and for what a schema cannot
+say: finite numbers within int64, no control characters, bounded nesting; loading never executes
+anything), the check that a plan belongs to a model and world, and `Plan.digest`. Lives
+elsewhere: whether a plan is consistent as a whole (`plan.checks`), its tables for people
+(`plan.tables`), how a plan is found (`planner`), how it runs (runtime).
 
 Invariants: every SBP is stored as text (`"S(0)B"`) next to its DTensor names; a plan refuses a
 model whose graph fingerprint differs; a loaded plan equals the saved one.
@@ -11,11 +13,13 @@ model whose graph fingerprint differs; a loaded plan equals the saved one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
-import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,9 +29,14 @@ from rich.table import Table
 
 from autosbp.errors import PlanError
 from autosbp.sbp import dtensor_names, parse_nd_sbp
+from costmodel.text import has_control, printable
 
 FORMAT = "autosbp.plan"
 VERSION = 1
+MAX_INT = 2**63 - 1  # int64: the largest count or size torch (and other JSON readers) can hold
+# The schema nests at most 5 levels (alternatives -> node -> list -> entry -> field); deeper
+# data is not a plan, and bounding it keeps every reader iterative and fast.
+MAX_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -204,9 +213,12 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """The plan in `path`: JSON as the schema says, consistent in itself (`check_plan`
+        without a model); PlanError naming the file and the fix otherwise."""
         path = Path(path)
+        fix = "make it again with `autosbp plan`"
         try:
-            data = json.loads(path.read_text())
+            text = path.read_text()
         except FileNotFoundError:
             raise PlanError(
                 f"plan file {path} does not exist; make one with `autosbp plan`."
@@ -217,12 +229,28 @@ class Plan:
                 f"plan file {path} cannot be read ({reason}); pass a plan JSON file written by "
                 "`autosbp plan`."
             ) from None
+        try:
+            data = json.loads(text, parse_constant=_refuse_constant)
         except json.JSONDecodeError as exc:
             raise PlanError(
                 f"plan file {path} is not valid JSON ({exc.msg} at line {exc.lineno}); it may be "
-                "truncated: make it again with `autosbp plan`."
+                f"truncated: {fix}."
             ) from None
-        return cls.from_json(data, source=str(path))
+        except RecursionError:
+            raise PlanError(
+                f"plan file {path} nests deeper than a JSON reader goes (a plan nests "
+                f"{MAX_DEPTH} levels at most), so it is not a plan: {fix}."
+            ) from None
+        except _NonFiniteError as exc:
+            raise PlanError(
+                f"plan file {path} holds {exc}, which is not a finite number; plans hold finite "
+                f"numbers only. The file was edited or damaged: {fix}."
+            ) from None
+        plan = cls.from_json(data, source=str(path))
+        from autosbp.plan.checks import check_plan  # checks reads the values defined here
+
+        check_plan(plan, source=f"plan file {path}")
+        return plan
 
     @classmethod
     def from_json(cls, data: Any, source: str = "plan") -> Plan:
@@ -273,54 +301,9 @@ class Plan:
 
     def summary(self, main_weights: int = 6) -> Table:
         """A table per stage: devices, blocks, the SBP of the largest weights, time and memory."""
-        table = Table(
-            title=f"{self.model_name}: {self.strategy} plan on {self.device_count} x {self.profile}"
-        )
-        for column in (
-            "stage",
-            "devices",
-            "mesh",
-            "blocks",
-            "largest weights (SBP)",
-            "time/step",
-            "peak memory",
-        ):
-            table.add_column(column)
-        for index, stage in enumerate(self.stages):
-            # Repeated blocks show once: `blocks.*.mlp.fc.weight` (tied blocks share layouts).
-            weights = {
-                re.sub(r"\.\d+\.", ".*.", name): p
-                for name, p in self.params.items()
-                if p.stage == index
-            }
-            largest = sorted(weights.items(), key=lambda item: -math.prod(item[1].shape))
-            table.add_row(
-                str(index),
-                _span(stage.devices),
-                "x".join(map(str, stage.mesh_shape)),
-                _span(stage.blocks) if stage.blocks else "-",
-                "\n".join(f"{name} {p.sbp}" for name, p in largest[:main_weights]),
-                format_seconds(stage.step_time_s),
-                format_bytes(stage.peak_memory_bytes),
-            )
-        breakdown = ", ".join(
-            f"{k.removesuffix('_s')} {format_seconds(v)}"
-            for k, v in self.predicted.breakdown.items()
-        )
-        table.caption = (
-            f"step {format_seconds(self.predicted.step_time_s)} ({breakdown}); "
-            f"{self.predicted.throughput_samples_per_s:.1f} samples/s; micro-batches {self.micro_batches}; "
-            f"recompute {self.recompute}; "
-            f"solver {self.solver.status}, gap {self.solver.gap:.2%}; search "
-            f"{self.solver.seconds:.1f} s{self.solver.effort()}"
-        )
-        best = self.best_hand_plan()
-        if best is not None and best.step_time_s is not None:
-            table.caption += (
-                f"; best hand plan {best.strategy}: {best.step_time_s / self.predicted.step_time_s:.2f}x"
-                " this plan's step time"
-            )
-        return table
+        from autosbp.plan.tables import summary_table
+
+        return summary_table(self, main_weights)
 
     def best_hand_plan(self) -> HandPlan | None:
         """The fastest of the hand plans priced beside this one (None if none fits or none was
@@ -330,19 +313,14 @@ class Plan:
 
     def hand_plan_table(self) -> Table:
         """This plan beside every hand plan priced with it."""
-        table = Table(title=f"{self.model_name}: {self.strategy} vs hand plans (predicted)")
-        for column in ("strategy", "step time", "vs this plan", "peak memory", "note"):
-            table.add_column(column, justify="right" if column != "note" else "left")
-        this = HandPlan(self.strategy, self.predicted.step_time_s, self.predicted.peak_memory_bytes)
-        for h in (this, *self.hand_plans):
-            table.add_row(
-                h.strategy,
-                format_seconds(h.step_time_s) if h.step_time_s is not None else "-",
-                f"{h.step_time_s / self.predicted.step_time_s:.2f}x" if h.step_time_s else "-",
-                format_bytes(h.peak_memory_bytes) if h.peak_memory_bytes is not None else "-",
-                h.note,
-            )
-        return table
+        from autosbp.plan.tables import hand_plan_table
+
+        return hand_plan_table(self)
+
+    def digest(self) -> str:
+        """sha256 of the plan's JSON (keys sorted): equal on every rank that runs the same plan."""
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     # ---- use with a model --------------------------------------------------------------------
 
@@ -362,13 +340,6 @@ class Plan:
             )
 
 
-def _span(values: tuple[int, ...]) -> str:
-    """`(0, 1, 2, 3)` -> `0-3`; other tuples as a comma list."""
-    if len(values) > 2 and list(values) == list(range(values[0], values[-1] + 1)):
-        return f"{values[0]}-{values[-1]}"
-    return ",".join(map(str, values))
-
-
 def _node_json(node: NodePlan) -> dict[str, Any]:
     return {
         "op": node.op,
@@ -381,41 +352,81 @@ def _node_json(node: NodePlan) -> dict[str, Any]:
     }
 
 
+@cache
 def plan_schema() -> dict[str, Any]:
     """The published JSON Schema of plan files."""
     text = resources.files("autosbp").joinpath("schemas/plan.schema.json").read_text()
     return json.loads(text)
 
 
+@cache
+def _validator() -> Any:
+    """The schema's validator, with `integer` meaning a JSON integer (2, not 2.0: the draft's
+    own rule lets 2.0 through, and a count of 2.0 breaks `range`)."""
+    base = jsonschema.Draft202012Validator
+    checker = base.TYPE_CHECKER.redefine(
+        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool)
+    )
+    return jsonschema.validators.extend(base, type_checker=checker)(plan_schema())
+
+
 def validate_plan_json(data: Any, source: str = "plan") -> None:
+    fix = "The file was edited or damaged; make it again with `autosbp plan`."
     if isinstance(data, dict) and data.get("format") != FORMAT:
         raise PlanError(
-            f"{source} is not an autosbp plan (format {data.get('format')!r}, expected {FORMAT!r}); "
-            "pass a file written by `autosbp plan` or Plan.save()."
+            f"{source} is not an autosbp plan (format {printable(repr(data.get('format')))}, "
+            f"expected {FORMAT!r}); pass a file written by `autosbp plan` or Plan.save()."
         )
     if isinstance(data, dict) and data.get("version") != VERSION:
         raise PlanError(
-            f"{source} is plan version {data.get('version')!r} but this autosbp reads version "
-            f"{VERSION}; make the plan again with this version of autosbp."
+            f"{source} is plan version {printable(repr(data.get('version')))} but this autosbp "
+            f"reads version {VERSION}; make the plan again with this version of autosbp."
         )
-    try:
-        jsonschema.validate(data, plan_schema())
-    except jsonschema.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
+    for where, value in _leaves(data, source, fix):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise PlanError(f"{source} holds {value} at {where}: not a finite number. {fix}")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise PlanError(
+                f"{source} holds a {len(str(abs(value)))}-digit number at {where}, beyond the "
+                f"largest count a plan can hold (2^63 - 1). {fix}"
+            )
+        if isinstance(value, str) and has_control(value):
+            raise PlanError(
+                f"{source} holds the text {printable(repr(value))} at {where}, with control "
+                f"characters, which no plan holds (they would drive the terminal). {fix}"
+            )
+    error = jsonschema.exceptions.best_match(_validator().iter_errors(data))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         raise PlanError(
-            f"{source} does not match the plan schema at {where}: {exc.message}. The file was "
-            "edited or damaged; make it again with `autosbp plan`."
-        ) from None
+            f"{source} does not match the plan schema at {where}: {printable(error.message)}. {fix}"
+        )
 
 
-def format_seconds(seconds: float) -> str:
-    """`29.47 s` from a second up, `3.860 ms` below."""
-    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.3f} ms"
+def _leaves(data: Any, source: str, fix: str) -> Iterator[tuple[str, Any]]:
+    """(JSON path, value) of every number and string in `data`, keys included, without
+    recursion (nesting beyond MAX_DEPTH is refused)."""
+    stack: list[tuple[str, Any, int]] = [("(top level)", data, 0)]
+    while stack:
+        where, value, depth = stack.pop()
+        if isinstance(value, dict | list) and depth >= MAX_DEPTH:
+            raise PlanError(
+                f"{source} nests deeper than {MAX_DEPTH} levels at {where}; a plan nests 5. {fix}"
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                path = key if where == "(top level)" else f"{where}/{key}"
+                yield where, key
+                stack.append((path, item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((f"{where}/{i}", item, depth + 1) for i, item in enumerate(value))
+        else:
+            yield where, value
 
 
-def format_bytes(nbytes: float) -> str:
-    """`1.50 GiB`, `3.20 MiB`, `12.00 KiB` or `512 B`."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"
+class _NonFiniteError(ValueError):
+    """`NaN`, `Infinity` or `-Infinity` in a JSON text (Python's reader takes them by default)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NonFiniteError(name)

@@ -1,0 +1,306 @@
+"""Whole-plan checks: every way a plan can contradict itself or its model, found before anything
+runs.
+
+Lives here: `plan_problems(plan, graph=None)` (every problem found, each a sentence) and
+`check_plan` (one PlanError listing them). Used by `autosbp train` (in the parent, against the
+model's captured graph, before any process starts), `show` and `explain` (the plan alone), and
+the Engine (every rank, against its own graph). Lives elsewhere: what JSON and its schema say
+(`plan.format`: types, required fields, SBP text, finite numbers, sizes within int64).
+
+The plan alone:
+- mesh: one dim name and one known link class per mesh dim;
+- devices: stages of the plan's mesh shape that split devices 0..N-1 between them, each once;
+- stages: each holds a node, every node's stage exists;
+- SBPs: one entry per mesh dim; each parameter's layout (and its optimizer state's, which the
+  runtime keeps in the parameter's layout) splits only dims its shape has, evenly;
+- numbers: a positive predicted step time, non-negative parts; micro-batches dividing the batch.
+With the model's graph (of one micro-batch, as the plan was made):
+- the plan covers every node once, with the node's op, and names no other;
+- every signature is one the node's rule offers on the mesh (what the runtime would refuse);
+- data flows forward: a node's value goes to its own stage or a later one (1F1B runs stages
+  in order: a value sent back to an earlier stage would wait forever);
+- every parameter's entry matches its node: layout, stage, shape;
+- the global batch is what the runtime trains: micro-batches x the graph's batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from autosbp.errors import PlanError, SbpError
+from autosbp.sbp import format_nd_sbp, local_shape, parse_nd_sbp
+from costmodel.profile import LinkClass
+from costmodel.text import printable
+
+if TYPE_CHECKING:
+    from autosbp.capturing.graph import OpGraph
+    from autosbp.plan.format import Plan
+
+__all__ = ["check_plan", "plan_problems"]
+
+_SHOWN = 8  # problems listed in one message (the count says how many more)
+_NAMES = 4  # names listed in one problem
+
+
+def check_plan(plan: Plan, graph: OpGraph | None = None, *, source: str = "the plan") -> None:
+    """Raise one PlanError listing every problem `plan_problems` finds."""
+    problems = plan_problems(plan, graph)
+    if not problems:
+        return
+    listed = "; ".join(f"({i}) {p}" for i, p in enumerate(problems[:_SHOWN], 1))
+    more = f"; and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+    raise PlanError(
+        f"{source} is inconsistent ({len(problems)} problem(s)): {printable(listed)}{more}. It "
+        "was edited or damaged, or made by another autosbp: make it again with `autosbp plan`."
+    )
+
+
+def plan_problems(plan: Plan, graph: OpGraph | None = None) -> list[str]:
+    """Every problem of `plan` (alone, and against `graph` when given), as sentences."""
+    problems = [*_mesh(plan), *_devices(plan), *_stages(plan), *_layouts(plan), *_numbers(plan)]
+    if graph is not None:
+        problems += [*_coverage(plan, graph), *_data_flow(plan, graph), *_params(plan, graph)]
+        problems += _batch(plan, graph)
+    return problems
+
+
+def _names(names: Iterable[object]) -> str:
+    shown = [str(n) for n in names]
+    more = f" and {len(shown) - _NAMES} more" if len(shown) > _NAMES else ""
+    return ", ".join(shown[:_NAMES]) + more
+
+
+# ---- the plan alone --------------------------------------------------------------------------
+
+
+def _mesh(plan: Plan) -> list[str]:
+    ndim, out = len(plan.mesh_shape), []
+    if len(plan.mesh_dims) != ndim or len(plan.link_classes) != ndim:
+        out.append(
+            f"the mesh has shape {list(plan.mesh_shape)} but dims {list(plan.mesh_dims)} and link "
+            f"classes {list(plan.link_classes)}: one of each per mesh dim"
+        )
+    known = {lc.value for lc in LinkClass}
+    unknown = sorted(set(plan.link_classes) - known)
+    if unknown:
+        out.append(f"unknown link classes {unknown} (known: {sorted(known)})")
+    return out
+
+
+def _devices(plan: Plan) -> list[str]:
+    size, count, out = math.prod(plan.mesh_shape), plan.device_count, []
+    if size * len(plan.stages) != count:
+        out.append(
+            f"{len(plan.stages)} stage(s) of mesh {list(plan.mesh_shape)} hold "
+            f"{size * len(plan.stages)} devices, but the plan is for {count}"
+        )
+    for s, stage in enumerate(plan.stages):
+        if stage.mesh_shape != plan.mesh_shape:
+            out.append(
+                f"stage {s} has mesh {list(stage.mesh_shape)}, the plan {list(plan.mesh_shape)}"
+            )
+        if len(stage.devices) != size:
+            out.append(f"stage {s} lists {len(stage.devices)} devices for a mesh of {size}")
+        outside = [d for d in stage.devices if not 0 <= d < count]
+        if outside:
+            out.append(f"stage {s} lists devices {outside}, outside 0..{count - 1}")
+    seen = Counter(d for stage in plan.stages for d in stage.devices)
+    twice = sorted(d for d, n in seen.items() if n > 1)
+    if twice:
+        out.append(f"devices {twice} are listed more than once (a device runs one stage, once)")
+    if count <= size * len(plan.stages):  # else reported above; the list could be huge
+        missing = [d for d in range(count) if d not in seen]
+        if missing:
+            out.append(f"devices {_names(missing)} are in no stage")
+    return out
+
+
+def _stages(plan: Plan) -> list[str]:
+    by_stage: dict[int, list[str]] = defaultdict(list)
+    for name, node in plan.nodes.items():
+        by_stage[node.stage].append(name)
+    count, out = len(plan.stages), []
+    for stage in sorted(s for s in by_stage if s >= count):
+        out.append(
+            f"nodes {_names(by_stage[stage])} are on stage {stage}, but the plan has {count} "
+            "stage(s)"
+        )
+    empty = [s for s in range(count) if s not in by_stage]
+    if empty:
+        out.append(f"stages {empty} hold no node (a stage must run part of the model)")
+    params = [name for name, p in plan.params.items() if p.stage >= count]
+    if params:
+        out.append(f"parameters {_names(params)} are on stages the plan does not have")
+    return out
+
+
+def _layouts(plan: Plan) -> list[str]:
+    out = []
+    ndim = len(plan.mesh_shape)
+    for name, node in plan.nodes.items():
+        for text in (*node.inputs, *node.outputs):
+            problem = _layout_problem(text, ndim)
+            if problem:
+                out.append(f"node {name}: {problem}")
+                break
+    for name, p in plan.params.items():
+        problem = _layout_problem(p.sbp, ndim, p.shape, plan.mesh_shape)
+        if problem:
+            out.append(f"parameter {name!r}: {problem}")
+        if p.optimizer_state_sbp != p.sbp:
+            out.append(
+                f"parameter {name!r} has optimizer state SBP {p.optimizer_state_sbp} but SBP "
+                f"{p.sbp}: the runtime keeps optimizer state in its parameter's layout"
+            )
+    return out
+
+
+def _layout_problem(
+    text: str,
+    ndim: int,
+    shape: tuple[int, ...] | None = None,
+    mesh_shape: tuple[int, ...] = (),
+) -> str:
+    """Why an SBP text does not fit a mesh of `ndim` dims (and a tensor of `shape`), or ""."""
+    try:
+        layout = parse_nd_sbp(text)
+        if len(layout) != ndim:
+            return f"SBP {text} has {len(layout)} entries for a mesh of {ndim} dim(s)"
+        if shape is not None:
+            local_shape(shape, layout, mesh_shape)
+    except SbpError as exc:
+        return f"SBP {text} does not fit shape {list(shape or ())}: {exc}"
+    return ""
+
+
+def _numbers(plan: Plan) -> list[str]:
+    out = []
+    if plan.predicted.step_time_s <= 0:
+        out.append(f"the predicted step time is {plan.predicted.step_time_s} s (not positive)")
+    negative = [k for k, v in plan.predicted.breakdown.items() if v < 0]
+    if negative:
+        out.append(f"the predicted breakdown has negative parts {negative}")
+    if plan.global_batch % plan.micro_batches:
+        out.append(
+            f"{plan.micro_batches} micro-batches do not divide the global batch of "
+            f"{plan.global_batch} samples"
+        )
+    alternatives = [
+        name for name, alts in plan.alternatives.items()
+        if any(a.step_time_s is not None and a.step_time_s < 0 for a in alts)
+    ]  # fmt: skip
+    if alternatives:
+        out.append(f"alternatives of {_names(alternatives)} have negative step times")
+    return out
+
+
+# ---- against the model's graph ---------------------------------------------------------------
+
+
+def _coverage(plan: Plan, graph: OpGraph) -> list[str]:
+    from autosbp.rules import NdSignature, nd_signatures
+
+    out = []
+    missing = [name for name in graph.order if name not in plan.nodes]
+    if missing:
+        out.append(f"the plan has no entry for nodes {_names(missing)} of the model")
+    extra = [name for name in plan.nodes if name not in graph.graph]
+    if extra:
+        out.append(f"the plan names nodes {_names(extra)}, which the model does not have")
+    ndim = len(plan.mesh_shape)
+    refused = []
+    for name, attrs in graph.nodes():
+        node = plan.nodes.get(name)
+        if node is None or any(_layout_problem(t, ndim) for t in (*node.inputs, *node.outputs)):
+            continue  # reported above
+        if node.op != attrs["op"]:
+            out.append(f"node {name} is {attrs['op']} in the model but {node.op} in the plan")
+            continue
+        signature = NdSignature(
+            tuple(parse_nd_sbp(s) for s in node.inputs),
+            tuple(parse_nd_sbp(s) for s in node.outputs),
+        )
+        if signature not in nd_signatures(attrs, plan.mesh_shape):
+            refused.append(f"{name} ({signature!r})")
+    if refused:
+        out.append(
+            f"nodes {_names(refused)} have signatures their rules do not offer on mesh "
+            f"{list(plan.mesh_shape)}"
+        )
+    return out
+
+
+def _data_flow(plan: Plan, graph: OpGraph) -> list[str]:
+    from autosbp.capturing.graph import Role
+
+    back = []
+    for src, dst in graph.graph.edges:
+        if graph.graph.nodes[src]["role"] is Role.INPUT:
+            continue  # each stage reads the user's inputs itself
+        if (
+            src in plan.nodes
+            and dst in plan.nodes
+            and plan.nodes[src].stage > plan.nodes[dst].stage
+        ):
+            back.append(
+                f"{src} (stage {plan.nodes[src].stage}) -> {dst} (stage {plan.nodes[dst].stage})"
+            )
+    if not back:
+        return []
+    return [
+        f"data flows back to an earlier stage: {_names(back)} (a pipeline sends values forward "
+        "only; a value sent back would wait forever)"
+    ]
+
+
+def _params(plan: Plan, graph: OpGraph) -> list[str]:
+    from autosbp.capturing.graph import Role
+
+    out, seen = [], set()
+    for node, attrs in graph.nodes(Role.PARAMETER):
+        name, entry, at = attrs["name"], plan.params.get(attrs["name"]), plan.nodes.get(node)
+        seen.add(name)
+        if entry is None:
+            out.append(f"parameter {name!r} is missing from the parameter table")
+            continue
+        shape = tuple(attrs["outputs"][0].shape)
+        if entry.shape != shape:
+            out.append(
+                f"parameter {name!r} has shape {list(entry.shape)} in the plan, {list(shape)} in the model"
+            )
+        if at is None or not at.outputs or _layout_problem(at.outputs[0], len(plan.mesh_shape)):
+            continue
+        if format_nd_sbp(parse_nd_sbp(at.outputs[0])) != format_nd_sbp(parse_nd_sbp(entry.sbp)):
+            out.append(
+                f"parameter {name!r} has SBP {entry.sbp} in the parameter table but "
+                f"{at.outputs[0]} in its node {node}"
+            )
+        if entry.stage != at.stage:
+            out.append(
+                f"parameter {name!r} is on stage {entry.stage} in the parameter table but its "
+                f"node {node} is on stage {at.stage}"
+            )
+    extra = [name for name in plan.params if name not in seen]
+    if extra:
+        out.append(f"the parameter table names {_names(extra)}, which the model does not have")
+    return out
+
+
+def _batch(plan: Plan, graph: OpGraph) -> list[str]:
+    """The graph is of one micro-batch: its inputs' dim 0 times the micro-batches is the batch
+    the runtime trains (models without a batched input are not checked)."""
+    from autosbp.capturing.graph import Role
+
+    sizes = [a["outputs"][0].shape[0] for _, a in graph.nodes(Role.INPUT) if a["outputs"][0].shape]
+    if not sizes:
+        return []
+    batch = sizes[0] * plan.micro_batches
+    if plan.global_batch == batch:
+        return []
+    return [
+        f"the plan is for a global batch of {plan.global_batch} samples, but the model's example "
+        f"inputs hold {batch} ({plan.micro_batches} micro-batches of {sizes[0]})"
+    ]

@@ -1,13 +1,15 @@
 """Module-level workers for the runtime tests (spawned by `costmodel.launch.run_workers`).
 
-Lives here: `run_cases`, which builds an `Engine` per case on every rank and trains it, and the
-plain-data case/result formats it speaks. Lives elsewhere: planning and the single-device
-oracle (tests/test_runtime.py, in the parent process), the runtime itself (`runtime`).
+Lives here: `run_cases`, which builds an `Engine` per case on every rank and trains it, each
+step compared with one device on rank 0 (the oracle: `runtime.check.StepChecker`, as `--check`),
+and the plain-data case/result formats it speaks. Lives elsewhere: planning and the verdict
+(tests/test_runtime.py, in the parent process), the runtime itself (`runtime`).
 
 Invariants: every rank runs the cases in the same order (collectives match by order); a case
 that fails with an `AutosbpError` fails on every rank alike (the checks run before any
 collective), so it is reported as data and the next case still runs; results are plain Python
-(lists of floats, numpy arrays) so they pickle cheaply back to the parent.
+(lists of floats, numpy arrays, frozen StepCheck values) so they pickle cheaply back to the
+parent.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from autosbp.errors import AutosbpError
 from autosbp.plan import Plan
 from autosbp.zoo import build_model
 from runtime import Engine
+from runtime.check import StepChecker
 
 Case = dict[str, Any]
 """{"id": str, "model": zoo name, "model_kwargs": dict, "plan": Plan JSON, "steps": int,
@@ -30,8 +33,9 @@ Case = dict[str, Any]
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
-    """Per case: {"losses": [...]} on every rank, plus {"state": {name: array}} on rank 0, or
-    {"error": "ErrorClass: message"} when the Engine refuses the case."""
+    """Per case: {"losses": [...]} on every rank, plus {"state": {name: array}, "checks": [one
+    StepCheck per step]} on rank 0, or {"error": "ErrorClass: message"} when the Engine refuses
+    the case."""
     graphs: dict[tuple[str, str], OpGraph] = {}
     results = []
     for case in cases:
@@ -52,16 +56,19 @@ def _train(
 ) -> dict[str, Any]:
     plan = Plan.from_json(case["plan"])
     lr = case["lr"]
-    engine = Engine(
-        model,
-        plan,
-        lambda params: torch.optim.Adam(params, lr=lr),
-        example_inputs=inputs,
-        graph=graph,
-    )
-    losses = [engine.step(inputs) for _ in range(case["steps"])]
+
+    def adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=lr)
+
+    engine = Engine(model, plan, adam, example_inputs=inputs, graph=graph)
+    checker = StepChecker(engine, model, inputs, adam)
+    losses, checks = [], []
+    for step in range(case["steps"]):
+        losses.append(engine.step(inputs))
+        checks.append(checker.after_step(step, inputs, losses[-1]))
     state = engine.full_state_dict()
     out: dict[str, Any] = {"losses": losses}
     if rank == 0:
         out["state"] = {name: np.array(t.detach()) for name, t in state.items()}
+        out["checks"] = checks  # runtime.check_report.StepCheck, one per step
     return out

@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_map
 
 from autosbp.capturing.batches import split_micro_batches
 from autosbp.errors import ExecutionError
-from runtime.check_report import Deviation, Kind, StepCheck
+from runtime.check_report import Deviation, Kind, Notes, StepCheck
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
@@ -142,6 +142,7 @@ class Reference:
         self.optimizer = optimizer(list(self.weights.values()))
         self.micro_batches = micro_batches
         self.dropout = dropout
+        self.frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
 
     def check(
         self,
@@ -179,10 +180,8 @@ class Reference:
             for name, b in exact.buffers.items()
         ]
         rows += self._updates(before, gradients, after)
-        return StepCheck.of(
-            step, float(exact.loss), rounding, rows, tuple(excluded), self.dropout,
-            tuple(sorted(self.fallback.ops)),
-        )  # fmt: skip
+        notes = Notes(tuple(excluded), self.dropout, tuple(sorted(self.fallback.ops)), self.frozen)
+        return StepCheck.of(step, float(exact.loss), rounding, rows, notes)
 
     def _evaluate(
         self, model: nn.Module, state: State, inputs: Sequence[torch.Tensor]
@@ -314,12 +313,13 @@ def _require_deterministic(
     for seed in (1, 2):
         with torch.random.fork_rng(), torch.no_grad():
             torch.manual_seed(seed)
-            losses.append(float(copy.deepcopy(model)(*inputs)))
-    if losses[0] != losses[1]:
+            losses.append(copy.deepcopy(model)(*inputs).detach())
+    if not torch.equal(losses[0], losses[1]) and not losses[0].isnan().all():
+        values = [float(x) for x in losses]
         off = f" (dropout modules set to p = 0: {', '.join(dropout)})" if dropout else ""
         raise ExecutionError(
             f"--check compares deterministic steps, but the model's loss depends on the random "
-            f"seed: {losses[0]!r} and {losses[1]!r} under two seeds{off}. Functional dropout "
+            f"seed: {values[0]!r} and {values[1]!r} under two seeds{off}. Functional dropout "
             "(F.dropout with its own probability, SDPA's dropout_p, a Hugging Face config's "
             "attention_dropout) or another random op remains; set those probabilities to 0 for "
             "the check."

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Deviation", "Kind", "StepCheck", "Verdict", "judge"]
+__all__ = ["Deviation", "Kind", "Notes", "StepCheck", "Verdict", "judge"]
 
 KEPT_FAILURES = 8  # failing tensors a step keeps for the report, worst first
 SHOWN_FAILURES = 5  # of those, lines in the verdict
@@ -71,11 +71,20 @@ class Deviation:
 
 
 @dataclass(frozen=True, slots=True)
+class Notes:
+    """What a step's comparison left out or changed, for the verdict."""
+
+    excluded: tuple[str, ...] = ()  # gradients exactly 0 in float64: rounding noise only
+    dropout: tuple[str, ...] = ()  # torch.nn dropout modules set to p = 0 on both sides
+    fp32_ops: tuple[str, ...] = ()  # ops run in fp32 inside the float64 reference
+    frozen: tuple[str, ...] = ()  # parameters that do not require grad on one device
+
+
+@dataclass(frozen=True, slots=True)
 class StepCheck:
     """One step of the plan against one device at the same weights: the worst deviation of each
-    kind, the failing ones (worst first), the gradients left out (exactly 0 in float64), the
-    dropout modules turned off, the ops run in fp32 in the float64 reference, and `rounding`:
-    the step's relative fp32 rounding of the gradients on one device."""
+    kind, the failing ones (worst first), how many tensors of each kind were compared, the
+    `notes`, and `rounding`: the step's relative fp32 rounding of the gradients on one device."""
 
     step: int
     reference_loss: float
@@ -83,9 +92,7 @@ class StepCheck:
     worst: tuple[Deviation, ...]
     failures: tuple[Deviation, ...]
     counts: tuple[tuple[Kind, int], ...]
-    excluded: tuple[str, ...] = ()
-    dropout: tuple[str, ...] = ()
-    fp32_ops: tuple[str, ...] = ()
+    notes: Notes = Notes()
 
     @classmethod
     def of(
@@ -94,9 +101,7 @@ class StepCheck:
         reference_loss: float,
         rounding: float,
         rows: Sequence[Deviation],
-        excluded: tuple[str, ...],
-        dropout: tuple[str, ...],
-        fp32_ops: tuple[str, ...],
+        notes: Notes,
     ) -> StepCheck:
         """Keep the worst of each kind and the worst failures of `rows`."""
         worst = tuple(
@@ -107,9 +112,8 @@ class StepCheck:
         failures = sorted((d for d in rows if not d.passed), key=lambda d: -d.ratio)
         counts = tuple((kind, sum(d.kind is kind for d in rows)) for kind in Kind)
         return cls(
-            step, reference_loss, rounding, worst, tuple(failures[:KEPT_FAILURES]), counts,
-            excluded, dropout, fp32_ops,
-        )  # fmt: skip
+            step, reference_loss, rounding, worst, tuple(failures[:KEPT_FAILURES]), counts, notes
+        )
 
     @property
     def passed(self) -> bool:
@@ -164,18 +168,18 @@ def _notes(checks: Sequence[StepCheck]) -> list[str]:
         "update against the same optimizer on one device within rounding (runtime/check.py "
         "derives the bounds)."
     ]
-    excluded = sorted({name for c in checks for name in c.excluded})
+    excluded = sorted({name for c in checks for name in c.notes.excluded})
     if excluded:
         notes.append(
             f"Left out: {len(excluded)} gradient(s) exactly 0 in float64 (fp32 holds rounding "
             f"noise only there; their updates are still compared): {', '.join(excluded)}."
         )
-    if checks[-1].dropout:
-        notes.append(f"Dropout set to p = 0 on both sides: {', '.join(checks[-1].dropout)}.")
-    if checks[-1].fp32_ops:
+    last = checks[-1].notes
+    if last.dropout:
+        notes.append(f"Dropout set to p = 0 on both sides: {', '.join(last.dropout)}.")
+    if last.fp32_ops:
         notes.append(
-            "Run in fp32 inside the float64 reference (no float64 kernel): "
-            f"{', '.join(checks[-1].fp32_ops)}."
+            f"Run in fp32 inside the float64 reference (no float64 kernel): {', '.join(last.fp32_ops)}."
         )
     return notes
 
@@ -191,6 +195,12 @@ def _cause(check: StepCheck) -> str:
         )
     if Kind.GRADIENT in kinds:
         gradients = [d for d in check.failures if d.kind is Kind.GRADIENT]
+        frozen = [d.name for d in gradients if d.name in check.notes.frozen]
+        if frozen:
+            return (
+                f"The loss agrees; {', '.join(frozen)}: frozen on one device (requires_grad=False), "
+                "but the plan computes and applies a gradient: the runtime trains frozen parameters."
+            )
         return (
             f"The loss agrees, so the forward is right; the backward differs: {_scaling(gradients)}"
         )

@@ -63,7 +63,10 @@ def _emulated_step(
         part = model(*piece) / pieces
         part.backward()
         loss += part.detach()
-    gradients = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    gradients = {  # zeros where backward never reached, as Engine.full_gradients gives them
+        n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in model.named_parameters()
+    }
     if tamper is not None:
         tamper(gradients)
         for name, p in model.named_parameters():
@@ -160,6 +163,19 @@ def test_a_wrong_loss_is_a_wrong_forward() -> None:
     verdict = judge([reference.check(0, inputs, before, loss * (1 + 1e-4), gradients, after)])
     assert not verdict.passed
     assert "The loss itself differs, so the forward differs" in verdict.text
+
+
+def test_a_trained_frozen_parameter_is_named() -> None:
+    """A parameter frozen on one device that the plan trains anyway (as `Engine` does with every
+    parameter the graph holds) is a difference the verdict explains."""
+    model, inputs = check_models.attention()
+    model.o_proj.bias.requires_grad_(False)
+    reference = Reference(model, lambda ps: adam(ps, LR), 1, inputs)
+    plan = copy.deepcopy(model).requires_grad_(True)
+    step = _emulated_step(plan, adam(list(plan.parameters()), LR), inputs, 2)
+    verdict = judge([reference.check(0, inputs, *step)])
+    assert not verdict.passed
+    assert "o_proj.bias: frozen on one device (requires_grad=False)" in verdict.text
 
 
 def test_a_model_still_random_is_refused() -> None:

@@ -169,7 +169,7 @@ def test_a_trained_frozen_parameter_is_named() -> None:
     """A parameter frozen on one device that the plan trains anyway (as `Engine` does with every
     parameter the graph holds) is a difference the verdict explains."""
     model, inputs = check_models.attention()
-    model.o_proj.bias.requires_grad_(False)
+    dict(model.named_parameters())["o_proj.bias"].requires_grad_(False)
     reference = Reference(model, lambda ps: adam(ps, LR), 1, inputs)
     plan = copy.deepcopy(model).requires_grad_(True)
     step = _emulated_step(plan, adam(list(plan.parameters()), LR), inputs, 2)

@@ -127,7 +127,7 @@ class Reference:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: OptimizerFactory,
+        optimizer: OptimizerFactory | None,
         micro_batches: int,
         inputs: Sequence[torch.Tensor],
         dropout: tuple[str, ...] = (),
@@ -139,7 +139,7 @@ class Reference:
         self.weights = {
             name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()
         }
-        self.optimizer = optimizer(list(self.weights.values()))
+        self.optimizer = optimizer(list(self.weights.values())) if optimizer else None
         self.micro_batches = micro_batches
         self.dropout = dropout
         self.frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
@@ -179,8 +179,12 @@ class Reference:
             _deviation(Kind.BUFFER, name, after[name], single.buffers[name], b, rounding)
             for name, b in exact.buffers.items()
         ]
-        rows += self._updates(before, gradients, after)
-        notes = Notes(tuple(excluded), self.dropout, tuple(sorted(self.fallback.ops)), self.frozen)
+        if self.optimizer is not None:
+            rows += self._updates(self.optimizer, before, gradients, after)
+        notes = Notes(
+            tuple(excluded), self.dropout, tuple(sorted(self.fallback.ops)), self.frozen,
+            updates_compared=self.optimizer is not None,
+        )  # fmt: skip
         return StepCheck.of(step, float(exact.loss), rounding, rows, notes)
 
     def _evaluate(
@@ -210,14 +214,16 @@ class Reference:
         kept = {name: _widen(b.detach()) for name, b in buffers.items() if name in state}
         return _Evaluation(_widen(total), gradients, kept)
 
-    def _updates(self, before: State, gradients: State, after: State) -> list[Deviation]:
+    def _updates(
+        self, optimizer: torch.optim.Optimizer, before: State, gradients: State, after: State
+    ) -> list[Deviation]:
         """The job's optimizer on whole tensors from the plan's weights and gradients, against
         the plan's updated weights (header, 2.)."""
         with torch.no_grad():
             for name, w in self.weights.items():
                 w.copy_(before[name])
                 w.grad = gradients[name].to(w.dtype).clone()
-        self.optimizer.step()
+        optimizer.step()
         return [_elementwise(n, after[n], w, before[n]) for n, w in self.weights.items()]
 
 
@@ -225,14 +231,17 @@ class StepChecker:
     """Every rank: the plan's weights before a step, its gradients and state after it (all
     collectives, so every rank calls `after_step`); rank 0 also holds the `Reference` built from
     `model` (dropout already off: `disable_dropout` before the engine) and returns each step's
-    `StepCheck`."""
+    `StepCheck`. Build it right before the first step to check (after loading a checkpoint);
+    `optimizer` is the job's, or None when the engine's optimizer already holds state the
+    reference cannot know (a resumed job): updates are then not compared, and the verdict says
+    so."""
 
     def __init__(
         self,
         engine: Engine,
         model: nn.Module,
         inputs: Sequence[torch.Tensor],
-        optimizer: OptimizerFactory,
+        optimizer: OptimizerFactory | None,
         dropout: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine

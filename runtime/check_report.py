@@ -78,6 +78,7 @@ class Notes:
     dropout: tuple[str, ...] = ()  # torch.nn dropout modules set to p = 0 on both sides
     fp32_ops: tuple[str, ...] = ()  # ops run in fp32 inside the float64 reference
     frozen: tuple[str, ...] = ()  # parameters that do not require grad on one device
+    updates_compared: bool = True  # False: the optimizer's state came from a checkpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,11 +163,15 @@ def _notes(checks: Sequence[StepCheck]) -> list[str]:
         for kind, n in checks[0].counts
         if n
     )
+    updates = (
+        ", each update against the same optimizer on one device within rounding"
+        if checks[-1].notes.updates_compared
+        else ""
+    )
     notes = [
         f"Compared at every step, at the plan's own weights: {counts}; each forward/backward "
-        "value against one device in float64 within 16x one device's own fp32 rounding, each "
-        "update against the same optimizer on one device within rounding (runtime/check.py "
-        "derives the bounds)."
+        f"value against one device in float64 within 16x one device's own fp32 rounding{updates} "
+        "(runtime/check.py derives the bounds)."
     ]
     excluded = sorted({name for c in checks for name in c.notes.excluded})
     if excluded:
@@ -175,6 +180,11 @@ def _notes(checks: Sequence[StepCheck]) -> list[str]:
             f"noise only there; their updates are still compared): {', '.join(excluded)}."
         )
     last = checks[-1].notes
+    if not last.updates_compared:
+        notes.append(
+            "Updates not compared: the job resumed from a checkpoint, and the reference does not "
+            "hold the optimizer state it restored."
+        )
     if last.dropout:
         notes.append(f"Dropout set to p = 0 on both sides: {', '.join(last.dropout)}.")
     if last.fp32_ops:

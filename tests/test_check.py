@@ -178,6 +178,20 @@ def test_a_trained_frozen_parameter_is_named() -> None:
     assert "o_proj.bias: frozen on one device (requires_grad=False)" in verdict.text
 
 
+def test_a_resumed_job_is_checked_without_updates() -> None:
+    """Resumed from a checkpoint, the plan's optimizer holds state the reference never saw: the
+    forward and backward are still compared, the updates are not, and the verdict says so."""
+    model, inputs = check_models.attention()
+    reference = Reference(model, None, 1, inputs)
+    plan = copy.deepcopy(model)
+    step = _emulated_step(plan, adam(list(plan.parameters()), LR), inputs, 2)
+    check = reference.check(0, inputs, *step)
+    assert dict(check.counts)[Kind.UPDATE] == 0 and dict(check.counts)[Kind.GRADIENT] > 0
+    verdict = judge([check])
+    assert verdict.passed, verdict.text
+    assert "Updates not compared: the job resumed from a checkpoint" in verdict.text
+
+
 def test_a_model_still_random_is_refused() -> None:
     model, inputs = check_models.functional_dropout()
     with pytest.raises(ExecutionError, match="depends on the random seed"):

@@ -2,7 +2,8 @@
 
 Lives here: `Manifest`, `TensorEntry`, `RankFile`, their JSON, the optimizer's parameter groups
 as JSON (`group_json`, merged over pipeline stages by `merge_stage_groups`), and `read_manifest`
-(checked reading, with a clear error for a missing, damaged or older-version manifest). Lives
+(checked reading, with a clear error for a missing, damaged or older-version manifest, and for
+rank file names that would lead out of the checkpoint's folder). Lives
 elsewhere: writing and reading the tensors, and the format's description (`runtime.checkpoint`).
 
 Versions: 1 had one mesh (`plan.device_ids`) and no stages; 2 (this one) records the plan's
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from autosbp.errors import ExecutionError
+from costmodel.text import printable
 
 __all__ = [
     "FORMAT",
@@ -213,7 +215,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     try:
         data = json.loads(file.read_text())
         _check_version(data, path)
-        return Manifest.from_json(data)
+        manifest = Manifest.from_json(data)
     except (
         json.JSONDecodeError,
         UnicodeDecodeError,
@@ -226,6 +228,23 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             f"checkpoint manifest {file} is damaged ({type(exc).__name__}: {exc}); it was "
             "truncated or edited. Use another checkpoint, or save again."
         ) from exc
+    for record in manifest.files:
+        _check_inside(path, record.name, file)
+    return manifest
+
+
+def _check_inside(path: Path, name: str, manifest: Path) -> None:
+    """A rank file's name is a plain file name that stays in the checkpoint's folder (no
+    separator, no `..`, no symbolic link leading out): a manifest never makes a load read
+    another file."""
+    plain = name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+    inside = plain and (path / name).resolve().is_relative_to(path.resolve())
+    if not inside:
+        raise ExecutionError(
+            f"checkpoint manifest {manifest} names the rank file {printable(repr(name))}, which "
+            f"is not a file of {path} (rank files are plain names such as rank00000.pt, inside "
+            "the checkpoint's folder); the manifest was edited. Use another checkpoint."
+        )
 
 
 def _check_version(data: Any, path: Path) -> None:

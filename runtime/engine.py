@@ -6,8 +6,9 @@ likewise), the step (the stage's 1F1B order of forwards and backwards per micro-
 cross-stage sends and receives, the loss seed, gradient sync, the optimizer) and
 `full_state_dict`. Lives elsewhere: the stage's program (`runtime.program`), the firing order
 (`autosbp.schedule.stage_orders`), the collectives and process groups (`runtime.boxing`,
-`runtime.groups`), the gradient sync (`runtime.grad_sync`), the plan (`autosbp.plan`),
-capture (`autosbp.capturing.export`).
+`runtime.groups`), the gradient sync (`runtime.grad_sync`), the plan and its whole-plan
+checks (`autosbp.plan`), the ranks' agreement on the plan and on rank 0's initial state
+(`runtime.startup`), capture (`autosbp.capturing.export`).
 
 Invariants:
 - Everything is planned in the constructor; `step` runs prebuilt closures only.
@@ -34,7 +35,6 @@ Reference: design.md 3.7; Narayanan et al. 2021 (1F1B); torch DDP's gradient buc
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -46,15 +46,16 @@ from autosbp.capturing.batches import split_micro_batches
 from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.layout import shard_tensor
-from autosbp.plan import Plan
+from autosbp.plan import Plan, check_plan
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Mesh, NdSbp, P, Partial, format_nd_sbp, local_shape
 from autosbp.schedule import Phase, stage_orders
-from autosbp.timeline import Recorder
+from autosbp.timeline import SpanHook
 from runtime.closures import Boxer
 from runtime.grad_sync import GradSync, build_sync_groups, sync_patterns
 from runtime.groups import build_groups, world_timeout
 from runtime.program import Program, build_program, read_signatures, stage_boundaries
+from runtime.startup import agree_on_plan, broadcast_initial_state
 
 __all__ = ["Engine"]
 
@@ -67,7 +68,9 @@ class Engine:
     `optimizer_factory(local_params)` builds the optimizer over this rank's shards;
     `example_inputs` are the inputs the plan was made with (their shapes are checked); `graph`
     is an already captured graph of one micro-batch of `model` to skip capturing again;
-    `recorder` (autosbp.timeline.Recorder) records every actor firing of every step.
+    `recorder` (an autosbp.timeline.Recorder, or any SpanHook) wraps every actor firing of
+    every step. Before anything else, every rank checks that all hold the same plan, and takes
+    rank 0's initial parameters and buffers (`runtime.startup`).
     """
 
     def __init__(
@@ -78,15 +81,16 @@ class Engine:
         *,
         example_inputs: Sequence[torch.Tensor],
         graph: OpGraph | None = None,
-        recorder: Recorder | None = None,
+        recorder: SpanHook | None = None,
     ) -> None:
-        _check_stages(plan)
+        check_plan(plan)  # the plan alone, before anything distributed; against the graph below
         if not dist.is_available() or not dist.is_initialized():
             raise ExecutionError(
                 "Engine needs an initialized torch.distributed world; launch with torchrun "
                 f"--nproc-per-node {plan.device_count} (or costmodel.launch.run_workers) and call "
                 "dist.init_process_group first."
             )
+        agree_on_plan(plan)
         plan.check_world(dist.get_world_size())
         self.micro_batches = plan.micro_batches
         if graph is None:  # the program runs one micro-batch: capture at that size
@@ -94,6 +98,7 @@ class Engine:
 
             graph = capture_micro_batch(model, example_inputs, self.micro_batches)
         plan.check_model(graph.fingerprint(), f"model `{graph.model_name}`")
+        check_plan(plan, graph)
         self.plan, self.graph = plan, graph
         self.rank = dist.get_rank()
         meshes = [
@@ -115,7 +120,7 @@ class Engine:
             if attrs["role"] in (Role.PARAMETER, Role.BUFFER)
         }
         self.state = _materialize(
-            model,
+            broadcast_initial_state(model, graph),
             graph,
             self.layouts,
             self.mesh,
@@ -362,26 +367,6 @@ def _links(
     return _Links(tuple(values_in), tuple(values_out), floating(values_out), floating(values_in))
 
 
-def _check_stages(plan: Plan) -> None:
-    """Stages must split the devices 0..N-1 between them, each on a mesh of the plan's shape."""
-    devices = [d for stage in plan.stages for d in stage.devices]
-    size = math.prod(plan.mesh_shape)
-    if sorted(devices) != list(range(plan.device_count)) or any(
-        len(stage.devices) != size for stage in plan.stages
-    ):
-        raise PlanError(
-            f"the plan's stages {[list(s.devices) for s in plan.stages]} do not split devices "
-            f"0..{plan.device_count - 1} into meshes of shape {plan.mesh_shape}; the plan was "
-            "edited or damaged: make it again with `autosbp plan`."
-        )
-    bad = sorted({n.stage for n in plan.nodes.values()} - set(range(len(plan.stages))))
-    if bad:
-        raise PlanError(
-            f"the plan puts nodes on stage(s) {bad} but has {len(plan.stages)} stage(s); the "
-            "plan was edited or damaged: make it again with `autosbp plan`."
-        )
-
-
 def _names(graph: OpGraph, role: Role) -> list[str]:
     return [attrs["name"] for _, attrs in graph.nodes(role)]
 
@@ -411,7 +396,7 @@ def _state_layouts(
 
 
 def _materialize(
-    model: nn.Module,
+    sources: Mapping[str, torch.Tensor],
     graph: OpGraph,
     layouts: Mapping[str, NdSbp],
     mesh: Mesh,
@@ -420,9 +405,6 @@ def _materialize(
 ) -> dict[str, torch.Tensor]:
     """This rank's shard of every parameter (a fresh leaf that requires grad) and buffer of
     its stage (`here(name)`)."""
-    sources: dict[str, torch.Tensor] = dict(graph.meta.get("constants", {}))
-    sources.update(model.named_buffers(remove_duplicate=False))
-    sources.update(model.named_parameters(remove_duplicate=False))
     state: dict[str, torch.Tensor] = {}
     for _, attrs in graph.nodes():
         if attrs["role"] not in (Role.PARAMETER, Role.BUFFER):

@@ -1,9 +1,10 @@
 """`autosbp train MODEL ...` and `autosbp demo`: plan, then train under the plan on N processes.
 
-Lives here: the two commands' arguments, making or loading the plan, and the per-step table
-(loss beside single-device training with --check). Lives elsewhere: the training loop
-(`runtime.train`, imported lazily: the CLI is the one place autosbp reaches into runtime),
-planning (`planner`).
+Lives here: the two commands' arguments, making or loading the plan, the checkpoint arguments
+against their folder, and the per-step table (loss beside single-device training with --check).
+Lives elsewhere: the training loop, its watchdog and checkpoints (`runtime.train`, imported
+lazily: the CLI is the one place autosbp reaches into runtime), what is checked before launch
+(`commands.preflight`), planning (`planner`).
 """
 
 from __future__ import annotations
@@ -12,16 +13,28 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from autosbp.commands import positive_int
+from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments
+from autosbp.commands.preflight import check_job
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.plan import Plan, format_bytes, format_seconds
+from autosbp.plan.tables import shown
+from costmodel.text import printable
 
+if TYPE_CHECKING:
+    from runtime.train import TrainSpec
+
+# The job-control defaults --help states; runtime.train holds the same values for API callers
+# (TrainSpec; tests/test_job_control.py keeps the two equal). The CLI does not import runtime
+# before a command runs: `autosbp --help` would wait for torch.
+STALL_TIMEOUT_S = 600.0
+CHECKPOINT_EVERY = 100
+TABLE_ENDS = 20  # a long job's table shows its first and last steps this many each
 DEMO_MODEL = ("gpt", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 16, "batch": 8})
 
 
@@ -62,6 +75,26 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--trace", type=Path, help="write every rank's actor firings as a Chrome trace (JSON)"
     )
+    parser.add_argument(
+        "--stall-timeout", type=positive_float, default=STALL_TIMEOUT_S, metavar="SECONDS",
+        help="stop the job when a rank makes no progress (no step, no actor firing) for this "
+        f"long; a job that progresses runs as long as it needs (default: {STALL_TIMEOUT_S:g} "
+        "s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, metavar="DIR",
+        help="save the parameters and optimizer state in DIR every --checkpoint-every steps "
+        "and after the last one (a new or empty folder; --resume to continue one)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-every", type=positive_int, metavar="N",
+        help=f"steps between checkpoints: a killed job loses at most N (default: {CHECKPOINT_EVERY})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="continue from the checkpoint in --checkpoint-dir up to --steps (from the start if "
+        "the job saved none yet)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -70,12 +103,61 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.meta:
         raise PlanError("`autosbp train` needs real parameters; drop --meta.")
     from autosbp.zoo import parse_model_args
+    from runtime.train import TrainSpec
 
     model_args = parse_model_args(args.model_args)
+    first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume)
     plan = _plan_for(args.model, model_args, args.plan, args.nproc, args.profile, console)
-    return _train_and_report(
-        args.model, model_args, plan, args.steps, args.lr, args.check, console, trace=args.trace
-    )
+    if first >= args.steps:
+        console.print(
+            f"{args.checkpoint_dir} holds {first} trained steps, and --steps is {args.steps}: "
+            "nothing left to train (raise --steps to train further).",
+            soft_wrap=True,
+        )
+        return 0
+    if first:
+        console.print(
+            f"resuming from the checkpoint in {args.checkpoint_dir} at step {first}", soft_wrap=True
+        )
+    spec = TrainSpec(
+        args.model, model_args, plan.to_json(), args.steps, lr=args.lr, check=args.check,
+        stall_timeout_s=args.stall_timeout,
+        checkpoint_dir=None if args.checkpoint_dir is None else str(args.checkpoint_dir),
+        checkpoint_every=args.checkpoint_every or CHECKPOINT_EVERY, resume=args.resume,
+    )  # fmt: skip
+    return _train_and_report(spec, plan, console, trace=args.trace)
+
+
+def _first_step(directory: Path | None, every: int | None, resume: bool) -> int:
+    """The step the job starts from (the checkpoint's with --resume, else 0), or an error
+    naming the argument to fix: a checkpoint is never overwritten without --resume, and a
+    folder that holds something else is never taken for one."""
+    from runtime.checkpoint_format import MANIFEST, read_manifest
+
+    if directory is None:
+        if resume or every is not None:
+            flag = "--resume" if resume else "--checkpoint-every"
+            raise ExecutionError(
+                f"{flag} needs --checkpoint-dir DIR, the folder the job keeps its checkpoint in."
+            )
+        return 0
+    holds = (directory / MANIFEST).is_file()
+    if directory.exists() and not holds and (not directory.is_dir() or any(directory.iterdir())):
+        raise ExecutionError(
+            f"--checkpoint-dir {directory} exists and is not a checkpoint (no {MANIFEST}); "
+            "choose a new folder (it is created) or an empty one."
+        )
+    if not holds:
+        return 0  # a new job, or one stopped before its first checkpoint (--resume)
+    manifest = read_manifest(directory)
+    if not resume:
+        raise ExecutionError(
+            f"--checkpoint-dir {directory} holds a checkpoint of "
+            f"{printable(manifest.model_name)} after {manifest.optimizer_step} steps; pass "
+            "--resume to continue from it, or choose another folder (a job never overwrites "
+            "another's checkpoint)."
+        )
+    return manifest.optimizer_step
 
 
 def _plan_for(
@@ -89,49 +171,39 @@ def _plan_for(
     compare: bool = False,
 ) -> Plan:
     if plan_arg.endswith(".json") or Path(plan_arg).is_file():
-        plan = Plan.load(plan_arg)
+        plan = Plan.load(plan_arg)  # consistent in itself, or refused
         plan.check_world(nproc)
-        _check_plan_model(plan, model, model_args)
+        check_job(plan, model, model_args, source=f"plan file {plan_arg}")
         return plan
     from autosbp.planner.api import auto_parallelize
     from autosbp.zoo import load_model
 
     with console.status(f"planning {model} ({plan_arg}) for {nproc} processes on {profile}"):
         module, inputs = load_model(model, model_args)
-        return auto_parallelize(
+        plan = auto_parallelize(
             module, inputs, profile=profile, devices=nproc, strategy=plan_arg, name=model,
             compare=compare,
         )  # fmt: skip
-
-
-def _check_plan_model(plan: Plan, model: str, model_args: dict) -> None:
-    """Refuse a plan made for another model here, before any process starts (a worker would
-    refuse it too, but only after launching, as a failed rank)."""
-    from autosbp.capturing.export import capture_micro_batch
-    from autosbp.zoo import load_model
-
-    module, inputs = load_model(model, model_args, device="meta")
-    graph = capture_micro_batch(module, inputs, plan.micro_batches, name=model)
-    plan.check_model(graph.fingerprint(), f"model `{model}`")
+    check_job(plan, model, model_args, source=f"the {plan_arg} plan")  # is the model trainable?
+    return plan
 
 
 def _train_and_report(
-    model: str,
-    model_args: dict,
+    spec: TrainSpec,
     plan: Plan,
-    steps: int,
-    lr: float,
-    check: bool,
     console: Console,
     *,
     trace: Path | None = None,
     timeline: Path | None = None,
 ) -> int:
-    """Train under `plan`; with `trace`/`timeline`, write the measured firings as a Chrome trace
-    and the predicted-vs-measured timeline PNG."""
-    from autosbp.timeline import draw_timelines, predicted_events, write_chrome_trace
-    from runtime.train import TrainSpec, train
+    """Train `spec` under `plan`; with `trace`/`timeline`, write the measured firings as a
+    Chrome trace and the predicted-vs-measured timeline PNG."""
+    import dataclasses
 
+    from autosbp.timeline import draw_timelines, predicted_events, write_chrome_trace
+    from runtime.train import train
+
+    model, steps, check = shown(spec.model), spec.steps, spec.check
     cores = os.cpu_count() or 1
     if plan.device_count > cores:
         console.print(
@@ -140,8 +212,7 @@ def _train_and_report(
             "with a core of its own, so expect steps slower than predicted (the plan's choices "
             "stay valid)."
         )
-    recording = trace is not None or timeline is not None
-    spec = TrainSpec(model, model_args, plan.to_json(), steps, lr=lr, check=check, trace=recording)
+    spec = dataclasses.replace(spec, trace=trace is not None or timeline is not None)
     with console.status(f"training {steps} steps on {plan.device_count} processes"):
         result = train(spec)
     if trace is not None:
@@ -150,11 +221,11 @@ def _train_and_report(
     if timeline is not None:
         draw_timelines(
             timeline, predicted_events(plan), list(result.events),
-            title=f"{model}: {plan.strategy} plan, predicted vs measured (last step)",
+            title=printable(f"{spec.model}: {plan.strategy} plan, predicted vs measured (last step)"),
         )  # fmt: skip
         console.print(f"predicted vs measured timeline written to {timeline}")
     table = Table(
-        title=f"{model}: {plan.strategy} plan, mesh {'x'.join(map(str, plan.mesh_shape))}"
+        title=f"{model}: {shown(plan.strategy)} plan, mesh {'x'.join(map(str, plan.mesh_shape))}"
     )
     for column in ("step", "loss", *(CHECK_COLUMNS if check else ()), "time"):
         table.add_column(column, justify="right")
@@ -162,7 +233,14 @@ def _train_and_report(
         table.caption = (
             "loss, gradients, buffers, updates: the worst error / bound (runtime/check.py)"
         )
-    for record, seconds in zip(result.records, result.step_times_s, strict=True):
+    rows = list(zip(result.records, result.step_times_s, strict=True))
+    for index, (record, seconds) in enumerate(rows):
+        if TABLE_ENDS <= index < len(rows) - TABLE_ENDS:
+            if index == TABLE_ENDS:
+                table.add_row(
+                    f"({len(rows) - 2 * TABLE_ENDS} steps)", *("..." for _ in table.columns[1:])
+                )
+            continue
         extra = _check_cells(record.check) if check else ()
         table.add_row(str(record.step), f"{record.loss:.6f}", *extra, f"{seconds * 1e3:.1f} ms")
     console.print(table)
@@ -204,9 +282,10 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     path = plan.save(out / "plan.json")
     console.rule(f"2. train it {args.steps} steps under the plan, beside single-device training")
     trace, timeline = out / "trace.json", out / "timeline.png"
-    code = _train_and_report(
-        name, model_args, plan, args.steps, 1e-2, True, console, trace=trace, timeline=timeline
-    )
+    from runtime.train import TrainSpec
+
+    spec = TrainSpec(name, model_args, plan.to_json(), args.steps, check=True)
+    code = _train_and_report(spec, plan, console, trace=trace, timeline=timeline)
     console.rule(f"3. plan GPT-3 175B ({args.gpt3_layers} layers) for 1024 GPUs of DGX A100 nodes")
     gpt3_path = _gpt3(args.gpt3_layers, out, console)
     console.print(

@@ -1,17 +1,26 @@
 """A corpus of bad inputs to the CLI and the API: each gives one clear error, and nothing else.
 
 Every case asserts: a one-paragraph message that names the cause and the fix (key words of
-both), no traceback (nor torch's own failure report) in the output, a non-zero exit code (CLI)
-or an `AutosbpError` subclass (API), and nothing written (the working directory, where `plan`
-would write its --out, stays empty). One model with an op that has no SBP rule is the exception
-that proves the rule: it warns, naming the op, and still plans.
+both), no traceback (nor torch's own failure report, nor an escape sequence from an input file)
+in the output, a non-zero exit code (CLI) or an `AutosbpError` subclass (API), and nothing
+written (the working directory, where `plan` would write its --out, stays empty). One model with
+an op that has no SBP rule is the exception that proves the rule: it warns, naming the op, and
+still plans.
 
-Speed: tiny zoo models (mlp at defaults), one plan made once per module, and no process is
+The issue "Real jobs" (#18) adds every class it found, from the corpus shared with
+bench/robustness.py (tests/bad_inputs_corpus.py): plans inconsistent in themselves or with their
+model (refused before any process starts, never a hang or a rank's traceback), numbers that are
+not numbers (NaN, Infinity, 10^400, 2.0 devices) in plans and profiles, files nested 100,000
+deep, control characters, models that cannot train, checkpoint arguments and a manifest naming
+a file outside its folder; and the sizes `show` refuses to simulate or draw.
+
+Speed: tiny zoo models (mlp at defaults), the plans made once per module, and no process is
 launched (a fake launcher fails the test if `train` gets that far).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -31,8 +40,14 @@ from autosbp.layout import shard_tensor
 from autosbp.plan import Plan
 from autosbp.rules import UnknownOpWarning
 from autosbp.sbp import Mesh, P, S, parse_nd_sbp
+from autosbp.timeline import Event, draw_timelines, predicted_events
 from autosbp.zoo import build_model, load_model, parse_model_args
 from costmodel import load_profile
+from costmodel.errors import ExecutionError
+from costmodel.profile_codec import profile_from_dict
+from runtime.checkpoint_format import read_manifest
+from tests.bad_inputs_corpus import write_corpus
+from tests.test_plan_json import sample_plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,8 +115,10 @@ def wrong_shape():
     return Net(), (torch.randn(8, 3), torch.randn(8, 4))
 """
 
-# Output that means an internal report leaked: a Python traceback, or torch.export's partial graph.
-LEAKS = ("Traceback", "def forward(")
+# Output that means an internal report leaked: a Python traceback, torch.export's partial graph,
+# or an escape sequence from an input file reaching the terminal.
+LEAKS = ("Traceback", "def forward(", "\x1b")
+PP = "megatron:tp=1,pp=2,dp=1"  # the two-stage plan the corpus edits (mlp: 3 blocks)
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -115,6 +132,12 @@ def inputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     good = plan.save(root / "plan.json")
     _write_damaged(root, "plan", good.read_text())
     _write_damaged(root, "profile", (REPO / "profiles" / "cpu-gloo.json").read_text())
+    dp, pp = (
+        autosbp.auto_parallelize(model, inputs, devices=2, strategy=s, time_limit_s=10).to_json()
+        for s in ("dp", PP)
+    )
+    profile = json.loads((REPO / "profiles" / "cpu-gloo.json").read_text())
+    write_corpus(root, dp, pp, profile)
     return root
 
 
@@ -164,6 +187,7 @@ def _assert_words(message: str, words: tuple[str, ...]) -> None:
 
 
 # ------------------------------------------------------------------------------ CLI cases
+TRAIN = ["train", "mlp", "--nproc", "2", "--plan"]  # + a plan file
 # (argv, cause words, fix words). {in} is the inputs directory; the working directory is empty.
 CLI_CASES = [
     # models
@@ -261,6 +285,9 @@ CLI_CASES = [
             (["train", "mlp", "--nproc", "2"], "--nproc", "0"),
             (["train", "mlp", "--nproc", "2"], "--nproc", "-3"),
             (["train", "mlp", "--nproc", "2"], "--steps", "-1"),
+            (["train", "mlp", "--nproc", "2"], "--stall-timeout", "0"),
+            (["train", "mlp", "--nproc", "2"], "--stall-timeout", "nan"),
+            (["train", "mlp", "--nproc", "2"], "--checkpoint-every", "0"),
             (["demo"], "--nproc", "0"),
             (["demo"], "--steps", "0"),
         )
@@ -372,6 +399,86 @@ CLI_CASES = [
     pytest.param(
         ["train", "mlp", "--meta", "--nproc", "2"], ("needs real parameters",), ("drop --meta",),
         id="train-meta",
+    ),
+    # plans inconsistent in themselves or with their model: refused before launch (#18)
+    *(
+        pytest.param(
+            [*argv, f"{{in}}/plan-{name}.json", *extra], cause, ("make it again",),
+            id=f"{argv[0]}-plan-{name}",
+        )
+        for argv, extra, name, cause in (
+            (TRAIN, (), "cycle", ("data flows back to an earlier stage", "linear_4 (stage 0)")),
+            (TRAIN, (), "mesh3", ("stage(s) of mesh [3] hold 3 devices, but the plan is for 2",)),
+            (TRAIN, (), "dupdev", ("devices [0] are listed more than once",)),
+            (TRAIN, (), "devrange", ("stage 0 lists devices [5], outside 0..1",)),
+            (TRAIN, (), "nostage", ("nodes gelu are on stage 7, but the plan has 2 stage(s)",)),
+            (TRAIN, (), "paramsbp", ("'inp.weight' has SBP S(0) in the parameter table but B",)),
+            (TRAIN, (), "paramstage", ("'head.weight' is on stage 0 in the parameter table",)),
+            (TRAIN, (), "emptystage", ("stages [1] hold no node",)),
+            (TRAIN, (), "deleted", ("no entry for nodes p_blocks_1_fc_weight",)),
+            (TRAIN, (), "stagemesh", ("stage 0 has mesh [1], the plan [2]",)),
+            (TRAIN, (), "meshdims", ("shape [2] but dims ['d0', 'd1']",)),
+            (TRAIN, (), "mb3", ("3 micro-batches do not divide the global batch of 8",)),
+            (TRAIN, (), "badsig", ("nodes gelu", "signatures their rules do not offer"),),
+            (TRAIN, (), "batch16", ("a global batch of 16 samples", "example inputs hold 8"),),
+            (TRAIN, (), "optsbp", ("optimizer state SBP S(7) but SBP B",)),
+            (["show"], (), "mb1e7", ("10000000 micro-batches do not divide",)),
+            (["explain"], (), "dev1e7", ("hold 2 devices, but the plan is for 10000000",)),
+            # not numbers, not a plan
+            (TRAIN, (), "nan", ("holds NaN, which is not a finite number",)),
+            (["show"], (), "inf", ("holds Infinity, which is not a finite number",)),
+            (TRAIN, (), "mem400", ("401-digit number at cluster/memory_limit_bytes",)),
+            (TRAIN, (), "batch30", ("31-digit number at global_batch",)),
+            (TRAIN, (), "devfloat", ("at cluster/devices: 2.0 is not of type 'integer'",)),
+            (["explain"], (), "nested", ("nests deeper than a JSON reader goes",)),
+            (["show"], (), "escape", ("holds the text", "mlp\\x1b[2J", "control characters")),
+        )
+    ),
+    *(
+        pytest.param(
+            ["plan", "mlp", "--devices", "2", "--profile", f"{{in}}/profile-{name}.json"],
+            cause, (("Fix: write the measured",), ("check the number",))[name == "1e300-flops"],
+            id=f"profile-{name}",
+        )
+        for name, cause in (
+            ("nan-bandwidth", ("holds NaN, which is not a number a profile can price with",)),
+            ("inf-memory-bandwidth", ("holds Infinity",)),
+            ("nan-flops", ("holds NaN",)),
+            ("1e300-flops", ("1e+300 GFLOP/s is beyond any hardware", "at most 1e+18 flop/s")),
+        )
+    ),
+    # models that cannot train
+    pytest.param(
+        ["train", "{in}/bad_models.py:noparams", "--nproc", "2", "--plan", "dp"],
+        ("has no parameters",), ("give it layers with parameters",), id="train-no-parameters",
+    ),
+    pytest.param(
+        ["train", "{in}/bad_models.py:unused", "--nproc", "2", "--plan", "dp"],
+        ("depends on none of its 2 parameter tensors",), ("through the model's layers",),
+        id="train-loss-ignores-parameters",
+    ),
+    pytest.param(
+        ["capture", "{in}/bad_models.py:exits"], ("failed with SystemExit: 3",),
+        ("Fix the function",), id="capture-model-calls-sys-exit",
+    ),
+    # checkpoint arguments
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--resume"], ("--resume needs --checkpoint-dir DIR",),
+        ("the folder the job keeps its checkpoint in",), id="train-resume-without-dir",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-every", "5"],
+        ("--checkpoint-every needs --checkpoint-dir",), ("DIR",), id="train-every-without-dir",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}"],
+        ("exists and is not a checkpoint",), ("choose a new folder",),
+        id="train-checkpoint-dir-not-a-checkpoint",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-escape", "--resume"],
+        ("names the rank file '../../../../../etc/hostname'", "not a file of"),
+        ("Use another checkpoint",), id="train-manifest-names-a-file-outside",
     ),
 ]  # fmt: skip
 
@@ -569,7 +676,55 @@ API_CASES = [
         ("cannot write the plan",), ("existing, writable directory",),
         id="plan-save-missing-directory",
     ),
+    # numbers, sizes and files that are not what they claim (#18)
+    pytest.param(
+        lambda ctx: Plan.from_json(_edited(ctx.inputs / "plan.json", "solver", "gap", NAN)),
+        PlanError, ("holds nan at solver/gap: not a finite number",), ("make it again",),
+        id="plan-from-json-nan",
+    ),
+    pytest.param(
+        lambda ctx: Plan.from_json(_edited(ctx.inputs / "plan.json", "model", "name", "a\x9bb")),
+        PlanError, ("'a\\x9bb' at model/name, with control characters",), ("make it again",),
+        id="plan-from-json-control-character",
+    ),
+    pytest.param(
+        lambda ctx: profile_from_dict(
+            _edited(REPO / "profiles" / "cpu-gloo.json", "device", "memory", {"value": NAN}),
+            "api",
+        ),
+        ProfileError, ("at $.device.memory.value: nan is not a number",),
+        ("write the measured or spec-sheet value",), id="profile-from-dict-nan",
+    ),
+    pytest.param(
+        lambda ctx: predicted_events(
+            dataclasses.replace(sample_plan(), micro_batches=60_000, global_batch=60_000)
+        ),
+        PlanError, ("120000 firings", "more than the 100000 a timeline simulates"),
+        ("predicted step time is in the plan's summary",), id="timeline-too-many-firings",
+    ),
+    pytest.param(
+        lambda ctx: draw_timelines(
+            ctx.inputs / "nodir" / "t.png",
+            [Event(rank, 0, "forward", 0, 0.0, 1.0) for rank in range(200)], title="t",
+        ),
+        PlanError, ("200 ranks are more than the 128 a chart can show",),
+        ("leave out --timeline",), id="timeline-too-many-ranks",
+    ),
+    pytest.param(
+        lambda ctx: read_manifest(ctx.inputs / "ckpt-escape"), ExecutionError,
+        ("names the rank file '../../../../../etc/hostname'", "is not a file of"),
+        ("Use another checkpoint",), id="manifest-names-a-file-outside",
+    ),
 ]  # fmt: skip
+NAN = float("nan")
+
+
+def _edited(path: Path, section: str, key: str, value: Any) -> dict[str, Any]:
+    """The JSON in `path` with data[section][key] set to `value` (merged into a dict there)."""
+    data = json.loads(path.read_text())
+    old = data[section][key]
+    data[section][key] = {**old, **value} if isinstance(old, dict) else value
+    return data
 
 
 @pytest.mark.parametrize(("call", "error", "cause", "fix"), API_CASES)
@@ -618,7 +773,7 @@ def test_failed_plan_save_keeps_the_old_file(
     def disk_full(src: Any, dst: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("autosbp.plan.os.replace", disk_full)
+    monkeypatch.setattr("autosbp.plan.format.os.replace", disk_full)
     with pytest.raises(PlanError, match=r"No space left on device.*writable directory"):
         Plan.load(inputs_dir / "plan.json").save(path)
     assert path.read_text() == "the previous plan"

@@ -32,13 +32,18 @@ import numpy as np
 import pytest
 import torch
 
+from autosbp.cli import main
+from autosbp.errors import ExecutionError
 from autosbp.layout import shard_tensor
+from autosbp.planner.api import auto_parallelize
 from autosbp.sbp import Mesh, parse_nd_sbp
+from autosbp.zoo import build_model
 from costmodel.launch import run_workers
 from runtime.checkpoint import MANIFEST, read_manifest
+from runtime.train import FAULT_ENV
+from tests.bad_inputs_corpus import ESCAPING_MANIFEST
 from tests.checkpoint_workers import run_checkpoint_cases
-from tests.oracle import train_single_device
-from tests.test_runtime import MEGATRON, MODELS, _build, _comparable, _plan_json, _rel
+from tests.test_runtime import MEGATRON, MODELS, _build, _plan_json
 
 SAVED, RESUMED = 2, 2
 LR = 1e-2
@@ -173,7 +178,33 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list
 
 @cache
 def _single_device(model: str) -> tuple[list[float], dict[str, np.ndarray]]:
-    return train_single_device(*_build(model), steps=SAVED + RESUMED, lr=LR)
+    """The oracle: losses of SAVED + RESUMED eager Adam steps on one device, and the state."""
+    module, inputs = _build(model)
+    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
+    losses = []
+    for _ in range(SAVED + RESUMED):
+        optimizer.zero_grad()
+        loss = module(*inputs)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: t.detach().numpy().copy() for name, t in module.state_dict().items()}
+
+
+def _comparable(model: str, name: str, tensor: np.ndarray) -> np.ndarray:
+    """The part of a tensor that training determines. GPT's attention key bias adds q.b_k to
+    every score of a row, which softmax ignores: its exact gradient is 0, so in fp32 it is
+    rounding noise (~1e-9) that Adam, dividing by the noise's own size, turns into steps of up
+    to lr either way. Nothing downstream depends on it (the loss is invariant)."""
+    if MODELS[model][0] == "gpt" and name.endswith("attn.qkv.bias"):
+        hidden = MODELS[model][1]["hidden"]
+        return np.concatenate([tensor[:hidden], tensor[2 * hidden :]])
+    return tensor
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    diff = np.linalg.norm((got - want).astype(np.float64).ravel())
+    return float(diff / max(np.linalg.norm(want.astype(np.float64).ravel()), 1e-30))
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -277,3 +308,69 @@ def test_save_refuses_to_replace_a_non_checkpoint(runs: Any) -> None:
     for result in results["save-over-foreign"]:
         assert "error" in result and "is not a checkpoint" in result["error"], result
     assert (root / "foreign" / "notes.txt").read_text() == "not a checkpoint"
+
+
+# ------------------------------------------------------------------- from the command line
+CLI_STEPS, CLI_EVERY, KILLED_AT = 6, 2, 3  # rank 1 dies before step 3: the step-2 save survives
+
+
+def _cli_train(plan: Path, directory: Path, *extra: str) -> int:
+    argv = ["train", "mlp", "--nproc", "2", "--plan", str(plan), "--steps", str(CLI_STEPS),
+            "--checkpoint-dir", str(directory), "--checkpoint-every", str(CLI_EVERY), *extra]  # fmt: skip
+    return main(argv)
+
+
+def _saved_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every rank file (state and optimizer), keyed by rank and name."""
+    manifest = read_manifest(directory)
+    return {
+        f"{record.rank}:{key}": tensor
+        for record in manifest.files
+        for key, tensor in torch.load(directory / record.name, weights_only=True).items()
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_killed_job_resumes_from_the_cli_as_if_uninterrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`autosbp train --checkpoint-dir D --checkpoint-every 2`: killed before step 3, the job
+    has lost one step (at most 2); `--resume` trains steps 2..5, and its last checkpoint equals
+    an uninterrupted run's bit for bit: the same plan, processes and kernels replay the same
+    arithmetic, and a checkpoint restores the parameters and Adam's moments and step exactly."""
+    model, inputs = build_model("mlp")
+    plan = auto_parallelize(model, inputs, devices=2, strategy="dp", time_limit_s=10)
+    plan_path = plan.save(tmp_path / "plan.json")
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert _cli_train(plan_path, whole) == 0
+    with monkeypatch.context() as patch:
+        patch.setenv(FAULT_ENV, f"rank=1,step={KILLED_AT},kind=kill")
+        assert _cli_train(plan_path, broken) == 2
+    saved_step = read_manifest(broken).optimizer_step
+    assert saved_step == 2 and KILLED_AT - saved_step <= CLI_EVERY
+    assert _cli_train(plan_path, broken) == 2  # a checkpoint is never overwritten unasked
+    assert "pass --resume to continue from it" in capsys.readouterr().err
+    assert _cli_train(plan_path, broken, "--resume") == 0
+    assert f"resuming from the checkpoint in {broken} at step 2" in capsys.readouterr().out
+    assert read_manifest(broken).optimizer_step == read_manifest(whole).optimizer_step == 6
+    got, want = _saved_tensors(broken), _saved_tensors(whole)
+    assert got.keys() == want.keys()
+    differ = [key for key in want if not torch.equal(got[key], want[key])]
+    assert differ == [], f"resumed tensors differ from the uninterrupted run's: {differ}"
+    assert _cli_train(plan_path, broken, "--resume") == 0  # nothing left: says so, trains nothing
+    assert "nothing left to train" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../../../../../etc/hostname", "/etc/hostname", "..", "sub/rank00000.pt", "link.pt"],
+    ids=["dot-dot", "absolute", "parent", "subfolder", "symlink-out"],
+)
+def test_manifest_file_names_stay_in_the_checkpoint(tmp_path: Path, name: str) -> None:
+    (tmp_path / "link.pt").symlink_to("/etc/hostname")
+    manifest = {**ESCAPING_MANIFEST, "files": [{**ESCAPING_MANIFEST["files"][0], "name": name}]}
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ExecutionError, match="is not a file of"):
+        read_manifest(tmp_path)

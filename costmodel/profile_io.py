@@ -81,6 +81,7 @@ def save_profile(profile: Profile, path: str | os.PathLike[str]) -> Path:
     out = Path(path)
     data = profile_to_dict(profile)
     _check_schema(data, f"{out} (being saved)")
+    profile_from_dict(data, f"{out} (being saved)")  # NaN or an overflowed fit: not written
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(_format_json(data) + "\n", encoding="utf-8")
     return out

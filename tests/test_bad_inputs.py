@@ -42,7 +42,7 @@ from autosbp.rules import UnknownOpWarning
 from autosbp.sbp import Mesh, P, S, parse_nd_sbp
 from autosbp.timeline import Event, draw_timelines, predicted_events
 from autosbp.zoo import build_model, load_model, parse_model_args
-from costmodel import load_profile
+from costmodel import load_profile, save_profile
 from costmodel.errors import ExecutionError
 from costmodel.profile_codec import profile_from_dict
 from runtime.checkpoint_format import read_manifest
@@ -696,6 +696,11 @@ API_CASES = [
         ("write the measured or spec-sheet value",), id="profile-from-dict-nan",
     ),
     pytest.param(
+        lambda ctx: save_profile(_nan_memory_profile(), ctx.inputs / "nodir" / "profile.json"),
+        ProfileError, ("(being saved): at $.device.memory.value: nan is not a number",),
+        ("write the measured or spec-sheet value",), id="profile-save-nan",
+    ),
+    pytest.param(
         lambda ctx: predicted_events(
             dataclasses.replace(sample_plan(), micro_batches=60_000, global_batch=60_000)
         ),
@@ -717,6 +722,13 @@ API_CASES = [
     ),
 ]  # fmt: skip
 NAN = float("nan")
+
+
+def _nan_memory_profile() -> Any:
+    """cpu-gloo with a NaN device memory: what a profiler fit that went wrong would hold."""
+    profile = load_profile("cpu-gloo")
+    memory = dataclasses.replace(profile.device.memory, value=NAN)
+    return dataclasses.replace(profile, device=dataclasses.replace(profile.device, memory=memory))
 
 
 def _edited(path: Path, section: str, key: str, value: Any) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The Plan: what the planner decided, as frozen values and validated JSON (design 3.6).
 
 Lives here, one module per responsibility: the values and their JSON (`format`: Plan and its
-parts, save, load, schema, digest), whether a plan is consistent as a whole, alone and against
-its model (`checks`), and its tables for people (`tables`). Lives elsewhere: how a plan is
+parts, save, load, digest), what a file must be to be read (`schema`), whether a plan is
+consistent as a whole, alone and against its model (`checks`), and its tables for people
+(`tables`). Lives elsewhere: how a plan is
 found (`planner`), how it runs (runtime).
 """
 
@@ -10,9 +11,6 @@ from __future__ import annotations
 
 from autosbp.plan.checks import check_plan, plan_problems
 from autosbp.plan.format import (
-    FORMAT,
-    MAX_INT,
-    VERSION,
     Alternative,
     HandPlan,
     NodePlan,
@@ -21,9 +19,8 @@ from autosbp.plan.format import (
     Predicted,
     SolverReport,
     StagePlan,
-    plan_schema,
-    validate_plan_json,
 )
+from autosbp.plan.schema import FORMAT, MAX_INT, VERSION, plan_schema, validate_plan_json
 from autosbp.plan.tables import format_bytes, format_seconds
 
 __all__ = [

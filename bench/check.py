@@ -82,7 +82,7 @@ def _run(jobs: list[tuple[int, str, str]], fault: str, table: Table, console: Co
             continue
         console.log(f"{label}, {devices} processes, {fault}: {time.perf_counter() - start:.0f} s")
         verdict = judge(checks)
-        excluded = sorted({n for c in checks for n in c.excluded})
+        excluded = sorted({n for c in checks for n in c.notes.excluded})
         notes = ("pass" if verdict.passed else "FAIL") + (
             f"; left out {', '.join(excluded)}" if excluded else ""
         )

@@ -155,9 +155,8 @@ class Reference:
     ) -> StepCheck:
         """Compare the plan's step `step` (its weights `before`, loss, synced `gradients`, and
         state `after`) with one device at the same weights."""
-        with self.fallback:
-            exact = self._evaluate(self.fp64, before, inputs)
         single = self._evaluate(self.fp32, before, inputs)
+        exact = self._exact(before, inputs)
         excluded = [
             name
             for name, g in exact.gradients.items()
@@ -186,6 +185,21 @@ class Reference:
             updates_compared=self.optimizer is not None,
         )  # fmt: skip
         return StepCheck.of(step, float(exact.loss), rounding, rows, notes)
+
+    def _exact(self, state: State, inputs: Sequence[torch.Tensor]) -> _Evaluation:
+        """The float64 evaluation; a model that runs in fp32 (just did) but not in float64, for
+        a reason other than one op's kernel, gets an error that says so."""
+        try:
+            with self.fallback:
+                return self._evaluate(self.fp64, state, inputs)
+        except Exception as error:
+            raise ExecutionError(
+                f"--check's float64 reference failed: the model runs in fp32 but not in float64 "
+                f"on one device ({type(error).__name__}: {error}). An op without a float64 kernel "
+                "would run in fp32 (runtime/check.py); this failure is outside one op (a dtype "
+                "test or cast in the model's Python code?). Make forward dtype-generic, or train "
+                "without --check."
+            ) from error
 
     def _evaluate(
         self, model: nn.Module, state: State, inputs: Sequence[torch.Tensor]

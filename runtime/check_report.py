@@ -17,9 +17,11 @@ from enum import Enum
 
 __all__ = ["Deviation", "Kind", "Notes", "StepCheck", "Verdict", "judge"]
 
-KEPT_FAILURES = 8  # failing tensors a step keeps for the report, worst first
-SHOWN_FAILURES = 5  # of those, lines in the verdict
-FIT_TOLERANCE = 1e-3  # a fitted scale reads as the integer k (or 1/k) when this close, relative
+KEPT_FAILURES = 8  # failing tensors a step keeps for the report, worst first (a display choice)
+SHOWN_FAILURES = 5  # of those, lines in the verdict (a display choice)
+# A fitted scale reads as the integer k (or 1/k) this close, relative: far above a doubled sum's
+# rounding (about 1e-6) and below the relative gap to the next integer (1/k) for k up to 1000.
+FIT_TOLERANCE = 1e-3
 
 
 class Kind(Enum):

@@ -9,7 +9,8 @@ Lives here: one builder per case, each returning `(model, example_inputs)` where
 - `dropout`: an MLP with torch.nn.Dropout modules (the check turns them off);
 - `functional_dropout`: F.dropout with its own probability (the check must refuse it);
 - `grouped`: a grouped matmul (torch's `grouped_mm`), which has no float64 kernel on the CPU
-  (Hugging Face Mixtral's experts run on it).
+  (Hugging Face Mixtral's experts run on it);
+- `float32_only`: a forward that refuses any other dtype in Python (no op to run in fp32).
 Lives elsewhere: the zoo (`autosbp.zoo`), third-party models (tests/real_models.py).
 
 Invariants: the same arguments give bit-identical weights and inputs (seeded; the global RNG is
@@ -157,3 +158,24 @@ def grouped(
         torch.randn(batch, seq, hidden, generator=g),
         torch.randn(batch, seq, hidden, generator=g),
     )
+
+
+class Float32Only(nn.Module):
+    """A linear layer and MSE, refusing inputs of any dtype but float32 in Python."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, 1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"float32 inputs only, got {x.dtype}")
+        return F.mse_loss(self.fc(x), target)
+
+
+def float32_only(batch: int = 8, features: int = 4, seed: int = 0) -> ModelAndInputs:
+    g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Float32Only(features)
+    return model, (torch.randn(batch, features, generator=g), torch.randn(batch, 1, generator=g))

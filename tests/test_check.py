@@ -192,6 +192,17 @@ def test_a_resumed_job_is_checked_without_updates() -> None:
     assert "Updates not compared: the job resumed from a checkpoint" in verdict.text
 
 
+def test_a_model_without_a_float64_path_is_refused_clearly() -> None:
+    model, inputs = check_models.float32_only()
+    reference = Reference(model, lambda ps: adam(ps, LR), 1, inputs)
+    plan = copy.deepcopy(model)
+    step = _emulated_step(plan, adam(list(plan.parameters()), LR), inputs, 2)
+    with pytest.raises(
+        ExecutionError, match=r"runs in fp32 but not in float64.*float32 inputs only"
+    ):
+        reference.check(0, inputs, *step)
+
+
 def test_a_model_still_random_is_refused() -> None:
     model, inputs = check_models.functional_dropout()
     with pytest.raises(ExecutionError, match="depends on the random seed"):

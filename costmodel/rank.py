@@ -11,7 +11,9 @@ Invariants:
 - A rank dies with its parent, however the parent ends (SIGKILL included): Linux kills it the
   moment the parent goes (`prctl(PR_SET_PDEATHSIG, SIGKILL)`, set before anything else; a
   parent already gone by then is noticed by its pid); elsewhere a thread watching the parent's
-  pid ends it within `PARENT_POLL_S`.
+  pid ends it within `PARENT_POLL_S`. So that "before anything else" is milliseconds after the
+  spawn, this module imports no torch at load (the rank imports it after), and the function and
+  its arguments arrive pickled, unpickled after (their modules import torch: seconds).
 - The rank joins the world through the parent's store on 127.0.0.1 (a client; the parent is the
   server) and never listens beyond loopback itself (gloo's sockets: see `costmodel.launch`).
 - Reports are cheap (a time and a short label written into shared memory, a few microseconds)
@@ -26,6 +28,7 @@ import ctypes
 import datetime
 import faulthandler
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -37,9 +40,6 @@ from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 __all__ = ["Failure", "ProgressTable", "RankLog", "report_progress", "worker"]
 
@@ -127,30 +127,25 @@ def report_progress(doing: str, *, grace_s: float = 0.0) -> None:
 
 
 def worker(
-    rank: int,
-    log_fd: int,
-    parent_pid: int,
-    fn: Callable[..., Any],
-    nproc: int,
-    store_port: int,
-    backend: str,
-    timeout_s: float,
-    args: tuple[Any, ...],
-    env: dict[str, str],
-    results: Any,
-    progress: ProgressTable,
+    rank: int, log_fd: int, parent_pid: int, payload: bytes, results: Any, progress: ProgressTable
 ) -> None:
-    """A spawned rank: die with the parent, join the world, call `fn(rank, nproc, *args)`,
+    """A spawned rank: die with the parent (before anything slow: importing torch takes seconds,
+    so this module imports it only here), join the world, call `fn(rank, nproc, *args)` from
+    `payload` (pickled by the parent: fn, nproc, store port, backend, timeout, args, env), and
     report its result (or its failure) to `results`."""
     global _reporter
     _die_with_parent(parent_pid)
-    os.environ.update(env)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # no oversubscription
     faulthandler.enable(log_fd, all_threads=False)  # a native crash leaves its stack here
     faulthandler.register(STACK_SIGNAL, log_fd, all_threads=True)  # the parent asks on a stall
     _reporter = (progress, rank)
-    timeout = datetime.timedelta(seconds=timeout_s)
     try:
+        fn, nproc, store_port, backend, timeout_s, args, env = pickle.loads(payload)
+        os.environ.update(env)
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # no oversubscription
+        timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", store_port, nproc, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=timeout)
         _run_rank(fn, rank, nproc, args, results)
@@ -184,6 +179,8 @@ def _run_rank(
     fn: Callable[..., Any], rank: int, nproc: int, args: tuple[Any, ...], results: Any
 ) -> None:
     """Call fn; a failure is stamped and reported before the process group goes."""
+    import torch.distributed as dist
+
     try:  # pickled here, so a result that cannot be is this rank's error, not a silent exit
         out = bytes(ForkingPickler.dumps(fn(rank, nproc, *args)))
     except BaseException as exc:  # reported to the parent, which raises ExecutionError

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ from runtime.engine import Engine
 from runtime.train import FAULT_ENV, SLOW_STEP_S
 from tests.bad_inputs_corpus import MODELS
 
+REPO = Path(__file__).resolve().parent.parent
 MARKER_ENV = "AUTOSBP_TEST_MARKER"  # in a job's environment: how the test finds its processes
 PARENT_DEATH_S = 5.0  # the issue's bar: no rank left this long after the parent died
 # Start-up of 2 ranks (interpreter, torch, a capture) is 5-15 s on 2 shared cores; a failure or
@@ -169,22 +171,58 @@ LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_ranks_die_with_their_parent(sig: signal.Signals, tmp_path: Path) -> None:
-    marker = uuid.uuid4().hex
+    """`autosbp train`, killed once it trains (a checkpoint of a step exists)."""
     checkpoint = tmp_path / "ckpt"
-    argv = ["train", "mlp", "--nproc", "2", "--plan", "dp", "--steps", "1000000",
-            "--checkpoint-dir", str(checkpoint), "--checkpoint-every", "1"]  # fmt: skip
+    argv = ["-m", "autosbp.cli", "train", "mlp", "--nproc", "2", "--plan", "dp", "--steps",
+            "1000000", "--checkpoint-dir", str(checkpoint), "--checkpoint-every", "1"]  # fmt: skip
+
+    def training(pids: set[int]) -> bool:
+        return (checkpoint / "manifest.json").exists()
+
+    _kill_the_parent(argv, training, sig, check_sockets=True)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")
+def test_ranks_die_with_their_parent_while_they_import() -> None:
+    """The launcher killed while its ranks import the worker's module (20 s, as torch's can
+    take on a loaded machine): a rank's parent-death signal is set before it imports anything
+    slow, so none outlives its parent by PARENT_DEATH_S (when it was set after importing,
+    ranks lived on for the length of their import)."""
+    script = "from costmodel.launch import run_workers; from tests.slow_import_worker import "
+    script += "idle; run_workers(idle, 2, timeout_s=120)"
+
+    def spawned(pids: set[int]) -> bool:
+        return len(pids) >= 4  # the launcher, multiprocessing's tracker, 2 ranks
+
+    _kill_the_parent(["-c", script], spawned, signal.SIGKILL, check_sockets=False, wait_s=1.0)
+
+
+def _kill_the_parent(
+    argv: list[str],
+    ready: Callable[[set[int]], bool],
+    sig: signal.Signals,
+    *,
+    check_sockets: bool,
+    wait_s: float = 0.0,
+) -> None:
+    """Start `python *argv` with a marker, wait until `ready` (then `wait_s`), send `sig` to
+    it, and assert that no process of the job is left PARENT_DEATH_S later."""
+    marker = uuid.uuid4().hex
     job = subprocess.Popen(
-        [sys.executable, "-m", "autosbp.cli", *argv], env={**os.environ, MARKER_ENV: marker},
+        [sys.executable, *argv], env={**os.environ, MARKER_ENV: marker}, cwd=REPO,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not (checkpoint / "manifest.json").exists():  # training: a step is saved
-            assert job.poll() is None and time.monotonic() < deadline, "the job did not train"
-            time.sleep(0.2)
+        while not ready(_job_pids(marker)):
+            assert job.poll() is None and time.monotonic() < deadline, "the job never got ready"
+            time.sleep(0.05)
+        time.sleep(wait_s)
         pids = _job_pids(marker)
-        assert len(pids) >= 3, pids  # the parent and 2 ranks (and multiprocessing's tracker)
-        assert set(_listening(pids)) <= LOOPBACK, _listening(pids)
+        if check_sockets:
+            assert set(_listening(pids)) <= LOOPBACK, _listening(pids)
         os.kill(job.pid, sig)
         job.wait(timeout=PARENT_DEATH_S)
         died = time.monotonic()

@@ -58,7 +58,11 @@ deterministic (two forwards under different seeds give the same loss); it refuse
 still random (functional dropout with its own probability) rather than compare noise.
 An op without a float64 kernel (Hugging Face Mixtral's grouped matmul): it runs in fp32 inside the
 float64 reference (inputs rounded to fp32, output widened) and is named in the report; its
-rounding is then part of both e1 and eP, and the bound stays one device's own error.
+rounding is then part of both e1 and eP, and the bound stays one device's own error. A model that
+fails in float64 outside one op (a dtype test in its Python code) is refused with an error that
+says so: without a float64 path nothing measures fp32's own error, and no bound can be derived.
+A resumed job: the engine's optimizer holds state from a checkpoint that the reference never saw,
+so updates are not compared (the verdict says so); the forward and backward still are.
 Limit: a kink met within rounding (ReLU at 0, a max or top-k between equal scores) can take a
 different branch in the plan than on one device; about 1e-7 of the elements at kinks per step,
 reported as one tensor failing at one step.

@@ -1,24 +1,29 @@
 """`auto_parallelize`: model + example inputs + hardware -> the fastest plan that fits.
 
-Lives here: the public entry point (argument checks with clear errors, capture, search over
-mesh shapes, comparison with hand plans) and the adapter from a costmodel cluster to the
-planner's `Prices`. Lives elsewhere: the search and the ILP (`search`, `ilp`), the plan format
-(`plan`), prices (`costmodel`).
+Lives here: the public entry point (argument checks with clear errors, the model in its
+training dtype and the example inputs at the global batch, capture, the search, comparison with
+hand plans) and the adapter from a costmodel cluster to the planner's `Prices`. Lives elsewhere:
+the search and the ILP (`search`, `ilp`), the plan format (`plan`), prices (`costmodel`).
+
+Planning never needs parameter values: a model on the meta device plans like a real one (the
+CLI builds every model there), and the dtype and batch it is planned in are the graph's own:
+prices follow each tensor's dtype, so the model is cast before capture, never after.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from autosbp.capturing.graph import OpGraph
-from autosbp.errors import PlanError
+from autosbp.errors import MicroBatchError, PlanError
 from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
-from autosbp.planner.search import Found, GraphFor, powers_of_two_dividing, search
+from autosbp.planner.search import Found, GraphFor, divisors, search
 from autosbp.planner.strategies import hand_strategies, strategy_space
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -61,7 +66,7 @@ def auto_parallelize(
     memory_limit: int | None = None,
     global_batch: int | None = None,
     optimizer: str = "adam",
-    dtype: str = "fp32",
+    dtype: str | None = None,
     strategy: str = "auto",
     recompute: str = "auto",
     time_limit_s: float = 60.0,
@@ -71,44 +76,128 @@ def auto_parallelize(
     compare: bool = False,
 ) -> Plan:
     """Plan `model` (which returns its training loss, a mean over the batch) for `devices`
-    devices of `profile`; `example_inputs` are one global batch (dim 0).
+    devices of `profile`; `example_inputs` are one batch (dim 0).
 
-    `memory_limit` (bytes per device) defaults to the profile's device memory minus a 10%
-    reserve. The search chooses pipeline stages, the mesh of each stage, one signature per op,
-    the micro-batch count (unless `micro_batches` is given) and the recomputation (`recompute`:
-    auto, none, selective or full); `strategy` restricts it to a hand plan (dp, fsdp,
-    megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model. `compare`: also price the
-    usual hand plans (`strategies.hand_strategies`) into `Plan.hand_plans`; with strategy auto, a
-    hand plan the heuristic outer search missed and that is faster becomes the plan.
+    `global_batch`: the samples per step, when not the example inputs' batch: every input whose
+    dim 0 is that batch is resized to it before capture (`at_global_batch`). `dtype` (fp32,
+    bf16, fp16; default: the model's own): the training dtype; a meta model and the floating
+    example inputs are cast to it before capture (`in_dtype`; a model with real parameters in
+    another dtype must be cast by its owner). `memory_limit` (bytes per device) defaults to the
+    profile's device memory minus a 10% reserve. The search chooses pipeline stages, the mesh
+    of each stage, one signature per op, the micro-batch count (unless `micro_batches` is
+    given: every count that divides the batch) and the recomputation (`recompute`: auto,
+    none, selective or full), best-first by proven bounds over the whole space within
+    `time_limit_s` (`search`); `strategy` restricts it to a hand plan (dp, fsdp,
+    megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model. `compare`: also price the usual
+    hand plans (`strategies.hand_strategies`) into `Plan.hand_plans`.
     """
     from autosbp.capturing.rebatch import micro_batch_graphs
 
+    dtype = dtype or _dtype_of(model)
     _check_request(devices, optimizer, dtype)  # before the capture, which can take a while
     _check_limits(memory_limit, global_batch, time_limit_s)
-    batch = int(example_inputs[0].shape[0]) if example_inputs and example_inputs[0].dim() else 1
-    counts = (micro_batches,) if micro_batches is not None else _micro_batch_counts(example_inputs)
+    inputs = in_dtype(model, at_global_batch(example_inputs, global_batch), dtype)
+    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
+    counts = (micro_batches,) if micro_batches is not None else _micro_batch_counts(inputs)
     graphs: dict[int, OpGraph] = {}
 
     def graph_for(count: int) -> OpGraph:
         if count not in graphs:  # every count at once: two exports, the rest rebatched
             if progress:
                 progress(f"capturing micro-batches of {', '.join(map(str, counts))}")
-            graphs.update(micro_batch_graphs(model, example_inputs, counts, name=name))
+            try:
+                graphs.update(micro_batch_graphs(model, inputs, counts, name=name))
+            except MicroBatchError:  # one size does not capture: each alone, so the others do
+                graphs.update(micro_batch_graphs(model, inputs, (count,), name=name))
         return graphs[count]
 
     return _plan(
         graph_for, counts, profile=profile, devices=devices, memory_limit=memory_limit,
-        global_batch=global_batch or batch, optimizer=optimizer, dtype=dtype, strategy=strategy,
+        global_batch=batch, optimizer=optimizer, dtype=dtype, strategy=strategy,
         recompute=recompute, time_limit_s=time_limit_s, progress=progress, compare=compare,
     )  # fmt: skip
 
 
+def at_global_batch(
+    example_inputs: Sequence[torch.Tensor], global_batch: int | None
+) -> tuple[torch.Tensor, ...]:
+    """`example_inputs` with every input whose dim 0 is the first input's (the batch) resized
+    to `global_batch` samples (unchanged when None or equal). Meta inputs are new meta tensors;
+    real ones repeat their samples in turn (capture reads shapes, not values)."""
+    inputs = tuple(example_inputs)
+    if global_batch is None or not inputs:
+        return inputs
+    if inputs[0].dim() == 0:
+        raise PlanError(
+            f"global_batch={global_batch} needs example inputs with a batch (dim 0), but the "
+            "first example input is a scalar; leave global_batch out (`--global-batch`)."
+        )
+    batch = int(inputs[0].shape[0])
+    if batch == global_batch:
+        return inputs
+    samples = torch.arange(global_batch) % batch
+
+    def resized(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[0] != batch:
+            return x
+        if x.device.type == "meta":
+            return torch.empty((global_batch, *x.shape[1:]), dtype=x.dtype, device="meta")
+        return x[samples.to(x.device)]
+
+    return tuple(resized(x) for x in inputs)
+
+
+def in_dtype(
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    dtype: str,
+    *,
+    owned: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """The model's floating parameters and buffers in `dtype` (cast in place: on the meta
+    device, or when the caller built the model, `owned`; a real model is its owner's to cast),
+    and the floating example inputs cast."""
+    _check_request(1, "adam", dtype)
+    wanted = DTYPES[dtype]
+    state = [
+        t for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()
+    ]
+    if any(t.dtype != wanted for t in state):
+        real = sorted({str(t.dtype) for t in state if t.device.type != "meta"})
+        if real and not owned:
+            raise PlanError(
+                f"the model's parameters are {', '.join(real)} but dtype={dtype!r}; cast the "
+                f"model first (model.to(torch.{str(wanted).removeprefix('torch.')})), build it on "
+                "the meta device (planning needs no values), or plan in its own dtype."
+            )
+        model.to(wanted)
+    return tuple(x.to(wanted) if x.is_floating_point() else x for x in example_inputs)
+
+
+def _dtype_of(model: torch.nn.Module) -> str:
+    """The name of the dtype most of the model's floating parameters have (fp32 if none)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    if not counts:
+        return "fp32"
+    found = max(counts, key=lambda d: counts[d])
+    if found not in DTYPE_NAMES:
+        raise PlanError(
+            f"the model's parameters are {found}, which the planner does not price; use one of "
+            f"{sorted(DTYPES)} (pass dtype=... to cast a meta model)."
+        )
+    return DTYPE_NAMES[found]
+
+
 def _micro_batch_counts(example_inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """1, 2, 4, ... while every input's dim 0 divides evenly (only 1 for unbatched inputs)."""
+    """Every count that divides the batch when every input's dim 0 is that batch (only 1 for
+    unbatched inputs)."""
     sizes = {int(x.shape[0]) if x.dim() else 0 for x in example_inputs}
     if len(sizes) != 1 or 0 in sizes:
         return (1,)
-    return powers_of_two_dividing(sizes.pop())
+    return divisors(sizes.pop())
 
 
 def plan_graph(
@@ -153,7 +242,13 @@ def plan_graphs(
     counts = tuple(sorted(graphs))
     if not counts:
         raise PlanError("no graph to plan; capture the model first (rebatch.micro_batch_graphs).")
-    batch = global_batch or _batch_of(graphs[counts[0]]) * counts[0]
+    batch = _batch_of(graphs[counts[0]]) * counts[0]
+    if global_batch is not None and global_batch != batch:
+        raise PlanError(
+            f"the graphs were captured at a global batch of {batch} (micro-batches of "
+            f"{batch // counts[0]} x {counts[0]}), not global_batch={global_batch}; capture the "
+            "model at that batch (auto_parallelize resizes the example inputs itself)."
+        )
     return _plan(
         graphs.__getitem__, counts, profile=profile, devices=devices,
         memory_limit=memory_limit, global_batch=batch, optimizer=optimizer, dtype=dtype,
@@ -200,6 +295,8 @@ def _plan(
         space = strategy_space(chosen, recompute, blocks)
         if space.micro_batches is None:  # the strategy names no count (mb=M): search them
             space = dataclasses.replace(space, micro_batches=counts)
+        if progress:
+            progress(f"searching {chosen}")
         return search(
             graph_for, global_batch, devices, ClusterPrices(cluster), link_of, space,
             optimizer=optimizer, memory_limit_bytes=limit, time_limit_s=time_limit_s,
@@ -221,8 +318,6 @@ def _plan(
             continue
         peak = int(max(found.prediction.peak_bytes))
         hand.append(HandPlan(chosen, found.prediction.step_time_s, peak))
-        if strategy == "auto" and found.prediction.step_time_s < best.prediction.step_time_s:
-            best = found  # auto's space holds every hand plan: never return a slower one
     return dataclasses.replace(assemble_plan(best, ctx), hand_plans=tuple(hand))
 
 

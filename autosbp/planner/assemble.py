@@ -102,10 +102,11 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
 
 
 def solver_report(found: Found) -> SolverReport:
-    solution, effort = found.solution, found.effort
+    """The search's proven status and gap over its whole space, and its effort."""
+    effort = found.effort
     assert effort is not None, "plans are assembled from what `search` returns"
     return SolverReport(
-        solution.status, solution.gap, effort.seconds, effort.configurations, effort.bounded,
+        effort.status, effort.gap, effort.seconds, effort.configurations, effort.bounded,
         effort.solved,
     )  # fmt: skip
 

@@ -86,9 +86,24 @@ def lower_bound(problem: Problem, *, time_limit_s: float = 60.0, cutoff: float =
     """A bound no solution of `problem` beats: its LP relaxation's optimum, or `cutoff` as soon
     as the LP shows that no solution beats it (-inf if the LP runs out of time). NoFitError if
     nothing fits (each node at its smallest bytes, or an infeasible LP)."""
+    return bound_or_solve(problem, time_limit_s=time_limit_s, cutoff=cutoff)[0]
+
+
+def bound_or_solve(
+    problem: Problem, *, time_limit_s: float = 60.0, cutoff: float = math.inf
+) -> tuple[float, Solution | None]:
+    """`lower_bound`, and the optimal solution when the LP relaxation is integral (then its
+    bound is the optimum: an integral point of the relaxation is a solution)."""
     _check_memory_floor(problem)
     relaxed = relax(problem, time_limit_s, cutoff)
-    return relaxed.bound_s if relaxed is not None else -math.inf
+    if isinstance(relaxed, CutOff):
+        return relaxed.bound_s, None
+    if relaxed is None:
+        return -math.inf, None
+    if not _integral(relaxed.values):
+        return relaxed.bound_s, None
+    choice = _choice(relaxed.values)
+    return relaxed.bound_s, Solution(choice, problem.objective(choice), "optimal", 0.0, 0.0)
 
 
 def solve_below(
@@ -130,7 +145,7 @@ def solve_below(
         found, lower = _solve_fixed(problem, relaxed, upper, solver, time_limit_s, rel_gap)
     best = min((s for s in (found, rounded) if s is not None), key=objective_of, default=None)
     if best is None and lower < cutoff:
-        raise PlanError(_out_of_time(solver, time_limit_s))
+        raise SolverTimeoutError(_out_of_time(solver, time_limit_s))
     if best is None or best.objective >= cutoff:
         return None
     gap = max(0.0, best.objective - lower) / max(abs(best.objective), 1e-30)
@@ -148,7 +163,7 @@ def _solve_whole(
     if result == pywraplp.Solver.INFEASIBLE:
         raise NoFitError("no strategy assignment satisfies the constraints (infeasible ILP).")
     if isinstance(result, int):
-        raise PlanError(_out_of_time(solver, time_limit_s, result))
+        raise SolverTimeoutError(_out_of_time(solver, time_limit_s, result))
     return _solution_of(problem, result[0]), result[2]
 
 
@@ -196,6 +211,10 @@ def _solution_of(problem: Problem, values: Values) -> Solution:
 
 
 objective_of = attrgetter("objective")
+
+
+class SolverTimeoutError(PlanError):
+    """The solver ran out of time before it found any assignment."""
 
 
 def _out_of_time(solver: str, time_limit_s: float, status: int | None = None) -> str:

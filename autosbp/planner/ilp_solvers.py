@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -28,7 +29,7 @@ from scipy import sparse
 from scipy.optimize import OptimizeWarning, linprog
 
 from autosbp.errors import NoFitError, PlanError
-from autosbp.planner.ilp_problem import Key, Problem
+from autosbp.planner.ilp_problem import Costs, Key, MaxTerm, Problem
 
 Values = dict[Key, list[float]]  # per node, its candidates' values
 
@@ -120,26 +121,25 @@ def restrict(problem: Problem, lp: LinearProgram, keep: np.ndarray) -> Problem:
 class LinearProgram:
     """The formulation of `ilp`'s docstring as sparse matrices: columns x (per node, its
     candidates), y (per edge, its allowed pairs), z (per max term); rows one-hot, marginals
-    (equalities), memory and max terms (upper bounds)."""
+    (equalities), memory and max terms (upper bounds). Costs are scaled so the largest is 1e3
+    (`objective_scale`), memory rows by their limit."""
 
     def __init__(self, problem: Problem) -> None:
-        self.scale = scale = objective_scale(problem)  # as for the MIP: costs near 1e3
         self.x_at: dict[Key, tuple[int, int]] = {}
         costs: list[np.ndarray] = []
         upper: list[np.ndarray] = []
         columns = 0
         for v, node_costs in problem.node_costs.items():
-            c = np.asarray(node_costs, dtype=float) * scale
+            c = np.asarray(node_costs, dtype=float)
             self.x_at[v] = (columns, len(c))
             columns += len(c)
             finite = np.isfinite(c)
             costs.append(np.where(finite, c, 0.0))
             upper.append(finite.astype(float))  # an infinite cost: the candidate is forbidden
         self._eq: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, cols, values)
-        rows = 0
-        for at, n in self.x_at.values():  # one-hot
-            self._eq.append((np.full(n, rows), at + np.arange(n), np.ones(n)))
-            rows += 1
+        rows = len(self.x_at)
+        for row, (at, n) in enumerate(self.x_at.values()):  # one-hot
+            self._eq.append((np.full(n, row), at + np.arange(n), np.ones(n)))
         equal_bounds = [np.ones(rows)]
         self.y_at: dict[tuple[Key, Key], tuple[int, np.ndarray, np.ndarray]] = {}
         for (u, v), matrix in problem.edge_costs.items():
@@ -147,7 +147,7 @@ class LinearProgram:
             i, j = np.nonzero(np.isfinite(matrix))
             y = columns + np.arange(len(i))
             self.y_at[(u, v)] = (columns, i, j)
-            costs.append(matrix[i, j] * scale)
+            costs.append(matrix[i, j])
             upper.append(np.ones(len(i)))
             # sum_j y[i, j] - x[u, i] = 0, then sum_i y[i, j] - x[v, j] = 0
             self._eq += [
@@ -167,29 +167,47 @@ class LinearProgram:
                 at, n = self.x_at[v]
                 self._ub.append((np.full(n, len(bounds)), at + np.arange(n), per_byte * per))
             bounds.append((mem.limit_bytes - mem.constant_bytes) * per_byte)
+        memory_entries = len(self._ub)
         for term in problem.max_terms:  # part - z <= 0 for every part; z costs weight
             z = columns
             costs.append(np.array([term.weight]))
             upper.append(np.array([np.inf]))
             columns += 1
             for part in term.parts:
-                row = len(bounds)
-                self._ub.append((np.array([row]), np.array([z]), np.array([-1.0])))
-                for v, c in part.node_costs.items():
-                    at, n = self.x_at[v]
-                    self._ub.append((np.full(n, row), at + np.arange(n), scale * c))
-                for edge, matrix in part.edge_costs.items():
-                    assert edge in self.y_at, f"max term edge {edge} is not an edge of the problem"
-                    first, i, j = self.y_at[edge]
-                    self._ub.append(
-                        (np.full(len(i), row), first + np.arange(len(i)), scale * matrix[i, j])
-                    )
+                self._ub.append((np.array([len(bounds)]), np.array([z]), np.array([-1.0])))
+                self._ub.append(self._part_row(part, len(bounds)))
                 bounds.append(0.0)
         self.size = columns
-        self.cost = np.concatenate(costs)
+        cost = np.concatenate(costs)
+        parts = [values for _, _, values in self._ub[memory_entries:]]
+        self.scale = objective_scale(cost, parts, problem.max_terms)
+        self.cost = cost * self.scale  # z (the last columns) costs its weight: z is scaled
+        if problem.max_terms:
+            self.cost[-len(problem.max_terms) :] = [t.weight for t in problem.max_terms]
+        self._ub[memory_entries:] = [  # a part's row (odd entries) is scaled, z's -1 not
+            (r, c, values * self.scale if k % 2 else values)
+            for k, (r, c, values) in enumerate(self._ub[memory_entries:])
+        ]
         self.upper = np.concatenate(upper)
         self.upper_bounds = np.array(bounds) if bounds else None
         self.equal_bounds = np.concatenate(equal_bounds)
+
+    def _part_row(self, part: Costs, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A part's costs as one row's entries (columns and values, unscaled)."""
+        cols: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        for v, c in part.node_costs.items():
+            at, n = self.x_at[v]
+            cols.append(at + np.arange(n))
+            values.append(np.asarray(c, dtype=float))
+        for edge, matrix in part.edge_costs.items():
+            assert edge in self.y_at, f"max term edge {edge} is not an edge of the problem"
+            first, i, j = self.y_at[edge]
+            cols.append(first + np.arange(len(i)))
+            values.append(matrix[i, j])
+        col = np.concatenate(cols) if cols else np.zeros(0, dtype=int)
+        value = np.concatenate(values) if values else np.zeros(0)
+        return np.full(len(col), row), col, value
 
     def equal_rows(self) -> sparse.csr_matrix:
         return _sparse(self._eq, len(self.equal_bounds), self.size)
@@ -255,15 +273,14 @@ def solve_mip(
     return values, status, mip.Objective().BestBound() / lp.scale
 
 
-def objective_scale(problem: Problem) -> float:
-    """Costs are seconds, often 1e-6..1e-3: scale the largest to 1e3 so the solvers' absolute
-    tolerances (about 1e-6) are negligible beside every cost."""
-    arrays = [*problem.node_costs.values(), *problem.edge_costs.values()]
-    for term in problem.max_terms:
-        for part in term.parts:
-            arrays += [
-                c * term.weight for c in (*part.node_costs.values(), *part.edge_costs.values())
-            ]
-    finite = [float(np.max(np.abs(a[np.isfinite(a)]))) for a in arrays if np.isfinite(a).any()]
-    largest = max(finite, default=0.0)
+def objective_scale(
+    costs: np.ndarray, parts: list[np.ndarray], max_terms: Sequence[MaxTerm]
+) -> float:
+    """Costs are seconds, often 1e-6..1e-3: scale the largest (of the objective's costs, and
+    of each max term's parts times its weight) to 1e3 so the solvers' absolute tolerances
+    (about 1e-6) are negligible beside every cost."""
+    weights = [term.weight for term in max_terms for _ in term.parts]
+    largest = float(np.max(np.abs(costs[: -len(max_terms)] if max_terms else costs), initial=0.0))
+    for weight, values in zip(weights, parts[1::2], strict=True):
+        largest = max(largest, abs(weight) * float(np.max(np.abs(values), initial=0.0)))
     return 1e3 / largest if largest > 0 else 1.0

@@ -4,9 +4,10 @@ recomputation), and what its solution predicts.
 Lives here: the prices of a graph on a stage mesh that every configuration shares (`Priced`,
 `price_graph`), the Problem of one configuration (`build_problem`: objective and memory, see its
 docstring), its bound and its solve (`lower_bound_of`, `solve_mesh`), and the prediction of a
-solved configuration by the actor simulation (`predict`). Lives elsewhere: prices (`costs`,
-`memory`), stages and recomputation (`pipeline`), tied blocks (`reduce`), the solver (`ilp`),
-the search over configurations (`search`), hand-plan restrictions (`strategies`).
+solved configuration by the actor simulation (`predict`). Lives elsewhere: the objective made
+of the stages' costs, a lower bound of `predict` (`objective`), prices (`costs`, `memory`),
+stages and recomputation (`pipeline`), tied blocks (`reduce`), the solver (`ilp`), the search
+over configurations (`search`), hand-plan restrictions (`strategies`).
 
 Each configuration is solved exactly (to MIP_GAP). Within a stage, the objective has one
 overlap: the gradient sync runs while the last micro-batch's backward does
@@ -17,7 +18,8 @@ update run one after another on each device.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -33,9 +35,10 @@ from autosbp.planner.costs import (
     node_strategies,
     sync_bucket_bytes,
 )
-from autosbp.planner.ilp import lower_bound, solve_below
-from autosbp.planner.ilp_problem import Costs, MaxTerm, MemoryConstraint, Problem, Solution
+from autosbp.planner.ilp import bound_or_solve, solve_below
+from autosbp.planner.ilp_problem import Costs, MemoryConstraint, Problem, Solution
 from autosbp.planner.memory import candidate_bytes
+from autosbp.planner.objective import StageCosts, objective_terms
 from autosbp.planner.pipeline import StageSplit, in_flight, recomputed, split_stages
 from autosbp.planner.reduce import TiedStages, tie_blocks, tie_graph, tie_stages, twin_key
 from autosbp.rules import NdSignature
@@ -43,24 +46,6 @@ from autosbp.sbp import Broadcast, Mesh, local_shape
 from autosbp.schedule import hidden_sync_s, simulate, sync_buckets
 
 Allow = Callable[[dict, NdSignature], bool]  # may this node (attrs) take this candidate?
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Per pipeline stage, the ILP-keyed costs that make up its times (seconds), for pricing a
-    solution: `busy` one micro-batch's forward + backward (+ recomputation), `forward` its
-    forward part, `send` the one-way transfer of its outputs to later stages per micro-batch,
-    `update` the per-step gradient sync and optimizer, of which the last micro-batch's backward
-    hides part of the sync (`schedule.hidden_sync_s`); and its memory constraint."""
-
-    busy: tuple[Costs, ...]
-    forward: tuple[Costs, ...]
-    send: tuple[Costs, ...]
-    update: tuple[Costs, ...]
-    sync: tuple[Costs, ...]  # the gradient-sync part of `update`
-    sync_buckets: tuple[int, ...]  # `schedule.sync_buckets` of each stage's parameters
-    overlap: float  # the profile's fraction of communication that compute hides
-    memory: tuple[MemoryConstraint, ...]
 
 
 @dataclass(frozen=True)
@@ -130,20 +115,36 @@ def price_graph(
     allow: Allow | None = None,
     pricer: BoxingPricer | None = None,
     representative: dict[str, str] | None = None,
+    memo: dict[Hashable, NodeStrategies] | None = None,
 ) -> Priced:
     """Candidates of every representative node (`reduce.tie_blocks`, or `representative` where
     given); edges on first use. `pricer`: a boxing pricer of `mesh` to reuse (its chains serve
-    every micro-batch size)."""
+    every micro-batch size); `memo`: parameters' candidates to reuse across graphs (a
+    parameter's depend only on its tensor, the mesh and the sync bucket, `_parameter_key`)."""
     pricer = pricer or BoxingPricer(prices, mesh)
     rep = representative or tie_blocks(graph)
     bucket_bytes = sync_bucket_bytes(graph)
     strategies: dict[str, NodeStrategies] = {}
     for name in dict.fromkeys(rep.values()):
-        found = node_strategies(graph, name, pricer, bucket_bytes)
-        strategies[name] = _restricted(found, graph.graph.nodes[name], allow)
+        attrs = graph.graph.nodes[name]
+        key = _parameter_key(attrs, mesh, bucket_bytes) if memo is not None else None
+        found = memo.get(key) if memo is not None and key is not None else None
+        if found is None:
+            found = node_strategies(graph, name, pricer, bucket_bytes)
+            if memo is not None and key is not None:
+                memo[key] = found
+        strategies[name] = _restricted(replace(found, name=name), attrs, allow)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
     return Priced(mesh, rep, strategies, graph, pricer)
+
+
+def _parameter_key(attrs: dict, mesh: Mesh, bucket_bytes: int) -> Hashable | None:
+    """What a parameter's candidates and prices (`costs.node_strategies`) read, or None for
+    other nodes (their candidates read their inputs and the graph around them)."""
+    if attrs["role"] is not Role.PARAMETER:
+        return None
+    return (mesh, bucket_bytes, attrs["op"], tuple(attrs["inputs"]), tuple(attrs["outputs"]))
 
 
 def build_problem(
@@ -163,12 +164,12 @@ def build_problem(
 ) -> MeshProblem:
     """The ILP of `graph` (one micro-batch) with `split`'s stages, each on a mesh like `mesh`.
 
-    Objective (Narayanan et al. 2021 section 2.2 for 1F1B): the sum of every stage's
-    per-micro-batch time, plus (micro_batches - 1) x the slowest stage's (the steady state),
-    plus each cross-stage tensor's transfer both ways (fill and drain), plus the slowest stage's
-    per-step gradient sync and optimizer update. With one stage: micro_batches x the stage time
-    plus its update, every op, boxing, sync and update one after another. Memory: one
-    constraint per stage, activations x the micro-batches in flight there (`in_flight`).
+    Objective (`objective`): with stages, the largest of the 1F1B path bounds (Narayanan et
+    al. 2021 section 2.2: the fill to a stage, its steady state, the drain, a stage's update),
+    a lower bound of the simulated step for every choice and equal to it with the slowest
+    stage last; with one stage, micro_batches x the stage time plus its update, every op,
+    boxing, sync and update one after another. Memory: one constraint per stage, activations
+    x the micro-batches in flight there (`in_flight`).
     """
     split = split or split_stages(graph, 1)
     priced = priced or price_graph(graph, mesh, prices, allow)
@@ -186,7 +187,7 @@ def build_problem(
     if not overflows:
         terms.add_edges(tied, priced, recompute, _P2P(prices, mesh, stage_link))
     stage_costs = terms.stage_costs(sizes, prices.overlap_efficiency, memory_limit_bytes)
-    node_costs, edge_costs, max_terms = _objective(stage_costs, keys, micro_batches)
+    node_costs, edge_costs, max_terms = objective_terms(stage_costs, keys, micro_batches)
     constraints = (
         tuple(replace(c, name=f"{c.name} memory") for c in stage_costs.memory)
         if memory_limit_bytes is not None
@@ -209,6 +210,8 @@ class _StageTerms:
             [_Acc() for _ in range(num_stages)] for _ in range(6)
         )
         self.param_bytes = [0] * num_stages
+        # Per stage, what its time costs are made of: equal for stages whose costs are equal.
+        self.kinds: list[Counter[tuple]] = [Counter() for _ in range(num_stages)]
 
     def add_nodes(
         self,
@@ -223,6 +226,7 @@ class _StageTerms:
         for (r, s, read_outside), n in tied.nodes.items():
             attrs, found = nodes[r], priced.strategies[r]
             k = in_flight(s, self.num_stages)
+            self.kinds[s][("node", r, read_outside)] += n
             if attrs["role"] is Role.PARAMETER:
                 self.update[s].node(r, n * found.compute_s)
                 assert found.sync_s is not None, f"{r}: a parameter priced without its sync"
@@ -249,11 +253,13 @@ class _StageTerms:
         """Boxing on every edge, and each tensor sent to a later stage (time and memory)."""
         rep, nodes = priced.representative, priced.graph.graph.nodes
         for ((u, v), sv), n in tied.edges.items():
+            self.kinds[sv][("edge", u, v)] += n
             both, fwd_only = priced.edge_prices(u, v)
             again = recomputed(nodes[rep[v]], recompute)  # tied nodes are recomputed alike
             self.busy[sv].edge((rep[u], rep[v]), n * (both + fwd_only) if again else n * both)
             self.forward[sv].edge((rep[u], rep[v]), n * fwd_only)
         for u, out_idx, sv in tied.sends:
+            self.kinds[sv - 1][("send", rep[u], out_idx, nodes[u]["outputs"][out_idx])] += 1
             local = p2p.local_bytes(priced.strategies[u], out_idx, nodes[u]["outputs"][out_idx])
             self.send[sv - 1].node(rep[u], p2p.time_s(local))
             self.memory[sv].node(rep[u], local * in_flight(sv, self.num_stages))
@@ -263,8 +269,12 @@ class _StageTerms:
     ) -> StageCosts:
         limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
 
-        def costs(sums: list[_Acc]) -> tuple[Costs, ...]:
-            return tuple(a.costs(sizes) for a in sums)
+        kinds = tuple(frozenset(kind.items()) for kind in self.kinds)
+        first = {kind: s for s, kind in reversed(list(enumerate(kinds)))}
+
+        def costs(sums: list[_Acc]) -> tuple[Costs, ...]:  # stages of one kind share theirs
+            built = {s: sums[s].costs(sizes) for s in set(first.values())}
+            return tuple(built[first[kind]] for kind in kinds)
 
         return StageCosts(
             costs(self.busy), costs(self.forward), costs(self.send), costs(self.update),
@@ -273,85 +283,12 @@ class _StageTerms:
                 MemoryConstraint(a.memory_bytes(sizes), limit, name=f"stage {s}")
                 for s, a in enumerate(self.memory)
             ),
+            kinds,
         )  # fmt: skip
-
-
-def _objective(
-    costs: StageCosts, keys: list[str], micro_batches: int
-) -> tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray], tuple[MaxTerm, ...]]:
-    """Node costs, edge costs and max terms of `build_problem`'s objective."""
-    busy, m = costs.busy, micro_batches
-    if len(busy) == 1:
-        node_costs = {r: m * busy[0].node_costs[r] for r in keys}
-        edge_costs = {e: m * c for e, c in busy[0].edge_costs.items()}
-        max_terms: tuple[MaxTerm, ...] = ()
-    else:
-        node_costs = {
-            r: np.sum([c.node_costs[r] for c in busy], axis=0)
-            + 2 * np.sum([c.node_costs[r] for c in costs.send], axis=0)
-            for r in keys
-        }
-        edge_costs = _sum_edges(busy)
-        max_terms = (MaxTerm(m - 1, busy),)
-    exposed = _exposed_update(
-        busy, costs.forward, costs.send, costs.update, costs.sync, costs.sync_buckets,
-        costs.overlap,
-    )  # fmt: skip
-    if len(exposed.parts) > 1:
-        max_terms += (exposed,)
-    else:  # one stage, nothing hidden (one bucket, or no overlap): the update adds up
-        for r, c in costs.update[0].node_costs.items():
-            node_costs[r] = node_costs[r] + c
-    return node_costs, edge_costs, max_terms
 
 
 def _least_bytes(memory: _Acc, sizes: dict[str, int]) -> float:
     return sum(float(np.min(b)) for b in memory.memory_bytes(sizes).values() if len(b))
-
-
-def _exposed_update(
-    busy: Sequence[Costs],
-    forward: Sequence[Costs],
-    send: Sequence[Costs],
-    update: Sequence[Costs],
-    sync: Sequence[Costs],
-    buckets: Sequence[int],
-    overlap: float,
-) -> MaxTerm:
-    """How long after stage 0's last backward the step ends: the largest, over stages s, of
-    s's update less the sync its last backward hides, less how much earlier than stage 0's that
-    backward ended (1F1B drains backward: the gradient goes to s - 1, which runs its backward,
-    and so on down to stage 0: the backward and send of every stage before s).
-
-    Per stage, update - h x min(sync, backward) with h = overlap x (1 - 1/k)
-    (`schedule.hidden_sync_s`) is the larger of two linear parts, update - h x sync and update
-    - h x backward. One bucket, or no overlap, hides nothing."""
-    parts: list[Costs] = []
-    drained: list[tuple[float, Costs]] = []  # the backward and send of the stages before s
-    for b, f, y, u, k, t in zip(busy, forward, sync, update, buckets, send, strict=True):
-        share = overlap * (1.0 - 1.0 / k)
-        parts.append(_combine((1.0, u), (-share, y), *drained))
-        if share > 0:
-            parts.append(_combine((1.0, u), (-share, b), (share, f), *drained))
-        drained += [(-1.0, b), (1.0, f), (-1.0, t)]
-    return MaxTerm(1.0, tuple(parts))
-
-
-def _combine(*terms: tuple[float, Costs]) -> Costs:
-    """The sum of weight x costs, node by node and edge by edge. A forbidden (infinite)
-    candidate or pair counts 0: the problem's own costs forbid it."""
-    nodes: dict[str, np.ndarray] = {}
-    edges: dict[tuple[str, str], np.ndarray] = {}
-    for weight, costs in terms:
-        for v, c in costs.node_costs.items():
-            nodes[v] = nodes.get(v, 0.0) + weight * _finite(c)
-        for e, mat in costs.edge_costs.items():
-            edges[e] = edges.get(e, 0.0) + weight * _finite(mat)
-    return Costs(nodes, edges)
-
-
-def _finite(costs: np.ndarray) -> np.ndarray:
-    return np.where(np.isfinite(costs), costs, 0.0)
 
 
 def _bytes(attrs: dict, found: NodeStrategies, mesh: Mesh, optimizer: str) -> np.ndarray:
@@ -392,23 +329,23 @@ class _Acc:
         self.peaks[key] = np.maximum(self.peaks[key], values) if key in self.peaks else values
 
     def costs(self, sizes: dict[str, int]) -> Costs:
-        nodes = {r: np.broadcast_to(self.nodes.get(r, 0.0), (n,)) + 0.0 for r, n in sizes.items()}
-        return Costs(nodes, dict(self.edges))
+        return Costs(
+            {r: _per_candidate(self.nodes.get(r), n) for r, n in sizes.items()}, self.edges
+        )
 
     def memory_bytes(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
         out = {}
         for r, n in sizes.items():
-            total = np.broadcast_to(self.nodes.get(r, 0.0), (n,)) + self.peaks.get(r, 0.0)
-            out[r] = np.asarray(total, dtype=float) + 0.0
+            total = _per_candidate(self.nodes.get(r), n)
+            out[r] = total + self.peaks[r] if r in self.peaks else total
         return out
 
 
-def _sum_edges(parts: Sequence[Costs]) -> dict[tuple[str, str], np.ndarray]:
-    out: dict[tuple[str, str], np.ndarray] = {}
-    for part in parts:
-        for key, matrix in part.edge_costs.items():
-            out[key] = out[key] + matrix if key in out else matrix
-    return out
+def _per_candidate(values: np.ndarray | None, n: int) -> np.ndarray:
+    """`values` as one number per candidate (a scalar is every candidate's; None is 0)."""
+    if values is None:
+        return np.zeros(n)
+    return values if values.shape == (n,) else np.full(n, float(values))
 
 
 class _P2P:
@@ -456,10 +393,18 @@ def lower_bound_of(
 ) -> float | None:
     """A step time no choice on this mesh beats (the LP relaxation's, or `cutoff` once the LP
     shows that), or None if nothing fits (a node without candidates, or memory)."""
+    found = bound_mesh(mesh_problem, time_limit_s, cutoff)
+    return None if found is None else found[0]
+
+
+def bound_mesh(
+    mesh_problem: MeshProblem, time_limit_s: float, cutoff: float = math.inf
+) -> tuple[float, Solution | None] | None:
+    """`lower_bound_of`, and the optimal solution when the LP relaxation is integral."""
     if any(len(s.candidates) == 0 for s in mesh_problem.strategies.values()):
         return None
     try:
-        return lower_bound(mesh_problem.problem, time_limit_s=time_limit_s, cutoff=cutoff)
+        return bound_or_solve(mesh_problem.problem, time_limit_s=time_limit_s, cutoff=cutoff)
     except NoFitError:
         return None
 

@@ -1,44 +1,75 @@
-"""Search: over stage counts, stage meshes, micro-batch counts and recomputation modes, build
-the strategy ILP of each configuration, solve it, keep the fastest plan.
+"""Search: the fastest plan over every configuration (stage count, stage mesh, micro-batch count,
+recomputation mode), best-first by proven lower bounds, each configuration solved exactly.
 
-Lives here: mesh shapes worth trying, the loops over configurations (`search`), the bounds that
-skip configurations before pricing or solving them (`compute_floors`, `step_bound`, then the LP
-cutoff of `problem.lower_bound_of`), the message when nothing fits. Lives elsewhere: the
-Problem of one configuration and its prediction (`problem`), hand-plan restrictions
-(`strategies`), turning the winner into a `Plan` (`assemble`).
+Lives here: the stage meshes of a device count (`mesh_shapes`), the micro-batch counts of a
+batch (`divisors`), the search itself (`search`: the space, the bounds in order, the stop rule,
+the proven gap). Lives elsewhere: the cheap bounds' formulas (`bounds`), the ILP of one
+configuration, its LP bound and its prediction (`problem`, `objective`), hand-plan restrictions
+(`strategies`), why nothing fits (`nofit`), the winner as a `Plan` (`assemble`).
 
-The outer loops are heuristic where stated in `search`; each configuration is solved exactly.
+The space. Every stage count P that divides the devices (and that the graph's blocks can be
+cut into), every stage mesh of `mesh_shapes(devices / P)`, every micro-batch count m that
+divides the batch (m >= P with stages: every stage then holds a micro-batch in the steady
+state), every recomputation mode; a hand plan narrows each (`strategies.Space`). A micro-batch
+count whose graph cannot be captured (`MicroBatchError`) is refused, and named if nothing fits.
+
+The value of a configuration c is V(c) = the step `predict` gives the plan that c's ILP solves
+to. The search returns the least V it finds and proves how far from the least V of the whole
+space it can be, with these lower bounds of every plan of c (so of V(c)), tried in this order:
+ (0) floors: the path bounds of `objective` (fill to a stage, its m micro-batches, the drain
+     or its own update) with every compute node at its compute floor on the stage's devices
+     (`bounds.compute_floors`: flops and bytes spread evenly; the roofline only grows with
+     flops and bytes, so no signature is faster), parameters at 0, no boxing, no transfers;
+ (1) nodes: the same with each node at its cheapest signature on the stage mesh (a
+     parameter's update without its sync, which backward may hide);
+ (2) LP: the LP relaxation of the configuration's ILP (`problem.lower_bound_of`).
+Each is at most the ILP's objective of every choice (dropping edges, transfers and the update
+of stage 0 drops non-negative terms; an LP relaxation is at most its ILP), and the objective is
+at most `predict` of the same choice (`objective`'s derivation), so each bound is at most V(c).
+A configuration is infeasible (not a bound, no plan) when a node has no candidate, when a
+stage overflows with every node at its fewest bytes, or when its LP is infeasible.
+
+The order (best-first). Every configuration enters a heap at its floor bound. The search pops
+the least bound; a configuration at level 0 or 1 gets its next bound (the largest bound so far
+is kept) and goes back; one at level 2 is solved (`problem.solve_mesh`, to MIP_GAP), its plan
+priced by `predict` and kept if faster. It stops when the least bound in the heap reaches the
+best step found x (1 - MIP_GAP): every configuration left is then within MIP_GAP of it. No
+configuration is skipped for any other reason. A bound (or a solve) that reaches that cutoff
+retires its configuration with the cutoff as its bound; a solved one retires with its ILP's
+proven bound (objective x (1 - its gap)).
+
+The gap. Over the whole space no plan predicts below L = the least bound of every configuration
+still in the heap or retired; `gap` = (best - L) / best, and `status` is "optimal" when gap <=
+MIP_GAP. On the time limit the search stops where it is: "feasible" and the gap proven so far.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import torch
 
-from autosbp.capturing.graph import OpGraph, Role
-from autosbp.errors import NoFitError, PlanError
-from autosbp.plan import format_bytes
-from autosbp.planner.costs import (
-    BACKWARD_FACTOR,
-    BoxingPricer,
-    NodeStrategies,
-    Prices,
-    returns_view,
-)
+from autosbp.capturing.graph import OpGraph
+from autosbp.errors import MicroBatchError, NoFitError, PlanError
+from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
+from autosbp.planner.costs import BoxingPricer, NodeStrategies, Prices
+from autosbp.planner.ilp import SolverTimeoutError
 from autosbp.planner.ilp_problem import Solution
-from autosbp.planner.pipeline import StageSplit, recomputed, split_stages
+from autosbp.planner.nofit import Refusals
+from autosbp.planner.pipeline import StageSplit, split_stages
 from autosbp.planner.problem import (
+    MIP_GAP,
     MeshProblem,
     Prediction,
     Priced,
+    bound_mesh,
     build_problem,
-    lower_bound_of,
     predict,
     price_graph,
     solve_mesh,
@@ -48,6 +79,7 @@ from autosbp.planner.strategies import Space
 from autosbp.sbp import Mesh
 
 LinkOf = Callable[[tuple[int, ...], int], str]  # (mesh shape, mesh dim) -> link class name
+GraphFor = Callable[[int], OpGraph]  # micro-batch count -> the graph of one micro-batch
 
 
 def mesh_shapes(devices: int, link_of: LinkOf, devices_per_node: int | None = None) -> list[Mesh]:
@@ -72,6 +104,35 @@ def mesh_shapes(devices: int, link_of: LinkOf, devices_per_node: int | None = No
     ]
 
 
+def divisors(n: int) -> tuple[int, ...]:
+    """Every count that divides `n`, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(sorted({*small, *(n // d for d in small)}))
+
+
+def powers_of_two_dividing(batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... while they divide `batch`."""
+    counts, count = [], 1
+    while count <= batch and batch % count == 0:
+        counts.append(count)
+        count *= 2
+    return tuple(counts)
+
+
+@dataclass(frozen=True)
+class SearchEffort:
+    """What a search did and proved: its wall time, the configurations of its space, how many an
+    LP bounded and how many it solved (an integral LP, or its MIP); the status and gap proven
+    over the whole space."""
+
+    seconds: float
+    configurations: int
+    bounded: int
+    solved: int
+    status: str = "optimal"
+    gap: float = 0.0
+
+
 @dataclass(frozen=True)
 class Found:
     problem: MeshProblem
@@ -82,21 +143,19 @@ class Found:
 
 
 @dataclass(frozen=True)
-class SearchEffort:
-    """What a search did: its wall time, the configurations it reached (stage count, stage
-    mesh, micro-batch count, recomputation), how many of them an LP bounded (the rest were cut
-    by the cheaper bounds or overflowed memory) and how many it solved."""
+class Config:
+    """One configuration of the space."""
 
-    seconds: float
-    configurations: int
-    bounded: int
-    solved: int
+    num_stages: int
+    mesh: Mesh
+    count: int  # micro-batches
+    recompute: str
 
-
-IDLE_STAGE_COUNTS = 2  # see `search` (measured on GPT-3: the best stage count is the first)
-
-
-GraphFor = Callable[[int], OpGraph]  # micro-batch count -> the graph of one micro-batch
+    def describe(self) -> str:
+        return (
+            f"stages {self.num_stages}, mesh {'x'.join(map(str, self.mesh.shape))}, "
+            f"{self.count} micro-batches, recompute {self.recompute}"
+        )
 
 
 def search(
@@ -113,29 +172,21 @@ def search(
     devices_per_node: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Found:
-    """The fastest plan (by `predict`) over stage counts x stage meshes x micro-batch counts x
-    recomputation modes, each signature choice from the ILP.
-
-    Stage counts are tried in increasing order, and the search ends after IDLE_STAGE_COUNTS
-    of them in a row found nothing faster (the step time is taken to be unimodal in the stage
-    count). Micro-batch counts are tried in increasing order. With one stage, more micro-batches only
-    save memory, so the search stops at the first count where a plan fits without
-    recomputation. With stages, more micro-batches shrink the bubble but add per-micro-batch
-    overheads: the search stops once a count is slower than the one before (the step time is
-    taken to be unimodal in the count; a heuristic, stated in the plan's breakdown).
-    """
-    return _Search(
+    """The fastest plan (by `predict`) over the configurations of `space` (the module
+    docstring), within MIP_GAP of the best of the whole space unless `time_limit_s` (the whole
+    search's) runs out first; its `effort` says which. NoFitError if no configuration has a
+    plan, PlanError if the time ran out before any plan was found."""
+    state = _Search(
         graph_for, batch, devices, prices, link_of, space, optimizer, memory_limit_bytes,
-        time_limit_s, devices_per_node, progress,
-    ).run()  # fmt: skip
+        time.perf_counter() + time_limit_s, time_limit_s, devices_per_node, progress,
+    )  # fmt: skip
+    return state.run()
 
 
 @dataclass(frozen=True)
-class _AtCount:
-    """One micro-batch count of one stage count: its graph, stages, ties and compute floors."""
+class _Stages:
+    """One micro-batch count cut into one stage count: its graph, stages, ties, floors."""
 
-    count: int
-    num_stages: int
     graph: OpGraph
     split: StageSplit
     tied: TiedStages
@@ -143,21 +194,13 @@ class _AtCount:
     floors: dict[str, np.ndarray]
 
 
-@dataclass
-class _Outcome:
-    """What one micro-batch count gave: its fastest plan, whether a plan fit without
-    recomputation, whether a bound cut a configuration (the loops' stop rules read these)."""
-
-    best_here: Found | None = None
-    fits_plainly: bool = False
-    cut: bool = False
+FLOOR, NODES, LP = 0, 1, 2  # the bound a configuration in the heap holds (the module docstring)
 
 
 @dataclass
 class _Search:
-    """One `search`: its request, then its state: the best plan so far, what was tried and
-    refused, the boxing pricers (one per stage mesh) and ties (one per micro-batch count) it
-    reuses, and its effort."""
+    """One `search`: its request, then its state: the heap of configurations by bound, the
+    best plan so far, the least bound of retired configurations, caches, and what it refused."""
 
     graph_for: GraphFor
     batch: int
@@ -167,280 +210,254 @@ class _Search:
     space: Space
     optimizer: str
     memory_limit_bytes: float | None
+    deadline: float
     time_limit_s: float
     devices_per_node: int | None
     progress: Callable[[str], None] | None
+    heap: list[tuple[float, int, int, Config, MeshProblem | None]] = field(default_factory=list)
     best: Found | None = None
-    tried: list[MeshProblem] = field(default_factory=list)
-    refused: list[str] = field(default_factory=list)
+    retired_bound: float = math.inf
+    refusals: Refusals = field(default_factory=Refusals)
+    graphs: dict[int, OpGraph | None] = field(default_factory=dict)  # None: refused
+    ties: dict[int, TiedGraph] = field(default_factory=dict)
+    stages: dict[tuple[int, int], _Stages] = field(default_factory=dict)
+    structures: dict[int, Hashable] = field(default_factory=dict)  # per count (`_structure`)
+    cuts: dict[tuple[Hashable, int], tuple[StageSplit, TiedStages]] = field(default_factory=dict)
+    priced: dict[tuple[int, Mesh], Priced] = field(default_factory=dict)
     pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
-    graphs_tied: dict[int, TiedGraph] = field(default_factory=dict)
-    reached: int = 0
+    parameters: dict[Hashable, NodeStrategies] = field(default_factory=dict)  # `price_graph`
+    configurations: int = 0
     bounded: int = 0
     solved: int = 0
+    timed_out: bool = False
+    order: itertools.count = field(default_factory=itertools.count)  # ties: the space's order
 
     def run(self) -> Found:
         start = time.perf_counter()
-        idle = 0  # stage counts in a row that found nothing faster
-        for num_stages in self.space.stage_counts:
-            if self.devices % num_stages:
-                self.refused.append(f"{num_stages} stages do not divide {self.devices} devices")
-                continue
-            if idle >= IDLE_STAGE_COUNTS:
+        self.enter_space()
+        while self.heap and self.heap[0][0] < self.cutoff():
+            if time.perf_counter() >= self.deadline:
+                self.timed_out = True
                 break
-            best_before = self.best
-            self.stage_count(num_stages)
-            idle = idle + 1 if self.best is not None and self.best is best_before else 0
-        if self.best is None and not self.tried and not self.refused:
+            bound, negative_level, _, config, problem = heapq.heappop(self.heap)
+            self.advance(config, -negative_level, bound, problem)
+        if self.best is None:
+            if self.timed_out:
+                raise PlanError(
+                    f"the search found no plan within {self.time_limit_s:g} s; raise the time "
+                    "limit (--time-limit-s)."
+                )
+            raise NoFitError(self.refusals.message(self.memory_limit_bytes))
+        least = min(self.retired_bound, self.heap[0][0] if self.heap else math.inf)
+        best_s = self.best.prediction.step_time_s
+        gap = max(0.0, (best_s - least) / best_s)
+        status = "optimal" if gap <= MIP_GAP * (1 + 1e-9) else "feasible"
+        effort = SearchEffort(
+            time.perf_counter() - start, self.configurations, self.bounded, self.solved,
+            status, gap,
+        )  # fmt: skip
+        return replace(self.best, effort=effort)
+
+    def cutoff(self) -> float:
+        """No configuration bounded at or above this can improve the best plan by MIP_GAP."""
+        return self.best.prediction.step_time_s * (1 - MIP_GAP) if self.best else math.inf
+
+    def push(self, bound: float, level: int, config: Config, mp: MeshProblem | None) -> None:
+        if bound >= self.cutoff():
+            self.retired_bound = min(self.retired_bound, bound)
+        else:  # deeper levels first on equal bounds, then the order of the space
+            heapq.heappush(self.heap, (bound, -level, next(self.order), config, mp))
+
+    def enter_space(self) -> None:
+        """Every configuration of the space, at its floor bound."""
+        counts = [c for c in self.space.micro_batches or divisors(self.batch) if self.splits(c)]
+        if not counts:
+            self.refusals.refuse(
+                f"no micro-batch count cuts the batch of {self.batch} into micro-batches that "
+                f"{self.space.data_parallel} data-parallel replicas divide; use a batch they divide"
+            )
+        for num_stages in self.space.stage_counts:
+            meshes = self.meshes(num_stages)
+            for count in counts:
+                if num_stages > 1 and count < num_stages:
+                    continue
+                stages = self.stages_of(count, num_stages) if meshes else None
+                if stages is None:
+                    continue
+                for mode in self.space.recompute:
+                    floor = step_bound(
+                        stages.graph, stages.copies, num_stages, stages.floors, count, mode
+                    )
+                    for mesh in meshes:
+                        self.configurations += 1
+                        config = Config(num_stages, mesh, count, mode)
+                        self.heap.append((floor, -FLOOR, next(self.order), config, None))
+        heapq.heapify(self.heap)
+        if not self.configurations and not self.refusals.refused:
             raise PlanError(
                 f"the strategy needs a mesh that {self.devices} devices cannot form; check that "
                 f"its degrees multiply to {self.devices}."
             )
-        if self.best is None:
-            raise NoFitError(_no_fit_message(self.tried, self.memory_limit_bytes, self.refused))
-        effort = SearchEffort(time.perf_counter() - start, self.reached, self.bounded, self.solved)
-        return replace(self.best, effort=effort)
 
-    def stage_count(self, num_stages: int) -> None:
-        """Every micro-batch count worth trying with `num_stages` stages (`search`'s rules)."""
+    def splits(self, count: int) -> bool:
+        """Does `count` cut the batch into micro-batches the data-parallel degree divides?"""
+        size, rest = divmod(self.batch, count)
+        return not rest and size % self.space.data_parallel == 0
+
+    def meshes(self, num_stages: int) -> list[Mesh]:
+        if self.devices % num_stages:
+            self.refusals.refuse(f"{num_stages} stages do not divide {self.devices} devices")
+            return []
         stage_devices = self.devices // num_stages
 
         def stage_link(shape: tuple[int, ...], dim: int) -> str:
             return self.link_of((num_stages, *shape), dim + 1)
 
-        meshes = [
+        return [
             m
             for m in mesh_shapes(stage_devices, stage_link, self.devices_per_node)
             if self.space.mesh_ok(m)
         ]
-        across = self.link_of((num_stages, stage_devices), 0)
-        previous: float | None = None
-        for count in self.space.micro_batches or powers_of_two_dividing(self.batch):
-            if num_stages > 1 and count < num_stages:
-                continue
-            here = self.at_count(count, num_stages, stage_devices)
-            if here is None:
-                break  # the graph cannot be cut into these stages (refused)
-            outcome = _Outcome()
-            candidates = [c for mesh in meshes for c in self.bound(here, mesh, across, outcome)]
-            self.solve(here, candidates, outcome)
-            best_here, cut = outcome.best_here, outcome.cut
-            if num_stages == 1 and (outcome.fits_plainly or (cut and best_here is None)):
-                break  # more micro-batches only add per-micro-batch overheads
-            if best_here is None and not cut:
-                continue  # nothing fits yet: more micro-batches keep less in flight
-            time_here = best_here.prediction.step_time_s if best_here else math.inf
-            if num_stages > 1 and previous is not None and time_here >= previous:
-                break  # not faster than with fewer micro-batches (or, twice, all cut off)
-            previous = time_here if previous is None else min(previous, time_here)
 
-    def at_count(self, count: int, num_stages: int, stage_devices: int) -> _AtCount | None:
-        graph = self.graph_for(count)
-        try:
-            split = split_stages(graph, num_stages)
-        except PlanError as exc:
-            self.refused.append(str(exc))
+    def stages_of(self, count: int, num_stages: int) -> _Stages | None:
+        """The graph of `count` cut into `num_stages` stages (cached), or None if refused.
+        Counts whose graphs have one structure and the same ties (rebatched graphs) share
+        the cut and its counts; the floors are each count's own."""
+        key = (count, num_stages)
+        if key not in self.stages:
+            graph = self.graph_of(count)
+            if graph is None:
+                return None
+            shape = (self.structures[count], num_stages)
+            if shape not in self.cuts:
+                try:
+                    split = split_stages(graph, num_stages)
+                except PlanError as exc:
+                    self.refusals.refuse(str(exc))
+                    return None
+                self.cuts[shape] = (split, tie_stages(self.ties[count], split))
+            split, tied = self.cuts[shape]
+            copies = tied.copies()
+            representatives: Collection[str] = {r for _, r in copies}
+            floors = compute_floors(graph, self.prices, self.devices // num_stages, representatives)
+            self.stages[key] = _Stages(graph, split, tied, copies, floors)
+        return self.stages[key]
+
+    def graph_of(self, count: int) -> OpGraph | None:
+        if count not in self.graphs:
+            try:
+                graph: OpGraph | None = self.graph_for(count)
+            except MicroBatchError as exc:
+                self.refusals.refuse(f"{count} micro-batches: {exc}")
+                graph = None
+            self.graphs[count] = graph
+            if graph is not None:
+                tied = self.ties[count] = tie_graph(graph)
+                self.structures[count] = _structure(tied)
+        return self.graphs[count]
+
+    def advance(self, config: Config, level: int, bound: float, mp: MeshProblem | None) -> None:
+        """The next bound of `config` (back into the heap), or its solve at level LP."""
+        if level == FLOOR:
+            found = self.node_bound(config)
+            if found is not None:  # None: the configuration has no plan
+                self.push(max(bound, found), NODES, config, None)
+        elif level == NODES:
+            self.bound_by_lp(config, bound)
+        else:
+            assert mp is not None
+            self.solve(config, bound, mp)
+
+    def priced_of(self, config: Config) -> Priced:
+        key = (config.count, config.mesh)
+        if key not in self.priced:
+            stages = self.stages[(config.count, config.num_stages)]
+            pricer = self.pricers.setdefault(config.mesh, BoxingPricer(self.prices, config.mesh))
+            self.priced[key] = price_graph(
+                stages.graph, config.mesh, self.prices, self.space.allow, pricer,
+                stages.tied.representative, self.parameters,
+            )  # fmt: skip
+        return self.priced[key]
+
+    def node_bound(self, config: Config) -> float | None:
+        """Bound (1), or None if a node can take no signature on this mesh."""
+        stages, priced = self.stages[(config.count, config.num_stages)], self.priced_of(config)
+        stuck = [r for _, r in stages.copies if not len(priced.strategies[r].candidates)]
+        if stuck:
+            self.refusals.no_candidates(stages.graph, stuck)
             return None
-        if count not in self.graphs_tied:
-            self.graphs_tied[count] = tie_graph(graph)
-        tied = tie_stages(self.graphs_tied[count], split)
-        copies = tied.copies()
-        floors = compute_floors(graph, self.prices, stage_devices, {r for _, r in copies})
-        return _AtCount(count, num_stages, graph, split, tied, copies, floors)
+        times = {r: unhidden_s(priced.strategies[r]) for _, r in stages.copies}
+        return step_bound(
+            stages.graph, stages.copies, config.num_stages, times, config.count, config.recompute
+        )
 
-    def cutoff(self) -> float:
-        return self.best.prediction.step_time_s if self.best is not None else math.inf
+    def bound_by_lp(self, config: Config, bound: float) -> None:
+        """Bound (2): back into the heap with the problem behind it; kept as solved when the
+        LP relaxation is integral (its optimum); dropped if nothing fits."""
+        stages = self.stages[(config.count, config.num_stages)]
+        if self.progress:
+            self.progress(f"bounding {config.describe()}")
+        mp = build_problem(
+            stages.graph, config.mesh, self.prices, optimizer=self.optimizer,
+            memory_limit_bytes=self.memory_limit_bytes, allow=self.space.allow,
+            micro_batches=config.count, split=stages.split, recompute=config.recompute,
+            stage_link=self.link_of((config.num_stages, config.mesh.size), 0),
+            priced=self.priced_of(config), tied=stages.tied,
+        )  # fmt: skip
+        if self.memory_limit_bytes is not None and self.refusals.overflows(mp):
+            return
+        self.bounded += 1
+        found = bound_mesh(mp, self.time_left(), self.cutoff())
+        if found is None:
+            return
+        lp, solution = found
+        if solution is None:
+            self.push(max(bound, lp), LP, config, mp)
+        else:  # solved by its LP
+            self.solved += 1
+            self.keep(mp, solution, max(bound, min(lp, solution.objective)))
 
-    def bound(
-        self, here: _AtCount, mesh: Mesh, across: str, outcome: _Outcome
-    ) -> list[tuple[float, MeshProblem]]:
-        """The configurations of `mesh` at this count (one per recomputation mode) that no
-        cheaper bound cuts, each with its LP bound."""
-        graph, count, num_stages = here.graph, here.count, here.num_stages
-        priced: Priced | None = None
-        bounded: list[tuple[float, MeshProblem]] = []
-        for mode in self.space.recompute:
-            self.reached += 1
-            cutoff = self.cutoff()
-            if step_bound(graph, here.copies, num_stages, here.floors, count, mode) >= cutoff:
-                outcome.cut = True
-                continue  # even perfectly sharded compute alone is too slow
-            if self.progress:
-                self.progress(
-                    f"stages {num_stages}, mesh {'x'.join(map(str, mesh.shape))}, "
-                    f"{count} micro-batches, recompute {mode}"
-                )
-            if mesh not in self.pricers:
-                self.pricers[mesh] = BoxingPricer(self.prices, mesh)
-            priced = priced or price_graph(
-                graph, mesh, self.prices, self.space.allow, self.pricers[mesh],
-                here.tied.representative,
-            )  # fmt: skip
-            node_times = {r: _unhidden_s(priced.strategies[r]) for _, r in here.copies}
-            if step_bound(graph, here.copies, num_stages, node_times, count, mode) >= cutoff:
-                outcome.cut = True
-                continue  # its cheapest signatures, without boxing, are too slow
-            mp = build_problem(
-                graph, mesh, self.prices, optimizer=self.optimizer,
-                memory_limit_bytes=self.memory_limit_bytes, allow=self.space.allow,
-                micro_batches=count, split=here.split, recompute=mode, stage_link=across,
-                priced=priced, tied=here.tied,
-            )  # fmt: skip
-            self.tried.append(mp)
-            bound = lower_bound_of(mp, self.time_limit_s, cutoff)
-            if bound is not None:
-                self.bounded += 1
-                bounded.append((bound, mp))
-        return bounded
+    def solve(self, config: Config, bound: float, mp: MeshProblem) -> None:
+        if self.progress:
+            self.progress(f"solving {config.describe()}")
+        cutoff = self.cutoff()
+        self.solved += 1
+        try:
+            solution = solve_mesh(mp, self.time_left(), cutoff)
+        except SolverTimeoutError:
+            self.push(bound, LP, config, mp)  # still open: the search is out of time
+            self.deadline = time.perf_counter()
+            return
+        if solution is None:
+            self.push(max(bound, cutoff), LP, config, mp)  # nothing below the cutoff
+        else:
+            self.keep(mp, solution, max(bound, solution.objective * (1 - solution.gap)))
 
-    def solve(
-        self, here: _AtCount, candidates: list[tuple[float, MeshProblem]], outcome: _Outcome
-    ) -> None:
-        """Most promising first (least LP bound): its plan then cuts the others unsolved."""
-        for bound, mp in sorted(candidates, key=lambda c: c[0]):  # stable: ties keep order
-            cutoff = self.cutoff()
-            solution = solve_mesh(mp, self.time_limit_s, cutoff) if bound < cutoff else None
-            self.solved += bound < cutoff
-            if solution is None:
-                outcome.cut = outcome.cut or math.isfinite(cutoff)
-                continue
-            outcome.fits_plainly |= mp.recompute == "none"
-            found = Found(mp, solution, predict(mp, solution), here.graph)
-            if outcome.best_here is None or _faster(found, outcome.best_here):
-                outcome.best_here = found
-            if self.best is None or _faster(found, self.best):
-                self.best = found
+    def keep(self, mp: MeshProblem, solution: Solution, proven: float) -> None:
+        """A solved configuration: its plan becomes the best if faster; it retires with the
+        bound its solve proved."""
+        assert mp.graph is not None, "the search builds its problems with their graph"
+        found = Found(mp, solution, predict(mp, solution), mp.graph)
+        if self.best is None or _faster(found, self.best):
+            self.best = found
+        self.retired_bound = min(self.retired_bound, proven)
+
+    def time_left(self) -> float:
+        return max(self.deadline - time.perf_counter(), 1e-3)
 
 
-def compute_floors(
-    graph: OpGraph, prices: Prices, devices: int, only: Collection[str] | None = None
-) -> dict[str, np.ndarray]:
-    """Per compute node (of `only`, where given), the least forward + backward time any
-    signature on `devices` devices can take (one value: its flops and bytes spread evenly; a
-    signature's local share is never smaller, and the roofline only grows with flops and
-    bytes)."""
-    floors: dict[str, np.ndarray] = {}
-    for name, attrs in graph.nodes(Role.COMPUTE):
-        if (attrs["flops"] or attrs["bytes"]) and (only is None or name in only):
-            dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
-            moved = 0.0 if returns_view(attrs["target"]) else attrs["bytes"] / devices
-            special = attrs["transcendentals"] / devices
-            forward = prices.op_time_s(attrs["flops"] / devices, moved, dtype, special)
-            floors[name] = np.array([forward * (1.0 + BACKWARD_FACTOR)])
-    return floors
-
-
-def step_bound(
-    graph: OpGraph,
-    copies: Counter[tuple[int, str]],
-    num_stages: int,
-    times: Mapping[str, np.ndarray],
-    micro_batches: int,
-    recompute: str,
-) -> float:
-    """A step time no plan with these stages, micro-batch count and recomputation can beat,
-    from per-node times alone (`times` per representative node: per candidate, or one floor;
-    compute nodes per micro-batch, parameters per step), each node at its cheapest, no boxing
-    and no transfers. Stage s works its micro-batches after every earlier stage's first
-    forward and before every earlier stage's last backward, and updates after its last
-    backward (parameters' `times` may leave out the sync, which backward may hide)."""
-    busy = [0.0] * num_stages
-    first = [0.0] * num_stages  # forward of one micro-batch
-    update = [0.0] * num_stages
-    for (s, name), n in copies.items():
-        values = times.get(name)
-        if values is None or not len(values):
-            continue
-        attrs, least = graph.graph.nodes[name], n * float(np.min(values))
-        if attrs["role"] is Role.PARAMETER:
-            update[s] += least
-        elif attrs["role"] is Role.COMPUTE:
-            forward = least / (1.0 + BACKWARD_FACTOR)
-            busy[s] += least + (forward if recomputed(attrs, recompute) else 0.0)
-            first[s] += forward
-    return max(
-        micro_batches * busy[s] + max(sum(busy[:s]), sum(first[:s]) + update[s])
-        for s in range(num_stages)
+def _structure(tied: TiedGraph) -> Hashable:
+    """What cutting a graph into stages and counting its ties reads: node order, roles and
+    blocks, edges, and the ties (equal for graphs that cut and tie alike)."""
+    nodes = tied.graph.graph.nodes
+    return (
+        tuple((n, nodes[n]["role"], nodes[n].get("block")) for n in tied.graph.order),
+        tuple(tied.graph.graph.edges(data="uses")),
+        tuple(tied.member.items()),
+        tuple(tied.representative.items()),
+        tuple(tied.read_outside.items()),
     )
-
-
-def _unhidden_s(found: NodeStrategies) -> np.ndarray:
-    """A node's time no overlap hides: a parameter's optimizer update (its sync may hide behind
-    backward), a compute node's forward and backward."""
-    return found.compute_s - found.sync_s if found.sync_s is not None else found.compute_s
 
 
 def _faster(a: Found, b: Found) -> bool:
     return a.prediction.step_time_s < b.prediction.step_time_s * (1 - 1e-12)
-
-
-def powers_of_two_dividing(batch: int) -> tuple[int, ...]:
-    """1, 2, 4, ... while they divide `batch`."""
-    counts, count = [], 1
-    while count <= batch and batch % count == 0:
-        counts.append(count)
-        count *= 2
-    return tuple(counts)
-
-
-def _no_fit_message(
-    tried: Sequence[MeshProblem], limit: float | None, refused: Sequence[str]
-) -> str:
-    """Why nothing fits: the least memory any plan could need, and what takes it."""
-    floors = []
-    for mp in tried:
-        for mem in mp.problem.memory:
-            per_node = {v: float(np.min(b)) for v, b in mem.bytes_per_candidate.items() if len(b)}
-            floors.append((sum(per_node.values()), mp, per_node, mem.name))
-    if not tried and refused:
-        return "; ".join(refused)
-    stuck = _without_candidates(tried)
-    if limit is None or not floors or (stuck and min(f[0] for f in floors) <= limit):
-        return (
-            "no plan exists for this model on these devices: "
-            + (f"{stuck} can take no signature on the meshes tried" if stuck else "no signature")
-            + " (a batch, or another dim, that the devices do not divide evenly?). Use a batch "
-            "the data-parallel degree divides, other degrees, or another device count."
-        )
-    # Per problem its tightest stage; over problems the least of those.
-    tightest: dict[int, tuple] = {}
-    for floor in floors:
-        key = id(floor[1])
-        if key not in tightest or floor[0] > tightest[key][0]:
-            tightest[key] = floor
-    need, mesh_problem, per_node, stage = min(tightest.values(), key=lambda f: f[0])
-    graph_nodes = mesh_problem.representative
-    top = sorted(per_node.items(), key=lambda kv: -kv[1])[:5]
-    tied = Counter(graph_nodes.values())
-    consumers = ", ".join(
-        f"{_label(mesh_problem.graph, v)}"
-        f"{f' (and {tied[v] - 1} tied copies)' if tied[v] > 1 else ''} {format_bytes(b)}"
-        for v, b in top
-        if b > 0
-    )
-    return (
-        f"no plan fits in {format_bytes(limit)} per device: even the most sharded plan (mesh "
-        f"{'x'.join(map(str, mesh_problem.mesh.shape))}, {mesh_problem.split.num_stages} "
-        f"stage(s), {mesh_problem.micro_batches} micro-batch(es), recompute "
-        f"{mesh_problem.recompute}) needs at least {format_bytes(need)} per device ({stage}). The "
-        f"biggest consumers there: {consumers}. Raise --memory-gib, use more devices, a smaller "
-        "batch, or an optimizer with fewer states (sgd)."
-    )
-
-
-def _without_candidates(tried: Sequence[MeshProblem]) -> str:
-    """The nodes (with their shapes) that had no candidate in some tried problem."""
-    named: dict[str, str] = {}
-    for mp in tried:
-        for name, found in mp.strategies.items():
-            if not found.candidates and mp.graph is not None and len(named) < 3:
-                shape = mp.graph.graph.nodes[name]["outputs"][0].shape
-                named[_label(mp.graph, name)] = "x".join(map(str, shape))
-    return ", ".join(f"{label} (shape {shape})" for label, shape in named.items())
-
-
-def _label(graph: OpGraph | None, node: str) -> str:
-    if graph is None:
-        return node
-    attrs = graph.graph.nodes[node]
-    return attrs.get("name") or attrs.get("module_path") or node

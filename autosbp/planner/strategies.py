@@ -22,14 +22,17 @@ from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
 
 @dataclass(frozen=True)
 class Space:
-    """What the search may choose: stage counts, micro-batch counts (None: powers of two that
-    divide the batch), recomputation modes, and the hand-plan restrictions."""
+    """What the search may choose: stage counts, micro-batch counts (None: every count that
+    divides the batch), recomputation modes, and the hand-plan restrictions: candidates, meshes,
+    and a data-parallel degree that must divide every micro-batch (counts whose micro-batch it
+    does not divide are not in the space: their data could not be split)."""
 
     stage_counts: tuple[int, ...]
     recompute: tuple[str, ...]
     micro_batches: tuple[int, ...] | None = None
     allow: Allow | None = None
     mesh_ok: Callable[[Mesh], bool] = lambda mesh: True
+    data_parallel: int = 1
 
 
 def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | None = None) -> Space:
@@ -57,11 +60,13 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             mesh_ok=lambda m: m.ndim == 1,
         )  # fmt: skip
     if strategy.startswith("megatron:"):
-        tp, pp, dp, mb = _megatron_degrees(strategy)
+        tp, pp, dp, mb, ep = _megatron_degrees(strategy)
         counts = (mb,) if mb is not None else None
+        if ep > 1:
+            return _expert_parallel_space(tp, pp, dp, ep, modes, counts)
         if tp == 1:  # no tensor parallelism: plain data parallelism in each stage
             allow = _allow(param=lambda nd, shape: all(isinstance(s, Broadcast) for s in nd))
-            return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp,))
+            return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp,), dp)
         # Megatron: every weight matrix (and embedding table) split on the tp mesh dim, the ILP
         # picking which dim (column or row parallel); vectors (biases, norms) free; data split
         # on the dp mesh dim, where weights are replicated.
@@ -72,9 +77,10 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             param=lambda nd, shape: isinstance(nd[0], Broadcast) and _tensor_parallel(1)(nd, shape),
             data=lambda nd: nd == (Split(0), Broadcast()),
         )
-        return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp, tp))
+        return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp, tp), dp)
     raise PlanError(
-        f"unknown strategy {strategy!r}; use auto, dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M]."
+        f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
+        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E]."
     )
 
 
@@ -93,9 +99,10 @@ def hand_strategies(devices: int, devices_per_node: int, blocks: int) -> list[st
     return ["dp", "fsdp", *megatron]
 
 
-def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None]:
-    """(tp, pp, dp, mb) of `megatron:tp=T,pp=P,dp=D,mb=M` (each optional: 1, mb searched)."""
-    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4 optional)"
+def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int]:
+    """(tp, pp, dp, mb, ep) of `megatron:tp=T,pp=P,dp=D,mb=M,ep=E` (each optional: 1, mb
+    searched)."""
+    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4 and ep=E optional)"
     try:
         fields = {
             k: int(v)
@@ -103,12 +110,54 @@ def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None]:
         }
     except ValueError:
         raise PlanError(f"cannot read {strategy!r}; {example}.") from None
-    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb"})
+    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb", "ep"})
     if unknown:
         raise PlanError(f"{strategy!r} has unknown degree(s) {unknown}; {example}.")
     if any(v < 1 for v in fields.values()):
         raise PlanError(f"{strategy!r}: degrees must be positive; {example}.")
-    return fields.get("tp", 1), fields.get("pp", 1), fields.get("dp", 1), fields.get("mb")
+    degrees = fields.get("tp", 1), fields.get("pp", 1), fields.get("dp", 1)
+    return *degrees, fields.get("mb"), fields.get("ep", 1)
+
+
+def _expert_parallel_space(
+    tp: int, pp: int, dp: int, ep: int, modes: tuple[str, ...], counts: tuple[int, ...] | None
+) -> Space:
+    """`megatron:...,ep=E`: expert parallelism carved out of data parallelism, as Megatron-Core
+    and DeepSpeed-MoE do: the expert weights (parameters of 3 dims or more: a stack of
+    per-expert matrices, the expert on dim 0) split on their expert dim over E of the D
+    data-parallel devices and replicated over the other D / E (a D/E x E mesh when E < D), the
+    rest as without ep; the ILP decides where tokens cross between splits (all-to-all). With
+    tensor parallelism, E = D: experts split on the dp mesh dim and, like every matrix, on the
+    tp mesh dim (E < D would need a third mesh dim, which the search does not form)."""
+    if dp % ep:
+        raise PlanError(
+            f"ep={ep} must divide dp={dp}: experts are split among the data-parallel devices; "
+            "choose ep among the divisors of dp."
+        )
+    if tp > 1 and ep != dp:
+        raise PlanError(
+            f"with tp={tp}, ep must equal dp={dp} (not {ep}): experts split on the dp mesh dim of "
+            f"a dp x tp mesh; ep < dp would need a third mesh dim. Use ep={dp} or tp=1."
+        )
+
+    def is_expert(shape: tuple[int, ...]) -> bool:
+        return len(shape) >= 3
+
+    if tp == 1:
+        mesh = (dp,) if ep == dp else (dp // ep, ep)
+
+        def param(nd: NdSbp, shape: tuple[int, ...]) -> bool:
+            split = nd[-1] == Split(0) if is_expert(shape) else isinstance(nd[-1], Broadcast)
+            return split and all(isinstance(s, Broadcast) for s in nd[:-1])
+
+        return Space((pp,), modes, counts, _allow(param=param), lambda m: m.shape == mesh, dp)
+
+    def param_tp(nd: NdSbp, shape: tuple[int, ...]) -> bool:
+        first = nd[0] == Split(0) if is_expert(shape) else isinstance(nd[0], Broadcast)
+        return first and _tensor_parallel(1)(nd, shape)
+
+    allow = _allow(param=param_tp, data=lambda nd: nd == (Split(0), Broadcast()))
+    return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp, tp), dp)
 
 
 def _tensor_parallel(mesh_dim: int) -> Callable[[NdSbp, tuple[int, ...]], bool]:

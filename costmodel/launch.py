@@ -107,19 +107,19 @@ def run_workers(
     collective_s = timeout_s + COLLECTIVE_MARGIN_S
     store, port = _loopback_store(nproc, collective_s)
     worker_env = {**_loopback_gloo_env(backend), **(env or {})}
-    payload = (fn, nproc, port, backend, collective_s, tuple(args), worker_env)
-    pickled = bytes(ForkingPickler.dumps(payload))  # unpickled in the rank, after its prctl
-    procs = [
-        ctx.Process(
-            target=rank_side.worker,
-            args=(rank, logs[rank], os.getpid(), pickled, results, progress),
-            daemon=True,
-        )
-        for rank in range(nproc)
-    ]
+    procs: list[Any] = []
     try:
-        for proc in procs:
-            proc.start()
+        payload = (fn, nproc, port, backend, collective_s, tuple(args), worker_env)
+        pickled = bytes(ForkingPickler.dumps(payload))  # unpickled in the rank, after its prctl
+        for rank in range(nproc):
+            procs.append(
+                ctx.Process(
+                    target=rank_side.worker,
+                    args=(rank, logs[rank], os.getpid(), pickled, results, progress),
+                    daemon=True,
+                )
+            )
+            procs[-1].start()
         return _Watch(procs, results, progress, logs, timeout_s, job).collect()
     finally:
         _stop(procs)

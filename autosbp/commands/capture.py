@@ -1,7 +1,9 @@
 """`autosbp capture MODEL`: capture a model and print a summary of its operator graph.
 
 Lives here: the command's arguments and the summary (nodes, parameters, flops, op families,
-repeated blocks, ops without an SBP rule). Lives elsewhere: loading models (`zoo`), capture
+repeated blocks, ops without an SBP rule), and how every command names a model
+(`add_model_arguments`, `load_from_args`: capture and plan build it on the meta device, since
+they read shapes only). Lives elsewhere: loading models (`zoo`), capture
 (`capture`), op families (`flops`). Those import torch, so they load in `run`, not at import:
 `autosbp --help` configures every command.
 """
@@ -20,11 +22,13 @@ if TYPE_CHECKING:
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
-    add_model_arguments(parser)
+    add_model_arguments(parser, meta_by_default=True)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """MODEL, --model-args and --meta: how every command that takes a model names it."""
+def add_model_arguments(parser: argparse.ArgumentParser, *, meta_by_default: bool = False) -> None:
+    """MODEL, --model-args and --meta: how every command that takes a model names it. With
+    `meta_by_default` (commands that only read shapes: capture, plan) the model is built on the
+    meta device unless --materialize asks for real weights."""
     parser.add_argument(
         "model",
         metavar="MODEL",
@@ -37,19 +41,31 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K=V,...",
         help="model arguments, e.g. layers=4,hidden=256 (values parsed as int/float/bool/str)",
     )
-    parser.add_argument(
+    device = parser.add_mutually_exclusive_group()
+    device.add_argument(
         "--meta",
         action="store_true",
-        help="build the model on the meta device (no parameter memory; for large models)",
+        help="build the model on the meta device (no parameter memory; for large models)"
+        + (" (the default here)" if meta_by_default else ""),
     )
+    if meta_by_default:
+        device.add_argument(
+            "--materialize",
+            action="store_true",
+            help="build the model with real weights and inputs on the CPU (default: on the meta "
+            "device, no memory), for a model whose forward reads tensor values",
+        )
+    parser.set_defaults(meta_by_default=meta_by_default, materialize=False)
 
 
 def load_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(model, example_inputs) named by the arguments of `add_model_arguments`."""
+    """(model, example_inputs) named by the arguments of `add_model_arguments`: on the meta
+    device with --meta, or by default for commands that only read shapes (no --materialize)."""
     from autosbp.zoo import load_model, parse_model_args
 
+    meta = args.meta or (args.meta_by_default and not args.materialize)
     return load_model(
-        args.model, parse_model_args(args.model_args), device="meta" if args.meta else None
+        args.model, parse_model_args(args.model_args), device="meta" if meta else None
     )
 
 

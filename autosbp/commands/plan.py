@@ -1,7 +1,8 @@
 """`autosbp plan MODEL ...`: find a plan and write it as JSON; `autosbp explain plan.json`.
 
 Lives here: the two commands' arguments and output. Lives elsewhere: the search (`planner`),
-the plan format (`plan`), model loading (`zoo`), the model arguments (`commands.capture`).
+the plan format (`plan`), model loading (`zoo`), the model arguments (`commands.capture`: the
+model is built on the meta device unless --materialize; planning reads shapes only).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         )
         parser.add_argument("--node", help="show one node's signature (default: every parameter)")
         return
-    add_model_arguments(parser)
+    add_model_arguments(parser, meta_by_default=True)
     parser.add_argument(
         "--profile", default="cpu-gloo", help="a shipped profile name or a profile JSON path"
     )
@@ -41,7 +42,8 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--global-batch",
         type=positive_int,
-        help="samples per step (default: the example inputs' batch)",
+        help="samples per step: the example inputs are resized to it before capture (default: "
+        "their own batch)",
     )
     parser.add_argument(
         "--strategy",
@@ -57,12 +59,27 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--micro-batches",
         type=positive_int,
-        help="gradient-accumulation steps per batch (default: the fewest that fit in memory)",
+        help="micro-batches (gradient-accumulation steps) per batch (default: searched, every "
+        "count that divides the batch)",
     )
-    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
-    parser.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd_momentum"))
     parser.add_argument(
-        "--time-limit-s", type=positive_float, default=60.0, help="solver time limit per mesh shape"
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="training dtype: the model's floating parameters, buffers and inputs are cast to it "
+        "before capture, and priced in it (default: the model's own)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=("adam", "sgd", "sgd_momentum"),
+        help="its states count in memory and its update in time (default: adam)",
+    )
+    parser.add_argument(
+        "--time-limit-s",
+        type=positive_float,
+        default=60.0,
+        help="the whole search's time limit; past it the best plan so far is returned with the "
+        "gap proven so far (default: 60)",
     )
     parser.add_argument(
         "--compare",
@@ -77,9 +94,11 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "explain":
         return _explain(args, console)
-    from autosbp.planner.api import auto_parallelize
+    from autosbp.planner.api import auto_parallelize, in_dtype
 
     model, inputs = load_from_args(args)
+    if args.dtype is not None:  # the command built the model: it may cast it, real or meta
+        inputs = in_dtype(model, inputs, args.dtype, owned=True)
     with console.status(f"planning for {args.devices} devices of {args.profile}") as status:
         plan = auto_parallelize(
             model,

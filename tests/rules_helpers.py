@@ -36,7 +36,7 @@ class Case:
 
 
 def f(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, dtype=F64)
+    return torch.randn(shape, dtype=F64)
 
 
 def pos(*shape: int) -> torch.Tensor:
@@ -49,6 +49,15 @@ def ints(high: int, *shape: int) -> torch.Tensor:
 
 def mask(*shape: int) -> torch.Tensor:
     return torch.rand(*shape) > 0.5
+
+
+def ignored(target: torch.Tensor) -> torch.Tensor:
+    """`target` with its first half and every fourth entry set to -100 (torch's and HF's
+    ignore_index): on 2 devices of a batch split, device 0 holds no target that counts."""
+    out = target.clone()
+    out[: len(out) // 2] = -100
+    out.view(-1)[::4] = -100
+    return out
 
 
 def words(text: str) -> list[str]:
@@ -73,7 +82,8 @@ def bn(*tail: Any) -> tuple[Any, ...]:
 _UNARY = {
     **dict.fromkeys(words("relu relu_ gelu silu silu_ tanh sigmoid exp cos sin abs erf square "
                           "softplus leaky_relu hardtanh elu sign neg clone contiguous alias "
-                          "detach detach_ lift_fresh_copy positive isnan"), lambda: f(4, 8)),
+                          "detach detach_ lift_fresh_copy positive isnan hardswish hardswish_ "
+                          "hardsigmoid hardsigmoid_ hardtanh_"), lambda: f(4, 8)),
     **dict.fromkeys(words("log rsqrt sqrt reciprocal log1p"), lambda: pos(4, 8)),
     "logical_not": lambda: mask(4, 8),
     "bitwise_not": lambda: ints(8, 4, 8),
@@ -138,6 +148,30 @@ POINTWISE = [
     C("_to_copy", aten._to_copy.default, lambda: (f(4, 8),), {"dtype": torch.float32}),
     C("dropout-p0", aten.dropout.default, lambda: (f(4, 8), 0.0, True), expect=("(P -> P)",)),
     C("native_dropout-eval", aten.native_dropout.default, lambda: (f(4, 8), 0.5, False)),
+    C("dropout_-p0", aten.dropout_.default, lambda: (f(4, 8), 0.0, True), expect=("(P -> P)",)),
+    C("clamp_", aten.clamp_.default, lambda: (f(4, 8), -0.5, 0.5), forbid=("(P -> P)",)),
+    C("min-other", aten.min.other, lambda: (f(4, 8), f(8)), forbid=("(P, P -> P)",)),
+    C("max-other", aten.max.other, lambda: (f(4, 1), f(4, 8))),
+    C("where-scalar-other", aten.where.ScalarOther, lambda: (mask(4, 8), f(4, 8), 0.5),
+      expect=("(S(1), S(1) -> S(1))",), forbid=("(B, P -> P)",)),
+    C("where-scalar-self", aten.where.ScalarSelf, lambda: (mask(4, 8), 0.5, f(8))),
+    C("where-scalars", aten.where.Scalar, lambda: (mask(4, 8), 1.0, 0.0), expect=("(S(0) -> S(0))",)),
+    C("__and__", aten.__and__.Tensor, lambda: (mask(4, 8), mask(8)), expect=("(S(1), S(0) -> S(1))",)),
+    C("__or__", aten.__or__.Tensor, lambda: (ints(8, 4, 8), ints(8, 4, 1))),
+    C("floor_divide", aten.floor_divide.default, lambda: (ints(16, 4, 8), ints(4, 4, 8) + 1)),
+    C("remainder-scalar", aten.remainder.Scalar, lambda: (f(4, 8), 0.75)),
+    C("fill-scalar", aten.fill.Scalar, lambda: (f(4, 8), 2.0), forbid=("(P -> P)",)),
+    C("fill_-scalar", aten.fill_.Scalar, lambda: (f(4, 8), 2.0)),
+    C("fill-tensor", aten.fill.Tensor, lambda: (f(4, 8), f()), expect=("(P, P -> P)", "(S(0), B -> S(0))")),
+    C("fill_-tensor", aten.fill_.Tensor, lambda: (f(4, 8), f())),
+    C("copy", aten.copy.default, lambda: (f(4, 8), f(8)), expect=("(P, P -> P)", "(S(1), S(0) -> S(1))")),
+    C("copy_-cast", aten.copy_.default, lambda: (f(4, 8), ints(8, 4, 8)), forbid=("(P, P -> P)",)),
+    C("masked_fill_-zero", aten.masked_fill_.Scalar, lambda: (f(4, 8), mask(8), 0.0), expect=("(P, B -> P)",)),
+    C("masked_fill_-tensor", aten.masked_fill_.Tensor, lambda: (f(4, 8), mask(4, 8), f())),
+    C("to-dtype_layout", aten.to.dtype_layout, lambda: (f(4, 8),),
+      {"dtype": torch.float32, "layout": torch.strided, "device": torch.device("cpu")}, expect=("(P -> P)",)),
+    C("to-device", aten.to.device, lambda: (f(4, 8), torch.device("cpu"), torch.float32), expect=("(P -> P)",)),
+    C("to-device-int", aten.to.device, lambda: (f(4, 8), torch.device("cpu"), torch.int64), forbid=("(P -> P)",)),
     *(C(f"{cmp}-tensor", getattr(aten, cmp).Tensor, lambda: (f(4, 1), f(8))) for cmp in words("eq ne lt le gt ge")),
     *(C(f"{cmp}-scalar", getattr(aten, cmp).Scalar, lambda: (f(4, 8), 0.0)) for cmp in words("eq ne lt le gt ge")),
 ]
@@ -156,6 +190,8 @@ REDUCTION_AND_NORM = [
     C("softmax-int", aten.softmax.int, lambda: (f(4, 8, 4), 1)),
     C("_log_softmax", aten._log_softmax.default, lambda: (f(4, 8), 1, False)),
     C("log_softmax-int", aten.log_softmax.int, lambda: (f(4, 8), 0)),
+    C("cumsum", aten.cumsum.default, lambda: (f(4, 8), 1), expect=("(S(0) -> S(0))", "(P -> P)"),
+      forbid=("(S(1) -> S(1))",)),
     C("layer_norm", aten.layer_norm.default, lambda: (f(4, 4, 8), [8], f(8), f(8), 1e-5),
       expect=("(S(0), B, B -> S(0))", "(S(1), B, B -> S(1))"), forbid=("(S(2), B, B -> S(2))",)),
     C("layer_norm-2dims", aten.layer_norm.default, lambda: (f(4, 4, 8), [4, 8])),
@@ -203,6 +239,17 @@ SHAPE = [
     C("stack", aten.stack.default, lambda: ([f(4, 8), f(4, 8)], 1)),
     C("split", aten.split.Tensor, lambda: (f(4, 12), 4, 1)),
     C("split_with_sizes", aten.split_with_sizes.default, lambda: (f(8, 4), [4, 4], 0)),
+    C("chunk", aten.chunk.default, lambda: (f(4, 12), 3, 1), expect=("(S(0) -> S(0), S(0), S(0))",)),
+    C("gather", aten.gather.default, lambda: (f(4, 8), 1, ints(8, 4, 4)),
+      expect=("(S(0), S(0) -> S(0))", "(P, B -> P)"), forbid=("(S(1), S(1) -> S(1))",)),
+    C("gather-narrow-index", aten.gather.default, lambda: (f(4, 8), 1, ints(8, 2, 4)),
+      forbid=("(S(0), S(0) -> S(0))",)),
+    C("index-first", aten.index.Tensor, lambda: (f(8, 4, 4), [ints(8, 4, 2)]),
+      expect=("(S(1), B -> S(2))", "(B, S(0) -> S(0))", "(P, B -> P)")),
+    C("index-none-first", aten.index.Tensor, lambda: (f(4, 8, 4), [None, ints(8, 4)]),
+      expect=("(S(0), B -> S(0))", "(S(2), B -> S(2))", "(B, S(0) -> S(1))")),
+    C("index-separated", aten.index.Tensor, lambda: (f(4, 8, 4), [ints(4, 4), None, ints(4, 4)]),
+      expect=("(S(1), B, B -> S(1))",)),
     C("unbind", aten.unbind.int, lambda: (f(4, 2, 8), 1)),
     C("pad", aten.pad.default, lambda: (f(4, 8), [1, 1]), expect=("(P -> P)",)),
     C("pad-value", aten.pad.default, lambda: (f(4, 8), [1, 1, 0, 0], "constant", 2.0), forbid=("(P -> P)",)),
@@ -230,14 +277,22 @@ CONV_AND_LOSS = [
     C("adaptive_avg_pool2d", aten.adaptive_avg_pool2d.default, lambda: (f(4, 8, 4, 4), [1, 1])),
     C("adaptive_avg_pool3d", aten.adaptive_avg_pool3d.default, lambda: (f(4, 4, 4, 4, 4), [1, 1, 1])),
     C("adaptive_max_pool2d", aten.adaptive_max_pool2d.default, lambda: (f(4, 8, 4, 4), [2, 2])),
-    C("ce-mean", CE, lambda: (f(8, 12), ints(12, 8)), expect=("(S(0), S(0) -> P)",), forbid=("(S(1), B -> P)",)),
+    C("ce-mean", CE, lambda: (f(8, 12), ints(12, 8)), expect=("(S(0), B -> P)",),
+      forbid=("(S(1), B -> P)", "(S(0), S(0) -> P)")),
+    C("ce-ignored", CE, lambda: (f(8, 12), ignored(ints(12, 8))), expect=("(S(0), B -> P)",)),
+    C("ce-ignored-spatial", CE, lambda: (f(4, 12, 4), ignored(ints(12, 4, 4))),
+      expect=("(S(0), B -> P)", "(S(2), B -> P)")),
+    C("ce-ignored-weight-smoothing", CE, lambda: (f(8, 12), ignored(ints(12, 8)), pos(12), 1, -100, 0.1),
+      expect=("(S(0), B, B -> P)",)),
     C("ce-sum", CE, lambda: (f(8, 12), ints(12, 8), None, 2)),
     C("ce-ignore-index", CE, lambda: (f(8, 12), ints(12, 8), None, 1, -1)),
     C("ce-none-spatial", CE, lambda: (f(4, 12, 4), ints(12, 4, 4), None, 0), expect=("(S(2), S(1) -> S(1))",)),
     C("ce-mean-spatial", CE, lambda: (f(4, 12, 4), ints(12, 4, 4))),
     C("ce-weight-sum", CE, lambda: (f(8, 12), ints(12, 8), pos(12), 2)),
-    C("ce-weight-mean", CE, lambda: (f(8, 12), ints(12, 8), pos(12)), forbid=("(S(0), S(0), B -> P)",)),
+    C("ce-weight-mean", CE, lambda: (f(8, 12), ints(12, 8), pos(12)), expect=("(S(0), B, B -> P)",)),
     C("ce-probs", CE, lambda: (f(8, 12), f(8, 12).softmax(-1)), expect=("(S(0), S(0) -> P)",)),
+    C("ce-probs-weight", CE, lambda: (f(8, 12), f(8, 12).softmax(-1), pos(12)),
+      expect=("(S(0), S(0), B -> P)",)),
     C("mse-mean", aten.mse_loss.default, lambda: (f(8, 4), f(8, 4)), expect=("(S(1), S(1) -> P)",)),
     C("mse-sum", aten.mse_loss.default, lambda: (f(8, 4), f(8, 4), 2)),
     C("mse-none", aten.mse_loss.default, lambda: (f(8, 4), f(8, 4), 0)),

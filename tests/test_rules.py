@@ -117,13 +117,23 @@ def test_mutated_inputs_include_hidden_running_stat_updates(
     assert mutated_inputs(node) == mutated
 
 
-def test_cross_entropy_batch_split_refuses_ignored_targets() -> None:
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+def test_cross_entropy_mean_divides_by_the_global_count_of_kept_targets(mesh: tuple) -> None:
+    """Device 0 of a batch split holds only ignored targets: its share must be 0, and the
+    others' must divide by the batch's kept targets, not their own (the shards sum to torch's
+    mean). Holds for every split of the logits (the case table runs all of them)."""
     logits, target = torch.randn(8, 12, dtype=torch.float64), torch.randint(0, 12, (8,))
-    target[3] = -1
-    node, inputs = node_from_call(aten.cross_entropy_loss.default, (logits, target, None, 1, -1))
-    split = next(s for s in nd_signatures(node, (2,)) if s.outputs[0] == (P,))
-    with pytest.raises(RuntimeError, match="ignore_index=-1"):
-        simulate(node, split, (2,), inputs)
+    target[:4] = -100
+    node, inputs = node_from_call(aten.cross_entropy_loss.default, (logits, target))
+    split = NdSignature(((S(0),) * len(mesh), (B,) * len(mesh)), ((P,) * len(mesh),))
+    assert split in nd_signatures(node, mesh)
+    got = simulate(node, split, mesh, inputs).outputs[0]
+    want = torch.nn.functional.cross_entropy(logits, target)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    first = local_call(
+        node, split, mesh, (0,) * len(mesh), [logits[: 8 // math.prod(mesh)], target]
+    )
+    assert float(first[0]) == 0.0
 
 
 def test_vocab_parallel_embedding_masks_rows_of_other_devices() -> None:

@@ -18,6 +18,8 @@ SAMPLE = [
     "linear-bias", "bmm", "matmul-nd-2d", "add-broadcast", "mul-broadcast", "div", "sum-dim",
     "mean-dim", "_softmax", "layer_norm", "embedding", "view-split-heads", "view-merge",
     "transpose", "gelu", "cat", "split", "amax", "ce-mean", "where", "select", "expand-size1",
+    "gather", "cumsum", "where-scalar-other", "index-first", "hardswish", "to-dtype_layout",
+    "ce-ignored", "min-other",
 ]  # fmt: skip
 
 # Comm-free outputs whose placement differs by convention only: (case, our signature) -> reason.
@@ -25,9 +27,19 @@ SAME_VALUE = {
     ("mean-dim", "(S(2) -> P)"): "DTensor keeps local means as Partial(avg); we pre-scale, sum",
     (
         "ce-mean",
-        "(S(0), S(0) -> P)",
+        "(S(0), B -> P)",
     ): "DTensor keeps local means as Partial(avg); we pre-scale, sum",
     ("expand-size1", "(B -> S(0))"): "DTensor has no comm-free B -> S expand: it returns Replicate",
+}
+
+# Where DTensor's own result is wrong (ours is proven by simulation in tests/test_rules.py):
+# (case, our signature) -> why. Kept in the sample so the day DTensor fixes it, this test says so.
+DTENSOR_WRONG = {
+    (
+        "ce-ignored",
+        "(S(0), B -> P)",
+    ): "DTensor averages the shards' means (Partial(avg)); with ignored targets the shards keep "
+    "different counts, so the average of means is not the mean",
 }
 
 # DTensor placement name -> our SBP text (its _MaskPartial is the vocabulary-parallel P)
@@ -53,8 +65,10 @@ def test_dtensor_runs_every_sampled_signature_to_the_global_result(
     assert {r["case"] for r in rank0} == set(SAMPLE)
     errors = [f"{r['case']} {r['sig']}: {r['error']}" for r in rank0 if "error" in r]
     assert not errors, "DTensor refused signatures:\n" + "\n".join(errors)
-    wrong = [f"{r['case']} {r['sig']}" for r in rank0 if not r["equal"]]
-    assert not wrong, f"DTensor's result differs from the op on whole tensors: {wrong}"
+    wrong = {(r["case"], r["sig"]) for r in rank0 if not r["equal"]}
+    assert wrong == set(DTENSOR_WRONG), (
+        f"DTensor's result differs from the op on whole tensors: {wrong}"
+    )
 
 
 @pytest.mark.dist
@@ -64,8 +78,8 @@ def test_dtensor_output_placements_equal_ours_where_it_did_not_communicate(
 ) -> None:
     agree = differ = 0
     for record in records[0]:
-        if record["comms"]:
-            continue  # DTensor redistributed: its strategy differs, nothing to compare
+        if record["comms"] or (record["case"], record["sig"]) in DTENSOR_WRONG:
+            continue  # DTensor redistributed (its strategy differs) or is wrong: nothing to compare
         theirs = [as_ours(p) for p in record["theirs"]]  # type: ignore[attr-defined]
         if theirs == record["ours"]:
             agree += 1

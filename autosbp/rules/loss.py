@@ -6,22 +6,25 @@ Lives elsewhere: log_softmax (`reduction`), the loss as the graph's output (`bou
 Rows, for one mesh dim (reduction: 0 none, 1 mean, 2 sum):
   cross_entropy (N, C, *d)   split N or a d dim of the logits and the same dim of the target
                              (class indices (N, *d) or probabilities like the logits); class
-                             weights B. none -> S; sum -> P; mean -> P with the local kernel
-                             sum(local losses) / global count. The class dim is never split: the
+                             weights B. none -> S; sum -> P. The class dim is never split: the
                              log-sum-exp needs the whole row.
+                             mean of probabilities -> P with the local kernel sum(local losses)
+                             / global count (weights or not, the mean is over elements).
+                             mean of class indices -> the target B (every device holds all of
+                             it), P with the local kernel: the shard's summed losses over its
+                             part of the target / the weight of every target of the batch that
+                             is not ignore_index (its count without weights). That denominator
+                             is torch's own (nll_loss, and label smoothing's, divide by it), and
+                             each device computes it from the whole target, so ignored targets
+                             (HF's -100 padding) are exact under any split with no reduction
+                             beyond the loss's P -> B: the target is tiny beside the logits.
   elementwise losses         split any dim of the broadcast shape; inputs follow by broadcasting.
                              none -> S; sum -> P; mean -> P rescaled by local / global count.
-  Mean with class weights (cross_entropy) has no split row: its denominator is the sum of the
-  weights of the targets, which depends on the data.
-Ignored targets: the batch-split mean divides by the global count of targets, which is the count
-of non-ignored targets only when no target equals ignore_index; the local kernel asserts that
-(torch._assert_async, no host sync on GPU) rather than silently returning a wrong loss.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -39,6 +42,7 @@ from autosbp.rules.core import (
     local_op_with,
     make_signature,
     reduced_fraction,
+    shard_range,
 )
 from autosbp.rules.pointwise import aligned_sbp
 from autosbp.sbp import B, P, S, Sbp, local_shape
@@ -53,14 +57,16 @@ def _reduced_out(reduction: int, split: Sbp) -> Sbp:
 def cross_entropy_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     args = bound_args(node)
     logits_shape = in_shapes(node)[0]
-    if len(logits_shape) < 2 or (args["reduction"] == MEAN and args["weight"] is not None):
+    if len(logits_shape) < 2:
         return [all_broadcast(node)]
     index_target = not node["inputs"][1].dtype.is_floating_point
     sigs = [all_broadcast(node)]
     for dim in (d for d in range(len(logits_shape)) if d != 1):
         out_dim = dim - 1 if dim > 1 else dim  # the loss per element has no class dim
         target_dim = out_dim if index_target else dim  # an index target has none either
-        by_name: dict[str, Sbp] = {"self": S(dim), "target": S(target_dim), "weight": B}
+        whole_target = index_target and args["reduction"] == MEAN  # see the module header
+        target: Sbp = B if whole_target else S(target_dim)
+        by_name: dict[str, Sbp] = {"self": S(dim), "target": target, "weight": B}
         out = _reduced_out(args["reduction"], S(out_dim))
         sigs.append(make_signature(node, by_name, (out,)))
     return sigs
@@ -68,37 +74,49 @@ def cross_entropy_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
 
 def cross_entropy_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shape) -> LocalOp:
     args = bound_args(node)
-    target = in_shapes(node)[1]
-    fraction = reduced_fraction(
-        target, local_shape(target, sig.inputs[1], mesh_shape), range(len(target))
-    )
-    if args["reduction"] != MEAN or fraction == 1:
+    logits = in_shapes(node)[0]
+    local = local_shape(logits, sig.inputs[0], mesh_shape)
+    if args["reduction"] != MEAN or local == logits:
         return default_local_op(node)
-    index_target = not node["inputs"][1].dtype.is_floating_point
-    kernel = BatchShardCrossEntropy(fraction, args["ignore_index"] if index_target else None)
-    return local_op_with(node, kernel, {})
+    if node["inputs"][1].dtype.is_floating_point:  # probabilities: a mean over elements
+        fraction = reduced_fraction(logits, local, [d for d in range(len(logits)) if d != 1])
+        return default_local_op(node, scale=fraction)
+    block = tuple(
+        slice(r.start, r.stop)
+        for r in (
+            shard_range(logits[d], d, sig.inputs[0], mesh_shape, coords)
+            for d in range(len(logits))
+            if d != 1
+        )
+    )
+    return local_op_with(node, ShardOfMeanCrossEntropy(block), {})
 
 
 @dataclass(frozen=True, slots=True)
-class BatchShardCrossEntropy:
-    """cross_entropy_loss(mean) of a shard, scaled so that the shards sum to the global mean."""
+class ShardOfMeanCrossEntropy:
+    """cross_entropy_loss(mean) of a shard of the logits against the whole target: the shard's
+    part of the sum over the batch, so that the shards' losses sum to the global mean."""
 
-    fraction: float
-    ignore_index: int | None
+    block: tuple[slice, ...]  # the shard's part of the target
 
     def __call__(
-        self, logits: torch.Tensor, target: torch.Tensor, *args: Any, **kwargs: Any
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        reduction: int = MEAN,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
     ) -> torch.Tensor:
-        if self.ignore_index is not None:
-            torch._assert_async(
-                (target != self.ignore_index).all(),
-                f"cross_entropy_loss: a target equals ignore_index={self.ignore_index}, but this "
-                "plan splits the batch under reduction='mean', whose local kernel divides by the "
-                "global target count; use targets without ignored entries, reduction='sum', or "
-                "a plan that keeps the loss input B.",
-            )
-        loss = torch.ops.aten.cross_entropy_loss.default(logits, target, *args, **kwargs)
-        return loss * self.fraction
+        summed = torch.ops.aten.cross_entropy_loss.default(
+            logits, target[self.block], weight, SUM, ignore_index, label_smoothing
+        )
+        valid = target != ignore_index
+        if weight is None:
+            denominator = valid.sum()
+        else:
+            denominator = torch.where(valid, weight[torch.where(valid, target, 0)], 0).sum()
+        return summed / denominator.to(summed.dtype)
 
 
 def elementwise_loss_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:

@@ -11,9 +11,18 @@ Rows, for one mesh dim:
   batch_norm         channel dim 1 split: x S(1), weight, bias, running stats S(0) -> S(1); the
                      statistics are per channel, so each device computes its channels exactly.
                      Training mode uses the statistics of the batch, so the batch (and spatial)
-                     dims are NOT split: a local batch would normalize by local statistics
-                     (that is sync-BN, not implemented). In eval mode (training=False) the op is
-                     elementwise given the running stats: batch and spatial splits are added.
+                     dims are NOT split: a local batch would normalize by local statistics. In
+                     eval mode (training=False) the op is elementwise given the running stats:
+                     batch and spatial splits are added.
+BatchNorm semantics under a plan (training): the statistics of each micro-batch as a whole,
+across every data-parallel device (SyncBatchNorm's, within a micro-batch): data parallel gathers
+the micro-batch or splits channels, never normalizes a device's share by its own statistics.
+So a plan with one micro-batch trains exactly like one device; with m micro-batches, like one
+device accumulating gradients over the same m pieces (`capturing.batches`: what `--check`'s
+reference runs), running statistics updated once per piece, as eager accumulation does. Torch
+DDP's per-replica statistics are not offered: they would make the model's arithmetic depend on
+the plan's data-parallel degree, which the planner chooses. A micro-batch of one sample cannot
+train BatchNorm; capture says so (`MicroBatchError`) and the search skips that count.
 References: OneFlow layer_norm_op.cpp; torch/distributed/tensor/_ops/_math_ops.py.
 """
 

@@ -7,13 +7,18 @@ views (`view`).
 
 Rows: output dim i split -> each input split on its aligned dim, or B where it broadcasts (size
 1 or missing). Partial rows, one per `Linearity`, each with its algebraic reason:
-  LINEAR     f(sum x_r) = sum f(x_r) for f linear (neg, clone, casts between floats, dropout p=0)
+  LINEAR     f(sum x_r) = sum f(x_r) for f linear (neg, clone, casts between floats, dropout p=0);
+             copy_(self, src) and fill_(self, value tensor) are src and value broadcast to
+             self's shape: linear in all inputs at once (self's values are unread)
   ADD        (sum x_r) + (sum y_r) = sum (x_r + y_r): all tensor operands P, and no scalar addend
   MUL        (sum x_r) * y = sum (x_r * y): one operand P, the others B (any operand)
   DIV        (sum x_r) / y = sum (x_r / y): the numerator P, the rest B (never the denominator)
   WHERE      where(c, sum x_r, sum y_r) = sum where(c, x_r, y_r): condition B, values P
   FILL_ZERO  masked_fill(sum x_r, m, 0) = sum masked_fill(x_r, m, 0): only for a fill value of 0
 Nonlinear ops (relu, gelu, exp, compares, ...) have no P row: f(a + b) != f(a) + f(b).
+Device moves (`to.device`, `to.dtype_layout` with a device) are casts: a captured graph runs on
+one device (its RUN_DEVICE), so only the dtype changes. In-place ops that capture did not make
+functional (`capturing.builder`) write their first input: its SBP is the output's in every row.
 References: OneFlow math_binary_broadcast_ops.cpp; torch/distributed/tensor/_ops/_pointwise_ops.py.
 """
 
@@ -131,6 +136,10 @@ POINTWISE: dict[str, Linearity] = {
             logical_or.default bitwise_not.default bitwise_and.Tensor bitwise_or.Tensor
             eq.Tensor eq.Scalar ne.Tensor ne.Scalar lt.Tensor lt.Scalar le.Tensor le.Scalar
             gt.Tensor gt.Scalar ge.Tensor ge.Scalar isnan.default rsub.Scalar masked_fill.Tensor
+            min.other max.other where.ScalarOther where.ScalarSelf where.Scalar __and__.Tensor
+            __or__.Tensor hardswish.default hardswish_.default hardsigmoid.default
+            hardsigmoid_.default hardtanh_.default clamp_.default floor_divide.default
+            masked_fill_.Tensor fill.Scalar fill_.Scalar remainder.Scalar
             """
         ),
         _L.NONE,
@@ -140,14 +149,18 @@ POINTWISE: dict[str, Linearity] = {
         aten_names(
             """
             neg.default clone.default contiguous.default alias.default detach.default
-            detach_.default lift_fresh_copy.default positive.default
+            detach_.default lift_fresh_copy.default positive.default copy.default copy_.default
+            fill.Tensor fill_.Tensor
             """
         ),
         _L.LINEAR,
     ),
     "aten.to.dtype": _L.CAST,
+    "aten.to.dtype_layout": _L.CAST,
+    "aten.to.device": _L.CAST,
     "aten._to_copy.default": _L.CAST,
     "aten.dropout.default": _L.DROPOUT,
+    "aten.dropout_.default": _L.DROPOUT,
     "aten.native_dropout.default": _L.DROPOUT,
     "aten.add.Tensor": _L.ADD,
     "aten.add_.Tensor": _L.ADD,
@@ -157,6 +170,7 @@ POINTWISE: dict[str, Linearity] = {
     "aten.div.Tensor": _L.DIV,
     "aten.where.self": _L.WHERE,
     "aten.masked_fill.Scalar": _L.FILL_ZERO,
+    "aten.masked_fill_.Scalar": _L.FILL_ZERO,
 }
 
 

@@ -14,6 +14,8 @@ Rows, for one mesh dim:
   P -> P                    sum and mean are linear; P(max) -> P(max) for amax (idempotent)
   softmax / log_softmax     S(i) -> S(i) for every i except the softmax dim (it needs the whole
                             row); no P (nonlinear)
+  cumsum                    S(i) -> S(i) except along the summed dim (each prefix needs all that
+                            comes before it); P -> P (linear)
 References: OneFlow reduce_ops.cpp, softmax_op.cpp; torch/distributed/tensor/_ops/_math_ops.py.
 """
 
@@ -110,6 +112,10 @@ def softmax_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     return [all_broadcast(node), *(uniform(node, s) for s in splits)]
 
 
+def cumsum_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
+    return [*softmax_signatures(node, mesh_dim_size), uniform(node, P)]
+
+
 def rules() -> dict[str, OpRule]:
     """This family's rows of the registry."""
 
@@ -123,4 +129,5 @@ def rules() -> dict[str, OpRule]:
 
     table = {op: make(reduction) for op, reduction in REDUCTIONS.items()}
     table.update(dict.fromkeys(SOFTMAX, OpRule(softmax_signatures)))
+    table["aten.cumsum.default"] = OpRule(cumsum_signatures)
     return table

@@ -2,9 +2,9 @@
 
 Lives here: `Boxer` (plans a boxing chain once and returns the closure that runs it, dropping
 relabels) and the instruction makers (`compute_instruction`, `box_instruction`,
-`write_back_instruction`) that read and write a step's slot list. Lives elsewhere: which
-closures a program holds and in what order (`runtime.program`), the collectives
-(`runtime.boxing`), the local kernels (`autosbp.rules.local_op`).
+`clone_instruction`, `write_back_instruction`) that read and write a step's slot list. Lives
+elsewhere: which closures a program holds and in what order (`runtime.program`), the
+collectives (`runtime.boxing`), the local kernels (`autosbp.rules.local_op`).
 
 Invariants:
 - Everything that does not depend on the step's tensors is computed when a closure is made:
@@ -40,6 +40,7 @@ __all__ = [
     "Values",
     "box_instruction",
     "checkpoint_instruction",
+    "clone_instruction",
     "compute_instruction",
     "write_back_instruction",
 ]
@@ -102,6 +103,16 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 def box_instruction(box: TensorFn, src: int, dst: int) -> Instruction:
     def run(values: Values) -> None:
         values[dst] = box(values[src])
+
+    return run
+
+
+def clone_instruction(src: int, dst: int) -> Instruction:
+    """A copy of the tensor at `src` (no grad: buffers only) into `dst`."""
+
+    def run(values: Values) -> None:
+        with torch.no_grad():
+            values[dst] = values[src].clone()
 
     return run
 

@@ -17,9 +17,11 @@ Invariants:
   that need that layout (autograd sums their gradients before the backward collective).
 - A slot is cleared after its last reader, so a step holds no more activations than autograd saves.
 - An op that writes into a buffer input (batch norm's running stats, `add_` on a counter) that was
-  boxed for it writes into a copy; right after the op the copy is boxed back and copied into the
-  buffer (no grad), so buffers evolve exactly as in eager. Writes into boxed activations are
-  refused at build time.
+  boxed for it writes into a copy of its own; right after the op the copy is boxed back and
+  copied into the buffer (no grad), so buffers evolve exactly as in eager. Boxing into any
+  other in-place write (`autosbp.rules.pinned_inputs`: the written input and the views leading
+  to it) is refused at build time; the planner never plans it.
+- The graph's RUN_DEVICE (factory ops, `.to(device)`) is this rank's device.
 Reference: design.md 3.7; OneFlow paper section 3 (boxing inserted between mismatched SBPs).
 """
 
@@ -33,12 +35,11 @@ from typing import Any
 import torch
 
 from autosbp.boxing.steps import local_box
-from autosbp.capturing.graph import OpGraph, Role, TensorMeta
+from autosbp.capturing.graph import OpGraph, Role, TensorMeta, run_device
 from autosbp.errors import PlanError
 from autosbp.plan import Plan
 from autosbp.planner.pipeline import recomputed
-from autosbp.rules import NdSignature, local_op, nd_signatures
-from autosbp.rules.core import tensor_slots
+from autosbp.rules import NdSignature, local_op, mutated_inputs, nd_signatures, pinned_inputs
 from autosbp.sbp import Mesh, NdSbp, Partial, format_nd_sbp, local_shape, parse_nd_sbp
 from runtime.closures import (
     Boxer,
@@ -46,11 +47,12 @@ from runtime.closures import (
     Values,
     box_instruction,
     checkpoint_instruction,
+    clone_instruction,
     compute_instruction,
     write_back_instruction,
 )
 
-__all__ = ["Program", "build_program", "mutated_inputs", "read_signatures"]
+__all__ = ["Program", "build_program", "read_signatures"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,14 +180,23 @@ class _Builder:
     def layout(self, node: str, index: int) -> NdSbp:
         return self.signatures[node].outputs[index]
 
-    def source(self, consumer: str, index: int, want: NdSbp) -> int:
-        """The slot holding input `index` of `consumer` in layout `want` (boxing it if needed)."""
+    def source(self, consumer: str, index: int, want: NdSbp, pinned: frozenset[int]) -> int:
+        """The slot holding input `index` of `consumer` in layout `want` (boxing it if needed;
+        refused for a `pinned` input: the planner never boxes one, a hand-edited plan may)."""
         found = self.graph.producers(consumer)[index]
         assert found is not None, f"{consumer}: input {index} has no producer"
         node, out = found
         have = self.layout(node, out)
         if have == want:
             return self.slots[(node, out)]
+        if index in pinned:
+            raise PlanError(
+                f"the plan boxes input {index} of node {consumer!r} "
+                f"({self.graph.graph.nodes[consumer]['op']}) from {format_nd_sbp(have)} to "
+                f"{format_nd_sbp(want)}, but that input leads to an in-place write: a boxed copy "
+                "would take the write away from the tensor read afterwards. The planner never "
+                "does this; the plan was edited or made by another autosbp version: make it again."
+            )
         key = (node, out, want)
         if key not in self.boxed:
             meta = self.graph.graph.nodes[node]["outputs"][out]
@@ -204,16 +215,38 @@ class _Builder:
     def add_compute(self, name: str, attrs: Mapping[str, Any]) -> None:
         self.current = name
         sig = self.signatures[name]
-        ins = tuple(self.source(name, i, want) for i, want in enumerate(sig.inputs))
+        pinned = pinned_inputs(self.graph, name)
+        ins = tuple(self.source(name, i, want, pinned) for i, want in enumerate(sig.inputs))
+        ins = tuple(
+            self.own_copy(slot)
+            if i in mutated_inputs(attrs) and self.is_boxed(name, i, slot)
+            else slot
+            for i, slot in enumerate(ins)
+        )
         outs = tuple(self.new_slot() for _ in attrs["outputs"])
         for index, slot in enumerate(outs):
             self.slots[(name, index)] = slot
         op = local_op(attrs, sig, self.mesh.shape, self.coords)
-        if op.kwargs.get("device") is not None:  # a factory op captured on another device
-            op = dataclasses.replace(op, kwargs={**op.kwargs, "device": self.device})
+        op = dataclasses.replace(  # the graph's RUN_DEVICE (factory ops, `.to(device)`) is ours
+            op,
+            args=run_device(op.args, self.device),
+            kwargs=run_device(dict(op.kwargs), self.device),
+        )
         self.emit(compute_instruction(op, ins, outs), ins, outs)
         for index in mutated_inputs(attrs):
             self.write_back(name, index, ins[index])
+
+    def is_boxed(self, consumer: str, index: int, slot: int) -> bool:
+        node, out = self.graph.producers(consumer)[index]  # type: ignore[misc]
+        return slot != self.slots[(node, out)]
+
+    def own_copy(self, slot: int) -> int:
+        """A fresh copy of a boxed buffer for an op to write into: the boxing may return a view
+        of the buffer (a slice), and the write-back's copy into the buffer would then change a
+        tensor autograd saved (batch norm saves its running statistics)."""
+        dst = self.new_slot()
+        self.emit(clone_instruction(slot, dst), (slot,), (dst,))
+        return dst
 
     def write_back(self, consumer: str, index: int, copy: int) -> None:
         """After `consumer` wrote into input `index`: if that input was a boxed copy of a buffer,
@@ -223,13 +256,9 @@ class _Builder:
         if copy == target:
             return  # the op wrote into the buffer itself
         attrs = self.graph.graph.nodes[node]
-        if attrs["role"] is not Role.BUFFER:
-            raise PlanError(
-                f"not supported yet: node {consumer!r} ({self.graph.graph.nodes[consumer]['op']}) "
-                f"writes into its input {index}, which the plan re-lays out from {node!r}; only "
-                "buffers written in place can be re-laid out. Plan that op with the layout of "
-                "its input (or avoid the in-place op)."
-            )
+        assert attrs["role"] is Role.BUFFER, (
+            f"{consumer}: a boxed write into {node} (pinned_inputs)"
+        )
         meta = attrs["outputs"][0]
         want = self.signatures[consumer].inputs[index]
         box = self.boxer.chain(want, self.layout(node, out), meta.shape, meta.dtype)
@@ -416,31 +445,3 @@ def _last_uses(
         if slot not in keep:
             frees[k].append(slot)
     return tuple(tuple(f) for f in frees)
-
-
-# Ops that write into inputs without saying so in their schema (CompositeImplicit ops whose
-# kernels call a mutating op): op -> the schema names of the inputs they write.
-HIDDEN_WRITES: dict[str, tuple[str, ...]] = {
-    "aten.batch_norm.default": ("running_mean", "running_var"),  # via _native_batch_norm_legit
-}
-
-
-def mutated_inputs(attrs: Mapping[str, Any]) -> tuple[int, ...]:
-    """InputRef indices of the tensor inputs the op writes into (schema `(a!)` or HIDDEN_WRITES)."""
-    target = attrs["target"]
-    if target is None:
-        return ()
-    hidden = HIDDEN_WRITES.get(attrs["op"], ())
-    written = {
-        a.name
-        for a in target._schema.arguments
-        if a.alias_info is not None and a.alias_info.is_write
-    }
-    slots = tensor_slots(attrs)
-    return tuple(
-        sorted(
-            slot
-            for name, slot in slots.items()
-            if isinstance(slot, int) and (name in written or name in hidden)
-        )
-    )

@@ -333,7 +333,6 @@ class _Returns(nn.Module):
             ["an `if` on a tensor value", "module `gate`", "torch.where", "if h.sum() > 0"],
         ),
         (_ItemModel(), (torch.randn(2, 4),), ["`.item()`", "keep the value a tensor"]),
-        (_NoGradModel(), (torch.randn(2, 4),), ["`torch.no_grad()`", "Move it out of forward"]),
         (_Returns("tensor"), (torch.randn(2, 4),), ["shape [2, 4]", "scalar training loss"]),
         (_Returns("pair"), (torch.randn(2, 4),), ["returns 2 outputs", "scalar training loss"]),
         (_Returns("int"), (torch.randn(2, 4),), ["(int64)", "scalar training loss"]),
@@ -342,7 +341,6 @@ class _Returns(nn.Module):
     ids=[
         "data-dependent-if",
         "item",
-        "no-grad",
         "non-scalar",
         "tuple-output",
         "int-loss",

@@ -1,8 +1,12 @@
 """Capturing: a model and example inputs become the operator graph the planner and runtime read.
 
 Lives here, one module per responsibility:
-- `graph`: the node and edge vocabulary (`OpGraph`, `Role`, `TensorMeta`, `InputRef`);
-- `export`: `capture` (torch.export -> `OpGraph`) and `run_graph`, its reference interpreter;
+- `graph`: the node and edge vocabulary (`OpGraph`, `Role`, `TensorMeta`, `InputRef`,
+  `RUN_DEVICE`);
+- `export`: `capture` (torch.export on fake CPU tensors -> `OpGraph`) and `run_graph`, its
+  reference interpreter;
+- `builder`: one graph node per exported node, in the canonical form that makes the graph
+  independent of the capture device (devices, copies, in-place writes, no_grad regions);
 - `failures`: export failures as one-paragraph errors naming the user's code;
 - `flops`: op families, flop and transcendental counts by formula;
 - `blocks`: which nodes belong to repeated block k (transformer layer k);

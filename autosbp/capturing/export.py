@@ -1,60 +1,59 @@
 """Graph capture: an nn.Module and example inputs -> an `OpGraph` of ATen ops; and its interpreter.
 
-Lives here: `capture` (torch.export in training IR, then one networkx node per placeholder, ATen
-call and the loss output, with the attributes documented in `capturing.graph`) and `run_graph`, the reference
-interpreter of a captured graph. Lives elsewhere: the node/edge vocabulary (`graph`),
-export failures as messages (`failures`), flop formulas and op families (`flops`),
-repeated blocks (`blocks`), SBP rules (`rules`), the distributed interpreter (`runtime`).
+Lives here: `capture` (torch.export in training IR, traced on fake CPU tensors whatever device
+the model is on, then `builder.GraphBuilder`'s nodes, the tied parameters and the blocks),
+`capture_micro_batch` (the graph of one micro-batch; `MicroBatchError` for a size the model
+cannot run) and `run_graph`, the reference interpreter of a captured graph. Lives elsewhere:
+the node/edge vocabulary (`graph`), one node per fx node in canonical form (`builder`), export
+failures as messages (`failures`), flop formulas and op families (`flops`), repeated blocks
+(`blocks`), SBP rules (`rules`), the distributed interpreter (`runtime`).
 
 Invariants:
+- The graph does not depend on the model's device: export sees fake tensors on one device
+  (`_CAPTURE_DEVICE`) and the builder records the canonical form (`builder`), so a model on
+  meta and the same model on the CPU give the same nodes, arguments and fingerprint.
 - Nodes are the export's placeholders (PARAMETER/BUFFER/INPUT), its ATen calls (COMPUTE) minus
   bookkeeping calls that return no tensor and have no users (`_assert_tensor_metadata` ...), and
   one OUTPUT node named "output" fed by the scalar loss. `order` is the export's program order.
 - `getitem` is folded: an edge's `uses` holds (tensor output index of the producer, InputRef index
   of the consumer); a multi-output op lists its tensor outputs in order (non-tensors skipped).
-- In-place ops of the training IR (`add_` on `num_batches_tracked`, batch norm's running stats)
-  are kept, so interpreting the nodes in `order` computes the loss and buffer updates exactly.
+- Buffer updates of the training IR (`add_` on `num_batches_tracked`, batch norm's running
+  stats) stay in place, so interpreting the nodes in `order` computes the loss and buffer
+  updates exactly; in-place writes into activations are functional where that is exact
+  (`builder`).
 - A tied parameter (one tensor under two names) is one PARAMETER node, under the name export
   feeds its uses from; `meta["tied"]` maps the other names to it.
-- `OpGraph.meta`: "constants" (lifted constant tensors by name), "buffer_mutations" (buffer name ->
-  (node, output index), empty in training IR), "tied", "block_container", "capture_s".
+- `OpGraph.meta`: "constants" (lifted constant tensors by name, real values: made in forward
+  from Python data), "buffer_mutations" (buffer name -> (node, output index), empty in training
+  IR), "tied", "block_container", "capture_s".
 Reference: torch.export programming model (training IR); OneFlow paper section 3.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import operator
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import OutputKind
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autosbp.capturing.batches import split_micro_batches
 from autosbp.capturing.blocks import assign_blocks
-from autosbp.capturing.failures import (
-    explain_export_failure,
-    torch_report_held_back,
-    unsupported_node_message,
-)
-from autosbp.capturing.flops import count_flops, count_transcendentals
-from autosbp.capturing.graph import InputRef, OpGraph, Role, TensorMeta
-from autosbp.errors import CaptureError
+from autosbp.capturing.builder import GraphBuilder, tensors_of
+from autosbp.capturing.failures import explain_export_failure, torch_report_held_back
+from autosbp.capturing.graph import STRIDE_FREE, InputRef, OpGraph, Role, run_device
+from autosbp.errors import CaptureError, MicroBatchError
 
 __all__ = ["capture", "capture_micro_batch", "run_graph"]
-
-_INPUT_ROLES = {
-    InputKind.PARAMETER: Role.PARAMETER,
-    InputKind.BUFFER: Role.BUFFER,
-    InputKind.CONSTANT_TENSOR: Role.BUFFER,
-    InputKind.USER_INPUT: Role.INPUT,
-}
 
 
 def capture(
@@ -83,8 +82,31 @@ def capture_micro_batch(
     name: str | None = None,
 ) -> OpGraph:
     """The graph of one micro-batch of `example_inputs` (a global batch): what a plan with
-    `micro_batches` is made for, and what the runtime runs once per micro-batch."""
-    return capture(model, list(split_micro_batches(example_inputs, micro_batches)[0]), name=name)
+    `micro_batches` is made for, and what the runtime runs once per micro-batch.
+
+    Raises `MicroBatchError` when the model captures on the whole batch but not on a
+    micro-batch (BatchNorm's "more than 1 value per channel" on one sample, a batch size
+    assumed in forward): that count cannot be planned, others may.
+    """
+    piece = list(split_micro_batches(example_inputs, micro_batches)[0])
+    try:
+        return capture(model, piece, name=name)
+    except MicroBatchError:
+        raise
+    except CaptureError as exc:
+        if micro_batches == 1:
+            raise
+        try:  # does it capture on the whole batch? (only when the micro-batch failed)
+            capture(model, example_inputs, name=name)
+        except CaptureError:
+            raise exc from None
+        size = int(piece[0].shape[0]) if piece and piece[0].dim() else 1
+        raise MicroBatchError(
+            f"Model `{name or type(model).__name__}` captures on its batch of "
+            f"{int(example_inputs[0].shape[0])} but not on a micro-batch of {size} samples "
+            f"({micro_batches} micro-batches): {exc} Plan fewer micro-batches (BatchNorm needs "
+            "at least 2 samples per micro-batch in training)."
+        ) from exc
 
 
 def _check_inputs(
@@ -120,10 +142,54 @@ def _check_inputs(
 
 def _export(model: nn.Module, args: tuple[torch.Tensor, ...], name: str) -> ExportedProgram:
     try:
-        with torch_report_held_back():
-            return torch.export.export(model, args, strict=False)
+        with torch_report_held_back(), _on_fake_cpu(model, args) as fake_args:
+            return torch.export.export(model, fake_args, strict=False)
     except Exception as exc:
         raise explain_export_failure(exc, model, name) from exc
+
+
+# The device every capture traces on, whatever device the model's tensors are on: fake tensors
+# (shapes, dtypes and strides, no memory) that say "cpu". Export's graph depends on the device
+# it sees (attention kernels choose output strides per device; indexing with a Python scalar
+# takes one path on the CPU and another elsewhere), so one device for every capture makes the
+# graph of a meta model and of a real one the same: plan on meta, train on cpu or cuda.
+_CAPTURE_DEVICE = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _on_fake_cpu(
+    model: nn.Module, args: tuple[torch.Tensor, ...]
+) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The model's parameters and buffers swapped for fake tensors on `_CAPTURE_DEVICE` (one
+    per tensor, so tied ones stay tied) while the block runs, and `args` as such fakes; the
+    model is restored after. Constants made in forward keep real values (export lifts them)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            with mode:
+                made = torch.empty_strided(
+                    t.shape, t.stride(), dtype=t.dtype, device=_CAPTURE_DEVICE
+                )
+            fakes[id(t)] = (
+                nn.Parameter(made, t.requires_grad) if isinstance(t, nn.Parameter) else made
+            )
+        return fakes[id(t)]
+
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for module in model.modules():
+            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for table in tables:
+                for key, tensor in table.items():
+                    if tensor is not None:
+                        swapped.append((table, key, tensor))
+                        table[key] = fake(tensor)
+        yield tuple(fake(a) for a in args)
+    finally:
+        for table, key, tensor in reversed(swapped):
+            table[key] = tensor
 
 
 def _check_loss(program: ExportedProgram, name: str) -> None:
@@ -154,7 +220,7 @@ def _user_output_positions(output_specs: Sequence[Any]) -> list[int]:
 
 # ---------------------------------------------------------------------------------- the graph
 def _build_opgraph(program: ExportedProgram, model: nn.Module, name: str) -> OpGraph:
-    builder = _GraphBuilder(program)
+    builder = GraphBuilder(program, name)
     for node in program.graph.nodes:
         builder.add(node)
     tied = _drop_tied_aliases(builder.graph, builder.order, model)
@@ -168,172 +234,6 @@ def _build_opgraph(program: ExportedProgram, model: nn.Module, name: str) -> OpG
         "block_container": assign_blocks(builder.graph, builder.order, builder.module_stacks),
     }
     return OpGraph(builder.graph, builder.order, name, program, unknown, meta)
-
-
-class _GraphBuilder:
-    """Adds fx nodes one at a time; remembers where each fx value lives (node, output index)."""
-
-    def __init__(self, program: ExportedProgram) -> None:
-        self.graph = nx.DiGraph()
-        self.order: list[str] = []
-        self.module_stacks: dict[str, list[tuple[str, str]]] = {}
-        self.buffer_mutations: dict[str, tuple[str, int]] = {}
-        self._specs = {s.arg.name: s for s in program.graph_signature.input_specs}
-        self._output_specs = program.graph_signature.output_specs
-        self._where: dict[str, tuple[str, int]] = {}  # fx value -> (graph node, output index)
-        self._multi: dict[str, list[int | None]] = {}  # tuple position -> tensor output index
-
-    def add(self, node: fx.Node) -> None:
-        if node.op == "placeholder":
-            self._add_placeholder(node)
-        elif node.op == "call_function" and node.target is operator.getitem:
-            self._fold_getitem(node)
-        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            if _tensors(node.meta.get("val")) or node.users:
-                self._add_compute(node)
-        elif node.op == "output":
-            self._add_output(node)
-        elif node.op != "get_attr":  # get_attr feeds higher-order ops, reported at their call
-            raise CaptureError(unsupported_node_message(node))
-
-    def _add_placeholder(self, node: fx.Node) -> None:
-        spec = self._specs[node.name]
-        role = _INPUT_ROLES.get(spec.kind)
-        if role is None:
-            raise CaptureError(f"Unsupported export input {node.name!r} of kind {spec.kind.name}.")
-        fqn = (spec.target or "") if role is not Role.INPUT else ""
-        outputs = (_meta(node.meta["val"]),)
-        attrs = _attrs("placeholder", role, outputs=outputs, module_path=fqn.rpartition(".")[0])
-        self._insert(node.name, {**attrs, "name": fqn}, sources=[])
-        self._where[node.name] = (node.name, 0)
-
-    def _fold_getitem(self, node: fx.Node) -> None:
-        source, position = node.args
-        assert isinstance(source, fx.Node) and source.name in self._multi, node.format_node()
-        assert isinstance(position, int), node.format_node()
-        index = self._multi[source.name][position]
-        if index is not None:
-            self._where[node.name] = (source.name, index)
-
-    def _add_compute(self, node: fx.Node) -> None:
-        sources: list[tuple[str, int]] = []
-        args = self._replace(node.args, sources)
-        kwargs = self._replace(node.kwargs, sources)
-        inputs = tuple(self.graph.nodes[s]["outputs"][i] for s, i in sources)
-        val = node.meta.get("val")
-        outputs = tuple(_meta(t) for t in _tensors(val))
-        op = str(node.target)
-        stack = [(str(p), str(t)) for p, t in (node.meta.get("nn_module_stack") or {}).values()]
-        self.module_stacks[node.name] = stack
-        attrs = _attrs(
-            op,
-            Role.COMPUTE,
-            inputs=inputs,
-            outputs=outputs,
-            module_path=stack[-1][0] if stack else "",
-        )
-        attrs.update(
-            target=node.target, args=args, kwargs=kwargs, flops=count_flops(op, inputs, outputs),
-            transcendentals=count_transcendentals(op, inputs, outputs),
-        )  # fmt: skip
-        self._insert(node.name, attrs, sources=sources)
-        if isinstance(val, (list, tuple)):
-            positions = [isinstance(v, torch.Tensor) for v in val]
-            self._multi[node.name] = [
-                sum(positions[:i]) if p else None for i, p in enumerate(positions)
-            ]
-        else:
-            self._where[node.name] = (node.name, 0)
-
-    def _add_output(self, node: fx.Node) -> None:
-        values = node.args[0]
-        assert isinstance(values, (list, tuple)), node.format_node()
-        for spec, value in zip(self._output_specs, values, strict=True):
-            if spec.kind is OutputKind.BUFFER_MUTATION and isinstance(value, fx.Node):
-                self.buffer_mutations[spec.target or ""] = self._where[value.name]
-        sources: list[tuple[str, int]] = []
-        loss_position = _user_output_positions(self._output_specs)[0]
-        args = (self._replace(values[loss_position], sources),)
-        loss = self.graph.nodes[sources[0][0]]["outputs"][sources[0][1]]
-        self._insert(
-            "output",
-            {**_attrs("output", Role.OUTPUT, inputs=(loss,)), "args": args},
-            sources=sources,
-        )
-
-    def _replace(self, value: Any, sources: list[tuple[str, int]]) -> Any:
-        """`value` with every fx tensor value replaced by InputRef(i); appends to `sources`."""
-        if isinstance(value, fx.Node):
-            if value.name in self._multi:  # a whole list of tensors used at once
-                name = value.name
-                return [self._ref((name, i), sources) for i in range(self._tensor_count(name))]
-            if value.name not in self._where:
-                raise CaptureError(unsupported_node_message(value))
-            return self._ref(self._where[value.name], sources)
-        if isinstance(value, (list, tuple)):
-            items = [self._replace(v, sources) for v in value]
-            return tuple(items) if isinstance(value, tuple) else items
-        if isinstance(value, dict):
-            return {k: self._replace(v, sources) for k, v in value.items()}
-        return value
-
-    def _ref(self, source: tuple[str, int], sources: list[tuple[str, int]]) -> InputRef:
-        sources.append(source)
-        return InputRef(len(sources) - 1)
-
-    def _tensor_count(self, name: str) -> int:
-        return len(self.graph.nodes[name]["outputs"])
-
-    def _insert(
-        self, node_name: str, attrs: dict[str, Any], *, sources: list[tuple[str, int]]
-    ) -> None:
-        self.graph.add_node(node_name, **attrs)
-        self.order.append(node_name)
-        for in_index, (src, out_index) in enumerate(sources):
-            if self.graph.has_edge(src, node_name):
-                self.graph.edges[src, node_name]["uses"] += ((out_index, in_index),)
-            else:
-                self.graph.add_edge(src, node_name, uses=((out_index, in_index),))
-
-
-def _attrs(
-    op: str,
-    role: Role,
-    *,
-    inputs: tuple[TensorMeta, ...] = (),
-    outputs: tuple[TensorMeta, ...] = (),
-    module_path: str = "",
-) -> dict[str, Any]:
-    """A node's attributes (see `autosbp.capturing.graph`) with the defaults of a non-compute node."""
-    nbytes = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
-    return {
-        "op": op,
-        "role": role,
-        "target": None,
-        "args": (),
-        "kwargs": {},
-        "inputs": inputs,
-        "outputs": outputs,
-        "flops": 0.0,
-        "transcendentals": 0.0,
-        "bytes": nbytes,
-        "module_path": module_path,
-        "block": None,
-        "name": "",
-    }
-
-
-def _meta(value: Any) -> TensorMeta:
-    return TensorMeta(tuple(int(s) for s in value.shape), value.dtype)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensor outputs of an op's result (a tensor, or a list/tuple of values), in order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    return []
 
 
 def _drop_tied_aliases(graph: nx.DiGraph, order: list[str], model: nn.Module) -> dict[str, str]:
@@ -384,9 +284,12 @@ def run_graph(
     """Interpret the graph node by node: the loss of the model on `params` and `inputs`.
 
     `params` maps parameter and buffer names (`state_dict` keys) to tensors (buffers are updated
-    in place, as eager would); lifted constants come from the capture. `device`, if set, is where
-    factory ops (arange, zeros ...) create tensors, e.g. to run a graph captured on "meta".
+    in place, as eager would); lifted constants come from the capture. `device` is the graph's
+    `RUN_DEVICE`, where factory ops (arange, zeros ...) create tensors (default: the first
+    input's device, else the CPU). Views run as `STRIDE_FREE` says.
     """
+    first = next(iter(inputs), None)
+    device = torch.device(device or (first.device if first is not None else "cpu"))
     values: dict[str, list[torch.Tensor]] = {}
     user_inputs = iter(inputs)
     for name, attrs in opgraph.nodes():
@@ -399,11 +302,10 @@ def run_graph(
             tensors = [values[src][index] for src, index in _producers(opgraph, name)]
             if role is Role.OUTPUT:
                 return tensors[0]
-            args = _resolve(attrs["args"], tensors)
-            kwargs = _resolve(attrs["kwargs"], tensors)
-            if device is not None and "device" in kwargs:
-                kwargs["device"] = torch.device(device)
-            values[name] = _tensors(attrs["target"](*args, **kwargs))
+            args = run_device(_resolve(attrs["args"], tensors), device)
+            kwargs = run_device(_resolve(attrs["kwargs"], tensors), device)
+            kernel = STRIDE_FREE.get(attrs["target"], attrs["target"])
+            values[name] = tensors_of(kernel(*args, **kwargs))
     raise CaptureError(f"Graph of `{opgraph.model_name}` has no output node.")
 
 

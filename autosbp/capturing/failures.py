@@ -4,7 +4,10 @@ Lives here: `explain_export_failure`, which finds the user's frame (the innermos
 outside torch, the stdlib and autosbp), the module that ran it (by identity in the model's
 `named_modules`), classifies the construct (an `if` on a tensor value, `.item()`, other) and
 names a fix; `unsupported_node_message` for exported constructs that are not ATen ops
-(torch.no_grad() or autocast inside forward, torch.cond); `torch_report_held_back`, which keeps
+(autocast inside forward, torch.cond); `dependent_shape_message` for an op that exported but
+whose output shape depends on tensor values (`x[mask]`, `nonzero`, `unique`: export names such
+sizes by symbols, a plan needs numbers), with the user's line from the node's stack trace;
+`torch_report_held_back`, which keeps
 torch's own failure report (logged tracebacks, a printed partial graph) off the console. Lives
 elsewhere: the export call itself (`export.capture`).
 
@@ -29,7 +32,12 @@ from torch import fx, nn
 
 from autosbp.errors import CaptureError
 
-__all__ = ["explain_export_failure", "torch_report_held_back", "unsupported_node_message"]
+__all__ = [
+    "dependent_shape_message",
+    "explain_export_failure",
+    "torch_report_held_back",
+    "unsupported_node_message",
+]
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
@@ -132,6 +140,38 @@ def _classify(exc: Exception, code: str) -> tuple[str, str, str]:
         construct = "a Python number read from a tensor value (`.item()`, `int()` ...)"
         return construct, _VALUES_UNKNOWN, _VALUE_FIX
     return "a Python decision or shape that depends on a tensor value", _VALUES_UNKNOWN, _BRANCH_FIX
+
+
+def dependent_shape_message(node: fx.Node, name: str) -> str:
+    """For an exported op whose output's shape depends on tensor values: the user's line (the
+    innermost stack-trace entry outside torch and autosbp), the module, and the fix."""
+    module = list((node.meta.get("nn_module_stack") or {"": ("", "")}).values())[-1][0]
+    where = _user_line(str(node.meta.get("stack_trace") or ""))
+    return (
+        f"Cannot capture model `{name}`: `{node.target}` in module `{module or '<top>'}`"
+        + (f" ({where})" if where else "")
+        + " makes a tensor whose shape depends on tensor values (data-dependent: boolean "
+        "indexing, nonzero, unique, masked_select ...), so no plan can lay it out ahead of "
+        "time. Fix: keep every shape fixed: compute on all elements and mask them (`torch.where"
+        "(mask, x, 0)`, a weighted sum) instead of selecting the ones that pass."
+    )
+
+
+def _user_line(stack_trace: str) -> str:
+    """ "file.py:12, `code`" for the innermost user frame of an fx node's stack trace."""
+    found = ""
+    lines = stack_trace.splitlines()
+    for k, line in enumerate(lines):
+        text = line.strip()
+        if not text.startswith('File "'):
+            continue
+        filename = text.split('"')[1]
+        if filename.startswith((_TORCH_DIR, _STDLIB_DIR, _AUTOSBP_DIR)):
+            continue
+        number = text.split(", line ")[1].split(",")[0] if ", line " in text else "?"
+        code = lines[k + 1].strip() if k + 1 < len(lines) else ""
+        found = f"{Path(filename).name}:{number}" + (f", `{code}`" if code else "")
+    return found
 
 
 # Substrings of higher-order op names -> what the user wrote.

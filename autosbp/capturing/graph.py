@@ -9,7 +9,8 @@ Node attributes (every node):
   op           str, the ATen overload name ("aten.linear.default"), or "placeholder"/"output"
   role         Role
   target       the callable (torch OpOverload) for compute nodes, else None
-  args, kwargs the call's arguments with every tensor input replaced by InputRef(i)
+  args, kwargs the call's arguments with every tensor input replaced by InputRef(i) and every
+               device by RUN_DEVICE (the graph does not depend on the capture device)
   inputs       tuple[TensorMeta, ...], the tensor inputs in InputRef order
   outputs      tuple[TensorMeta, ...], the tensor outputs (multi-output ops list all)
   flops        float, forward flops of the op (0 for views and placeholders)
@@ -27,7 +28,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,38 @@ class InputRef:
     """Stands in a node's args for its tensor input number `index` (see node attr `inputs`)."""
 
     index: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunDevice:
+    """Stands in a node's args for a device argument (`arange(device=...)`, `x.to(device)`):
+    the device the graph runs on, which whoever interprets the graph fills in
+    (`run_device`). Capture on "meta" and on "cpu" thus records the same arguments."""
+
+    def __repr__(self) -> str:
+        return "RUN_DEVICE"
+
+
+RUN_DEVICE = RunDevice()
+
+# Ops whose kernel needs strides a device may not give: run as the stride-free op of the same
+# values. Capture drops `contiguous` (its presence depends on the capture device's strides), so
+# a `view` may meet a tensor that `reshape` (a view where strides allow, else a copy) can take.
+STRIDE_FREE: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default,
+}
+
+
+def run_device(value: Any, device: torch.device) -> Any:
+    """`value` (args, kwargs, nested lists and dicts) with every RUN_DEVICE replaced by `device`."""
+    if isinstance(value, RunDevice):
+        return device
+    if isinstance(value, list | tuple):
+        return type(value)(run_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: run_device(v, device) for k, v in value.items()}
+    return value
 
 
 @dataclass

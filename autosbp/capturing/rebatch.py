@@ -21,7 +21,7 @@ Invariants:
   are sizes), or a float or bool that differs, makes the family not rebatchable.
 - `graph_at(b)` evaluates every such int at b (a result <= 0 raises `CaptureError` naming the
   node), recomputes `flops` and `transcendentals` (`flops`, compute nodes only) and `bytes`
-  (capture's own formula, `capturing._attrs`) from the new shapes, and copies everything else
+  (capture's own formula, `builder.node_attrs`) from the new shapes, and copies everything else
   from the b1 capture. Its `fingerprint()` equals that of a real capture at b
   (tests/test_rebatch.py).
 - A rebatched graph has `program = None`: the b1 ExportedProgram has b1 shapes and would lie.
@@ -49,7 +49,8 @@ import torch
 from torch import nn
 
 from autosbp.capturing.batches import split_micro_batches
-from autosbp.capturing.export import _attrs, capture_micro_batch
+from autosbp.capturing.builder import node_attrs
+from autosbp.capturing.export import capture_micro_batch
 from autosbp.capturing.flops import count_flops, count_transcendentals
 from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.errors import CaptureError
@@ -330,7 +331,7 @@ def _same(x: Any, y: Any) -> bool:
 def _node_at(base: dict[str, Any], template: tuple[Any, ...], batch: int) -> dict[str, Any]:
     """A node's attributes at `batch`: fitted ones evaluated, derived ones recomputed."""
     inputs, outputs, args, kwargs = (_value_at(t, batch) for t in template)
-    fresh = _attrs(base["op"], base["role"], inputs=inputs, outputs=outputs)  # capture's bytes
+    fresh = node_attrs(base["op"], base["role"], inputs=inputs, outputs=outputs)  # capture's bytes
     compute = base["role"] is Role.COMPUTE
     flops = count_flops(base["op"], inputs, outputs) if compute else base["flops"]
     transcendentals = count_transcendentals(base["op"], inputs, outputs) if compute else 0.0

@@ -21,6 +21,9 @@ Model (every constant states where it comes from):
   (90-360 us: the views, transposes and splits of gpt-128 summed to 3.3 ms of a 37 ms forward).
 - an edge u -> v, for each (output layout of u, input layout v needs): the forward boxing time
   plus its backward, the boxing dual(dst) -> dual(src) (B <-> P, S stays), per micro-batch.
+  An input v writes in place (or a view on the way to such a write: `rules.pinned_inputs`) is
+  forbidden to change layout (an infinite price): a boxed copy would take the write away from
+  the tensor the model reads afterwards, so a plan never asks the runtime for it.
 - a parameter in layout p pays, once per step, the gradient sync dual(p) -> p (P -> B
   all-reduce where the parameter is replicated: data parallel's all-reduce; nothing where it is
   split: FSDP's reduce-scatter is already the backward of its all-gather), as its share of a
@@ -47,7 +50,7 @@ from autosbp.boxing import StepPrice, canonical_shape, price_boxing
 from autosbp.boxing.steps import BoxingStep, StepKind, dual_nd_sbp
 from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.errors import SbpError
-from autosbp.rules import NdSignature, nd_signatures
+from autosbp.rules import NdSignature, nd_signatures, pinned_inputs
 from autosbp.sbp import Broadcast, Mesh, NdSbp, local_shape
 
 BACKWARD_FACTOR = 2.0  # backward time / forward time (derived: two matmuls per matmul)
@@ -87,13 +90,16 @@ class NodeStrategies:
     compute_s: np.ndarray
     sync_s: np.ndarray | None = None  # parameters only
     accumulate_s: np.ndarray | None = None  # parameters only
+    pinned: frozenset[int] = frozenset()  # inputs that must arrive unboxed (`pinned_inputs`)
 
     def restricted(self, keep: Sequence[int]) -> NodeStrategies:
         """Only the candidates at `keep`."""
         sync = self.sync_s[keep] if self.sync_s is not None else None
         accumulate = self.accumulate_s[keep] if self.accumulate_s is not None else None
         candidates = tuple(self.candidates[i] for i in keep)
-        return NodeStrategies(self.name, candidates, self.compute_s[keep], sync, accumulate)
+        return NodeStrategies(
+            self.name, candidates, self.compute_s[keep], sync, accumulate, self.pinned
+        )
 
 
 class BoxingPricer:
@@ -187,7 +193,7 @@ class BoxingPricer:
         return (
             sum(
                 self._step_time_s(
-                    (kind, round(message * nbytes // planned_bytes * scale), group, link)
+                    (kind, round(message * nbytes // max(planned_bytes, 1) * scale), group, link)
                 )
                 for kind, message, group, link in steps
             )
@@ -198,8 +204,11 @@ class BoxingPricer:
         self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype
     ) -> tuple[tuple[StepPrice, ...], int] | None:
         """The chain src -> dst planned for the first tensor of `shape`'s divisibility pattern,
-        and that tensor's bytes; None where no chain exists (e.g. out of P(max)): forbidden."""
-        key = (src, dst, canonical_shape(shape, self.mesh), dtype)
+        and that tensor's bytes; None where no chain exists (e.g. out of P(max)): forbidden.
+        An empty tensor (a dim of 0: HF's empty KV-cache constants) is planned apart: its steps
+        move 0 bytes and scale to no other tensor's (0 divides like any size)."""
+        empty = 0 in shape
+        key = (src, dst, canonical_shape(shape, self.mesh), dtype, empty)
         if key not in self._chains:
             try:
                 steps = price_boxing(
@@ -273,7 +282,7 @@ def node_strategies(
         accumulate = np.array([_accumulate_s(meta, s.outputs[0], pricer) for s in candidates])
         return NodeStrategies(name, candidates, sync + update, sync, accumulate)
     times = [_compute_s(attrs, sig, mesh_shape, pricer.prices) for sig in candidates]
-    return NodeStrategies(name, candidates, np.array(times))
+    return NodeStrategies(name, candidates, np.array(times), pinned=pinned_inputs(graph, name))
 
 
 def _optimizer_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> float:
@@ -308,7 +317,8 @@ def _compute_s(
     local_bytes = 0.0
     for meta, nd in zip(metas, layouts, strict=True):
         local = math.prod(local_shape(meta.shape, nd, mesh_shape))
-        share = min(share, local / max(meta.numel, 1))
+        if meta.numel:  # an empty tensor tells nothing of the share of the work
+            share = min(share, local / meta.numel)
         local_bytes += local * meta.dtype.itemsize
     dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
     if returns_view(attrs["target"]):
@@ -351,8 +361,18 @@ def edge_matrix(
             tuple(map(pricer.layout_id, srcs)), tuple(map(pricer.layout_id, dsts)), meta
         )
         table = forward if forward_only else forward + backward
+        if in_idx in consumer.pinned:  # no boxing into an in-place write (module header)
+            table = np.where(
+                np.equal.outer(np.arange(len(srcs)), _same_as(srcs, dsts)), table, np.inf
+            )
         matrix += table[np.ix_(src_of, dst_of)]
     return matrix
+
+
+def _same_as(srcs: Sequence[NdSbp], dsts: Sequence[NdSbp]) -> np.ndarray:
+    """For each destination layout, the index of the equal source layout (-1 where none)."""
+    index = {layout: i for i, layout in enumerate(srcs)}
+    return np.array([index.get(layout, -1) for layout in dsts], dtype=int)
 
 
 def _distinct(layouts: Iterable[NdSbp]) -> tuple[list[NdSbp], np.ndarray]:

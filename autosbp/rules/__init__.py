@@ -8,6 +8,7 @@ Lives here: the public queries the planner and runtime use.
   local_call(...)                       local_op(...)(local_inputs), for one-off calls
   warn_unknown_ops(ops)                 one warning naming every op without a rule
   mutated_inputs(node)                  inputs the op updates in place (keep their producer's SBP)
+  pinned_inputs(graph, name)            inputs that must reach the node unboxed (in-place writes)
 Lives elsewhere: the rules, one module per op family (`pointwise`, `matmul`, `attention`,
 `reduction`, `norm`, `embedding`, `view`, `indexing`, `conv`, `loss`, `factory`, `boundary`),
 the registry that lists them (`registry`), the vocabulary (`core`), the test oracle (`oracle`).
@@ -19,8 +20,11 @@ gets the all-B signature only (and runs unchanged on every device), never an err
 For the planner and runtime: placeholders (parameters, buffers, inputs) list B and every S(d),
 never P, and have no local kernel (the runtime shards their values); the output node accepts B
 or P. P means a sum, except amax / amin which give P(max) / P(min). An input in
-`mutated_inputs` is updated in place, so it must reach the op without boxing. Call `local_op`
-once per node and device and reuse the LocalOp; `nd_signatures` is memoized on what rules read.
+`mutated_inputs` is updated in place, so it must reach the op without boxing (a buffer may: the
+runtime writes its boxed copy back), and so must every view on the way from the written tensor
+to it: `pinned_inputs` lists them, the planner forbids boxing there, the runtime refuses it.
+Call `local_op` once per node and device and reuse the LocalOp; `nd_signatures` is memoized on
+what rules read.
 References: design.md 3.3; OneFlow operator.cpp (`GetSbpSignaturesIf`, nD product and filter).
 """
 
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 
+from autosbp.capturing.graph import OpGraph, Role
 from autosbp.rules.core import (
     LocalOp,
     NdSignature,
@@ -41,6 +46,7 @@ from autosbp.rules.core import (
     all_broadcast,
     default_local_op,
     mutated_inputs,
+    tensor_slots,
 )
 from autosbp.rules.registry import RULES
 from autosbp.sbp import Broadcast, NdSbp, Partial, Sbp, split_factors
@@ -55,6 +61,7 @@ __all__ = [
     "local_op",
     "mutated_inputs",
     "nd_signatures",
+    "pinned_inputs",
     "signatures_1d",
     "warn_unknown_ops",
 ]
@@ -173,6 +180,49 @@ def warn_unknown_ops(ops: Iterable[str]) -> tuple[str, ...]:
         )
         warnings.warn(message, UnknownOpWarning, stacklevel=2)
     return unknown
+
+
+def pinned_inputs(graph: OpGraph, name: str) -> frozenset[int]:
+    """The inputs of node `name` that must arrive in their producer's layout, unboxed: those it
+    writes in place (unless a buffer: the runtime writes a buffer's boxed copy back), and the
+    input a view op aliases when its output is written in place, directly or through more views
+    (a boxed copy would take the write away from the tensor the model reads afterwards)."""
+    attrs = graph.graph.nodes[name]
+    pinned = set()
+    producers = graph.producers(name)
+    for index in mutated_inputs(attrs):
+        found = producers[index]
+        if found is not None and graph.graph.nodes[found[0]]["role"] is not Role.BUFFER:
+            pinned.add(index)
+    aliased = _aliased_inputs(attrs)
+    if aliased and any(_written_through(graph, name, out) for out in range(len(attrs["outputs"]))):
+        pinned |= aliased
+    return frozenset(pinned)
+
+
+def _aliased_inputs(attrs: Any) -> set[int]:
+    """InputRef indices of the inputs a view op's output aliases (schema `Tensor(a)`, not a
+    write); empty for other ops."""
+    schema = getattr(attrs.get("target"), "_schema", None)
+    if schema is None or not any(r.alias_info is not None for r in schema.returns):
+        return set()
+    names = {a.name for a in schema.arguments if a.alias_info and not a.alias_info.is_write}
+    slots = tensor_slots(attrs)
+    return {slot for key, slot in slots.items() if key in names and isinstance(slot, int)}
+
+
+def _written_through(graph: OpGraph, name: str, out: int) -> bool:
+    """Is output `out` of `name` written in place by a reader, or by one through views of it?"""
+    for reader in graph.graph.successors(name):
+        uses = [i for o, i in graph.graph.edges[name, reader]["uses"] if o == out]
+        attrs = graph.graph.nodes[reader]
+        if set(uses) & set(mutated_inputs(attrs)):
+            return True
+        if set(uses) & _aliased_inputs(attrs) and any(
+            _written_through(graph, reader, k) for k in range(len(attrs["outputs"]))
+        ):
+            return True
+    return False
 
 
 def _is_distributed(nd_sbp: Sequence[Sbp]) -> bool:

@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from autosbp.capturing.graph import InputRef
+from autosbp.capturing.graph import InputRef, RunDevice
 from autosbp.sbp import B, Broadcast, NdSbp, P, Partial, Sbp, Split, format_nd_sbp, local_shape
 
 Node: TypeAlias = Mapping[str, Any]
@@ -273,9 +273,13 @@ def reduced_fraction(global_shape: Shape, local: Shape, dims: Sequence[int]) -> 
 
 
 def resolve_refs(value: Any, inputs: Sequence[torch.Tensor]) -> Any:
-    """`value` with every InputRef (also inside lists) replaced by its tensor from `inputs`."""
+    """`value` with every InputRef (also inside lists) replaced by its tensor from `inputs`, and
+    RUN_DEVICE by the inputs' device (the default device for an op without inputs; the runtime
+    fills in its own before calling)."""
     if isinstance(value, InputRef):
         return inputs[value.index]
+    if isinstance(value, RunDevice):
+        return inputs[0].device if inputs else torch.get_default_device()
     if isinstance(value, list | tuple):
         return type(value)(resolve_refs(v, inputs) for v in value)
     return value

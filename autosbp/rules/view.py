@@ -20,8 +20,12 @@ References: OneFlow reshape_user_op_util.cpp; torch/distributed/tensor/_ops/_vie
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
+from autosbp.capturing.graph import STRIDE_FREE
 from autosbp.rules.core import (
     LocalOp,
     NdSignature,
@@ -33,6 +37,7 @@ from autosbp.rules.core import (
     bound_args,
     default_local_op,
     in_shapes,
+    local_op_with,
     local_out_shape,
     norm_dim,
     out_shapes,
@@ -75,10 +80,12 @@ def reshape_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
 
 
 def _sized_local(size_arg: str) -> OpRule:
-    """A reshape whose `size_arg` holds the (global) output shape: rewrite it to the local one."""
+    """A reshape whose `size_arg` holds the (global) output shape: rewrite it to the local one.
+    A view runs as `STRIDE_FREE` says: a local shard's strides are not the global tensor's."""
 
     def build(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shape) -> LocalOp:
-        return default_local_op(node, {size_arg: local_out_shape(node, sig, mesh_shape)})
+        kernel: Callable[..., Any] = STRIDE_FREE.get(node["target"]) or node["target"]
+        return local_op_with(node, kernel, {size_arg: local_out_shape(node, sig, mesh_shape)})
 
     return OpRule(reshape_signatures, build)
 

@@ -10,6 +10,7 @@ must be importable at module level because workers are spawned).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,45 @@ def words(text: str) -> list[str]:
 
 
 C = Case
+
+
+class LibraryOp:
+    """An op a library registers when imported, imported on first use (transformers takes
+    seconds): `str` is its name at once, a call or an attribute read (`_schema`) imports it."""
+
+    def __init__(self, name: str, module: str) -> None:
+        self.name, self.module = name, module
+
+    def __str__(self) -> str:
+        return self.name
+
+    def op(self) -> Any:
+        importlib.import_module(self.module)
+        namespace, packet, overload = self.name.split(".")
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.op()(*args, **kwargs)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.op(), attr)
+
+
+GROUPED_MM_FALLBACK = LibraryOp(
+    "transformers.grouped_mm_fallback.default", "transformers.integrations.moe"
+)
+
+
+def expert_ends(counts: list[int]) -> torch.Tensor:
+    """`offs` of a grouped matmul: where each expert's rows end (int32, as transformers makes)."""
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+def row_permutations(rows: int, cols: int) -> torch.Tensor:
+    """Each row a permutation of 0..cols-1: scatter indices without duplicates."""
+    return torch.stack([torch.randperm(cols) for _ in range(rows)])
+
+
 SDPA = aten.scaled_dot_product_attention.default
 CE = aten.cross_entropy_loss.default
 
@@ -320,9 +360,50 @@ FACTORY = [
     C("full_like", aten.full_like.default, lambda: (f(4, 8), 2.0)),
     C("_assert_tensor_metadata", aten._assert_tensor_metadata.default, lambda: (f(4, 8),), {"dtype": F64}),
 ]
+# Routing (autosbp/rules/routing.py). Expert ends 5, 0, 7, 4: uneven groups and an empty one,
+# so each device of an expert split (2 or 4) computes another number of rows, one of them none.
+ROUTING = [
+    C("topk", aten.topk.default, lambda: (f(4, 8, 8), 2),
+      expect=("(S(0) -> S(0), S(0))", "(S(1) -> S(1), S(1))"), forbid=("(S(2) -> S(2), S(2))", "(P -> P, P)")),
+    C("topk-dim-smallest", aten.topk.default, lambda: (f(4, 8, 4), 3, 1, False), forbid=("(S(1) -> S(1), S(1))",)),
+    C("sort", aten.sort.default, lambda: (f(4, 8),), expect=("(S(0) -> S(0), S(0))",),
+      forbid=("(S(1) -> S(1), S(1))",)),
+    C("sort-stable", aten.sort.stable, lambda: (f(8, 4),), {"stable": True, "dim": 0, "descending": True},
+      expect=("(S(1) -> S(1), S(1))",)),
+    C("one_hot", aten.one_hot.default, lambda: (ints(4, 4, 8), 4), expect=("(S(0) -> S(0))", "(S(1) -> S(1))")),
+    C("histc", aten.histc.default, lambda: (f(4, 8), 4, -1.0, 1.0), expect=("(S(0) -> P)", "(S(1) -> P)")),
+    C("histc-data-range", aten.histc.default, lambda: (f(4, 8), 4), forbid=("(S(0) -> P)",)),
+    C("scatter_add", aten.scatter_add.default, lambda: (f(4, 8), 1, ints(8, 4, 8), f(4, 8)),
+      expect=("(S(0), S(0), S(0) -> S(0))", "(P, B, P -> P)"), forbid=("(S(1), S(1), S(1) -> S(1))",)),
+    C("scatter_add-narrow-index", aten.scatter_add.default, lambda: (f(4, 8), 1, ints(8, 2, 8), f(4, 8)),
+      forbid=("(S(0), S(0), S(0) -> S(0))",)),
+    C("scatter-src", aten.scatter.src, lambda: (f(4, 8), 1, row_permutations(4, 8), f(4, 8)),
+      expect=("(S(0), S(0), S(0) -> S(0))",), forbid=("(P, B, P -> P)",)),
+    C("scatter-value-zero", aten.scatter.value, lambda: (f(4, 8), 1, ints(8, 4, 8), 0.0), expect=("(P, B -> P)",)),
+    C("scatter-value", aten.scatter.value, lambda: (f(4, 8), 1, ints(8, 4, 8), 2.0), forbid=("(P, B -> P)",)),
+    C("index_add", aten.index_add.default, lambda: (f(8, 4), 0, ints(8, 12), f(12, 4)),
+      expect=("(S(1), B, S(1) -> S(1))", "(P, B, P -> P)"), forbid=("(S(0), B, S(0) -> S(0))",)),
+    C("index_put-accumulate", aten.index_put.default, lambda: (f(8, 4), [ints(8, 12)], f(12, 4), True),
+      expect=("(S(1), B, S(1) -> S(1))", "(P, B, P -> P)")),
+    C("index_put-broadcast-values", aten.index_put.default, lambda: (f(8, 4, 4), [torch.randperm(8)[:4]], f(4)),
+      expect=("(S(1), B, B -> S(1))", "(S(2), B, S(0) -> S(2))"), forbid=("(P, B, P -> P)",)),
+    C("index_put-none-first", aten.index_put.default, lambda: (f(4, 8), [None, torch.randperm(8)], f(4, 8)),
+      forbid=("(S(0), B, S(0) -> S(0))",)),
+    C("grouped_mm_fallback", GROUPED_MM_FALLBACK, lambda: (f(16, 8), f(4, 8, 12), expert_ends([5, 0, 7, 4])),
+      expect=("(B, S(0), B -> P)", "(B, S(2), B -> S(1))", "(S(1), S(1), B -> P)", "(B, P, B -> P)"),
+      forbid=("(S(0), B, B -> S(0))",)),
+    C("_grouped_mm", aten._grouped_mm.default,
+      lambda: (f(16, 16).float(), f(4, 16, 16).float(), expert_ends([5, 0, 7, 4])),
+      expect=("(B, S(0), B -> P)", "(B, S(2), B -> S(1))")),
+    C("_grouped_mm-narrow", aten._grouped_mm.default,
+      lambda: (f(16, 8).float(), f(4, 8, 12).float(), expert_ends([5, 0, 7, 4])),
+      expect=("(B, S(0), B -> P)",), forbid=("(B, S(2), B -> S(1))", "(S(1), S(1), B -> P)")),
+]
 # fmt: on
 
-CASES: list[Case] = [*MATMUL, *POINTWISE, *REDUCTION_AND_NORM, *SHAPE, *CONV_AND_LOSS, *FACTORY]
+CASES: list[Case] = [
+    *MATMUL, *POINTWISE, *REDUCTION_AND_NORM, *SHAPE, *CONV_AND_LOSS, *FACTORY, *ROUTING,
+]  # fmt: skip
 CASES_BY_ID = {case.id: case for case in CASES}
 assert len(CASES_BY_ID) == len(CASES), "case ids must be unique"
 

@@ -6,7 +6,8 @@ Lives here: `op_family` (a coarse family per ATen op, for summaries and flop for
 (`costmodel`).
 
 Conventions (one multiply-add = 2 flops, fp32 or not):
-  matmul     linear/mm/matmul/bmm: 2 * out_numel * k; addmm/baddbmm: same, k from the 2nd input.
+  matmul     linear/mm/matmul/bmm: 2 * out_numel * k; addmm/baddbmm: same, k from the 2nd input;
+             grouped matmuls of MoE experts (rows [S, k] each times its expert's [k, n]): the same.
              Bias adds are not counted (they are O(out_numel) next to O(out_numel * k)).
   attention  SDPA: 4 * b * h * s_q * s_kv * d (QK^T and PV), NOT halved for `is_causal`: the
              same convention as torch.utils.flop_counter, and what a dense kernel executes.
@@ -32,7 +33,10 @@ from autosbp.capturing.graph import TensorMeta
 
 # Op family of the op packet name ("aten.linear" for "aten.linear.default").
 _FAMILY_OPS: dict[str, tuple[str, ...]] = {
-    "matmul": ("linear", "mm", "matmul", "bmm", "addmm", "baddbmm", "addbmm"),
+    "matmul": (
+        *("linear", "mm", "matmul", "bmm", "addmm", "baddbmm", "addbmm"),
+        *("_grouped_mm", "grouped_mm_fallback"),  # MoE experts: each row times its expert's
+    ),
     "attention": ("scaled_dot_product_attention",),
     "conv": ("conv1d", "conv2d", "conv3d", "convolution"),
     "norm": (

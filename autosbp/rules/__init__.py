@@ -10,7 +10,8 @@ Lives here: the public queries the planner and runtime use.
   mutated_inputs(node)                  inputs the op updates in place (keep their producer's SBP)
   pinned_inputs(graph, name)            inputs that must reach the node unboxed (in-place writes)
 Lives elsewhere: the rules, one module per op family (`pointwise`, `matmul`, `attention`,
-`reduction`, `norm`, `embedding`, `view`, `indexing`, `conv`, `loss`, `factory`, `boundary`),
+`reduction`, `norm`, `embedding`, `view`, `indexing`, `conv`, `loss`, `factory`, `boundary`,
+`routing`),
 the registry that lists them (`registry`), the vocabulary (`core`), the test oracle (`oracle`).
 
 Invariants: every list holds the all-B signature first (for ops with tensors); no signature

@@ -25,6 +25,7 @@ from autosbp.rules import (
     norm,
     pointwise,
     reduction,
+    routing,
     view,
 )
 from autosbp.rules.core import OpRule
@@ -42,6 +43,7 @@ FAMILIES: tuple[Callable[[], dict[str, OpRule]], ...] = (
     conv.rules,
     loss.rules,
     factory.rules,
+    routing.rules,
 )
 
 

@@ -22,6 +22,7 @@ from autosbp.zoo import ZOO_MODELS, build_model
 _TINY: dict[str, dict[str, Any]] = {
     "gpt": {"layers": 2, "hidden": 16, "heads": 2, "vocab": 32, "seq": 8},
     "mlp": {"layers": 2, "hidden": 16, "features": 8, "outputs": 4},
+    "moe": {"layers": 2, "hidden": 16, "heads": 2, "experts": 4, "ffn": 32, "vocab": 32, "seq": 8},
     "resnet": {"channels": 4, "blocks": 1, "image": 4},
     "widedeep": {"tables": 2, "rows": 20, "dim": 4, "hidden": 8},
     # batch-independent ints that equal a batch: seq == heads == head dim == 4 == a fit batch

@@ -29,6 +29,11 @@ from scipy import sparse
 from scipy.optimize import OptimizeWarning, linprog
 
 from autosbp.errors import NoFitError, PlanError
+
+try:  # HiGHS as scipy binds it, for `linprog` (private: where it moves, `_linprog` serves)
+    from scipy.optimize._highspy import _core as _HIGHS  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - scipy < 1.15
+    _HIGHS = None
 from autosbp.planner.ilp_problem import Costs, Key, MaxTerm, Problem
 
 Values = dict[Key, list[float]]  # per node, its candidates' values
@@ -58,20 +63,78 @@ OBJECTIVE_BOUND_REACHED = "Bound on objective reached"  # HiGHS's words for that
 def relax(
     problem: Problem, time_limit_s: float, cutoff_s: float = math.inf
 ) -> Relaxed | CutOff | None:
-    """The LP relaxation (x in [0, 1]) solved by HiGHS through scipy; `CutOff` as soon as its
-    bound reaches `cutoff_s`; None if HiGHS stops without either (out of time).
+    """The LP relaxation (x in [0, 1]) solved by HiGHS; `CutOff` as soon as its bound reaches
+    `cutoff_s`; None if HiGHS stops without either (out of time).
 
     The matrices are built with numpy, a fraction of the time pywraplp takes for the same rows.
     Presolve is off: on the 22 LPs of a 96-layer GPT-3 search it took 3x the time of solving
     without it (7.3 s vs 2.3 s), for the same optima (measured, scipy 1.17). A cutoff goes to
-    HiGHS as its `objective_bound` (scipy passes options it does not know to HiGHS verbatim):
-    the dual simplex keeps a dual feasible point, whose objective bounds the LP's from below,
-    and stops once that passes the cutoff (HiGHS checks it with the exact costs). On GPT-3's
-    hopeless configurations that took 45-80% of a full solve (measured)."""
+    HiGHS as its `objective_bound`: the dual simplex keeps a dual feasible point, whose
+    objective bounds the LP's from below, and stops once that passes the cutoff (HiGHS checks
+    it with the exact costs). On GPT-3's hopeless configurations that took 45-80% of a full
+    solve (measured). HiGHS is called through the binding scipy ships (`_highs_lp`), or
+    through `linprog` where that binding is not there."""
     lp = LinearProgram(problem)
-    options = {"time_limit": time_limit_s, "presolve": False}
-    if math.isfinite(cutoff_s):
-        options["objective_bound"] = cutoff_s * lp.scale
+    bound = cutoff_s * lp.scale if math.isfinite(cutoff_s) else None
+    solved = _highs_lp(lp, time_limit_s, bound) if _HIGHS else _linprog(lp, time_limit_s, bound)
+    if solved is None or isinstance(solved, str):
+        if solved == "infeasible":
+            raise NoFitError("no strategy assignment satisfies the constraints (infeasible LP).")
+        return CutOff(cutoff_s) if solved == "cut off" else None
+    x, objective, reduced = solved
+    values = {v: list(x[at : at + n]) for v, (at, n) in lp.x_at.items()}
+    return Relaxed(values, objective / lp.scale, reduced / lp.scale, lp)
+
+
+Outcome = tuple[np.ndarray, float, np.ndarray] | str | None  # (x, objective, reduced costs)
+
+
+def _highs_lp(lp: LinearProgram, time_limit_s: float, objective_bound: float | None) -> Outcome:
+    """The LP by HiGHS through scipy's own binding of it: the x values, the optimum and the
+    reduced costs (HiGHS's column duals: 0 on basic columns, >= 0 at a lower bound, <= 0 at an
+    upper), "cut off", "infeasible", or None. scipy's `linprog` wraps the same call, but then
+    reads each column's basis status in a Python loop (0.1-0.4 s on a 22k-column GPT-3 LP,
+    as long as HiGHS takes to solve it; measured)."""
+    assert _HIGHS is not None
+    matrix = lp.rows().tocsc()
+    lower, upper = lp.row_bounds()
+    model = _HIGHS.HighsLp()
+    model.num_col_, model.num_row_ = lp.size, matrix.shape[0]
+    model.col_cost_, model.col_lower_, model.col_upper_ = lp.cost, np.zeros(lp.size), lp.upper
+    model.row_lower_, model.row_upper_ = lower, upper
+    model.a_matrix_.format_ = _HIGHS.MatrixFormat.kColwise
+    model.a_matrix_.num_col_, model.a_matrix_.num_row_ = lp.size, matrix.shape[0]
+    model.a_matrix_.start_, model.a_matrix_.index_ = matrix.indptr, matrix.indices
+    model.a_matrix_.value_ = matrix.data
+    highs = _HIGHS._Highs()
+    for option, value in (
+        ("output_flag", False),
+        ("presolve", "off"),
+        ("time_limit", time_limit_s),
+    ):
+        highs.setOptionValue(option, value)
+    if objective_bound is not None:
+        highs.setOptionValue("objective_bound", objective_bound)
+    highs.passModel(model)
+    highs.run()
+    status = highs.getModelStatus()
+    if status == _HIGHS.HighsModelStatus.kInfeasible:
+        return "infeasible"
+    if status == _HIGHS.HighsModelStatus.kObjectiveBound:
+        return "cut off"
+    if status != _HIGHS.HighsModelStatus.kOptimal:
+        return None  # out of time, or a status this code does not know: no bound
+    solution = highs.getSolution()
+    objective = float(highs.getInfo().objective_function_value)
+    return np.array(solution.col_value), objective, np.array(solution.col_dual)
+
+
+def _linprog(lp: LinearProgram, time_limit_s: float, objective_bound: float | None) -> Outcome:
+    """`_highs_lp` through scipy's `linprog` (the options it does not know, objective_bound,
+    go to HiGHS verbatim)."""
+    options: dict[str, object] = {"time_limit": time_limit_s, "presolve": False}
+    if objective_bound is not None:
+        options["objective_bound"] = objective_bound
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Unrecognized options", OptimizeWarning)
         result = linprog(
@@ -80,14 +143,12 @@ def relax(
             method="highs", options=options,
         )  # fmt: skip
     if result.status == 2:
-        raise NoFitError("no strategy assignment satisfies the constraints (infeasible LP).")
+        return "infeasible"
     if result.status == 4 and OBJECTIVE_BOUND_REACHED in result.message:
-        return CutOff(cutoff_s)
+        return "cut off"
     if result.status != 0:
-        return None  # out of time, or a status this code does not know: no bound
-    values = {v: list(result.x[at : at + n]) for v, (at, n) in lp.x_at.items()}
-    reduced = (result.lower.marginals + result.upper.marginals) / lp.scale
-    return Relaxed(values, float(result.fun) / lp.scale, reduced, lp)
+        return None
+    return result.x, float(result.fun), result.lower.marginals + result.upper.marginals
 
 
 FIXING_TOLERANCE = 1e-7  # relative; HiGHS's optima and duals are good to ~1e-9 of the costs

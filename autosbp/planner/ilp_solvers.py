@@ -98,24 +98,19 @@ def _highs_lp(lp: LinearProgram, time_limit_s: float, objective_bound: float | N
     assert _HIGHS is not None
     matrix = lp.rows().tocsc()
     lower, upper = lp.row_bounds()
-    model = _HIGHS.HighsLp()
-    model.num_col_, model.num_row_ = lp.size, matrix.shape[0]
-    model.col_cost_, model.col_lower_, model.col_upper_ = lp.cost, np.zeros(lp.size), lp.upper
-    model.row_lower_, model.row_upper_ = lower, upper
-    model.a_matrix_.format_ = _HIGHS.MatrixFormat.kColwise
-    model.a_matrix_.num_col_, model.a_matrix_.num_row_ = lp.size, matrix.shape[0]
-    model.a_matrix_.start_, model.a_matrix_.index_ = matrix.indptr, matrix.indices
-    model.a_matrix_.value_ = matrix.data
     highs = _HIGHS._Highs()
-    for option, value in (
-        ("output_flag", False),
-        ("presolve", "off"),
-        ("time_limit", time_limit_s),
-    ):
+    options = (("output_flag", False), ("presolve", "off"), ("time_limit", time_limit_s))
+    for option, value in options:
         highs.setOptionValue(option, value)
     if objective_bound is not None:
         highs.setOptionValue("objective_bound", objective_bound)
-    highs.passModel(model)
+    status = highs.passModel(  # the numpy overload: no copy through Python lists
+        lp.size, matrix.shape[0], matrix.nnz, int(_HIGHS.MatrixFormat.kColwise),
+        int(_HIGHS.ObjSense.kMinimize), 0.0, lp.cost, np.zeros(lp.size), lp.upper, lower, upper,
+        matrix.indptr.astype(np.int32), matrix.indices.astype(np.int32), matrix.data,
+        np.zeros(lp.size, dtype=np.int32),  # every column continuous
+    )  # fmt: skip
+    assert status == _HIGHS.HighsStatus.kOk, f"HiGHS refused the LP ({status})"
     highs.run()
     status = highs.getModelStatus()
     if status == _HIGHS.HighsModelStatus.kInfeasible:

@@ -14,9 +14,10 @@ Rows, for one mesh dim:
                               the range is the data's own, which a part does not know: B only)
   scatter / scatter_add /     any dim d other than `dim` split in self, index and src alike,
   index_add                   where index, self and src have the same size there (chunk k of
-                              each then holds the same positions); the accumulating ones are
-                              linear in (self, src) together: self P, src P, index B -> P;
-                              scatter of a value 0 likewise (self P -> P)
+                              each then holds the same positions; index_add's index is 1-D
+                              along `dim` and stays B); the accumulating ones are linear in
+                              (self, src) together: self P, src P, index B -> P; scatter of a
+                              value 0 likewise (self P -> P)
   index_put                   with index tensors for the leading dims only, a trailing dim may
                               be split in self and values (values follow by broadcasting);
                               accumulate=True is linear: self P, values P, indices B -> P
@@ -29,7 +30,9 @@ Rows, for one mesh dim:
                               weights and exact zeros elsewhere (`ExpertRows`), so the sum over
                               devices is the output (each row belongs to exactly one expert).
                               The rows themselves are never split: where one expert's rows end
-                              is data, and shapes are static.
+                              is data, and shapes are static. aten._grouped_mm's kernel wants
+                              16-byte strides: its column and K splits are listed only where
+                              the local sizes keep them.
 Without a capacity, routing decides how many rows each device computes; the planner prices the
 expert split at 1/n of the rows (`costs`: the smallest local share), i.e. balanced routing, the
 average of the step time, not its worst case. Capacity-based dispatch (the zoo's `moe`) has no

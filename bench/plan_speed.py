@@ -1,27 +1,36 @@
-"""How fast the planner plans GPT-3 175B for 1024 A100s, and how that grows with depth.
+"""How fast the planner plans GPT-3 175B for 1024 A100s, how that grows with depth, and how the
+plan compares with every hand plan of a grid.
 
-Run: python bench/plan_speed.py [--layers 12 48 96] [--no-megatron] [--repeat 3]
+Run: python bench/plan_speed.py [--layers 12 48 96] [--repeat 3] [--no-megatron] [--hand-grid]
 
 GPT-3 175B (hidden 12288, 96 heads, seq 2048, vocab 51200, global batch 1536, bf16, Adam) on
 the dgx-a100 profile with 128 nodes, at the profile's memory limit (80 GB less the 10% reserve).
 For each depth it prints the capture time (torch.export on the meta device, micro-batch graphs
-for every power-of-two count), the full search time (stage counts, stage meshes, micro-batch
-counts, recomputation, one signature per op: the least of --repeat searches, taken in turn
-across depths as the host drifts, and the most beside it), the configurations the search
-reached, bounded by an LP and solved, the solver's status and gap, the chosen plan,
-and the ratio of each search time to the shallowest one (of the least times, then turn by
-turn: searches of one turn ran minutes apart at most). Targets (issue "Planner"): search
-<= 30 s on a 2-core machine, gap <= 1%, 96 layers <= 2x the time of 12.
+for every count that divides the batch), the sound search's time (`planner.search`: every stage
+count, stage mesh, micro-batch count and recomputation, best-first by proven bounds, one
+signature per op: the least of --repeat searches, taken in turn across depths as the host
+drifts, and the most beside it; and the least CPU time, which the host's other load inflates
+less), the configurations of the space, bounded by an LP and solved, the status and the gap
+proven over the whole space, the chosen plan, the ratio of each search time to the shallowest
+one (of the least times, then turn by turn), and the process's peak RSS (an upper bound of the
+deepest plan's: every depth's graphs are held at once). Targets (issue "Planner II"): search
+<= 30 s at 96 layers on a 2-core machine, gap <= 1%, the 96/12 ratio reported, RSS < 2 GB.
 
 Beside each auto plan it prices the Megatron-LM plan of Narayanan et al. 2021 for this model
 (tensor parallel 8 inside a node, 16 pipeline stages, data parallel 8, micro-batches of one
-sequence per data-parallel rank: 192 of them, full recomputation) with the same cost model; at depths
-that 16 stages do not divide it uses as many stages as divide the layers (at most 16).
+sequence per data-parallel rank: 192 of them, full recomputation) with the same cost model; at
+depths that 16 stages do not divide it uses as many stages as divide the layers (at most 16).
+With --hand-grid it prices, at the deepest depth, every hand plan of the grid tp in {1, 2, 4,
+8} x pp in {1, 2, 4, 8, 16} (dp the rest) x recomputation {none, selective, full}, each with its
+best micro-batch count (searched: the counts dp divides the micro-batches of, >= pp), and prints
+them beside auto, fastest first.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,17 +40,19 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # this script's folder w
 
 from autosbp.capturing.graph import OpGraph  # noqa: E402
 from autosbp.capturing.rebatch import micro_batch_graphs  # noqa: E402
+from autosbp.errors import PlanError  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import plan_graphs  # noqa: E402
-from autosbp.planner.search import powers_of_two_dividing  # noqa: E402
+from autosbp.planner.search import divisors  # noqa: E402
 from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron  # noqa: E402
 
 DEVICES = 1024
 PROFILE = "dgx-a100"
 COMMON: dict = {
     "profile": PROFILE, "devices": DEVICES, "memory_limit": None, "optimizer": "adam",
-    "dtype": "bf16",
+    "dtype": "bf16", "global_batch": GPT3_175B["batch"], "time_limit_s": 300,
 }  # fmt: skip
+GRID_TP, GRID_PP, GRID_RECOMPUTE = (1, 2, 4, 8), (1, 2, 4, 8, 16), ("none", "selective", "full")
 
 
 @dataclass
@@ -50,41 +61,56 @@ class Depth:
 
     layers: int
     graphs: dict[int, OpGraph]
-    counts: tuple[int, ...]  # micro-batch counts the search tries
-    hand: tuple[str, int]  # the Megatron-LM strategy and its micro-batch count
+    hand: str  # the Megatron-LM strategy
     capture_s: float
     search_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
     auto: Plan | None = None
     megatron: Plan | None = None
 
 
-def capture(layers: int, with_megatron: bool) -> Depth:
-    """The micro-batch graphs of GPT-3 with `layers` layers, and the time capturing took."""
+def capture(layers: int) -> Depth:
+    """The micro-batch graphs of GPT-3 with `layers` layers (every count that divides the
+    batch), and the time capturing took."""
     model, inputs = gpt3_175b(layers)
-    counts = powers_of_two_dividing(GPT3_175B["batch"])
-    hand, hand_count = gpt3_megatron(layers, DEVICES)
-    wanted = (*counts, hand_count) if with_megatron else counts
+    hand, _ = gpt3_megatron(layers, DEVICES)
     start = time.perf_counter()
-    graphs = micro_batch_graphs(model, inputs, wanted, name=f"gpt3-{layers}l")
-    return Depth(layers, graphs, counts, (hand, hand_count), time.perf_counter() - start)
+    graphs = micro_batch_graphs(model, inputs, divisors(GPT3_175B["batch"]), name=f"gpt3-{layers}l")
+    return Depth(layers, graphs, hand, time.perf_counter() - start)
+
+
+def plan_auto(graphs: dict[int, OpGraph]) -> Plan:
+    """The plan `autosbp plan` makes for GPT-3 (tests/test_planner.py holds them equal)."""
+    return plan_graphs(graphs, **COMMON, strategy="auto")
+
+
+def plan_megatron(graphs: dict[int, OpGraph], hand: str, recompute: str = "full") -> Plan:
+    """A hand plan priced by the same model: its micro-batch count searched unless it names one."""
+    return plan_graphs(graphs, **COMMON, strategy=hand, recompute=recompute)
 
 
 def search(depth: Depth) -> None:
-    """One full search on the captured graphs: its time joins the others, its plan is kept."""
-    start = time.perf_counter()
-    depth.auto = plan_graphs(
-        {c: depth.graphs[c] for c in depth.counts}, **COMMON, global_batch=GPT3_175B["batch"],
-        strategy="auto", time_limit_s=60,
-    )  # fmt: skip
+    """One full search on the captured graphs: its times join the others, its plan is kept."""
+    start, cpu = time.perf_counter(), _cpu_s()
+    depth.auto = plan_auto(depth.graphs)
     depth.search_s.append(time.perf_counter() - start)
+    depth.cpu_s.append(_cpu_s() - cpu)
 
 
-def price_megatron(depth: Depth) -> None:
-    hand, hand_count = depth.hand
-    depth.megatron = plan_graphs(
-        {hand_count: depth.graphs[hand_count]}, **COMMON, global_batch=GPT3_175B["batch"],
-        strategy=hand, recompute="full", time_limit_s=60,
-    )  # fmt: skip
+def hand_grid(graphs: dict[int, OpGraph]) -> list[tuple[str, str, Plan | None, str]]:
+    """Every hand plan of the grid (strategy, recomputation, its plan or None, why not)."""
+    rows: list[tuple[str, str, Plan | None, str]] = []
+    for tp in GRID_TP:
+        for pp in GRID_PP:
+            strategy = f"megatron:tp={tp},pp={pp},dp={DEVICES // (tp * pp)}"
+            for recompute in GRID_RECOMPUTE:
+                try:
+                    rows.append(
+                        (strategy, recompute, plan_megatron(graphs, strategy, recompute), "")
+                    )
+                except PlanError as exc:
+                    rows.append((strategy, recompute, None, str(exc).split(". ")[0][:60]))
+    return rows
 
 
 def describe(plan: Plan) -> str:
@@ -92,28 +118,47 @@ def describe(plan: Plan) -> str:
     return f"{len(plan.stages)}st x {mesh}, mb {plan.micro_batches}, {plan.recompute}"
 
 
+def _cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[12, 48, 96])
     parser.add_argument("--no-megatron", action="store_true", help="skip the Megatron plan")
+    parser.add_argument("--hand-grid", action="store_true", help="price the hand-plan grid too")
     parser.add_argument(
         "--repeat", type=int, default=3,
         help="searches per depth, taken in turn across depths (the host drifts); the least counts",
     )  # fmt: skip
     args = parser.parse_args()
-    depths = [capture(layers, not args.no_megatron) for layers in args.layers]
+    depths = [capture(layers) for layers in args.layers]
     for turn in range(args.repeat):
         for depth in depths:
             search(depth)
             print(f"search {turn + 1}/{args.repeat}, {depth.layers} layers", file=sys.stderr)
     if not args.no_megatron:
         for depth in depths:
-            price_megatron(depth)
+            depth.megatron = plan_megatron(depth.graphs, depth.hand)
+    print_depths(depths)
+    if args.hand_grid:
+        print_grid(depths[-1])
+    print(
+        f"peak RSS of the process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    )
+    print(
+        f"regenerate: python bench/plan_speed.py --layers {' '.join(map(str, args.layers))} "
+        f"--repeat {args.repeat}{' --hand-grid' if args.hand_grid else ''}"
+    )
+
+
+def print_depths(depths: list[Depth]) -> None:
     base = min(depths[0].search_s)
     print(
-        f"{'layers':>6} {'capture s':>9} {'search s':>8} {'(most)':>6} {'vs first':>8} "
-        f"{'configs/LP/solved':>17} {'status':>8} {'gap':>6} {'auto plan':<34} {'step s':>7} "
-        f"{'megatron step s':>15} {'auto/megatron':>13}"
+        f"{'layers':>6} {'capture s':>9} {'search s':>8} {'(most)':>6} {'cpu s':>6} "
+        f"{'vs first':>8} {'configs/LP/solved':>17} {'status':>8} {'gap':>6} {'auto plan':<30} "
+        f"{'step s':>7} {'megatron step s':>15} {'megatron/auto':>13}"
     )
     for depth in depths:
         auto, megatron = depth.auto, depth.megatron
@@ -121,26 +166,48 @@ def main() -> None:
         search_s = min(depth.search_s)
         hand = f"{megatron.predicted.step_time_s:>15.2f}" if megatron else f"{'-':>15}"
         ratio = (
-            f"{auto.predicted.step_time_s / megatron.predicted.step_time_s:>13.3f}"
+            f"{megatron.predicted.step_time_s / auto.predicted.step_time_s:>12.2f}x"
             if megatron
             else f"{'-':>13}"
         )
         effort = f"{auto.solver.configurations}/{auto.solver.bounded}/{auto.solver.solved}"
         print(
             f"{depth.layers:>6} {depth.capture_s:>9.1f} {search_s:>8.1f} "
-            f"{max(depth.search_s):>6.1f} {search_s / base:>7.2f}x {effort:>17} {auto.solver.status:>8} "
-            f"{auto.solver.gap:>6.2%} {describe(auto):<34} {auto.predicted.step_time_s:>7.2f} "
-            f"{hand} {ratio}"
+            f"{max(depth.search_s):>6.1f} {min(depth.cpu_s):>6.1f} {search_s / base:>7.2f}x "
+            f"{effort:>17} {auto.solver.status:>8} {auto.solver.gap:>6.2%} {describe(auto):<30} "
+            f"{auto.predicted.step_time_s:>7.2f} {hand} {ratio}"
         )
     for depth in depths[1:]:
         turns = ", ".join(
             f"{a / b:.2f}x" for a, b in zip(depth.search_s, depths[0].search_s, strict=True)
         )
         print(f"{depth.layers} vs {depths[0].layers} layers, turn by turn: {turns}")
-    print(
-        f"regenerate: python bench/plan_speed.py --layers {' '.join(map(str, args.layers))} "
-        f"--repeat {args.repeat}"
+
+
+def print_grid(depth: Depth) -> None:
+    auto = depth.auto
+    assert auto is not None
+    rows = hand_grid(depth.graphs)
+    fitting = sorted(
+        (r for r in rows if r[2] is not None), key=lambda r: r[2].predicted.step_time_s
     )
+    print(
+        f"\nauto vs the hand-plan grid, {depth.layers} layers ({len(fitting)} of {len(rows)} fit)"
+    )
+    print(f"{'plan':<28} {'recompute':>9} {'micro-batches':>13} {'step s':>7} {'vs auto':>8}")
+    print(
+        f"{'auto (' + describe(auto) + ')':<28} {auto.recompute:>9} {auto.micro_batches:>13} "
+        f"{auto.predicted.step_time_s:>7.2f} {1:>7.2f}x"
+    )
+    for strategy, recompute, plan, _ in fitting:
+        assert plan is not None
+        step = plan.predicted.step_time_s
+        print(
+            f"{strategy.removeprefix('megatron:'):<28} {recompute:>9} {plan.micro_batches:>13} "
+            f"{step:>7.2f} {step / auto.predicted.step_time_s:>7.2f}x"
+        )
+    for strategy, recompute, _, why in (r for r in rows if r[2] is None):
+        print(f"{strategy.removeprefix('megatron:'):<28} {recompute:>9} does not fit: {why}")
 
 
 if __name__ == "__main__":

@@ -96,9 +96,14 @@ def auto_parallelize(
     dtype = dtype or _dtype_of(model)
     _check_request(devices, optimizer, dtype)  # before the capture, which can take a while
     _check_limits(memory_limit, global_batch, time_limit_s)
+    space = strategy_space(strategy, recompute)
     inputs = in_dtype(model, at_global_batch(example_inputs, global_batch), dtype)
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
-    counts = (micro_batches,) if micro_batches is not None else _micro_batch_counts(inputs)
+    counts = (micro_batches,) if micro_batches is not None else space.micro_batches
+    if counts is None:  # the counts the space may choose: only those are captured
+        counts = tuple(
+            c for c in _micro_batch_counts(inputs) if (batch // c) % space.data_parallel == 0
+        ) or (1,)
     graphs: dict[int, OpGraph] = {}
 
     def graph_for(count: int) -> OpGraph:

@@ -154,16 +154,22 @@ def search_space(graphs: dict[int, OpGraph], prices: RandomPrices, limit: float 
 
 
 def bounds_of(graph: OpGraph, prices: RandomPrices, item: Solved) -> dict[str, float]:
-    """The search's three bounds of one configuration, computed afresh."""
+    """The search's bounds of one configuration, computed afresh."""
     mp = item.mp
     tied = tie_stages(tie_graph(graph), mp.split)
     copies = tied.copies()
     floors = compute_floors(graph, prices, mp.mesh.size, {r for _, r in copies})
     nodes = {r: unhidden_s(mp.strategies[r]) for _, r in copies}
     args = (graph, copies, item.stages)
+    least = build_problem(  # bound (2a): the least recomputation, no memory limit
+        graph, mp.mesh, prices, optimizer="adam", memory_limit_bytes=None,
+        micro_batches=item.count, split=mp.split, recompute="none",
+        stage_link=link_of((item.stages, mp.mesh.size), 0),
+    )  # fmt: skip
     return {
         "floor": step_bound(*args, floors, item.count, mp.recompute),
         "nodes": step_bound(*args, nodes, item.count, mp.recompute),
+        "shared": lower_bound_of(least, 60) or math.inf,
         "lp": lower_bound_of(mp, 60) or math.inf,
     }
 

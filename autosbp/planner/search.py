@@ -22,10 +22,17 @@ space it can be, with these lower bounds of every plan of c (so of V(c)), tried 
      flops and bytes, so no signature is faster), parameters at 0, no boxing, no transfers;
  (1) nodes: the same with each node at its cheapest signature on the stage mesh (a
      parameter's update without its sync, which backward may hide);
+ (2a) shared, by the recomputation modes of one stage count, mesh and micro-batch count: the
+     LP relaxation, without memory constraints, of the least recomputing mode in the space;
  (2) LP: the LP relaxation of the configuration's ILP (`problem.lower_bound_of`).
 Each is at most the ILP's objective of every choice (dropping edges, transfers and the update
-of stage 0 drops non-negative terms; an LP relaxation is at most its ILP), and the objective is
-at most `predict` of the same choice (`objective`'s derivation), so each bound is at most V(c).
+of stage 0 drops non-negative terms; an LP relaxation is at most its ILP; dropping constraints
+only lowers an LP), and the objective is at most `predict` of the same choice (`objective`'s
+derivation), so each bound is at most V(c). For (2a): recomputation only adds time, choice by
+choice and so for every point of the LP. It adds d >= 0 to a stage's busy time (per candidate
+and pair: a recomputed forward), which enters a path bound P(s, k) as m d (stage k), d (a
+drain stage), and - h d in stage s's update (h <= 1), so each path bound changes by (m - h) d
+or (1 - h) d or more, never less than 0; every mode has the same candidates, pairs and paths.
 A configuration is infeasible (not a bound, no plan) when a node has no candidate, when a
 stage overflows with every node at its fewest bytes, or when its LP is infeasible.
 
@@ -62,7 +69,7 @@ from autosbp.planner.costs import BoxingPricer, NodeStrategies, Prices
 from autosbp.planner.ilp import SolverTimeoutError
 from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.nofit import Refusals
-from autosbp.planner.pipeline import StageSplit, split_stages
+from autosbp.planner.pipeline import RECOMPUTE_MODES, StageSplit, split_stages
 from autosbp.planner.problem import (
     MIP_GAP,
     MeshProblem,
@@ -70,6 +77,7 @@ from autosbp.planner.problem import (
     Priced,
     bound_mesh,
     build_problem,
+    lower_bound_of,
     predict,
     price_graph,
     solve_mesh,
@@ -200,7 +208,8 @@ FLOOR, NODES, LP = 0, 1, 2  # the bound a configuration in the heap holds (the m
 @dataclass
 class _Search:
     """One `search`: its request, then its state: the heap of configurations by bound, the
-    best plan so far, the least bound of retired configurations, caches, and what it refused."""
+    best plan so far, the least bound of retired configurations, caches, and what it refused.
+    Bound (2a) is computed once a plan is known (before, nothing is cut: it would only cost)."""
 
     graph_for: GraphFor
     batch: int
@@ -226,6 +235,7 @@ class _Search:
     priced: dict[tuple[int, Mesh], Priced] = field(default_factory=dict)
     pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
     parameters: dict[Hashable, NodeStrategies] = field(default_factory=dict)  # `price_graph`
+    shared: dict[tuple[int, Mesh, int], float] = field(default_factory=dict)  # bound (2a)
     configurations: int = 0
     bounded: int = 0
     solved: int = 0
@@ -363,7 +373,11 @@ class _Search:
             if found is not None:  # None: the configuration has no plan
                 self.push(max(bound, found), NODES, config, None)
         elif level == NODES:
-            self.bound_by_lp(config, bound)
+            shared = self.shared_bound(config)
+            if shared > bound:  # back into the heap: (2a) may have passed another's bound
+                self.push(shared, NODES, config, None)
+            else:
+                self.bound_by_lp(config, bound)
         else:
             assert mp is not None
             self.solve(config, bound, mp)
@@ -391,19 +405,38 @@ class _Search:
             stages.graph, stages.copies, config.num_stages, times, config.count, config.recompute
         )
 
-    def bound_by_lp(self, config: Config, bound: float) -> None:
-        """Bound (2): back into the heap with the problem behind it; kept as solved when the
-        LP relaxation is integral (its optimum); dropped if nothing fits."""
+    def shared_bound(self, config: Config) -> float:
+        """Bound (2a), of every recomputation mode of this stage count, mesh and count at once:
+        the LP relaxation of the least recomputing mode without memory constraints. Computed
+        once a plan is known (it only helps against a cutoff); -inf before, or when no other
+        mode of the space could use it."""
+        key = (config.num_stages, config.mesh, config.count)
+        if key not in self.shared:
+            if self.best is None or len(self.space.recompute) == 1:
+                return -math.inf
+            least = min(self.space.recompute, key=RECOMPUTE_MODES.index)
+            mp = self.build(replace(config, recompute=least), memory_limit_bytes=None)
+            self.bounded += 1
+            found = lower_bound_of(mp, self.time_left(), self.cutoff())
+            self.shared[key] = math.inf if found is None else found
+        return self.shared[key]
+
+    def build(self, config: Config, memory_limit_bytes: float | None) -> MeshProblem:
         stages = self.stages[(config.count, config.num_stages)]
         if self.progress:
             self.progress(f"bounding {config.describe()}")
-        mp = build_problem(
+        return build_problem(
             stages.graph, config.mesh, self.prices, optimizer=self.optimizer,
-            memory_limit_bytes=self.memory_limit_bytes, allow=self.space.allow,
+            memory_limit_bytes=memory_limit_bytes, allow=self.space.allow,
             micro_batches=config.count, split=stages.split, recompute=config.recompute,
             stage_link=self.link_of((config.num_stages, config.mesh.size), 0),
             priced=self.priced_of(config), tied=stages.tied,
         )  # fmt: skip
+
+    def bound_by_lp(self, config: Config, bound: float) -> None:
+        """Bound (2): back into the heap with the problem behind it; kept as solved when the
+        LP relaxation is integral (its optimum); dropped if nothing fits."""
+        mp = self.build(config, self.memory_limit_bytes)
         if self.memory_limit_bytes is not None and self.refusals.overflows(mp):
             return
         self.bounded += 1

@@ -5,8 +5,8 @@ Lives here: small modules, each `model(*inputs)` returning a loss, and `build(ca
 (seeded weights, inputs drawn on the CPU and moved to `device`). Each reproduces one construct
 of Hugging Face, torchvision or timm models in a few lines: attention's
 `transpose().contiguous()`, `x.to(device)` and `arange(device=...)`, T5's indexing assignments
-with a Python scalar, HF's empty KV-cache constant, in-place activations and residual adds, and
-a `torch.no_grad()` region (HF's rotary embeddings). Lives elsewhere: the tests
+with a Python scalar, HF's empty KV-cache constant and non-persistent buffers, in-place
+activations and residual adds, and a `torch.no_grad()` region (HF's rotary embeddings). Lives elsewhere: the tests
 (tests/test_capture_canonical.py, tests/test_inplace_plans.py).
 """
 
@@ -62,6 +62,19 @@ class ShiftRight(nn.Module):
         shifted[..., 0] = 3
         shifted.masked_fill_(shifted == 5, 0)
         return F.mse_loss(self.embed(shifted), y)
+
+
+class PositionBuffer(nn.Module):
+    """HF's non-persistent buffers (`position_ids`, rotary `inv_freq`): no state_dict entry,
+    export lifts them as constants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, HIDDEN), persistent=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.fc(x) * self.scale, y)
 
 
 class EmptyCache(nn.Module):
@@ -134,6 +147,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor,
     "device-moves": (DeviceMoves, _floats),
     "shift-right": (ShiftRight, _ids),
     "empty-cache": (EmptyCache, _floats),
+    "position-buffer": (PositionBuffer, _floats),
     "inplace-cnn": (InplaceCnn, _images),
     "no-grad": (NoGradScale, _floats),
 }

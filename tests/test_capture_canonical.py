@@ -73,6 +73,17 @@ def test_graph_captured_on_meta_trains_like_eager_on_cpu(case: str) -> None:
         torch.testing.assert_close(grad, eager_grads[name], rtol=0, atol=0, msg=name)
 
 
+def test_non_persistent_buffers_keep_the_models_values() -> None:
+    """Capture traces on fake tensors; a buffer export lifts as a constant must come back as the
+    model's own tensor (its values), not the fake: the state dict does not hold it."""
+    model, inputs = build("position-buffer", "cpu")
+    graph = capture(model, inputs)
+    assert "scale" not in model.state_dict()
+    assert graph.meta["constants"]["scale"] is model.scale
+    got = run_graph(graph, dict(model.state_dict()), inputs)
+    torch.testing.assert_close(got, model(*inputs), rtol=0, atol=0)
+
+
 def test_device_arguments_become_run_device() -> None:
     graph = capture(*build("device-moves", "meta"))
     recorded = [

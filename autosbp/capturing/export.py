@@ -142,10 +142,14 @@ def _check_inputs(
 
 def _export(model: nn.Module, args: tuple[torch.Tensor, ...], name: str) -> ExportedProgram:
     try:
-        with torch_report_held_back(), _on_fake_cpu(model, args) as fake_args:
-            return torch.export.export(model, fake_args, strict=False)
+        with torch_report_held_back(), _on_fake_cpu(model, args) as (fake_args, originals):
+            program = torch.export.export(model, fake_args, strict=False)
     except Exception as exc:
         raise explain_export_failure(exc, model, name) from exc
+    for key, value in program.constants.items():  # a non-persistent buffer: the model's tensor
+        if id(value) in originals:
+            program.constants[key] = originals[id(value)]
+    return program
 
 
 # The device every capture traces on, whatever device the model's tensors are on: fake tensors
@@ -159,12 +163,15 @@ _CAPTURE_DEVICE = torch.device("cpu")
 @contextlib.contextmanager
 def _on_fake_cpu(
     model: nn.Module, args: tuple[torch.Tensor, ...]
-) -> Iterator[tuple[torch.Tensor, ...]]:
+) -> Iterator[tuple[tuple[torch.Tensor, ...], dict[int, torch.Tensor]]]:
     """The model's parameters and buffers swapped for fake tensors on `_CAPTURE_DEVICE` (one
-    per tensor, so tied ones stay tied) while the block runs, and `args` as such fakes; the
-    model is restored after. Constants made in forward keep real values (export lifts them)."""
+    per tensor, so tied ones stay tied) while the block runs, `args` as such fakes, and each
+    fake's original by id (export lifts a non-persistent buffer, HF's `position_ids`, as a
+    constant: the fake, until it is swapped back); the model is restored after. Constants
+    made in forward from Python data keep their real values."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     fakes: dict[int, torch.Tensor] = {}
+    originals: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in fakes:
@@ -175,6 +182,7 @@ def _on_fake_cpu(
             fakes[id(t)] = (
                 nn.Parameter(made, t.requires_grad) if isinstance(t, nn.Parameter) else made
             )
+            originals[id(fakes[id(t)])] = t
         return fakes[id(t)]
 
     swapped: list[tuple[dict[str, Any], str, Any]] = []
@@ -186,7 +194,7 @@ def _on_fake_cpu(
                     if tensor is not None:
                         swapped.append((table, key, tensor))
                         table[key] = fake(tensor)
-        yield tuple(fake(a) for a in args)
+        yield tuple(fake(a) for a in args), originals
     finally:
         for table, key, tensor in reversed(swapped):
             table[key] = tensor
@@ -283,8 +291,11 @@ def run_graph(
 ) -> torch.Tensor:
     """Interpret the graph node by node: the loss of the model on `params` and `inputs`.
 
-    `params` maps parameter and buffer names (`state_dict` keys) to tensors (buffers are updated
-    in place, as eager would); lifted constants come from the capture. `device` is the graph's
+    `params` maps parameter and buffer names to tensors (buffers are updated in place, as eager
+    would): `named_parameters` and `named_buffers` (remove_duplicate=False: every name of a
+    tied tensor), whose non-persistent buffers `state_dict` leaves out (export lifts them as
+    constants, and a capture on meta holds no values for them); other lifted constants come
+    from the capture. `device` is the graph's
     `RUN_DEVICE`, where factory ops (arange, zeros ...) create tensors (default: the first
     input's device, else the CPU). Views run as `STRIDE_FREE` says.
     """
@@ -324,7 +335,8 @@ def _lookup_state(
         return constants[fqn]
     raise CaptureError(
         f"run_graph: no tensor for parameter/buffer {fqn!r}; pass the model's state, e.g. "
-        "`dict(model.state_dict(keep_vars=True))`."
+        "`{**dict(model.named_parameters(remove_duplicate=False)), "
+        "**dict(model.named_buffers(remove_duplicate=False))}`."
     )
 
 

@@ -1,0 +1,58 @@
+"""Module-level worker of the real-model suite (spawned by `costmodel.launch.run_workers`).
+
+Lives here: `train_checked`, which trains each case (a model of tests/real_models.py under a
+plan) on every rank for a few steps with `--check`'s machinery as `autosbp train --check` runs
+it (`runtime.check.StepChecker` beside the Engine on every rank, the verdict by
+`runtime.check_report.judge` on rank 0). One world serves every case: process start-up and
+the imports of torch and transformers cost seconds, a case far less. Lives elsewhere: planning
+and the assertions (tests/test_real_models.py), the models (tests/real_models.py).
+
+Invariants: every rank runs the cases in the same order (collectives match by order); a case
+that fails with an exception fails on every rank alike (the plan checks run before any
+collective) and is reported as data, so the next case still runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autosbp.plan import Plan
+from runtime.check import StepChecker, disable_dropout
+from runtime.check_report import judge
+from runtime.engine import Engine
+from runtime.train import adam
+from tests.real_models import BUILDERS
+
+Case = dict[str, Any]
+"""{"id": str, "model": a BUILDERS name, "plan": Plan JSON, "steps": int, "lr": float}"""
+
+
+def train_checked(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
+    """Per case on rank 0: {"passed": bool, "verdict": text, "losses": [...]}, or {"error":
+    "ErrorClass: message"}; other ranks return their losses (or the error) only."""
+    results = []
+    for case in cases:
+        try:
+            results.append(_train(case, rank))
+        except Exception as exc:  # reported per case, so the next one still runs
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+    return results
+
+
+def _train(case: Case, rank: int) -> dict[str, Any]:
+    model, inputs = BUILDERS[case["model"]]()
+    dropout = disable_dropout(model)
+    lr = case["lr"]
+    engine = Engine(
+        model, Plan.from_json(case["plan"]), lambda ps: adam(ps, lr), example_inputs=inputs
+    )
+    checker = StepChecker(engine, model, inputs, lambda ps: adam(ps, lr), dropout)
+    losses, checks = [], []
+    for step in range(case["steps"]):
+        loss = engine.step(inputs)
+        losses.append(loss)
+        checks.append(checker.after_step(step, inputs, loss))
+    if rank != 0:
+        return {"losses": losses}
+    verdict = judge([c for c in checks if c is not None])
+    return {"passed": verdict.passed, "verdict": verdict.text, "losses": losses}

@@ -1,9 +1,9 @@
 """Search: the fastest plan over every configuration (stage count, stage mesh, micro-batch count,
 recomputation mode), best-first by proven lower bounds, each configuration solved exactly.
 
-Lives here: the stage meshes of a device count (`mesh_shapes`), the micro-batch counts of a
-batch (`divisors`), the search itself (`search`: the space, the bounds in order, the stop rule,
-the proven gap). Lives elsewhere: the cheap bounds' formulas (`bounds`), the ILP of one
+Lives here: the search itself (`search`: the bounds in order, the stop rule, the proven gap).
+Lives elsewhere: the space's meshes, counts and configurations (`space`, re-exported here), the
+cheap bounds' formulas (`bounds`), the ILP of one
 configuration, its LP bound and its prediction (`problem`, `objective`), hand-plan restrictions
 (`strategies`), why nothing fits (`nofit`), the winner as a `Plan` (`assemble`).
 
@@ -83,48 +83,23 @@ from autosbp.planner.problem import (
     solve_mesh,
 )
 from autosbp.planner.reduce import TiedGraph, TiedStages, tie_graph, tie_stages
+from autosbp.planner.space import (
+    Config,
+    LinkOf,
+    divisors,
+    mesh_shapes,
+    powers_of_two_dividing,
+    structure,
+)
 from autosbp.planner.strategies import Space
 from autosbp.sbp import Mesh
 
-LinkOf = Callable[[tuple[int, ...], int], str]  # (mesh shape, mesh dim) -> link class name
+__all__ = [
+    "Config", "Found", "GraphFor", "LinkOf", "SearchEffort", "divisors", "mesh_shapes",
+    "powers_of_two_dividing", "search",
+]  # fmt: skip
+
 GraphFor = Callable[[int], OpGraph]  # micro-batch count -> the graph of one micro-batch
-
-
-def mesh_shapes(devices: int, link_of: LinkOf, devices_per_node: int | None = None) -> list[Mesh]:
-    """The 1D mesh and the 2D factorizations of `devices` (row-major over node-major device
-    ids) whose inner dim stays inside a node (divides `devices_per_node`; every factorization
-    when None); each mesh dim gets the link class its groups cross."""
-    inner_ok = (
-        (lambda n: True) if devices_per_node is None else (lambda n: devices_per_node % n == 0)
-    )
-    shapes = [(devices,)] + [
-        (devices // inner, inner)
-        for inner in range(2, devices)
-        if devices % inner == 0 and inner_ok(inner)
-    ]
-    return [
-        Mesh(
-            shape,
-            tuple(f"d{i}" for i in range(len(shape))),
-            link_classes=tuple(link_of(shape, d) for d in range(len(shape))),
-        )
-        for shape in shapes
-    ]
-
-
-def divisors(n: int) -> tuple[int, ...]:
-    """Every count that divides `n`, ascending."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return tuple(sorted({*small, *(n // d for d in small)}))
-
-
-def powers_of_two_dividing(batch: int) -> tuple[int, ...]:
-    """1, 2, 4, ... while they divide `batch`."""
-    counts, count = [], 1
-    while count <= batch and batch % count == 0:
-        counts.append(count)
-        count *= 2
-    return tuple(counts)
 
 
 @dataclass(frozen=True)
@@ -148,22 +123,6 @@ class Found:
     prediction: Prediction
     graph: OpGraph
     effort: SearchEffort | None = None  # of the search that found it
-
-
-@dataclass(frozen=True)
-class Config:
-    """One configuration of the space."""
-
-    num_stages: int
-    mesh: Mesh
-    count: int  # micro-batches
-    recompute: str
-
-    def describe(self) -> str:
-        return (
-            f"stages {self.num_stages}, mesh {'x'.join(map(str, self.mesh.shape))}, "
-            f"{self.count} micro-batches, recompute {self.recompute}"
-        )
 
 
 def search(
@@ -230,7 +189,7 @@ class _Search:
     graphs: dict[int, OpGraph | None] = field(default_factory=dict)  # None: refused
     ties: dict[int, TiedGraph] = field(default_factory=dict)
     stages: dict[tuple[int, int], _Stages] = field(default_factory=dict)
-    structures: dict[int, Hashable] = field(default_factory=dict)  # per count (`_structure`)
+    structures: dict[int, Hashable] = field(default_factory=dict)  # per count (`space.structure`)
     cuts: dict[tuple[Hashable, int], tuple[StageSplit, TiedStages]] = field(default_factory=dict)
     priced: dict[tuple[int, Mesh], Priced] = field(default_factory=dict)
     pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
@@ -363,7 +322,7 @@ class _Search:
             self.graphs[count] = graph
             if graph is not None:
                 tied = self.ties[count] = tie_graph(graph)
-                self.structures[count] = _structure(tied)
+                self.structures[count] = structure(tied)
         return self.graphs[count]
 
     def advance(self, config: Config, level: int, bound: float, mp: MeshProblem | None) -> None:
@@ -477,19 +436,6 @@ class _Search:
 
     def time_left(self) -> float:
         return max(self.deadline - time.perf_counter(), 1e-3)
-
-
-def _structure(tied: TiedGraph) -> Hashable:
-    """What cutting a graph into stages and counting its ties reads: node order, roles and
-    blocks, edges, and the ties (equal for graphs that cut and tie alike)."""
-    nodes = tied.graph.graph.nodes
-    return (
-        tuple((n, nodes[n]["role"], nodes[n].get("block")) for n in tied.graph.order),
-        tuple(tied.graph.graph.edges(data="uses")),
-        tuple(tied.member.items()),
-        tuple(tied.representative.items()),
-        tuple(tied.read_outside.items()),
-    )
 
 
 def _faster(a: Found, b: Found) -> bool:

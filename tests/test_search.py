@@ -20,7 +20,7 @@ import torch
 
 from autosbp.capturing.graph import OpGraph
 from autosbp.capturing.rebatch import micro_batch_graphs
-from autosbp.errors import MicroBatchError, NoFitError
+from autosbp.errors import MicroBatchError, NoFitError, PlanError
 from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
 from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
@@ -260,3 +260,33 @@ def test_a_count_whose_graph_does_not_capture_is_refused() -> None:
     assert found.problem.micro_batches in (1, 4)
     with pytest.raises(NoFitError, match="2 micro-batches: a micro-batch of 4 sample"):
         search(graph_for({1, 2, 4, 8}), 8, DEVICES, prices, link_of, space, **common)
+
+
+def test_on_the_time_limit_the_plan_is_feasible_with_the_gap_proven_so_far(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The time runs out right after the first plan is kept: the search returns it as
+    # "feasible" with the gap it proved, and the enumeration's optimum is within that gap.
+    from autosbp.planner import search as search_module
+
+    graphs, prices = graphs_of("gpt"), RandomPrices.draw(3)
+    keep = search_module._Search.keep
+
+    def keep_then_time_out(self, *args) -> None:
+        keep(self, *args)
+        self.deadline = -math.inf
+
+    monkeypatch.setattr(search_module._Search, "keep", keep_then_time_out)
+    found = search_space(graphs, prices, None)
+    assert found.effort is not None
+    best, _ = enumerate_space(graphs, prices, None)
+    got, gap = found.prediction.step_time_s, found.effort.gap
+    assert best >= got * (1 - gap) * (1 - 1e-9)
+    assert found.effort.status == ("optimal" if gap <= MIP_GAP * (1 + 1e-9) else "feasible")
+    assert gap > MIP_GAP, "the first plan kept was already proven: this case tests nothing"
+    monkeypatch.setattr(search_module._Search, "keep", keep)
+    with pytest.raises(PlanError, match="found no plan within"):  # out of time before any
+        search(
+            graphs.__getitem__, 8, DEVICES, prices, link_of, strategy_space("auto", "auto", 4),
+            optimizer="adam", memory_limit_bytes=None, time_limit_s=1e-9,
+        )  # fmt: skip

@@ -2,15 +2,15 @@
 
 For every (model, plan) below, the real job (`runtime.train.train_worker` with `check`) on gloo
 processes, and the worst error / bound of each kind over its steps (runtime/check.py: at most 1
-passes); then the same jobs with a gradient sync that scales one gradient by 1 + 1e-3, the
-smallest bug the check must catch (tests/check_workers.py). The margin on either side is the
+passes); then the sharded ones (fsdp, tp=2) with the optimizer given one gradient times
+1 + 1e-3, the smallest bug the check must catch (tests/check_workers.py). The margin on either side is the
 figure: correct plans sit below 1 by the factor the bounds leave for chance and grouping, and
 the bug sits above it by orders of magnitude. Models: the zoo, the check's own cases
 (tests/check_models.py) and, when `transformers` imports, tests/real_models.py's third-party
 models. A job that does not run (a capture or planning limit outside the check) is listed with
 its error.
 
-Regenerate: `python bench/check.py` (about 15 minutes on 2 cores); `--quick`: the zoo on 2
+Regenerate: `python bench/check.py` (about 40 minutes on 2 busy cores); `--quick`: the zoo on 2
 processes.
 """
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             console.print("transformers does not import: third-party models skipped")
     _run(jobs, "none", table, console)
-    _run([j for j in jobs if j[0] == 2][:6], "sync-scale", table, console)
+    _run([j for j in jobs if j[0] == 2 and j[2] in ("fsdp", TP2)], "grad-scale", table, console)
     console.print(table)
     return 0
 

@@ -4,7 +4,8 @@ training job (`runtime.train.train_worker`) with `check`, optionally with a bug 
 Lives here: `run_checked`, which runs each case's job on every rank and returns rank 0's
 `StepCheck`s, and `FAULTS`, the injected bugs: each is a way a runtime can be wrong that the
 check must catch, patched into this process only (never into the code under test):
-- `sync-scale`: the gradient sync hands one parameter its gradient times (1 + 1e-3);
+- `grad-scale`: the optimizer receives one parameter's gradient times (1 + 1e-3), under any
+  plan (each rank scales its piece of its stage's first parameter);
 - `all-reduce-average`: a boxing all-reduce averages instead of summing (a wrong boxing step);
 - `sync-twice`: the gradient sync all-reduces every bucket a second time, so each gradient is
   summed over its replicas twice (a partial value summed again).
@@ -22,23 +23,30 @@ import torch
 import torch.distributed as dist
 
 from runtime.check_report import StepCheck
+from runtime.engine import Engine
 from runtime.grad_sync import GradSync
 from runtime.train import TrainSpec, train_worker
 
-SCALE = 1 + 1e-3  # sync-scale's factor: the smallest error the issue asks the check to catch
+SCALE = 1 + 1e-3  # grad-scale's factor: the smallest error the issue asks the check to catch
 
 
 @contextlib.contextmanager
-def _sync_scale() -> Iterator[None]:
-    finish = GradSync.finish
+def _grad_scale() -> Iterator[None]:
+    init = Engine.__init__
 
-    def scaled(self: GradSync) -> None:
-        finish(self)
-        first = next((p for b in self.buckets for p in b.params if p.grad is not None), None)
-        if first is not None and first.grad is not None:
-            first.grad.mul_(SCALE)
+    def scaled(self: Engine, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        first = next(iter(self.parameters.values()))
+        step = self.optimizer.step  # this engine's optimizer only, not the reference's
 
-    with mock.patch.object(GradSync, "finish", scaled):
+        def scaled_step(*step_args: Any, **step_kwargs: Any) -> Any:
+            if first.grad is not None:
+                first.grad.mul_(SCALE)
+            return step(*step_args, **step_kwargs)
+
+        self.optimizer.step = scaled_step  # type: ignore[method-assign]
+
+    with mock.patch.object(Engine, "__init__", scaled):
         yield
 
 
@@ -72,7 +80,7 @@ def _sync_twice() -> Iterator[None]:
 
 FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "none": contextlib.nullcontext,
-    "sync-scale": _sync_scale,
+    "grad-scale": _grad_scale,
     "all-reduce-average": _all_reduce_average,
     "sync-twice": _sync_twice,
 }

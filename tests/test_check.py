@@ -230,7 +230,8 @@ JOBS: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("dropout", "dp", "none", ("matches", "drop")),
     ("grouped", "dp", "none", ("matches", "aten._grouped_mm.default")),
     ("gpt", "megatron:tp=2,pp=1,dp=1,mb=2", "none", ("matches",)),
-    ("attention", "dp", "sync-scale", ("1.001 times one device's", "the forward is right")),
+    ("attention", "dp", "grad-scale", ("1.001 times one device's", "the forward is right")),
+    ("attention", "fsdp", "grad-scale", ("1.001 times one device's", "the forward is right")),
     ("attention", TP2, "all-reduce-average", ("The loss itself differs",)),
     ("attention", "dp", "sync-twice", ("each gradient listed is 2 times one device's",)),
 ]

@@ -47,7 +47,6 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.distributed as dist
@@ -92,8 +91,7 @@ def run_workers(
     """Call `fn(rank, world_size, *args)` in `nproc` spawned processes; return results by rank.
 
     torch.distributed is initialized in each worker (`backend`, the parent's loopback store)
-    and torn down after `fn` returns. `fn` and `args` are pickled here (by reference and by
-    value) and unpickled in each rank. `timeout_s` is the stall timeout (see the module's
+    and torn down after `fn` returns. `timeout_s` is the stall timeout (see the module's
     invariants); collectives time out `COLLECTIVE_MARGIN_S` later. `job` names what the workers
     do in error messages ("training"; default: fn's name).
     """
@@ -107,16 +105,14 @@ def run_workers(
     collective_s = timeout_s + COLLECTIVE_MARGIN_S
     store, port = _loopback_store(nproc, collective_s)
     worker_env = {**_loopback_gloo_env(backend), **(env or {})}
+    static = (fn, nproc, port, backend, collective_s, tuple(args), worker_env, results, progress)
     procs: list[Any] = []
     try:
-        payload = (fn, nproc, port, backend, collective_s, tuple(args), worker_env)
-        pickled = bytes(ForkingPickler.dumps(payload))  # unpickled in the rank, after its prctl
-        for rank in range(nproc):
+        for rank in range(nproc):  # ParentDeath first: see costmodel.rank
+            death = rank_side.ParentDeath(os.getpid())
             procs.append(
                 ctx.Process(
-                    target=rank_side.worker,
-                    args=(rank, logs[rank], os.getpid(), pickled, results, progress),
-                    daemon=True,
+                    target=rank_side.worker, args=(death, rank, logs[rank], *static), daemon=True
                 )
             )
             procs[-1].start()

@@ -12,8 +12,8 @@ Invariants:
   moment the parent goes (`prctl(PR_SET_PDEATHSIG, SIGKILL)`, set before anything else; a
   parent already gone by then is noticed by its pid); elsewhere a thread watching the parent's
   pid ends it within `PARENT_POLL_S`. So that "before anything else" is milliseconds after the
-  spawn, this module imports no torch at load (the rank imports it after), and the function and
-  its arguments arrive pickled, unpickled after (their modules import torch: seconds).
+  spawn, the request is made while the rank's arguments are unpickled, by the first of them
+  (`ParentDeath`), and this module (the target's) imports no torch at load.
 - The rank joins the world through the parent's store on 127.0.0.1 (a client; the parent is the
   server) and never listens beyond loopback itself (gloo's sockets: see `costmodel.launch`).
 - Reports are cheap (a time and a short label written into shared memory, a few microseconds)
@@ -28,7 +28,6 @@ import ctypes
 import datetime
 import faulthandler
 import os
-import pickle
 import signal
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from multiprocessing import reduction
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["Failure", "ProgressTable", "RankLog", "report_progress", "worker"]
+__all__ = ["Failure", "ParentDeath", "ProgressTable", "RankLog", "report_progress", "worker"]
 
 LABEL_BYTES = 160  # a progress report is cut to this many bytes of UTF-8: a line of a message
 PARENT_POLL_S = 0.5  # without prctl: how often a rank looks whether its parent is still there
@@ -126,20 +125,40 @@ def report_progress(doing: str, *, grace_s: float = 0.0) -> None:
         table.report(rank, doing, grace_s)
 
 
+class ParentDeath:
+    """The first argument of every rank: unpickled first in the spawned process (pickle builds
+    a Process's target, then its arguments in order), it makes the rank die with its parent
+    there and then, before the arguments after it are unpickled (their modules import torch:
+    seconds). The rank receives the parent's pid in its place."""
+
+    def __init__(self, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+
+    def __reduce__(self) -> tuple[Callable[[int], int], tuple[int]]:
+        return _die_with_parent, (self.parent_pid,)
+
+
 def worker(
-    rank: int, log_fd: int, parent_pid: int, payload: bytes, results: Any, progress: ProgressTable
+    parent_pid: int,
+    rank: int,
+    log_fd: int,
+    fn: Callable[..., Any],
+    nproc: int,
+    store_port: int,
+    backend: str,
+    timeout_s: float,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    results: Any,
+    progress: ProgressTable,
 ) -> None:
-    """A spawned rank: die with the parent (before anything slow: importing torch takes seconds,
-    so this module imports it only here), join the world, call `fn(rank, nproc, *args)` from
-    `payload` (pickled by the parent: fn, nproc, store port, backend, timeout, args, env), and
-    report its result (or its failure) to `results`."""
+    """A spawned rank, already bound to die with its parent (`ParentDeath`): join the world,
+    call `fn(rank, nproc, *args)`, report its result (or its failure) to `results`."""
     global _reporter
-    _die_with_parent(parent_pid)
     faulthandler.enable(log_fd, all_threads=False)  # a native crash leaves its stack here
     faulthandler.register(STACK_SIGNAL, log_fd, all_threads=True)  # the parent asks on a stall
     _reporter = (progress, rank)
     try:
-        fn, nproc, store_port, backend, timeout_s, args, env = pickle.loads(payload)
         os.environ.update(env)
         import torch
         import torch.distributed as dist
@@ -155,8 +174,8 @@ def worker(
         faulthandler.disable()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """End this process when the parent ends (see the module's invariants)."""
+def _die_with_parent(parent_pid: int) -> int:
+    """End this process when the parent ends (see the module's invariants); the parent's pid."""
     watched = False
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -167,6 +186,7 @@ def _die_with_parent(parent_pid: int) -> None:
         threading.Thread(
             target=_watch_parent, args=(parent_pid,), name="autosbp-parent-watch", daemon=True
         ).start()
+    return parent_pid
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -190,8 +190,11 @@ def test_ranks_die_with_their_parent_while_they_import() -> None:
     take on a loaded machine): a rank's parent-death signal is set before it imports anything
     slow, so none outlives its parent by PARENT_DEATH_S (when it was set after importing,
     ranks lived on for the length of their import)."""
-    script = "from costmodel.launch import run_workers; from tests.slow_import_worker import "
-    script += "idle; run_workers(idle, 2, timeout_s=120)"
+    script = (
+        "import os; from costmodel.launch import run_workers; from tests.slow_import_worker "
+        "import SLOW_IMPORT_ENV, idle; os.environ[SLOW_IMPORT_ENV] = '1'; "
+        "run_workers(idle, 2, timeout_s=120)"
+    )
 
     def spawned(pids: set[int]) -> bool:
         return len(pids) >= 4  # the launcher, multiprocessing's tracker, 2 ranks

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from autosbp.plan import Plan
+from autosbp.zoo import build_model
 from runtime.check import StepChecker, disable_dropout
 from runtime.check_report import judge
 from runtime.engine import Engine
@@ -24,7 +27,16 @@ from runtime.train import adam
 from tests.real_models import BUILDERS
 
 Case = dict[str, Any]
-"""{"id": str, "model": a BUILDERS name, "plan": Plan JSON, "steps": int, "lr": float}"""
+"""{"id": str, "model": a BUILDERS name or "zoo:NAME", "plan": Plan JSON, "steps": int,
+"lr": float}"""
+
+
+def build(name: str, device: str = "cpu") -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """A model of tests/real_models.py, or the zoo's `zoo:NAME` at its defaults, on `device`."""
+    if name.startswith("zoo:"):
+        return build_model(name.removeprefix("zoo:"), device=device)
+    with torch.device(device):
+        return BUILDERS[name]()
 
 
 def train_checked(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
@@ -40,7 +52,7 @@ def train_checked(rank: int, world_size: int, cases: list[Case]) -> list[dict[st
 
 
 def _train(case: Case, rank: int) -> dict[str, Any]:
-    model, inputs = BUILDERS[case["model"]]()
+    model, inputs = build(case["model"])
     dropout = disable_dropout(model)
     lr = case["lr"]
     engine = Engine(

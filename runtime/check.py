@@ -106,7 +106,7 @@ State = Mapping[str, torch.Tensor]
 
 U_FP32 = 2.0**-24  # unit roundoff of IEEE 754 binary32: |fl(x) - x| <= u |x|
 GROUPING_FACTOR = 2.0  # derived in the header (1.): sqrt(2) from cutting a sum, with room
-CHANCE_FACTOR = 8.0  # derived in the header (1.): F(k, k) and normal tails
+CHANCE_FACTOR = 8.0  # derived in the header (1.): a normal tail; one degree of freedom, six draws
 NOISE_FACTOR = GROUPING_FACTOR * CHANCE_FACTOR
 ZERO_FRACTION = 2.0**-20  # derived in the header (1.): float64 resolves 2^-29 of fp32's rounding
 UPDATE_FRACTION = 2.0**-10  # derived in the header (2.): rounding 2^-12, a bug 2^-3.3 of a step

@@ -8,8 +8,10 @@ the imports of torch and transformers cost seconds, a case far less. Lives elsew
 and the assertions (tests/test_real_models.py), the models (tests/real_models.py).
 
 Invariants: every rank runs the cases in the same order (collectives match by order); a case
-that fails with an exception fails on every rank alike (the plan checks run before any
-collective) and is reported as data, so the next case still runs.
+refused with an `AutosbpError` is refused on every rank alike (the plan checks run before any
+collective), so it is reported as data and the next case still runs; any other failure ends the
+job at once (`run_workers` stops every rank and names the one that failed), since the other
+ranks may be waiting in a collective it will never join.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from autosbp.errors import AutosbpError
 from autosbp.plan import Plan
 from autosbp.zoo import build_model
 from runtime.check import StepChecker, disable_dropout
@@ -41,12 +44,12 @@ def build(name: str, device: str = "cpu") -> tuple[torch.nn.Module, tuple[torch.
 
 def train_checked(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
     """Per case on rank 0: {"passed": bool, "verdict": text, "losses": [...]}, or {"error":
-    "ErrorClass: message"}; other ranks return their losses (or the error) only."""
+    "ErrorClass: message"} when refused; other ranks return their losses (or the error) only."""
     results = []
     for case in cases:
         try:
             results.append(_train(case, rank))
-        except Exception as exc:  # reported per case, so the next one still runs
+        except AutosbpError as exc:  # refused alike on every rank: the next case still runs
             results.append({"error": f"{type(exc).__name__}: {exc}"})
     return results
 

@@ -4,7 +4,9 @@ For each of our signatures of a sample of ops, the worker (tests/rules_helpers.p
 global inputs as DTensors with our input placements, runs the op, and reports DTensor's output
 placements, the collectives it issued, and whether full_tensor() equals the op on whole tensors.
 Where DTensor ran the op without communication, its output placement must be ours, except the
-listed, explained differences of convention.
+listed, explained differences of convention; where DTensor's own result is wrong (DTENSOR_WRONG:
+cross-entropy's mean with ignored targets), it is listed with the reason, ours being proven by
+simulation.
 """
 
 from __future__ import annotations

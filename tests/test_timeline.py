@@ -19,8 +19,10 @@ from autosbp.timeline import (
     Recorder,
     draw_timelines,
     last_step,
+    measured_step_s,
     predicted_events,
     read_chrome_trace,
+    read_trace,
     span_s,
     write_chrome_trace,
 )
@@ -92,7 +94,9 @@ def test_recorder_overhead_is_small() -> None:
 
 def test_chrome_trace_round_trip(tmp_path: Path) -> None:
     events = [*predicted_events(pipeline_plan()), Event(0, 0, "recv", 2, 0.0123456, 0.0124)]
-    path = write_chrome_trace(tmp_path / "trace.json", events, metadata={"plan": "p.json"})
+    path = write_chrome_trace(
+        tmp_path / "trace.json", events, plan_digest="abc", metadata={"plan": "p.json"}
+    )
     back = read_chrome_trace(path)
     assert len(back) == len(events)
     for got, want in zip(back, events, strict=True):
@@ -105,7 +109,8 @@ def test_chrome_trace_round_trip(tmp_path: Path) -> None:
         assert got.start_s == pytest.approx(want.start_s, abs=1e-12)
         assert got.end_s == pytest.approx(want.end_s, abs=1e-12)
     data = json.loads(path.read_text())
-    assert data["otherData"] == {"plan": "p.json"}
+    assert data["otherData"] == {"plan": "p.json", "plan_digest": "abc"}
+    assert read_trace(path).plan_digest == "abc"
     names = [e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"]
     assert names == [f"rank {r} (stage {r // 2})" for r in range(4)]
     assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]  # no temporary file left
@@ -160,6 +165,20 @@ def test_last_step(steps: int) -> None:
     ]
 
 
+def test_measured_step_is_the_slowest_ranks_own_span() -> None:
+    """The one definition (runtime.train times its steps alike): ranks entering the step at
+    different moments do not stretch it; the slowest rank's first-to-last span is the step."""
+    events = [
+        Event(0, 0, "forward", 0, 0.000, 0.004),
+        Event(0, 0, "optimizer", None, 0.004, 0.005),  # rank 0: 5 ms
+        Event(1, 0, "forward", 0, 0.010, 0.016),
+        Event(1, 0, "optimizer", None, 0.016, 0.017),  # rank 1: 7 ms, entering 10 ms later
+    ]
+    assert measured_step_s(events) == pytest.approx(0.007)
+    assert span_s(events) == pytest.approx(0.017)  # what `show` printed before: not a step
+    assert measured_step_s([]) == 0.0
+
+
 # ---- autosbp show ------------------------------------------------------------------------------
 
 
@@ -169,7 +188,9 @@ def test_show_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         dataclasses.replace(e, start_s=1.1 * e.start_s, end_s=1.1 * e.end_s)
         for e in predicted_events(pipeline_plan())
     ]
-    trace = write_chrome_trace(tmp_path / "trace.json", as_steps(measured, 2))
+    trace = write_chrome_trace(
+        tmp_path / "trace.json", as_steps(measured, 2), plan_digest=pipeline_plan().digest()
+    )
     png = tmp_path / "timeline.png"
     argv = ["show", str(plan_path), "--trace", str(trace), "--timeline", str(png)]
     assert main(argv) == 0
@@ -191,7 +212,9 @@ BAD_TRACES = {
     "not-json": "{ half",
     "not-a-trace": json.dumps({"hello": "world"}),
     "foreign-span": json.dumps({"traceEvents": [{"ph": "X", "ts": 1, "dur": 2, "pid": 0}]}),
-    "empty": json.dumps({"traceEvents": []}),
+    "empty": json.dumps({"traceEvents": [], "otherData": {"plan_digest": "PLAN"}}),
+    "no-plan": json.dumps({"traceEvents": []}),
+    "other-plan": json.dumps({"traceEvents": [], "otherData": {"plan_digest": "0" * 64}}),
 }
 
 
@@ -205,6 +228,8 @@ BAD_TRACES = {
             ("not-a-trace", ("not a Chrome trace", "'traceEvents' list")),
             ("foreign-span", ("traceEvents[0] is not an autosbp span", "args.stage")),
             ("empty", ("holds no spans", "at least one training step")),
+            ("no-plan", ("names no plan", "autosbp train")),
+            ("other-plan", ("recorded under another plan", "000000000000...", "--trace")),
             ("plan-missing", ("plan file", "does not exist")),
             ("png-unwritable", ("cannot write the timeline", "writable directory")),
         ]
@@ -215,11 +240,12 @@ def test_show_bad_inputs(
 ) -> None:
     plan_path = pipeline_plan().save(tmp_path / "plan.json")
     trace = tmp_path / "trace.json"
-    write_chrome_trace(trace, predicted_events(pipeline_plan()))
+    digest = pipeline_plan().digest()
+    write_chrome_trace(trace, predicted_events(pipeline_plan()), plan_digest=digest)
     if case in BAD_TRACES:
         trace.unlink()
         if BAD_TRACES[case] is not None:
-            trace.write_text(BAD_TRACES[case])
+            trace.write_text(BAD_TRACES[case].replace("PLAN", digest))
     if case == "plan-missing":
         plan_path.unlink()
     png = tmp_path / ("absent-dir" if case == "png-unwritable" else "") / "timeline.png"

@@ -2,7 +2,8 @@
 step beside a measured one, and both as a timeline chart.
 
 Lives here: the command's arguments and output. Lives elsewhere: the timelines, trace files and
-the chart, and the sizes they refuse (`timeline`), the plan format and its checks (`plan`).
+the chart, the sizes they refuse, the one definition of a measured step and the refusal of a
+trace of another plan (`timeline`), the plan format and its checks (`plan`).
 """
 
 from __future__ import annotations
@@ -20,29 +21,40 @@ from costmodel.text import printable
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("plan", metavar="PLAN", help="a plan JSON file written by `autosbp plan`")
     parser.add_argument(
-        "--trace", help="a Chrome trace of measured steps, written by the runtime (last step shown)"
+        "--trace",
+        help="a Chrome trace recorded under this plan by `autosbp train --plan PLAN --trace "
+        "FILE`; its last step is set beside the prediction (default: the prediction alone)",
     )
-    parser.add_argument("--timeline", help="write the predicted (and measured) timeline as PNG")
+    parser.add_argument(
+        "--timeline",
+        help="write the predicted (and measured) timeline as a PNG here (default: no chart)",
+    )
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
     # Imported here: timeline loads torch (via schedule), which `autosbp --help` must not wait for.
     from autosbp.timeline import (
         check_chart,
+        check_trace_plan,
         draw_timelines,
         last_step,
+        measured_step_s,
         predicted_events,
-        read_chrome_trace,
+        read_trace,
         span_s,
     )
 
     plan = Plan.load(Path(args.plan))  # consistent in itself, or refused
+    measured = None
+    if args.trace is not None:
+        trace = read_trace(Path(args.trace))
+        check_trace_plan(trace, plan, args.trace, args.plan)
+        measured = trace.events
     if args.timeline is not None:  # refused before the simulation builds every rank's events
         check_chart(plan.device_count, 0)
     predicted = predicted_events(plan, every_rank=args.timeline is not None)
     predicted_s = span_s(predicted)
-    measured = None if args.trace is None else read_chrome_trace(Path(args.trace))
-    measured_s = None if measured is None else span_s(last_step(measured))
+    measured_s = None if measured is None else measured_step_s(last_step(measured))
     if measured_s == 0:
         raise PlanError(
             f"trace {args.trace} holds no spans with a duration; pass a trace recorded by the "
@@ -56,8 +68,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     )
     if measured_s is not None:
         console.print(
-            f"measured step {measured_s * 1e3:.3f} ms (last step of {args.trace}): "
-            f"{measured_s / predicted_s:.2f}x the prediction",
+            f"measured step {measured_s * 1e3:.3f} ms (last step of {args.trace}, its slowest "
+            f"rank): {measured_s / predicted_s:.2f}x the prediction",
             soft_wrap=True,
         )
     if args.timeline is not None:

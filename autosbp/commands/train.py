@@ -216,7 +216,10 @@ def _train_and_report(
     with console.status(f"training {steps} steps on {plan.device_count} processes"):
         result = train(spec)
     if trace is not None:
-        write_chrome_trace(trace, list(result.events), metadata={"plan": plan.strategy})
+        write_chrome_trace(
+            trace, list(result.events), plan_digest=plan.digest(),
+            metadata={"strategy": plan.strategy},
+        )  # fmt: skip
         console.print(f"Chrome trace of every firing written to {trace} (open it in Perfetto)")
     if timeline is not None:
         draw_timelines(

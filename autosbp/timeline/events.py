@@ -1,0 +1,226 @@
+"""Step timelines as events: what each rank did in a training step (measured) or will do
+(predicted).
+
+Lives here: `Event` (one span of one rank), the `Recorder` the runtime wraps every actor firing
+in, the plan's predicted step as events (`predicted_events`, the actor simulation of
+`schedule`), a trace's last complete step (`last_step`) and the one definition of a measured
+step's time (`measured_step_s`), and the sizes a timeline refuses to simulate or draw. Lives
+elsewhere: trace files (`timeline.trace`), the chart (`timeline.chart`), when the runtime
+records (runtime/engine.py), how long a firing should take (planner).
+
+Invariants: times are seconds from an origin (the recorder's creation, or the predicted step's
+start, when every rank enters it); a rank's step ends with its "optimizer" span, so `last_step`
+can cut a multi-step trace without step markers in the file. Predicted events use the runtime's
+kinds ("forward", "backward", "send") plus "update": gradient sync and optimizer as one span
+after the last backward, the stage's `update_s` less the sync that backward hides
+(`sync_hidden_s`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from time import perf_counter
+from typing import TYPE_CHECKING, Protocol
+
+from autosbp.errors import PlanError
+from autosbp.schedule import Phase, simulate
+
+if TYPE_CHECKING:
+    from autosbp.plan import Plan
+
+__all__ = [
+    "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS", "STEP_END", "UPDATE", "Event",
+    "Recorder", "SpanHook", "check_chart", "check_drawable", "last_step", "measured_step_s",
+    "predicted_events", "span_s",
+]  # fmt: skip
+
+UPDATE = "update"  # the predicted gradient sync + optimizer span (see the header)
+STEP_END = "optimizer"  # the measured span that ends a rank's step
+# What `show` agrees to simulate and draw. The simulation takes about 12 us per firing here
+# (measured: 80,000 firings in 0.96 s), so its bound is about a second; drawing takes about
+# 40 us per span (20,000 spans in 0.8 s) and a row per rank stops being readable (or fitting
+# matplotlib's 2^16 pixels) long before a few hundred rows.
+MAX_SIMULATED_FIRINGS = 100_000
+MAX_DRAWN_SPANS = 100_000
+MAX_DRAWN_RANKS = 128
+
+
+_Record = tuple[str, int | None, float, float]  # what a Recorder keeps: kind, mb, start, end
+
+
+class SpanHook(Protocol):
+    """What the runtime wraps each actor firing in: a `Recorder`, or any object with `span`
+    (a training job also reports its progress there: runtime.train)."""
+
+    def span(self, kind: str, micro_batch: int | None = None) -> AbstractContextManager[None]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One span on one rank: `kind` is "forward", "backward", "send", "recv", "grad_sync",
+    "optimizer" (runtime), "update" (predicted) or anything else; `micro_batch` None for
+    per-step work."""
+
+    rank: int
+    stage: int
+    kind: str
+    micro_batch: int | None
+    start_s: float
+    end_s: float
+
+
+class Recorder:
+    """Records the spans of one rank. `span` appends one tuple: 2-3 us per firing (measured).
+
+    Times are `time.perf_counter()` seconds since `origin_s` (default: now). perf_counter is one
+    monotonic clock per machine, so ranks on one machine line up when they share an origin, or
+    nearly when each creates its recorder right after a barrier.
+    """
+
+    def __init__(self, rank: int, stage: int, origin_s: float | None = None) -> None:
+        self.rank = rank
+        self.stage = stage
+        self.origin_s = perf_counter() if origin_s is None else origin_s
+        self._spans: list[_Record] = []
+        self._step_begin = 0  # index of the first span after the last mark_step()
+
+    def span(self, kind: str, micro_batch: int | None = None) -> _Span:
+        """`with recorder.span("forward", 3): ...` records the time the body takes (not
+        recorded when the body raises)."""
+        return _Span(self._spans, kind, micro_batch)
+
+    def mark_step(self) -> list[Event]:
+        """End a step: return its events (those since the previous mark). Nothing is dropped."""
+        step = self._to_events(self._spans[self._step_begin :])
+        self._step_begin = len(self._spans)
+        return step
+
+    @property
+    def events(self) -> list[Event]:
+        """Every span recorded so far, in the order they ended."""
+        return self._to_events(self._spans)
+
+    def _to_events(self, spans: list[_Record]) -> list[Event]:
+        o = self.origin_s
+        return [Event(self.rank, self.stage, k, mb, s - o, e - o) for k, mb, s, e in spans]
+
+
+class _Span:
+    """The context manager of `Recorder.span`: a slotted class, 2-3x cheaper than @contextmanager."""
+
+    __slots__ = ("_kind", "_micro_batch", "_spans", "_start_s")
+
+    def __init__(self, spans: list[_Record], kind: str, micro_batch: int | None) -> None:
+        self._spans, self._kind, self._micro_batch = spans, kind, micro_batch
+
+    def __enter__(self) -> None:
+        self._start_s = perf_counter()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self._spans.append((self._kind, self._micro_batch, self._start_s, perf_counter()))
+
+
+# ---- predicted and measured steps -----------------------------------------------------------
+
+
+def check_drawable(plan: Plan) -> None:
+    """PlanError unless the plan's step is small enough to simulate (MAX_SIMULATED_FIRINGS)."""
+    firings = 2 * len(plan.stages) * plan.micro_batches
+    if firings > MAX_SIMULATED_FIRINGS:
+        raise PlanError(
+            f"the plan's step has {firings} firings ({len(plan.stages)} stages x "
+            f"{plan.micro_batches} micro-batches, forward and backward), more than the "
+            f"{MAX_SIMULATED_FIRINGS} a timeline simulates (about a second); its predicted step "
+            f"time is in the plan's summary ({plan.predicted.step_time_s:.6g} s)."
+        )
+
+
+def check_chart(ranks: int, spans: int) -> None:
+    """PlanError unless a chart of `ranks` rows and `spans` bars can be drawn and read."""
+    fix = "record a trace of fewer ranks or steps, or leave out --timeline"
+    if ranks > MAX_DRAWN_RANKS:
+        raise PlanError(
+            f"a timeline draws one row per rank, and {ranks} ranks are more than the "
+            f"{MAX_DRAWN_RANKS} a chart can show; {fix}."
+        )
+    if spans > MAX_DRAWN_SPANS:
+        raise PlanError(
+            f"a timeline of {spans} spans is more than the {MAX_DRAWN_SPANS} a chart can show "
+            f"(a few seconds to draw); {fix}."
+        )
+
+
+def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
+    """One step of `plan` as the actor simulation runs it, on every rank (rank = device id;
+    with `every_rank` False, on the first rank of each stage: the others repeat it): forward
+    and backward firings, a "send" after each firing whose output goes to another stage, and
+    an "update" after each stage's last backward. Sorted by rank, then start."""
+    check_drawable(plan)
+    stages = plan.stages
+    if all(s.forward_s == 0 and s.backward_s == 0 for s in stages):
+        raise PlanError(
+            f"the plan for {plan.model_name} has no per-micro-batch times (forward_s and "
+            "backward_s are 0 in every stage), so it has no predicted timeline; make the plan "
+            "again with an autosbp that records them."
+        )
+    timeline = simulate(
+        len(stages),
+        plan.micro_batches,
+        lambda s: stages[s].forward_s,
+        lambda s: stages[s].backward_s,
+        lambda s: stages[s].send_s,
+    )
+    spans: list[tuple[int, str, int | None, float, float]] = []  # stage, kind, mb, start, end
+    for f in timeline.firings:
+        spans.append((f.stage, f.phase.value, f.micro_batch, f.start_s, f.end_s))
+        to = f.stage + 1 if f.phase is Phase.FORWARD else f.stage - 1
+        if 0 <= to < len(stages) and stages[min(f.stage, to)].send_s > 0:
+            end_s = f.end_s + stages[min(f.stage, to)].send_s  # send_s: stage s <-> s + 1
+            spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s))
+    for s, stage in enumerate(stages):
+        last = max(f.end_s for f in timeline.firings if f.stage == s)
+        spans.append((s, UPDATE, None, last, last + stage.update_s - stage.sync_hidden_s))
+    events = [
+        Event(rank, *span)
+        for span in spans
+        for rank in (stages[span[0]].devices if every_rank else stages[span[0]].devices[:1])
+    ]
+    return sorted(events, key=lambda e: (e.rank, e.start_s, e.kind))
+
+
+def last_step(events: list[Event]) -> list[Event]:
+    """The last complete step: on each rank, the spans after the end of its next-to-last
+    "optimizer" span up to its last one. Spans after a rank's last optimizer (an unfinished step)
+    are dropped; a rank without optimizer spans is taken whole."""
+    by_rank: dict[int, list[Event]] = defaultdict(list)
+    for e in events:
+        by_rank[e.rank].append(e)
+    out = []
+    for _, mine in sorted(by_rank.items()):
+        ends = sorted(e.end_s for e in mine if e.kind == STEP_END)
+        after = ends[-2] if len(ends) >= 2 else float("-inf")
+        until = ends[-1] if ends else float("inf")
+        out += [e for e in mine if e.start_s >= after and e.end_s <= until]
+    return out
+
+
+def span_s(events: list[Event]) -> float:
+    """Seconds from the first start to the last end (0 for no events). Of a predicted step (every
+    rank enters it at 0) this is the step's time."""
+    if not events:
+        return 0.0
+    return max(e.end_s for e in events) - min(e.start_s for e in events)
+
+
+def measured_step_s(events: list[Event]) -> float:
+    """A measured step's time, the one definition (`runtime.train` times its steps the same way):
+    its slowest rank's, from the start of that rank's first span in the step to the end of its
+    last. `events` are one step's (`last_step`). Each rank is timed on its own clock, so ranks on
+    several machines, or entering the step at different moments, do not stretch it."""
+    by_rank: dict[int, list[Event]] = defaultdict(list)
+    for e in events:
+        by_rank[e.rank].append(e)
+    return max((span_s(mine) for mine in by_rank.values()), default=0.0)

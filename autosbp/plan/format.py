@@ -17,13 +17,14 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from autosbp.errors import PlanError
 from autosbp.plan.schema import FORMAT, VERSION, read_plan_text, validate_plan_json
 from autosbp.sbp import dtensor_names, parse_nd_sbp
+
+if TYPE_CHECKING:
+    from autosbp.plan.tables import TextTable
 
 
 @dataclass(frozen=True)
@@ -257,8 +258,9 @@ class Plan:
 
     # ---- for people ---------------------------------------------------------------------------
 
-    def summary(self, main_weights: int = 6) -> Table:
-        """A table per stage: devices, blocks, the SBP of the largest weights, time and memory."""
+    def summary(self, main_weights: int = 6) -> TextTable:
+        """A table per stage: devices, blocks, the SBP of the largest weights, time and memory
+        (a rich Table; `print` and `str` render it as text too)."""
         from autosbp.plan.tables import summary_table
 
         return summary_table(self, main_weights)
@@ -269,7 +271,7 @@ class Plan:
         fitting = [h for h in self.hand_plans if h.step_time_s is not None]
         return min(fitting, key=lambda h: h.step_time_s or 0.0, default=None)
 
-    def hand_plan_table(self) -> Table:
+    def hand_plan_table(self) -> TextTable:
         """This plan beside every hand plan priced with it."""
         from autosbp.plan.tables import hand_plan_table
 

@@ -1,8 +1,10 @@
 """A plan for people: its summary table, its hand plans beside it, and the units they print in.
 
 Lives here: `summary_table` and `hand_plan_table` (behind `Plan.summary` and
-`Plan.hand_plan_table`), `format_seconds`, `format_bytes`. Lives elsewhere: the plan's values
-and JSON (`plan.format`), the timeline chart (`autosbp.timeline`), the CLI that prints them.
+`Plan.hand_plan_table`), `TextTable` (a rich table that `print` and `str` render as text, so a
+plan's summary reads as a table wherever it is printed), `format_seconds`, `format_bytes`.
+Lives elsewhere: the plan's values and JSON (`plan.format`), the timeline chart
+(`autosbp.timeline`), the CLI that prints them.
 
 Invariant: every name from a plan is shown as text, never as terminal control characters or
 rich markup (`costmodel.text.printable`, `rich.markup.escape`).
@@ -10,10 +12,12 @@ rich markup (`costmodel.text.printable`, `rich.markup.escape`).
 
 from __future__ import annotations
 
+import io
 import math
 import re
 from typing import TYPE_CHECKING
 
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -22,12 +26,24 @@ from costmodel.text import printable
 if TYPE_CHECKING:
     from autosbp.plan.format import HandPlan, Plan
 
-__all__ = ["format_bytes", "format_seconds", "hand_plan_table", "summary_table"]
+__all__ = ["TextTable", "format_bytes", "format_seconds", "hand_plan_table", "summary_table"]
+
+TEXT_WIDTH = 120  # columns of a table rendered as text (`str`): a wide terminal's, as the CLI's
 
 
-def summary_table(plan: Plan, main_weights: int = 6) -> Table:
+class TextTable(Table):
+    """A rich Table that is also text: `print(table)` and `str(table)` render it (TEXT_WIDTH
+    columns, no colour or control codes); a rich console prints it as any table."""
+
+    def __str__(self) -> str:
+        buffer = io.StringIO()
+        Console(file=buffer, width=TEXT_WIDTH, color_system=None, highlight=False).print(self)
+        return buffer.getvalue().rstrip("\n")
+
+
+def summary_table(plan: Plan, main_weights: int = 6) -> TextTable:
     """A row per stage: devices, blocks, the SBP of the largest weights, time and memory."""
-    table = Table(
+    table = TextTable(
         title=shown(
             f"{plan.model_name}: {plan.strategy} plan on {plan.device_count} x {plan.profile}"
         )
@@ -72,11 +88,11 @@ def summary_table(plan: Plan, main_weights: int = 6) -> Table:
     return table
 
 
-def hand_plan_table(plan: Plan) -> Table:
+def hand_plan_table(plan: Plan) -> TextTable:
     """The plan beside every hand plan priced with it."""
     from autosbp.plan.format import HandPlan
 
-    table = Table(title=shown(f"{plan.model_name}: {plan.strategy} vs hand plans (predicted)"))
+    table = TextTable(title=shown(f"{plan.model_name}: {plan.strategy} vs hand plans (predicted)"))
     for column in ("strategy", "step time", "vs this plan", "peak memory", "note"):
         table.add_column(column, justify="right" if column != "note" else "left")
     this = HandPlan(plan.strategy, plan.predicted.step_time_s, plan.predicted.peak_memory_bytes)

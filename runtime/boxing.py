@@ -21,7 +21,9 @@ Reference: torch.distributed collectives (`all_gather_single`, `reduce_scatter_s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import datetime
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from autosbp.sbp import Mesh, Split, format_nd_sbp, local_shape
 from costmodel.errors import ExecutionError
 from runtime.groups import ProcessGroups
 
-__all__ = ["execute_boxing", "run_step"]
+__all__ = ["Started", "execute_boxing", "run_step", "start_step"]
 
 # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -99,28 +101,59 @@ def run_step(
 ) -> torch.Tensor:
     """One step on this rank (which takes part in it), without autograd. With `donate`, the
     caller gives up `x`: an all-reduce then runs in place instead of on a copy."""
-    rank = dist.get_rank()
     if step.kind is StepKind.SEND_RECV:
-        return _send_recv(x, step, rank)
+        return _send_recv(x, step, dist.get_rank())
+    return start_step(x, step, groups, donate=donate, async_op=False).result(None)
+
+
+@dataclass(slots=True)
+class Started:
+    """A step on its way: `work` (None for a local step, or a finished collective) and what
+    makes the step's result of the collective's output once it is done."""
+
+    work: dist.Work | None
+    finish: Callable[[], torch.Tensor]
+
+    def result(self, timeout: datetime.timedelta | None) -> torch.Tensor:
+        """The step's result, after waiting at most `timeout` for its collective (None: the
+        step was started synchronously)."""
+        if self.work is not None and timeout is not None:
+            self.work.wait(timeout)
+        return self.finish()
+
+
+def start_step(
+    x: torch.Tensor,
+    step: BoxingStep,
+    groups: ProcessGroups,
+    *,
+    donate: bool = False,
+    async_op: bool = True,
+) -> Started:
+    """Start one collective or local step on this rank, without autograd (not SEND_RECV: stage
+    to stage traffic is the engine's). With `async_op` the collective runs on its group's
+    threads while the caller goes on; `Started.result` waits for it."""
+    assert step.kind is not StepKind.SEND_RECV, "start_step: send/recv steps run synchronously"
+    rank = dist.get_rank()
     mesh, mesh_dim = step.mesh, step.mesh_dim
     assert mesh_dim is not None
     coords = mesh.coords(mesh.device_ids.index(rank))
     if step.kind is StepKind.LOCAL:
-        return apply_local_step(step, x, coords[mesh_dim])
+        out = apply_local_step(step, x, coords[mesh_dim])
+        return Started(None, lambda: out)
     group = groups.get(_group_ranks(mesh, mesh_dim, coords))
     a, b, p = step.src_sbp, step.dst_sbp, step.group_size
     if step.kind is StepKind.ALL_REDUCE:
         out = x if donate and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
-        return out
+        return Started(dist.all_reduce(out, group=group, async_op=async_op), lambda: out)
     if step.kind is StepKind.ALL_GATHER:
         assert isinstance(a, Split)
-        return _all_gather(x, a.dim, p, group)
+        return _all_gather(x, a.dim, p, group, async_op)
     if step.kind is StepKind.REDUCE_SCATTER:
         assert isinstance(b, Split)
-        return _reduce_scatter(x, b.dim, p, group)
+        return _reduce_scatter(x, b.dim, p, group, async_op)
     assert step.kind is StepKind.ALL_TO_ALL and isinstance(a, Split) and isinstance(b, Split)
-    return _all_to_all(x, a.dim, b.dim, p, group)
+    return _all_to_all(x, a.dim, b.dim, p, group, async_op)
 
 
 def _group_ranks(mesh: Mesh, mesh_dim: int, coords: tuple[int, ...]) -> tuple[int, ...]:
@@ -131,29 +164,33 @@ def _group_ranks(mesh: Mesh, mesh_dim: int, coords: tuple[int, ...]) -> tuple[in
     return tuple(members)
 
 
-def _all_gather(x: torch.Tensor, dim: int, p: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_gather(
+    x: torch.Tensor, dim: int, p: int, group: dist.ProcessGroup, async_op: bool
+) -> Started:
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((p * front.shape[0], *front.shape[1:]))
-    _all_gather_single(out, front, group=group)
-    return out.movedim(0, dim).contiguous()
+    work = _all_gather_single(out, front, group=group, async_op=async_op)
+    return Started(work, lambda: out.movedim(0, dim).contiguous())
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, p: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _reduce_scatter(
+    x: torch.Tensor, dim: int, p: int, group: dist.ProcessGroup, async_op: bool
+) -> Started:
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // p, *front.shape[1:]))
-    _reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, dim).contiguous()
+    work = _reduce_scatter_single(out, front, group=group, async_op=async_op)
+    return Started(work, lambda: out.movedim(0, dim).contiguous())
 
 
 def _all_to_all(
-    x: torch.Tensor, src_dim: int, dst_dim: int, p: int, group: dist.ProcessGroup
-) -> torch.Tensor:
+    x: torch.Tensor, src_dim: int, dst_dim: int, p: int, group: dist.ProcessGroup, async_op: bool
+) -> Started:
     """S(src_dim) -> S(dst_dim): chunk c along dst_dim goes to member c; what comes back from
     member m is chunk m along src_dim of the result."""
     send = torch.stack(x.chunk(p, dim=dst_dim)).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), dim=src_dim)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return Started(work, lambda: torch.cat(recv.unbind(0), dim=src_dim))
 
 
 def _send_recv(x: torch.Tensor, step: BoxingStep, rank: int) -> torch.Tensor:

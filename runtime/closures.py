@@ -2,9 +2,10 @@
 
 Lives here: `Boxer` (plans a boxing chain once and returns the closure that runs it, dropping
 relabels) and the instruction makers (`compute_instruction`, `box_instruction`,
-`clone_instruction`, `write_back_instruction`) that read and write a step's slot list. Lives
-elsewhere: which closures a program holds and in what order (`runtime.program`), the
-collectives (`runtime.boxing`), the local kernels (`autosbp.rules.local_op`).
+`take_instruction`, `clone_instruction`, `write_back_instruction`) that read and write a step's
+slot list. Lives elsewhere: which closures a program holds and in what order
+(`runtime.program`), the collectives (`runtime.boxing`), parameter gathers run ahead
+(`runtime.prefetch`), the local kernels (`autosbp.rules.local_op`).
 
 Invariants:
 - Everything that does not depend on the step's tensors is computed when a closure is made:
@@ -42,6 +43,7 @@ __all__ = [
     "checkpoint_instruction",
     "clone_instruction",
     "compute_instruction",
+    "take_instruction",
     "write_back_instruction",
 ]
 
@@ -70,17 +72,23 @@ class Boxer:
         """The closure taking this rank's piece in layout `src` to its piece in `dst`. With
         `donate` it runs without autograd and may reuse its input's memory (the caller must not
         read the input afterwards): for buffers made to be synced, like gradient buckets."""
-        steps = tuple(
-            step
-            for step in plan_boxing(src, dst, shape, self.mesh, dtype=dtype)
-            if not _is_relabel(step)
-        )
+        steps = self.steps(src, dst, shape, dtype)
         if not steps:
             return _identity
         groups = self.groups
         if donate:
             return lambda x: _run_donated(x, steps, groups)
         return lambda x: execute_boxing(x, steps, groups)
+
+    def steps(
+        self, src: NdSbp, dst: NdSbp, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+    ) -> tuple[BoxingStep, ...]:
+        """The steps of the conversion src -> dst on this mesh, relabels dropped."""
+        return tuple(
+            step
+            for step in plan_boxing(src, dst, shape, self.mesh, dtype=dtype)
+            if not _is_relabel(step)
+        )
 
 
 def _run_donated(
@@ -103,6 +111,15 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 def box_instruction(box: TensorFn, src: int, dst: int) -> Instruction:
     def run(values: Values) -> None:
         values[dst] = box(values[src])
+
+    return run
+
+
+def take_instruction(take: Callable[[], torch.Tensor], dst: int) -> Instruction:
+    """Store a parameter's gathered weight, as the gather schedule hands it over, at `dst`."""
+
+    def run(values: Values) -> None:
+        values[dst] = take()
 
     return run
 

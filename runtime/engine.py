@@ -54,6 +54,7 @@ from autosbp.timeline import SpanHook
 from runtime.closures import Boxer
 from runtime.grad_sync import GradSync, build_sync_groups, sync_patterns
 from runtime.groups import build_groups, world_timeout
+from runtime.prefetch import GatherPolicy, GatherSetup, has_collective, plan_gather_policy
 from runtime.program import Program, build_program, read_signatures, stage_boundaries
 from runtime.startup import agree_on_plan, broadcast_initial_state
 
@@ -82,6 +83,7 @@ class Engine:
         example_inputs: Sequence[torch.Tensor],
         graph: OpGraph | None = None,
         recorder: SpanHook | None = None,
+        gathers: GatherPolicy | None = None,
     ) -> None:
         check_plan(plan)  # the plan alone, before anything distributed; against the graph below
         if not dist.is_available() or not dist.is_initialized():
@@ -130,9 +132,11 @@ class Engine:
         self.parameters = {
             name: self.state[name] for name in _names(graph, Role.PARAMETER) if name in self.state
         }
+        self._timeout = world_timeout()
         self.program: Program = build_program(
             graph, self.signatures, self.state, self.coords, self.boxer,
             stage_of=stage_of, stage=self.stage, recompute=plan.recompute,
+            gathering=self._gathering(meshes, gathers or plan_gather_policy(plan)),
         )  # fmt: skip
         self._links = _links(graph, self.signatures, stage_of, meshes, self.stage, self.index)
         self._order = stage_orders(len(meshes), self.micro_batches)[self.stage]
@@ -142,14 +146,15 @@ class Engine:
         if loss_layout is not None:
             self._seed = self.boxer.chain(loss_layout, (P,) * ndim, ())
             self._loss_value = self.boxer.chain(loss_layout, (B,) * ndim, ())
-        self._timeout = world_timeout()
         trained = [self.layouts[name] for name in _names(graph, Role.PARAMETER)]
+        scheduled = self.program.gathers
         self.grad_sync = GradSync(
             self.parameters,
             self.layouts,
             self.mesh,
             build_sync_groups(meshes, sync_patterns(trained, self.mesh.shape)),
             self._timeout,
+            deferred=scheduled.deferred if scheduled else (),
         )
         self._last_backward = max(
             i for i, (phase, _) in enumerate(self._order) if phase is Phase.BACKWARD
@@ -157,6 +162,23 @@ class Engine:
         self.optimizer = optimizer_factory(list(self.parameters.values()))
         self.recorder = recorder
         self._span = recorder.span if recorder is not None else _no_span
+        if scheduled is not None:
+            scheduled.span_hook, scheduled.on_gradient = recorder, self.grad_sync.gradient_ready
+
+    def _gathering(self, meshes: Sequence[Mesh], policy: GatherPolicy) -> GatherSetup | None:
+        """Process groups of the parameter gathers' own (a collective: every rank decides alike,
+        from the whole graph), or None where the plan gathers no parameter."""
+        graph, signatures = self.graph, self.signatures
+        gathered = any(
+            has_collective(self.boxer.steps(have, want, attrs["outputs"][0].shape))
+            for node, attrs in graph.nodes(Role.PARAMETER)
+            for consumer in graph.graph.successors(node)
+            for _, index in graph.graph.edges[node, consumer]["uses"]
+            if (have := signatures[node].outputs[0]) != (want := signatures[consumer].inputs[index])
+        )
+        if not gathered:
+            return None
+        return GatherSetup(policy, build_groups(meshes), build_groups(meshes), self._timeout)
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -177,7 +199,7 @@ class Engine:
             if phase is Phase.FORWARD:
                 received = self._receive(mb, backward=False)
                 with self._span("forward", mb):
-                    loss, exports = self.program.run(pieces[mb], received)
+                    loss, exports = self.program.run(pieces[mb], received, mb)
                 sends += self._send(exports, backward=False)
                 in_flight[mb] = (received, exports, loss)
                 if loss is not None:
@@ -194,6 +216,8 @@ class Engine:
                         exports,
                         grads,
                     )
+                    if self.program.gathers is not None:
+                        self.program.gathers.finish_backward(mb)
                 sends += self._send(
                     [x.grad if x.grad is not None else torch.zeros_like(x) for x in received
                      if x.is_floating_point()],

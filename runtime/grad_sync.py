@@ -31,7 +31,7 @@ overlap, launch in bucket order); torch.Tensor.register_post_accumulate_grad_hoo
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +85,9 @@ class _Bucket:
 
 class GradSync:
     """Syncs the gradients of `params` (name -> this rank's shard, in graph order) in their
-    `layouts` on `mesh` (this rank's stage) through `groups` (`build_sync_groups`)."""
+    `layouts` on `mesh` (this rank's stage) through `groups` (`build_sync_groups`). The
+    gradients of `deferred` parameters are not autograd's to accumulate (`runtime.prefetch`
+    adds them in): whoever does calls `gradient_ready` once per backward."""
 
     def __init__(
         self,
@@ -95,6 +97,7 @@ class GradSync:
         groups: ProcessGroups,
         timeout: datetime.timedelta,
         bucket_bytes: int = GRAD_BUCKET_BYTES,
+        deferred: Collection[str] = (),
     ) -> None:
         self.timeout = timeout
         self.buckets: list[_Bucket] = []
@@ -115,7 +118,8 @@ class GradSync:
                 self.buckets.append(bucket)
             bucket.params += (param,)
             self._bucket_of[param] = bucket
-            param.register_post_accumulate_grad_hook(self._on_gradient)
+            if name not in deferred:
+                param.register_post_accumulate_grad_hook(self.gradient_ready)
 
     def arm(self) -> None:
         """Launch buckets from now on, as backward finishes their gradients: call right before
@@ -139,10 +143,13 @@ class GradSync:
                     param.grad = bucket.flat[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
 
-    def _on_gradient(self, param: torch.Tensor) -> None:
-        if not self._armed:
-            return  # an earlier micro-batch: its gradients still accumulate
-        bucket = self._bucket_of[param]
+    def gradient_ready(self, param: torch.Tensor) -> None:
+        """`param`'s gradient is final for this backward (autograd's post-accumulate hook, or
+        whoever adds a `deferred` parameter's gradient in). A parameter split on every mesh
+        dim (in no bucket) has nothing to sync."""
+        bucket = self._bucket_of.get(param)
+        if not self._armed or bucket is None:
+            return  # an earlier micro-batch (its gradients still accumulate), or no sync
         assert bucket.work is None, "a gradient accumulated twice in one backward"
         bucket.waiting -= 1
         ready = self._next

@@ -27,7 +27,9 @@ Reference: design.md 3.7; OneFlow paper section 3 (boxing inserted between misma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +51,10 @@ from runtime.closures import (
     checkpoint_instruction,
     clone_instruction,
     compute_instruction,
+    take_instruction,
     write_back_instruction,
 )
+from runtime.prefetch import GatherSchedule, GatherSetup, ParamBox, has_collective, plan_gathers
 
 __all__ = ["Program", "build_program", "read_signatures"]
 
@@ -77,7 +81,9 @@ class Program:
     `template` holds the persistent tensors (parameters, buffers, constants) at their slots;
     `steps[k]` runs, then the slots in `frees[k]` are cleared. The loss sits at `loss_slot` in
     layout `loss_layout`; `imports[k]` is the slot of the k-th received value, `exports[k]` of
-    the k-th sent one (`stage_boundaries` orders both).
+    the k-th sent one (`stage_boundaries` orders both). `gathers` runs the parameter gathers
+    the program takes from it (`micro_batch` names the forward they belong to); after each
+    micro-batch's backward, call `gathers.finish_backward(micro_batch)`.
     """
 
     template: tuple[Any, ...]
@@ -90,18 +96,24 @@ class Program:
     num_inputs: int = 0  # the model's user inputs (a stage may read only some)
     imports: tuple[int, ...] = ()
     exports: tuple[int, ...] = ()
+    gathers: GatherSchedule | None = None  # parameter gathers run ahead (runtime.prefetch)
 
     def run(
-        self, batch: Sequence[torch.Tensor], received: Sequence[torch.Tensor] = ()
+        self,
+        batch: Sequence[torch.Tensor],
+        received: Sequence[torch.Tensor] = (),
+        micro_batch: int = 0,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         values: Values = list(self.template)
         self._load(values, batch)
         for slot, value in zip(self.imports, received, strict=True):
             values[slot] = value
-        for step, frees in zip(self.steps, self.frees, strict=True):
-            step(values)
-            for slot in frees:
-                values[slot] = None
+        scope = self.gathers.forward(micro_batch) if self.gathers else contextlib.nullcontext()
+        with scope:
+            for step, frees in zip(self.steps, self.frees, strict=True):
+                step(values)
+                for slot in frees:
+                    values[slot] = None
         loss = values[self.loss_slot] if self.loss_slot is not None else None
         return loss, [values[slot] for slot in self.exports]
 
@@ -171,6 +183,7 @@ class _Builder:
     writes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     owners: list[str] = dataclasses.field(default_factory=list)  # the node each step serves
     template: list[Any] = dataclasses.field(default_factory=list)
+    param_boxes: list[ParamBox] = dataclasses.field(default_factory=list)
     current: str = ""
 
     def new_slot(self, value: Any = None) -> int:
@@ -199,9 +212,16 @@ class _Builder:
             )
         key = (node, out, want)
         if key not in self.boxed:
-            meta = self.graph.graph.nodes[node]["outputs"][out]
+            attrs = self.graph.graph.nodes[node]
+            meta = attrs["outputs"][out]
             box = self.boxer.chain(have, want, meta.shape, meta.dtype)
             src, dst = self.slots[(node, out)], self.new_slot()
+            steps = self.boxer.steps(have, want, meta.shape, meta.dtype)
+            if attrs["role"] is Role.PARAMETER and has_collective(steps):
+                block = self.graph.graph.nodes[consumer]["block"]
+                self.param_boxes.append(
+                    ParamBox(len(self.steps), attrs["name"], src, dst, block, steps)
+                )
             self.emit(box_instruction(box, src, dst), (src,), (dst,))
             self.boxed[key] = dst
         return self.boxed[key]
@@ -296,10 +316,12 @@ def build_program(
     stage_of: Mapping[str, int] | None = None,
     stage: int = 0,
     recompute: str = "none",
+    gathering: GatherSetup | None = None,
 ) -> Program:
     """This rank's program for `stage` (every node when `stage_of` is None). `state` maps every
     parameter/buffer/constant name of the stage to this rank's local tensor in its plan layout.
-    `recompute` (a plan's mode) wraps each run of recomputed steps in activation checkpointing."""
+    `recompute` (a plan's mode) wraps each run of recomputed steps in activation checkpointing.
+    With `gathering`, parameter gathers run through a `GatherSchedule` (`runtime.prefetch`)."""
     device = next(iter(state.values())).device if state else torch.device("cpu")
     mesh = boxer.mesh
     builder = _Builder(graph, signatures, mesh, coords, boxer, device)
@@ -340,7 +362,9 @@ def build_program(
     ]
     keep = {*exports, *_persistent(builder.template)} | ({loss[0]} if loss else set())
     frees = _last_uses(builder.reads, builder.writes, keep)
-    steps, frees = _checkpointed(builder, frees, keep, recompute)
+    runs = _recompute_runs(builder, recompute)
+    gathers = _schedule_gathers(builder, runs, set(exports), state, gathering)
+    steps, frees = _checkpointed(builder, frees, keep, runs)
     return Program(
         template=tuple(builder.template),
         inputs=tuple(inputs),
@@ -352,18 +376,42 @@ def build_program(
         num_inputs=sum(1 for _ in graph.nodes(Role.INPUT)),
         imports=tuple(imports),
         exports=tuple(exports),
+        gathers=gathers,
     )
 
 
-def _checkpointed(
+def _schedule_gathers(
     builder: _Builder,
-    frees: tuple[tuple[int, ...], ...],
-    keep: set[int],
-    recompute: str,
-) -> tuple[tuple[Instruction, ...], tuple[tuple[int, ...], ...]]:
-    """The steps with every maximal run of recomputed steps of one block (`planner.pipeline.
-    recomputed`; ops that write into inputs never are) replaced by one checkpointed step: its
-    inputs are saved, what it computes is dropped after forward and recomputed in backward."""
+    runs: Sequence[tuple[int, int]],
+    exported: set[int],
+    state: Mapping[str, torch.Tensor],
+    gathering: GatherSetup | None,
+) -> GatherSchedule | None:
+    """Hand the parameter gathers outside recomputed runs to a `GatherSchedule`: their steps
+    become takes from it (reading no slot)."""
+    if gathering is None:
+        return None
+    inside = {k for start, end in runs for k in range(start, end)}
+    boxes = [box for box in builder.param_boxes if box.step not in inside]
+    if not boxes:
+        return None
+    taken = {box.step for box in boxes}
+    read_directly = exported | {
+        slot for k, reads in enumerate(builder.reads) if k not in taken for slot in reads
+    }
+    gathers = plan_gathers(boxes, read_directly, gathering.policy)
+    schedule = gathering.schedule(gathers, {box.name: state[box.name] for box in boxes})
+    for box, gather in zip(boxes, gathers, strict=True):
+        builder.steps[box.step] = take_instruction(
+            functools.partial(schedule.take, gather), box.dst
+        )
+        builder.reads[box.step] = ()
+    return schedule
+
+
+def _recompute_runs(builder: _Builder, recompute: str) -> list[tuple[int, int]]:
+    """The maximal runs [start, end) of at least two recomputed steps of one block
+    (`planner.pipeline.recomputed`; ops that write into inputs never are)."""
     nodes = builder.graph.graph.nodes
 
     def group(k: int) -> int | None:
@@ -372,19 +420,38 @@ def _checkpointed(
             return None
         return attrs["block"]
 
-    steps: list[Instruction] = []
-    out_frees: list[tuple[int, ...]] = []
+    runs = []
     k, n = 0, len(builder.steps)
     while k < n:
         block = group(k)
         end = k + 1
         while block is not None and end < n and group(end) == block:
             end += 1
-        if block is None or end - k < 2:
+        if block is not None and end - k >= 2:
+            runs.append((k, end))
+        k = end
+    return runs
+
+
+def _checkpointed(
+    builder: _Builder,
+    frees: tuple[tuple[int, ...], ...],
+    keep: set[int],
+    runs: Sequence[tuple[int, int]],
+) -> tuple[tuple[Instruction, ...], tuple[tuple[int, ...], ...]]:
+    """The steps with each of the `runs` replaced by one checkpointed step: its inputs are
+    saved, what it computes is dropped after forward and recomputed in backward."""
+    starts = dict(runs)
+    steps: list[Instruction] = []
+    out_frees: list[tuple[int, ...]] = []
+    k, n = 0, len(builder.steps)
+    while k < n:
+        if k not in starts:
             steps.append(builder.steps[k])
             out_frees.append(frees[k])
-            k = end
+            k += 1
             continue
+        end = starts[k]
         written = {s for j in range(k, end) for s in builder.writes[j]}
         read = {s for j in range(k, end) for s in builder.reads[j]}
         persistent = _persistent(builder.template)

@@ -1,10 +1,12 @@
-"""The strategy ILP equals brute-force enumeration on random small problems."""
+"""The strategy ILP equals brute-force enumeration on random small problems: with memory on
+node candidates and on edge pairs, with max terms, and with max terms nested in others."""
 
 from __future__ import annotations
 
 import itertools
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -29,11 +31,13 @@ def random_problem(
             m[rng.random(m.shape) < forbid] = math.inf
             edges[(u, v)] = m
     mem = ()
-    if memory:
+    if memory:  # on candidates and on pairs (a boxed copy kept for backward)
         per = {v: rng.uniform(0, 100, size=sizes[v]) for v in range(n_nodes)}
-        lo = sum(p.min() for p in per.values())
-        hi = sum(p.max() for p in per.values())
-        mem = (MemoryConstraint(per, limit_bytes=lo + 0.3 * (hi - lo) + 0.123, constant_bytes=7.0),)
+        pairs = {e: rng.uniform(0, 50, size=m.shape) for e, m in edges.items()}
+        lo = sum(p.min() for p in (*per.values(), *pairs.values()))
+        hi = sum(p.max() for p in (*per.values(), *pairs.values()))
+        limit = lo + 0.3 * (hi - lo) + 0.123
+        mem = (MemoryConstraint(per, limit, constant_bytes=7.0, bytes_per_pair=pairs),)
     return Problem(nodes, edges, mem)
 
 
@@ -63,10 +67,14 @@ def test_solve_equals_brute_force(seed: int, n: int, k: int, memory: bool, forbi
     assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
 
 
-def with_stages(problem: Problem, seed: int, stages: int, micro_batches: int) -> Problem:
+def with_stages(
+    problem: Problem, seed: int, stages: int, micro_batches: int, nested: bool = False
+) -> Problem:
     """`problem` priced as a pipeline: nodes dealt to `stages` in order, each part the costs of
     its stage; objective = sum of parts + (micro_batches - 1) x the slowest part + the slowest
-    of random per-stage update costs (as the planner builds it)."""
+    of random per-stage update costs (as the planner builds it). `nested`: each stage's part
+    also holds the larger of two random costs of its stage (a stage's communication or its
+    compute, whichever is longer), as terms of their own inside the slowest-part term."""
     rng = np.random.default_rng(seed + 1000)
     n = len(problem.node_costs)
     stage_of = {v: v * stages // n for v in problem.node_costs}
@@ -81,20 +89,34 @@ def with_stages(problem: Problem, seed: int, stages: int, micro_batches: int) ->
         Costs({v: rng.uniform(0, 30, size=len(c)) for v, c in part.node_costs.items()})
         for part in parts
     ]
-    return Problem(
-        problem.node_costs,
-        problem.edge_costs,
-        problem.memory,
-        (MaxTerm(micro_batches - 1, parts), MaxTerm(1.0, updates)),
-    )
+    if not nested:
+        terms = (MaxTerm(micro_batches - 1, parts), MaxTerm(1.0, updates))
+        return Problem(problem.node_costs, problem.edge_costs, problem.memory, terms)
+    longer = [  # per stage, a term: the larger of two random costs of its nodes and edges
+        MaxTerm(0.0, [_random_like(part, rng) for _ in range(2)]) for part in parts
+    ]
+    inner = [{s: float(rng.uniform(0.5, 3))} for s in range(stages)]
+    slowest = MaxTerm(micro_batches - 1, parts, inner)
+    terms = (*longer, slowest, MaxTerm(1.0, updates))
+    return Problem(problem.node_costs, problem.edge_costs, problem.memory, terms)
 
 
+def _random_like(part: Costs, rng: np.random.Generator) -> Costs:
+    """Random non-negative costs on the nodes and edges of `part`."""
+    nodes = {v: rng.uniform(0, 10, size=len(c)) for v, c in part.node_costs.items()}
+    return Costs(nodes, {e: rng.uniform(0, 10, size=m.shape) for e, m in part.edge_costs.items()})
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize(("stages", "micro_batches"), [(2, 4), (3, 2)])
-def test_max_terms_equal_brute_force(seed: int, stages: int, micro_batches: int) -> None:
+def test_max_terms_equal_brute_force(
+    seed: int, stages: int, micro_batches: int, nested: bool
+) -> None:
     problem = with_stages(
-        random_problem(seed, 6, 3, memory=seed % 2 == 0, forbid=0.2), seed, stages, micro_batches
-    )
+        random_problem(seed, 6, 3, memory=seed % 2 == 0, forbid=0.2), seed, stages, micro_batches,
+        nested,
+    )  # fmt: skip
     try:
         expected = brute_force(problem)
     except PlanError:
@@ -106,10 +128,30 @@ def test_max_terms_equal_brute_force(seed: int, stages: int, micro_batches: int)
     assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
 
 
+def test_edge_memory_and_inner_terms_change_the_optimum_in_the_tables() -> None:
+    # Guard for the tables above: the edge bytes bind (the optimum without them breaks the
+    # limit) and the inner terms matter (the optimum without them is another assignment).
+    binds = changes = 0
+    for seed in range(8):
+        problem = with_stages(random_problem(seed, 6, 3, memory=True, forbid=0.2), seed, 2, 4, True)
+        no_pairs = replace(problem, memory=[replace(problem.memory[0], bytes_per_pair={})])
+        flat = replace(problem, max_terms=[replace(t, inner=()) for t in problem.max_terms])
+        try:
+            best = brute_force(problem)
+        except PlanError:
+            continue
+        binds += not problem.feasible(brute_force(no_pairs).choice)
+        changes += brute_force(flat).choice != best.choice
+    assert binds > 0 and changes > 0, (binds, changes)
+
+
 def staged_random_problem(seed: int, stages: int) -> Problem:
-    """A random problem with memory and forbidden pairs, cut into `stages` stages when > 1."""
+    """A random problem with memory and forbidden pairs, cut into `stages` stages when > 1
+    (with nested max terms on odd seeds)."""
     problem = random_problem(seed, 6, 3, memory=True, forbid=0.2)
-    return with_stages(problem, seed, stages, micro_batches=4) if stages > 1 else problem
+    if stages == 1:
+        return problem
+    return with_stages(problem, seed, stages, micro_batches=4, nested=seed % 2 == 1)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -8,11 +8,16 @@ The whole formulation (tight edge / local-marginal-polytope form, no big-M):
   one-hot     sum_i x[v, i] = 1                                   for every node v
   marginals   sum_j y[e, i, j] = x[u, i]    for every edge e = (u, v) and candidate i of u
               sum_i y[e, i, j] = x[v, j]    for every edge e = (u, v) and candidate j of v
-  memory      sum_v sum_i m[k, v, i] x[v, i] <= limit[k] - constant[k]   for every constraint k
-  max terms   + w[t] z[t],  z[t] >= (the node + edge costs of part p)  for every part p of term t
+  memory      sum_v sum_i m[k, v, i] x[v, i] + sum_e sum_(i,j) m[k, e, i, j] y[e, i, j]
+                  <= limit[k] - constant[k]                           for every constraint k
+  max terms   + w[t] z[t],  z[t] >= (the node + edge costs of part p) + sum_t' c[t, p, t'] z[t']
+                                            for every part p of term t (t' < t, c >= 0)
 
 A max term prices the slowest of several parts (a pipeline: the slowest stage sets the steady
-state, `MaxTerm`); z[t] is continuous and, minimized, equals the largest part.
+state, `MaxTerm`); z[t] is continuous and, minimized, equals the largest part. A part may hold
+earlier terms with non-negative coefficients (a max of sums of maxes: a stage's time that is
+itself the larger of communication and compute); those z only ever push the outer ones up, so
+at the optimum each equals its largest part too.
 
 Max terms make the MIP slow (measured: 2-9 s per pipelined GPT-3 problem, where the same problem
 without them takes under a second). So `solve` first prices each max term by one chosen part ("the last stage is
@@ -227,8 +232,7 @@ def _out_of_time(solver: str, time_limit_s: float, status: int | None = None) ->
 
 def _check_memory_floor(problem: Problem) -> None:
     for mem in problem.memory:
-        least = sum(float(np.min(b)) for b in mem.bytes_per_candidate.values() if len(b))
-        if least + mem.constant_bytes > mem.limit_bytes:  # each node at its smallest: too big
+        if mem.least_bytes() > mem.limit_bytes:  # each node and edge at its smallest: too big
             raise NoFitError(f"no strategy assignment fits {mem.name} (each node's least bytes).")
 
 
@@ -260,11 +264,19 @@ def _solve_by_parts(
         if best.objective <= lower * (1 + tol):
             gap = max(0.0, (best.objective - lower) / max(abs(best.objective), 1e-30))
             return replace(best, status="optimal" if gap <= tol else "feasible", gap=gap)
-        chosen = tuple(
-            int(np.argmax([part.value(found.choice) for part in term.parts]))
-            for term in problem.max_terms
-        )
+        chosen = _largest_parts(problem, found.choice)
     return _UNDECIDED
+
+
+def _largest_parts(problem: Problem, choice: dict[Key, int]) -> tuple[int, ...]:
+    """Per max term, the part that is largest at `choice`."""
+    values: list[float] = []
+    chosen = []
+    for term in problem.max_terms:
+        parts = problem.part_values(term, choice, values)
+        chosen.append(int(np.argmax(parts)))
+        values.append(max(parts))
+    return tuple(chosen)
 
 
 def _heaviest_part(term: MaxTerm) -> int:
@@ -276,18 +288,25 @@ def _heaviest_part(term: MaxTerm) -> int:
 
 
 def _priced_by(problem: Problem, chosen: Sequence[int]) -> Problem:
-    """`problem` with each max term replaced by weight x its chosen part (a lower bound)."""
+    """`problem` with each max term replaced by weight x its chosen part, and each inner term
+    in it by its own chosen part (a lower bound: a max is at least any part, and inner terms
+    enter with non-negative coefficients)."""
     nodes = {v: np.asarray(c, dtype=float) for v, c in problem.node_costs.items()}
     edges = {e: np.asarray(m, dtype=float) for e, m in problem.edge_costs.items()}
-    for term, index in zip(problem.max_terms, chosen, strict=True):
-        if term.weight == 0:
+    weights = [term.weight for term in problem.max_terms]
+    for t in reversed(range(len(problem.max_terms))):  # outer terms hand weight to inner ones
+        term, index = problem.max_terms[t], chosen[t]
+        for inner, coefficient in term.inner_of(index).items():
+            weights[inner] += weights[t] * coefficient
+    for term, index, weight in zip(problem.max_terms, chosen, weights, strict=True):
+        if weight == 0:
             continue  # (0 x an infinite cost would be nan)
         part = term.parts[index]
         for v, c in part.node_costs.items():
-            nodes[v] = nodes[v] + term.weight * c
+            nodes[v] = nodes[v] + weight * c
         for e, m in part.edge_costs.items():
             assert e in edges, f"max term edge {e} is not an edge of the problem"
-            edges[e] = edges[e] + term.weight * m
+            edges[e] = edges[e] + weight * m
     return Problem(nodes, edges, problem.memory)
 
 

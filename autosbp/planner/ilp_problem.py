@@ -1,8 +1,9 @@
 """The strategy-choice ILP's problem and solution, as plain values (the formulation is in `ilp`).
 
 Lives here: `Problem` (costs per node candidate and edge pair in seconds, memory constraints in
-bytes, max terms), its parts (`Costs`, `MaxTerm`, `MemoryConstraint`) and `Solution`; pricing one
-assignment (`Problem.objective`, `Problem.feasible`). Lives elsewhere: the formulation and the
+bytes per node candidate and per edge pair, max terms, which may nest), its parts (`Costs`,
+`MaxTerm`, `MemoryConstraint`) and `Solution`; pricing one assignment (`Problem.objective`,
+`Problem.term_values`, `Problem.feasible`). Lives elsewhere: the formulation and the
 search over relaxations (`ilp`), the sparse matrices and solvers (`ilp_solvers`). This module
 imports neither: the solvers read these types, `ilp` reads both.
 """
@@ -21,12 +22,27 @@ Key = Any  # a node's name (str) in the planner; any hashable value in tests
 
 @dataclass(frozen=True)
 class MemoryConstraint:
-    """sum over nodes of bytes[v][chosen candidate] + constant_bytes <= limit_bytes."""
+    """sum over nodes of bytes[v][chosen candidate] + sum over edges (u, v) of
+    pair_bytes[(u, v)][chosen pair] + constant_bytes <= limit_bytes. An edge with bytes must be
+    an edge of the Problem (its pairs are the LP's y columns)."""
 
     bytes_per_candidate: Mapping[Key, np.ndarray]
     limit_bytes: float
     constant_bytes: float = 0.0
     name: str = "memory"
+    bytes_per_pair: Mapping[tuple[Key, Key], np.ndarray] = field(default_factory=dict)
+
+    def used_bytes(self, choice: Mapping[Key, int]) -> float:
+        """The bytes one assignment keeps."""
+        return self.constant_bytes + Costs(self.bytes_per_candidate, self.bytes_per_pair).value(
+            choice
+        )
+
+    def least_bytes(self) -> float:
+        """No assignment keeps fewer bytes: each node and each edge at its fewest."""
+        nodes = sum(float(np.min(b)) for b in self.bytes_per_candidate.values() if len(b))
+        edges = sum(float(np.min(b)) for b in self.bytes_per_pair.values() if b.size)
+        return self.constant_bytes + nodes + edges
 
 
 @dataclass(frozen=True)
@@ -45,10 +61,24 @@ class Costs:
 @dataclass(frozen=True)
 class MaxTerm:
     """`weight` x the largest of `parts`. Every edge of a part must be an edge of the Problem
-    (its matrix there says which pairs are allowed)."""
+    (its matrix there says which pairs are allowed).
+
+    Terms may nest: `inner[p]` (when given, one mapping per part) adds to part p the values of
+    earlier terms of the Problem (index -> coefficient, every coefficient >= 0). A term's value
+    is then max_p (parts[p] + sum_t c_t value_t): a max of sums of maxes, which the LP prices
+    exactly because every inner value only ever enters with a non-negative coefficient (so
+    minimizing pushes each inner variable down to its largest part)."""
 
     weight: float
     parts: Sequence[Costs]
+    inner: Sequence[Mapping[int, float]] = ()
+
+    def __post_init__(self) -> None:
+        assert not self.inner or len(self.inner) == len(self.parts), "one inner map per part"
+        assert all(c >= 0 for nested in self.inner for c in nested.values()), self.inner
+
+    def inner_of(self, part: int) -> Mapping[int, float]:
+        return self.inner[part] if self.inner else {}
 
 
 @dataclass(frozen=True)
@@ -61,22 +91,38 @@ class Problem:
     memory: Sequence[MemoryConstraint] = ()
     max_terms: Sequence[MaxTerm] = ()
 
+    def __post_init__(self) -> None:
+        for t, term in enumerate(self.max_terms):
+            for p in range(len(term.parts)):
+                assert all(0 <= inner < t for inner in term.inner_of(p)), "inner terms come first"
+
     def objective(self, choice: Mapping[Key, int]) -> float:
         total = Costs(self.node_costs, self.edge_costs).value(choice)
-        for term in self.max_terms:
-            total += term.weight * max(part.value(choice) for part in term.parts)
+        for term, value in zip(self.max_terms, self.term_values(choice), strict=True):
+            total += term.weight * value
         return total
+
+    def term_values(self, choice: Mapping[Key, int]) -> list[float]:
+        """Each max term's value (its largest part, inner terms included), in order."""
+        values: list[float] = []
+        for term in self.max_terms:
+            values.append(max(self.part_values(term, choice, values)))
+        return values
+
+    @staticmethod
+    def part_values(
+        term: MaxTerm, choice: Mapping[Key, int], earlier: Sequence[float]
+    ) -> list[float]:
+        """Each part of `term` at `choice`, given the values of the terms before it."""
+        return [
+            part.value(choice) + sum(c * earlier[t] for t, c in term.inner_of(p).items())
+            for p, part in enumerate(term.parts)
+        ]
 
     def feasible(self, choice: Mapping[Key, int], tol: float = 1e-6) -> bool:
         if not math.isfinite(self.objective(choice)):
             return False
-        for mem in self.memory:
-            used = mem.constant_bytes + sum(
-                float(b[choice[v]]) for v, b in mem.bytes_per_candidate.items()
-            )
-            if used > mem.limit_bytes * (1 + tol):
-                return False
-        return True
+        return all(mem.used_bytes(choice) <= mem.limit_bytes * (1 + tol) for mem in self.memory)
 
 
 @dataclass(frozen=True)

@@ -223,28 +223,37 @@ class LinearProgram:
             for v, per in mem.bytes_per_candidate.items():
                 at, n = self.x_at[v]
                 self._ub.append((np.full(n, len(bounds)), at + np.arange(n), per_byte * per))
+            for edge, matrix in mem.bytes_per_pair.items():
+                assert edge in self.y_at, f"memory of edge {edge}, not an edge of the problem"
+                first, i, j = self.y_at[edge]
+                entries = (np.full(len(i), len(bounds)), first + np.arange(len(i)))
+                self._ub.append((*entries, per_byte * np.asarray(matrix, dtype=float)[i, j]))
             bounds.append((mem.limit_bytes - mem.constant_bytes) * per_byte)
-        memory_entries = len(self._ub)
-        for term in problem.max_terms:  # part - z <= 0 for every part; z costs weight
-            z = columns
-            costs.append(np.array([term.weight]))
-            upper.append(np.array([np.inf]))
-            columns += 1
-            for part in term.parts:
-                self._ub.append((np.array([len(bounds)]), np.array([z]), np.array([-1.0])))
-                self._ub.append(self._part_row(part, len(bounds)))
+        # Max terms: part + sum_inner c z_inner - z <= 0 for every part; z costs the weight.
+        # Part rows are in seconds (scaled below with the costs); z entries are not.
+        z_at = columns
+        columns += len(problem.max_terms)
+        costs.append(np.array([term.weight for term in problem.max_terms]))
+        upper.append(np.full(len(problem.max_terms), np.inf))
+        part_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for t, term in enumerate(problem.max_terms):
+            for p, part in enumerate(term.parts):
+                row = len(bounds)
+                inner = term.inner_of(p)
+                z_cols = np.array([z_at + t, *(z_at + k for k in inner)], dtype=int)
+                z_values = np.array([-1.0, *inner.values()])
+                self._ub.append((np.full(len(z_cols), row), z_cols, z_values))
+                part_rows.append(self._part_row(part, row))
                 bounds.append(0.0)
         self.size = columns
         cost = np.concatenate(costs)
-        parts = [values for _, _, values in self._ub[memory_entries:]]
-        self.scale = objective_scale(cost, parts, problem.max_terms)
+        self.scale = objective_scale(
+            cost, [values for _, _, values in part_rows], problem.max_terms
+        )
         self.cost = cost * self.scale  # z (the last columns) costs its weight: z is scaled
         if problem.max_terms:
-            self.cost[-len(problem.max_terms) :] = [t.weight for t in problem.max_terms]
-        self._ub[memory_entries:] = [  # a part's row (odd entries) is scaled, z's -1 not
-            (r, c, values * self.scale if k % 2 else values)
-            for k, (r, c, values) in enumerate(self._ub[memory_entries:])
-        ]
+            self.cost[z_at:] = [t.weight for t in problem.max_terms]
+        self._ub += [(r, c, values * self.scale) for r, c, values in part_rows]
         self.upper = np.concatenate(upper)
         self.upper_bounds = np.array(bounds) if bounds else None
         self.equal_bounds = np.concatenate(equal_bounds)
@@ -334,10 +343,10 @@ def objective_scale(
     costs: np.ndarray, parts: list[np.ndarray], max_terms: Sequence[MaxTerm]
 ) -> float:
     """Costs are seconds, often 1e-6..1e-3: scale the largest (of the objective's costs, and
-    of each max term's parts times its weight) to 1e3 so the solvers' absolute tolerances
-    (about 1e-6) are negligible beside every cost."""
-    weights = [term.weight for term in max_terms for _ in term.parts]
+    of each max term's parts times its weight, or times 1 for a term that only nests) to 1e3
+    so the solvers' absolute tolerances (about 1e-6) are negligible beside every cost."""
+    weights = [term.weight or 1.0 for term in max_terms for _ in term.parts]
     largest = float(np.max(np.abs(costs[: -len(max_terms)] if max_terms else costs), initial=0.0))
-    for weight, values in zip(weights, parts[1::2], strict=True):
+    for weight, values in zip(weights, parts, strict=True):
         largest = max(largest, abs(weight) * float(np.max(np.abs(values), initial=0.0)))
     return 1e3 / largest if largest > 0 else 1.0

@@ -1,0 +1,254 @@
+"""The model zoo: small, deterministic training models that return their own loss.
+
+Lives here: `build_model(name, **kwargs) -> (model, example_inputs)` for the zoo models (`mlp`,
+`gpt`, `widedeep`, `resnet`, `moe`), `model_arguments` (a model's `--model-args` and their
+defaults, which `autosbp zoo` lists), `load_model` (a zoo name or a user's
+`path/to/file.py:function`), `parse_model_args` (the CLI's `--model-args k=v,...`) and GPT-3
+175B's shape and Megatron-LM plan (`gpt3_175b`, `gpt3_megatron`). Lives elsewhere: the dense
+models (`zoo.models`), the mixture-of-experts GPT (`zoo.moe`), capturing a model (`capturing`),
+planning it (`planner`).
+
+Invariants: `model(*example_inputs)` returns the scalar training loss; the same (name, kwargs,
+seed) gives bit-identical weights and inputs, and leaves the global RNG untouched; no dropout, so
+training is deterministic; `device="meta"` builds parameters and inputs without memory. Models
+are in train mode and use only the ops of design.md section 6 (linear, layer norm, SDPA, GELU,
+embedding, conv2d, batch norm, cross-entropy ...) and, in `moe`, the routing ops of
+`autosbp.rules.routing`. The GPT head is untied unless `tied=True`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autosbp.errors import CaptureError
+from autosbp.zoo.models import build_gpt, build_mlp, build_resnet, build_widedeep
+from autosbp.zoo.moe import MoeMlp, build_moe, expert_capacity
+
+__all__ = [
+    "GPT3_175B",
+    "ZOO_MODELS",
+    "MoeMlp",
+    "build_model",
+    "expert_capacity",
+    "gpt3_175b",
+    "gpt3_megatron",
+    "load_model",
+    "model_arguments",
+    "parse_model_args",
+]
+
+ModelAndInputs = tuple[nn.Module, tuple[torch.Tensor, ...]]
+
+
+# ------------------------------------------------------------------------------------- loading
+_BUILDERS: dict[str, Callable[..., tuple[nn.Module, Callable[[], tuple[torch.Tensor, ...]]]]] = {
+    "gpt": build_gpt,
+    "mlp": build_mlp,
+    "moe": build_moe,
+    "resnet": build_resnet,
+    "widedeep": build_widedeep,
+}
+ZOO_MODELS: tuple[str, ...] = tuple(sorted(_BUILDERS))
+
+
+def build_model(
+    name: str, *, device: str | torch.device = "cpu", seed: int = 0, **kwargs: Any
+) -> ModelAndInputs:
+    """A zoo model and its example inputs; weights and inputs depend only on (kwargs, seed).
+
+    Parameters are created under `torch.device(device)` ("meta": no memory); inputs are drawn on
+    the CPU from a generator seeded with `seed`, then moved to `device`.
+    """
+    builder = _BUILDERS.get(name)
+    if builder is None:
+        raise CaptureError(f"Unknown zoo model {name!r}: choose one of {', '.join(ZOO_MODELS)}.")
+    _check_kwargs(name, kwargs)
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.device(device):
+                model, make_inputs = builder(generator, **kwargs)
+        inputs = tuple(t.to(device) for t in make_inputs())
+    except (TypeError, ValueError, RuntimeError) as exc:
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise CaptureError(
+            f"Zoo model {name!r} cannot be built with {given or 'its defaults'}: "
+            f"{type(exc).__name__}: {exc}. Check the values of --model-args: sizes are positive "
+            "whole numbers."
+        ) from exc
+    return model, inputs
+
+
+# GPT-3 175B as trained by Brown et al. 2020 (table 2.1) and Narayanan et al. 2021 (the
+# Megatron-LM scaling runs): global batch 1536 sequences of 2048 tokens.
+GPT3_175B: dict[str, int] = {
+    "layers": 96, "hidden": 12288, "heads": 96, "seq": 2048, "vocab": 51200, "batch": 1536,
+}  # fmt: skip
+
+
+def gpt3_175b(layers: int = GPT3_175B["layers"]) -> ModelAndInputs:
+    """GPT-3 175B (or the same width with fewer `layers`) on the meta device, in bf16."""
+    model, inputs = build_model("gpt", device="meta", **{**GPT3_175B, "layers": layers})
+    return model.to(torch.bfloat16), inputs
+
+
+def gpt3_megatron(layers: int = GPT3_175B["layers"], devices: int = 1024) -> tuple[str, int]:
+    """The Megatron-LM plan for GPT-3 on `devices` DGX A100 GPUs (Narayanan et al. 2021, table
+    1: tensor parallel 8 inside a node, 16 pipeline stages, data parallel for the rest, one
+    sequence per micro-batch and data-parallel rank, full recomputation): its strategy string
+    and micro-batch count. With fewer `layers`, as many stages (at most 16) as divide them."""
+    stages = max(p for p in (1, 2, 4, 8, 16) if layers % p == 0 and devices % (8 * p) == 0)
+    dp = devices // (8 * stages)
+    count = GPT3_175B["batch"] // dp
+    return f"megatron:tp=8,pp={stages},dp={dp},mb={count}", count
+
+
+def model_arguments(name: str) -> dict[str, Any]:
+    """The arguments zoo model `name` accepts (`--model-args`), with their defaults; `device`
+    and `seed` are accepted by every model besides."""
+    builder = _BUILDERS.get(name)
+    if builder is None:
+        raise CaptureError(f"Unknown zoo model {name!r}: choose one of {', '.join(ZOO_MODELS)}.")
+    params = inspect.signature(builder).parameters.values()
+    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _check_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+    accepted = model_arguments(name)
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        options = ", ".join(f"{k}={v!r}" for k, v in accepted.items())
+        raise CaptureError(
+            f"Zoo model {name!r} has no argument {', '.join(map(repr, unknown))}; "
+            f"it accepts {options} (plus device and seed). `autosbp zoo` lists every model."
+        )
+
+
+def load_model(
+    spec: str, model_args: dict[str, Any] | None = None, *, device: str | None = None
+) -> ModelAndInputs:
+    """A zoo name or `path/to/file.py:function`, called with `model_args`.
+
+    A file's function must return `(nn.Module, example_inputs)`; with `device` set it runs under
+    `torch.device(device)` (so "meta" builds it without parameter memory).
+    """
+    args = dict(model_args or {})
+    if spec in _BUILDERS:
+        return build_model(spec, device=device or "cpu", **args)
+    path_text, sep, func_name = spec.rpartition(":")
+    if not sep or not path_text.endswith(".py") or not func_name:
+        raise CaptureError(
+            f"Unknown model {spec!r}: give a zoo model ({', '.join(ZOO_MODELS)}) or "
+            "`path/to/file.py:function` where the function returns (model, example_inputs)."
+        )
+    func = _load_function(Path(path_text), func_name)
+    try:
+        inspect.signature(func).bind(**args)
+    except TypeError as exc:
+        raise CaptureError(
+            f"{func_name}{inspect.signature(func)} in {path_text} cannot take {args!r}: {exc}. "
+            "Check --model-args against the function's parameters."
+        ) from exc
+    try:
+        with torch.device(device) if device else contextlib.nullcontext():
+            result = func(**args)
+    except (Exception, SystemExit) as exc:  # sys.exit in user code: an error, not our exit
+        raise CaptureError(
+            f"Calling {func_name}({', '.join(f'{k}={v!r}' for k, v in args.items())}) from "
+            f"{path_text} failed with {type(exc).__name__}: {exc}. Fix the function (or "
+            "--model-args) so that it returns (model, example_inputs)."
+        ) from exc
+    return _check_model_and_inputs(result, spec)
+
+
+def _load_function(path: Path, func_name: str) -> Callable[..., Any]:
+    if not path.is_file():
+        raise CaptureError(
+            f"Model file {str(path)!r} (from the MODEL argument) does not exist (looked for "
+            f"{path.resolve()}); check the path, or give a zoo model ({', '.join(ZOO_MODELS)})."
+        )
+    module_name = f"autosbp_user_model_{abs(hash(path.resolve()))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:  # sys.exit in user code: an error, not our exit
+        del sys.modules[module_name]
+        raise CaptureError(
+            f"Importing model file {str(path)!r} failed with {type(exc).__name__}: {exc}. "
+            f"Fix the file so that `python {path}` runs."
+        ) from exc
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        found = sorted(
+            n
+            for n, v in vars(module).items()
+            if inspect.isfunction(v) and v.__module__ == module_name
+        )
+        raise CaptureError(
+            f"Model file {str(path)!r} has no function {func_name!r}; its functions are: "
+            f"{', '.join(found) or 'none'}. Name one that returns (model, example_inputs)."
+        )
+    return func
+
+
+def _check_model_and_inputs(result: object, spec: str) -> ModelAndInputs:
+    if isinstance(result, tuple) and len(result) == 2:
+        model, inputs = result
+        tensors = isinstance(inputs, Sequence) and all(isinstance(t, torch.Tensor) for t in inputs)
+        if isinstance(model, nn.Module) and tensors:
+            return model, tuple(inputs)
+    raise CaptureError(
+        f"{spec} returned {_describe(result)}; it must return a pair (model, example_inputs): "
+        "an nn.Module whose forward returns the training loss, and a tuple of tensors."
+    )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)} ({', '.join(type(v).__name__ for v in value)})"
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def parse_model_args(text: str | None) -> dict[str, Any]:
+    """`"layers=2,hidden=64,tied=true,name=x"` -> {"layers": 2, ...}: int, float, bool or str."""
+    if not text:
+        return {}
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key.isidentifier() or not value:
+            raise CaptureError(
+                f"Bad --model-args item {item.strip()!r} in {text!r}: write key=value pairs "
+                "separated by commas, e.g. --model-args layers=4,hidden=256,tied=true."
+            )
+        if key in out:
+            raise CaptureError(f"--model-args gives {key!r} twice in {text!r}; give it once.")
+        out[key] = _parse_value(value)
+    return out
+
+
+def _parse_value(text: str) -> int | float | bool | str:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text

@@ -1,8 +1,9 @@
 """The `autosbp profile` and `autosbp profiles` commands.
 
-Lives here: their arguments, the progress bar, and the tables they print (nccl-tests' columns:
-size, count, time, algbw, busbw) and the compute/communication overlap line. Lives elsewhere: measuring (`profiler`), fitting (`fitting`),
-the plot (`plot`), files (`profile_io`). `autosbp.cli` calls `configure(parser, name)` once per
+Lives here: their arguments and the tables they print (nccl-tests' columns: size, count, time,
+algbw, busbw) and the compute/communication overlap line. Lives elsewhere: measuring
+(`profiler`), fitting (`fitting`), the plot (`plot`), files (`profile_io`), the progress display
+(`progress`). `autosbp.cli` calls `configure(parser, name)` once per
 command name and `run(args, console)`.
 """
 
@@ -15,13 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from costmodel.costs import CollectivePrice, bus_factor
 from costmodel.errors import ProfileError
 from costmodel.profile import CollectiveKind, DType, Profile
 from costmodel.profile_io import load_profile, save_profile, shipped_profiles
+from costmodel.progress import activity
 
 if TYPE_CHECKING:  # the profiler pulls in torch: imported only when `profile` runs
     from costmodel.profiler import Measurements, ProfilerConfig
@@ -30,15 +31,22 @@ if TYPE_CHECKING:  # the profiler pulls in torch: imported only when `profile` r
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     if name == "profiles":
         return
-    parser.add_argument("--nproc", type=int, default=2, help="processes (devices) to measure")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="processes (devices) to measure (default: 2)"
+    )
+    parser.add_argument(
+        "--backend", choices=("gloo", "nccl"), default="gloo",
+        help="gloo: CPU processes; nccl: one GPU per process (default: gloo)",
+    )  # fmt: skip
     parser.add_argument(
         "--devices-per-node",
         type=int,
         default=None,
         help="ranks per node; groups crossing nodes are inter_node (default: nproc, one node)",
     )
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer sizes and repeats (default: the full run)"
+    )
     parser.add_argument("--out", type=Path, required=True, help="profile JSON to write (+ .png)")
 
 
@@ -56,20 +64,9 @@ def _run_profile(args: argparse.Namespace, console: Console) -> int:
 
     config = _config(args)
     start = time.monotonic()
-    with Progress(
-        TextColumn("{task.description:<48}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as bar:
-        task = bar.add_task(f"starting {config.nproc} {config.backend} ranks", total=None)
+    with activity(console, f"profiling {config.nproc} {config.backend} ranks") as act:
         m = measure(
-            config,
-            lambda done, total, label: bar.update(
-                task, completed=done, total=total, description=label
-            ),
+            config, lambda done, total, label: act.update(label, completed=done, total=total)
         )
     profile = build_profile(m, args.out.stem)
     path = save_profile(profile, args.out)

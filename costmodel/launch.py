@@ -1,10 +1,11 @@
 """Run a function on N local processes with torch.distributed initialized: no hang, no leftovers.
 
 Lives here: the parent's side, `run_workers`: start the ranks, watch them, stop them, and name
-the cause of a failure or a stall. Used by the profiler (measurements), the tests (gloo on
-loopback) and `autosbp train` / `autosbp demo` (through `runtime.train`). Lives elsewhere: the
-rank's side (`costmodel.rank`: joining the world, dying with the parent, `report_progress`,
-re-exported here), what the workers do.
+the cause of a failure or a stall. Used by the profiler (measurements), the tests (gloo on loopback)
+and `autosbp train` / `autosbp demo` (through `runtime.train`). Lives elsewhere: the rank's side
+(`costmodel.rank`: joining the world, dying with the parent, `report_progress`, re-exported
+here), the other way to get a world (`costmodel.torchrun`: this process is one rank that
+torchrun started), what the workers do.
 
 Invariants:
 - No deadline for the job, a watchdog on progress: the parent ends the job when a rank has made
@@ -25,6 +26,8 @@ Invariants:
 - The rendezvous store lives in the parent and listens on 127.0.0.1 only, on the port the OS gave
   the socket it is handed (bound and listening before any rank starts: no free-then-bind race);
   gloo's own sockets bind the loopback interface (GLOO_SOCKET_IFNAME, unless already set).
+- Backends: "gloo" or "nccl" (`torchrun.process_group_backend`: NCCL jobs join as
+  "cpu:gloo,cuda:nccl").
 - `fn` must be importable (a module-level function): the workers are spawned, not forked (fork +
   threads in torch is unsafe). Call `run_workers` from the main thread: Linux's parent-death
   signal fires when the thread that started a rank ends.
@@ -55,6 +58,7 @@ import torch.multiprocessing as mp
 from costmodel import rank as rank_side
 from costmodel.errors import ExecutionError
 from costmodel.rank import Failure, ProgressTable, RankLog, report_progress
+from costmodel.torchrun import process_group_backend
 
 __all__ = ["STARTUP_S", "report_progress", "run_workers"]
 
@@ -87,13 +91,16 @@ def run_workers(
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
     job: str | None = None,
+    on_done: Callable[[int, tuple[float, ...]], None] | None = None,
 ) -> list[Any]:
     """Call `fn(rank, world_size, *args)` in `nproc` spawned processes; return results by rank.
 
     torch.distributed is initialized in each worker (`backend`, the parent's loopback store)
     and torn down after `fn` returns. `timeout_s` is the stall timeout (see the module's
     invariants); collectives time out `COLLECTIVE_MARGIN_S` later. `job` names what the workers
-    do in error messages ("training"; default: fn's name).
+    do in error messages ("training"; default: fn's name). `on_done(rank, values)` is called
+    in this process, from the watch loop, when a rank reports a finished unit of work
+    (`report_progress(..., done=values)`; the latest report per poll).
     """
     if nproc < 1:
         raise ExecutionError(f"nproc must be at least 1, got {nproc}.")
@@ -104,8 +111,9 @@ def run_workers(
     logs = [RankLog() for _ in range(nproc)]
     collective_s = timeout_s + COLLECTIVE_MARGIN_S
     store, port = _loopback_store(nproc, collective_s)
-    worker_env = {**_loopback_gloo_env(backend), **(env or {})}
-    static = (fn, nproc, port, backend, collective_s, tuple(args), worker_env, results, progress)
+    worker_env = {**_loopback_gloo_env(), **(env or {})}
+    pg_backend = process_group_backend(backend)
+    static = (fn, nproc, port, pg_backend, collective_s, tuple(args), worker_env, results, progress)
     procs: list[Any] = []
     try:
         for rank in range(nproc):  # ParentDeath first: see costmodel.rank
@@ -116,7 +124,7 @@ def run_workers(
                 )
             )
             procs[-1].start()
-        return _Watch(procs, results, progress, logs, timeout_s, job).collect()
+        return _Watch(procs, results, progress, logs, timeout_s, job, on_done).collect()
     finally:
         _stop(procs)
         for log in logs:
@@ -138,10 +146,11 @@ def _loopback_store(nproc: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
     return store, port
 
 
-def _loopback_gloo_env(backend: str) -> dict[str, str]:
+def _loopback_gloo_env() -> dict[str, str]:
     """Bind gloo's sockets to the loopback interface (it takes the host name's address
-    otherwise), unless the environment already chose one."""
-    if backend != "gloo" or "GLOO_SOCKET_IFNAME" in os.environ:
+    otherwise), unless the environment already chose one. Set for "nccl" jobs too: their CPU
+    tensors go through gloo."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
         return {}
     names = {name for _, name in socket.if_nameindex()}
     loopback = next((n for n in ("lo", "lo0") if n in names), None)  # Linux, macOS
@@ -159,18 +168,30 @@ class _Watch:
         logs: list[RankLog],
         timeout_s: float,
         job: str,
+        on_done: Callable[[int, tuple[float, ...]], None] | None = None,
     ) -> None:
         self.procs, self.results, self.progress, self.logs = procs, results, progress, logs
-        self.timeout_s, self.job = timeout_s, job
+        self.timeout_s, self.job, self.on_done = timeout_s, job, on_done
         self.started_s = time.monotonic()
         self.done: dict[int, Any] = {}
         self.failures: dict[int, Failure] = {}
+        self.seen = [0] * len(procs)  # per rank: how many `done` reports were handed on
+
+    def _hand_on_done(self) -> None:
+        if self.on_done is None:
+            return
+        for rank in range(len(self.procs)):
+            version, values = self.progress.done(rank)
+            if version != self.seen[rank]:
+                self.seen[rank] = version
+                self.on_done(rank, values)
 
     def collect(self) -> list[Any]:
         nproc = len(self.procs)
         first_failure_s = float("inf")
         while len(self.done) < nproc:
             _read_reports(self.results, self.done, self.failures, _POLL_S)
+            self._hand_on_done()
             self._notice_deaths()
             now = time.monotonic()
             if self.failures:
@@ -182,6 +203,7 @@ class _Watch:
             stalled = [r for r in self._running() if now > self._stalls_at(r)]
             if stalled:
                 raise ExecutionError(self._stall_message(stalled))
+        self._hand_on_done()  # the last reports, made just before the results
         return [self.done[rank] for rank in range(nproc)]
 
     def _running(self) -> list[int]:

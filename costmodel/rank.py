@@ -1,8 +1,9 @@
 """Inside one rank started by `costmodel.launch.run_workers`: die with the parent, join the
 world, report progress, hand back the result or the failure.
 
-Lives here: `report_progress` (a rank says it made progress and what it does now), the shared
-`ProgressTable` those reports go to, `RankLog` (the anonymous file a rank's faulthandler dumps
+Lives here: `report_progress` (a rank says it made progress and what it does now, and, after a
+unit of work such as a training step, up to `DONE_VALUES` numbers about it that the parent may
+show: the step, its loss, its time), the shared `ProgressTable` those reports go to, `RankLog` (the anonymous file a rank's faulthandler dumps
 go to), `Failure` (how a rank failed, as the parent reports it) and `worker`, the entry point
 of a spawned rank. Lives elsewhere: the parent's side, watching and stopping the ranks
 (`costmodel.launch`); what the ranks compute (the caller's function).
@@ -43,6 +44,7 @@ from typing import Any
 __all__ = ["Failure", "ParentDeath", "ProgressTable", "RankLog", "report_progress", "worker"]
 
 LABEL_BYTES = 160  # a progress report is cut to this many bytes of UTF-8: a line of a message
+DONE_VALUES = 4  # numbers a rank may report about its last unit of work (their meaning: the job's)
 PARENT_POLL_S = 0.5  # without prctl: how often a rank looks whether its parent is still there
 STACK_SIGNAL = signal.SIGUSR1  # the parent asks a rank for its Python stacks with it
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -66,18 +68,32 @@ class ProgressTable:
     for every process of a machine; 0 until it first reports), the grace its current activity
     has beyond the stall timeout, and what it said it does now. Each rank writes its own slot;
     the parent reads them all (a label read while it is being written may mix two reports: it
-    is only shown)."""
+    is only shown). Beside them, the numbers it last reported about a finished unit of work
+    (`done`: up to DONE_VALUES, NaN where unset; a version counter says when they changed)."""
 
     def __init__(self, ctx: Any, nproc: int) -> None:
         self.times = ctx.RawArray("d", nproc)
         self.graces = ctx.RawArray("d", nproc)
         self.labels = ctx.RawArray("c", nproc * LABEL_BYTES)
+        self.values = ctx.RawArray("d", [float("nan")] * (nproc * DONE_VALUES))
+        self.versions = ctx.RawArray("l", nproc)
 
-    def report(self, rank: int, doing: str, grace_s: float) -> None:
+    def report(
+        self, rank: int, doing: str, grace_s: float, done: tuple[float, ...] | None = None
+    ) -> None:
         data = doing.encode(errors="replace")[:LABEL_BYTES].ljust(LABEL_BYTES, b"\0")
         self.labels[rank * LABEL_BYTES : (rank + 1) * LABEL_BYTES] = data
+        if done is not None:
+            padded = [*done[:DONE_VALUES], *[float("nan")] * (DONE_VALUES - len(done))]
+            self.values[rank * DONE_VALUES : (rank + 1) * DONE_VALUES] = padded
+            self.versions[rank] += 1
         self.graces[rank] = grace_s
         self.times[rank] = time.monotonic()
+
+    def done(self, rank: int) -> tuple[int, tuple[float, ...]]:
+        """(how many times the rank reported `done`, the numbers it reported last)."""
+        values = tuple(self.values[rank * DONE_VALUES : (rank + 1) * DONE_VALUES])
+        return int(self.versions[rank]), values
 
     def last(self, rank: int) -> tuple[float, float, str]:
         """(monotonic time of the last report or 0, its grace in seconds, what it said)."""
@@ -114,15 +130,19 @@ def _inherited_fd(dup: Any) -> int:
 _reporter: tuple[ProgressTable, int] | None = None
 
 
-def report_progress(doing: str, *, grace_s: float = 0.0) -> None:
+def report_progress(
+    doing: str, *, grace_s: float = 0.0, done: tuple[float, ...] | None = None
+) -> None:
     """In a rank started by `run_workers`: it made progress and now does `doing` (a few words,
     e.g. "step 12: recv of micro-batch 1"), which may take `grace_s` beyond the stall timeout
     (setting up: loading a model, capturing it, reading a checkpoint). The parent ends the job
-    when a rank has not reported for that long, naming what it last reported. Elsewhere:
-    nothing."""
+    when a rank has not reported for that long, naming what it last reported. With `done`, the
+    rank also finished a unit of work and says up to DONE_VALUES numbers about it (a training
+    step: its index, loss, time), which the parent hands to `run_workers`' `on_done`.
+    Elsewhere: nothing."""
     if _reporter is not None:
         table, rank = _reporter
-        table.report(rank, doing, grace_s)
+        table.report(rank, doing, grace_s, done)
 
 
 class ParentDeath:

@@ -1,11 +1,20 @@
-"""Train a model under a plan on N local processes, optionally checked against one device.
+"""Train a model under a plan on N local processes or under torchrun, optionally checked against
+one device.
 
 Lives here: `TrainSpec` (what to train: a model spec the workers can rebuild, a plan, steps,
-checkpoints), `train_worker` (one rank: an Engine and, with `check`, a `StepChecker` that
-compares every step with one device on rank 0), `train` (launch, collect, one row per step).
-Used by `autosbp train` and `autosbp demo`. Lives elsewhere: the engine (`runtime.engine`), the
-launcher and its watchdog (`costmodel.launch`), model loading (`autosbp.zoo`), the check
-(`runtime.check`), checkpoints (`runtime.checkpoint`).
+checkpoints, backend and device), `train_worker` (one rank: an Engine and, with `check`, a
+`StepChecker` that compares every step with one device on rank 0), `train` (spawn the ranks, or
+be this rank of torchrun's world; collect one row per step; hand each finished step to
+`on_step` as it happens), `torchrun_job` and `made_on_rank0` (the CLI's torchrun path: join
+the world, make the plan once). Used by `autosbp train` and `autosbp demo`. Lives elsewhere: the
+engine (`runtime.engine`), the launcher and its watchdog (`costmodel.launch`), torchrun's
+environment (`costmodel.torchrun`), model loading (`autosbp.zoo`), the check (`runtime.check`),
+checkpoints (`runtime.checkpoint`).
+
+A measured step's time (one definition, here and in `autosbp.timeline.measured_step_s`): its
+slowest rank's, from entering the step to leaving it. Each rank times its `Engine.step`; the
+ranks take the maximum (an all-reduce after the step and its check, so rank 0's float64
+reference never counts in a step of the others: they wait for it there).
 
 The batch is the model's example inputs at every step (the demo's task is to fit them), rank 0's
 on every rank, so the single-device reference sees exactly what the plan sees; parameters start
@@ -24,19 +33,23 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
-from autosbp.errors import ExecutionError
+from autosbp.errors import AutosbpError, ExecutionError
 from autosbp.plan import Plan
 from autosbp.timeline import Event, Recorder
-from costmodel.launch import STARTUP_S, report_progress, run_workers
+from costmodel.launch import COLLECTIVE_MARGIN_S, STARTUP_S, report_progress, run_workers
+from costmodel.torchrun import TorchrunWorld, join_torchrun_world, torchrun_world
 from runtime.check import StepChecker, disable_dropout
 from runtime.check_report import StepCheck, Verdict, judge
+
+T = TypeVar("T")
 
 FAULT_ENV = "AUTOSBP_FAULT"
 """Testing hook: "rank=R,step=S,kind=K" makes rank R fail just before its step S (0-based) by K:
@@ -66,6 +79,18 @@ class TrainSpec:
     checkpoint_dir: str | None = None  # save the state here (runtime.checkpoint)
     checkpoint_every: int = CHECKPOINT_EVERY  # steps between saves; and after the last step
     resume: bool = False  # continue from the checkpoint in checkpoint_dir, if there is one
+    backend: str = "gloo"  # or "nccl" (costmodel.torchrun.process_group_backend)
+    device: str = "cpu"  # or "cuda": each rank takes the GPU of its local rank
+
+
+@dataclass(frozen=True, slots=True)
+class StepProgress:
+    """A finished step as rank 0 saw it, handed to `train`'s `on_step` while the job runs."""
+
+    done: int  # steps trained so far (a resumed job starts past 0)
+    steps: int  # the job's last step count (TrainSpec.steps)
+    loss: float
+    step_s: float  # the slowest rank's time of this step (the header's definition)
 
 
 @dataclass(frozen=True)
@@ -92,65 +117,172 @@ def adam(params: Any, lr: float) -> torch.optim.Adam:
     return torch.optim.Adam(params, lr=lr, fused=True)
 
 
-def train(spec: TrainSpec, on_step: Callable[[StepRecord], None] | None = None) -> TrainResult:
-    """Run `spec` on `plan.device_count` gloo processes and return rank 0's records (and every
-    rank's firings with `spec.trace`)."""
+def train(spec: TrainSpec, on_step: Callable[[StepProgress], None] | None = None) -> TrainResult:
+    """Run `spec`: on `plan.device_count` spawned local processes, or, in a process that torchrun
+    started, as this rank of torchrun's world (joined here unless `torchrun_job` did). Returns
+    rank 0's records (every rank's firings with `spec.trace`; under torchrun, on rank 0 only).
+    `on_step` receives each finished step while the job runs (in this process; under torchrun,
+    on rank 0 only)."""
+    world = torchrun_world()
+    if world is not None:
+        with torchrun_job(world, spec.backend, spec.stall_timeout_s):
+            return _train_here(world, spec, on_step)
     nproc = Plan.from_json(spec.plan).device_count
+
+    def on_done(rank: int, values: tuple[float, ...]) -> None:
+        if rank == 0 and on_step is not None:
+            done, loss, step_s = values[:3]
+            on_step(StepProgress(int(done), spec.steps, loss, step_s))
+
     results = run_workers(
-        train_worker, nproc, (spec,), timeout_s=spec.stall_timeout_s, job="training"
-    )
+        train_worker, nproc, (spec,), backend=spec.backend, timeout_s=spec.stall_timeout_s,
+        job="training", on_done=on_done,
+    )  # fmt: skip
     records, times, _ = results[0]
-    out = tuple(StepRecord(*row) for row in records)
-    for record in out:
-        if on_step is not None:
-            on_step(record)
     events = tuple(Event(*row) for _, _, rows in results for row in rows)
-    return TrainResult(out, tuple(times), events)
+    return TrainResult(tuple(StepRecord(*row) for row in records), tuple(times), events)
+
+
+@contextlib.contextmanager
+def torchrun_job(world: TorchrunWorld, backend: str, stall_timeout_s: float) -> Iterator[None]:
+    """This process as `world`'s rank for the job's life: joined (unless already), left after.
+    Collectives time out as a spawned job's do (the stall timeout and a margin)."""
+    if dist.is_initialized():
+        yield
+        return
+    join_torchrun_world(world, backend, stall_timeout_s + COLLECTIVE_MARGIN_S)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def made_on_rank0(make: Callable[[], T]) -> T:
+    """`make()` on rank 0 of the world, its result on every rank (pickled: a Plan's JSON, say).
+    An AutosbpError on rank 0 is raised on every rank, with rank 0's message, so no rank waits
+    for a value that never comes."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (True, make())
+        except AutosbpError as exc:
+            box[0] = (False, exc)
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _train_here(
+    world: TorchrunWorld, spec: TrainSpec, on_step: Callable[[StepProgress], None] | None
+) -> TrainResult:
+    """This rank's part of a torchrun job; rank 0 gathers every rank's firings."""
+    records, times, rows = train_worker(
+        world.rank, world.world_size, spec, on_step if world.rank == 0 else None
+    )
+    gathered: list[Any] = [None] * world.world_size
+    dist.all_gather_object(gathered, rows)
+    events = tuple(Event(*row) for part in gathered for row in part)
+    return TrainResult(tuple(StepRecord(*row) for row in records), tuple(times), events)
 
 
 def train_worker(
-    rank: int, world_size: int, spec: TrainSpec
+    rank: int,
+    world_size: int,
+    spec: TrainSpec,
+    on_step: Callable[[StepProgress], None] | None = None,
 ) -> tuple[list[tuple], list[float], list[tuple]]:
-    import torch.distributed as dist
-
-    from autosbp.zoo import load_model
-    from runtime.engine import Engine
-    from runtime.startup import from_rank0
-
-    report_progress("loading the model", grace_s=STARTUP_S)
-    model, inputs = load_model(spec.model, spec.model_args)
-    inputs = tuple(from_rank0(x) for x in inputs)  # one batch, however the model draws it
-    dropout = disable_dropout(model) if spec.check else ()
-    plan = Plan.from_json(spec.plan)
-    recorder = None
-    if spec.trace:
-        dist.barrier()  # one origin for every rank (perf_counter is one clock per machine)
-        stage = next(s for s, st in enumerate(plan.stages) if rank in st.devices)
-        recorder = Recorder(rank, stage)
-    progress = _Progress(recorder)
-    report_progress("building the engine", grace_s=STARTUP_S)
-    engine = Engine(
-        model, plan, lambda params: adam(params, spec.lr), example_inputs=inputs, recorder=progress
-    )
-    first = _resume(engine, spec)
-    checker = None
-    if spec.check:  # rank 0 compares each step with one device (runtime.check); resumed, the
-        # optimizer's restored state is unknown to the reference: its updates go unchecked
-        optimizer = (lambda ps: adam(ps, spec.lr)) if first == 0 else None
-        checker = StepChecker(engine, model, inputs, optimizer, dropout)
+    """One rank of the job: (rows (step, loss, check), each step's time (the slowest rank's),
+    this rank's firings with `spec.trace`). Every finished step is reported to the launcher
+    (`report_progress(done=(steps done, loss, step time))`) and handed to `on_step`."""
+    job = _Job.build(rank, spec)
     rows: list[tuple] = []
     times: list[float] = []
-    for step in range(first, spec.steps):
-        progress.step = step
+    for step in range(job.first, spec.steps):
+        job.progress.step = step
         report_progress(f"step {step}")
         _inject_fault(rank, step)
         start = time.perf_counter()
-        loss = engine.step(inputs)
-        times.append(time.perf_counter() - start)
-        rows.append((step, loss, checker.after_step(step, inputs, loss) if checker else None))
-        _checkpoint(engine, spec, step)
+        loss = job.engine.step(job.inputs)
+        took_s = time.perf_counter() - start
+        check = job.checker.after_step(step, job.inputs, loss) if job.checker else None
+        _checkpoint(job.engine, spec, step)
+        step_s = _slowest_rank_s(took_s)  # the others wait here for rank 0's check
+        rows.append((step, loss, check))
+        times.append(step_s)
+        report_progress(f"step {step} done", done=(step + 1, loss, step_s))
+        if on_step is not None:
+            on_step(StepProgress(step + 1, spec.steps, loss, step_s))
+    recorder = job.progress.recorder
     events = [astuple(e) for e in recorder.events] if recorder is not None else []
     return rows, times, events
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What one rank trains with: its engine, the batch, the checker (with `check`), the span
+    hook, and the first step (past 0 when resumed)."""
+
+    engine: Any
+    inputs: tuple[torch.Tensor, ...]
+    checker: StepChecker | None
+    progress: _Progress
+    first: int
+
+    @classmethod
+    def build(cls, rank: int, spec: TrainSpec) -> _Job:
+        from autosbp.zoo import load_model
+        from runtime.engine import Engine
+        from runtime.startup import from_rank0
+
+        device = _device(spec.device)
+        report_progress("loading the model", grace_s=STARTUP_S)
+        model, inputs = load_model(spec.model, spec.model_args)
+        model = model.to(device)
+        inputs = tuple(from_rank0(x.to(device)) for x in inputs)  # one batch, rank 0's
+        dropout = disable_dropout(model) if spec.check else ()
+        plan = Plan.from_json(spec.plan)
+        recorder = None
+        if spec.trace:
+            dist.barrier()  # one origin for every rank (perf_counter is one clock per machine)
+            stage = next(s for s, st in enumerate(plan.stages) if rank in st.devices)
+            recorder = Recorder(rank, stage)
+        progress = _Progress(recorder)
+        report_progress("building the engine", grace_s=STARTUP_S)
+        engine = Engine(
+            model, plan, lambda ps: adam(ps, spec.lr), example_inputs=inputs, recorder=progress
+        )
+        first = _resume(engine, spec)
+        checker = None
+        if spec.check:  # rank 0 compares each step with one device (runtime.check); resumed,
+            # the optimizer's restored state is unknown to the reference: updates go unchecked
+            optimizer = (lambda ps: adam(ps, spec.lr)) if first == 0 else None
+            checker = StepChecker(engine, model, inputs, optimizer, dropout)
+        return cls(engine, inputs, checker, progress, first)
+
+
+def _device(kind: str) -> torch.device:
+    """Where this rank's tensors live: the CPU, or the GPU of its local rank (torchrun's
+    LOCAL_RANK; a spawned job's ranks are all local)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    if not torch.cuda.is_available() or local >= torch.cuda.device_count():
+        raise ExecutionError(
+            f"--device cuda: local rank {local} needs GPU {local}, but this machine has "
+            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} that torch can "
+            "use; start at most one process per GPU, or train with --device cpu."
+        )
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def _slowest_rank_s(seconds: float) -> float:
+    """The largest of every rank's `seconds` (a CPU tensor: gloo carries it for either backend)."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
 
 
 class _Progress:

@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from costmodel.progress import activity
+from costmodel.text import printable
+
 if TYPE_CHECKING:
     from autosbp.capturing.graph import OpGraph
 
@@ -32,14 +35,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, meta_by_default: boo
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help="a zoo model name (e.g. gpt; an unknown name lists them all) or "
+        help="a zoo model name (e.g. gpt; `autosbp zoo` lists them with their arguments) or "
         "path/to/file.py:function returning (model, example_inputs)",
     )
     parser.add_argument(
         "--model-args",
         default="",
         metavar="K=V,...",
-        help="model arguments, e.g. layers=4,hidden=256 (values parsed as int/float/bool/str)",
+        help="model arguments, e.g. layers=4,hidden=256 (values parsed as int/float/bool/str; "
+        "`autosbp zoo` lists a zoo model's, with their defaults) (default: none, the model's "
+        "defaults)",
     )
     device = parser.add_mutually_exclusive_group()
     device.add_argument(
@@ -72,8 +77,11 @@ def load_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
 def run(args: argparse.Namespace, console: Console) -> int:
     from autosbp.capturing.export import capture
 
-    model, inputs = load_from_args(args)
-    opgraph = capture(model, inputs, name=args.model)
+    with activity(console, f"capturing {printable(args.model)}") as act:
+        act.update("building the model")
+        model, inputs = load_from_args(args)
+        act.update("tracing on fake tensors")
+        opgraph = capture(model, inputs, name=args.model)
     print_summary(opgraph, console)
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from autosbp.commands.preflight import check_job
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.plan import Plan, format_bytes, format_seconds
 from autosbp.plan.tables import shown
+from costmodel.progress import activity
 from costmodel.text import printable
 
 if TYPE_CHECKING:
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 # before a command runs: `autosbp --help` would wait for torch.
 STALL_TIMEOUT_S = 600.0
 CHECKPOINT_EVERY = 100
+BACKENDS = ("gloo", "nccl")  # costmodel.torchrun.BACKENDS, which loads torch.distributed
 TABLE_ENDS = 20  # a long job's table shows its first and last steps this many each
 DEMO_MODEL = ("gpt", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 16, "batch": 8})
 
@@ -46,7 +49,9 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument(
             "--nproc", type=positive_int, default=4, help="CPU processes (default: 4)"
         )
-        parser.add_argument("--steps", type=positive_int, default=20)
+        parser.add_argument(
+            "--steps", type=positive_int, default=20, help="training steps (default: 20)"
+        )
         parser.add_argument(
             "--gpt3-layers", type=positive_int, default=96,
             help="depth of the GPT-3 175B planned in part 3 (default: 96, the real model)",
@@ -54,18 +59,36 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         return
     add_model_arguments(parser)
     parser.add_argument(
-        "--nproc", type=positive_int, required=True, help="number of processes (devices)"
-    )
+        "--nproc", type=positive_int,
+        help="processes (devices), started here on this machine; under torchrun, its world "
+        "(default: torchrun's WORLD_SIZE; required without torchrun)",
+    )  # fmt: skip
     parser.add_argument(
         "--plan",
         default="auto",
-        help="a plan JSON file, or a strategy: auto, dp, fsdp, megatron:tp=T,pp=P,dp=D[,mb=M]",
+        help="a plan JSON file, or a strategy planned now: auto (the search), dp, fsdp, "
+        "megatron:tp=T,pp=P,dp=D[,mb=M] (default: auto)",
     )
     parser.add_argument(
-        "--profile", default="cpu-gloo", help="profile used when --plan is a strategy"
+        "--profile", default="cpu-gloo",
+        help="profile used when --plan is a strategy (default: cpu-gloo)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps", type=positive_int, default=10, help="training steps (default: 10)"
     )
-    parser.add_argument("--steps", type=positive_int, default=10)
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument(
+        "--lr", type=positive_float, default=1e-2, help="Adam's learning rate (default: 0.01)"
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"),
+        help="where each rank computes: cpu, or cuda (the GPU of its local rank) (default: cuda "
+        "when torch sees a GPU, else cpu)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--backend", choices=BACKENDS,
+        help="torch.distributed backend: gloo, or nccl (GPUs only) (default: nccl with --device "
+        "cuda, else gloo)",
+    )  # fmt: skip
     parser.add_argument(
         "--check",
         action="store_true",
@@ -73,8 +96,9 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "rounding, updates against the same optimizer (runtime/check.py)",
     )
     parser.add_argument(
-        "--trace", type=Path, help="write every rank's actor firings as a Chrome trace (JSON)"
-    )
+        "--trace", type=Path,
+        help="write every rank's actor firings as a Chrome trace (JSON) (default: none)",
+    )  # fmt: skip
     parser.add_argument(
         "--stall-timeout", type=positive_float, default=STALL_TIMEOUT_S, metavar="SECONDS",
         help="stop the job when a rank makes no progress (no step, no actor firing) for this "
@@ -102,12 +126,63 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return _demo(args, console)
     if args.meta:
         raise PlanError("`autosbp train` needs real parameters; drop --meta.")
+    from costmodel.torchrun import torchrun_world
+    from runtime.train import made_on_rank0, torchrun_job
+
+    device, backend = _device_and_backend(args.device, args.backend)
+    world = torchrun_world()
+    if world is None:
+        if args.nproc is None:
+            raise ExecutionError(
+                "--nproc N is needed: the number of processes to start on this machine (or "
+                "launch with torchrun, whose world sets it)."
+            )
+        return _train_command(args, args.nproc, device, backend, console, lambda make: make())
+    if args.nproc not in (None, world.world_size):
+        raise ExecutionError(
+            f"--nproc {args.nproc} contradicts torchrun's world of {world.world_size} processes; "
+            "drop --nproc under torchrun (its --nnodes x --nproc-per-node sets the world)."
+        )
+    quiet = Console(quiet=True)  # rank 0 alone prints: one table, not one per rank
+    with torchrun_job(world, backend, args.stall_timeout):
+        return _train_command(
+            args, world.world_size, device, backend, console if world.rank == 0 else quiet,
+            made_on_rank0,
+        )  # fmt: skip
+
+
+def _device_and_backend(device: str | None, backend: str | None) -> tuple[str, str]:
+    """--device and --backend with their defaults (see --help); NCCL needs GPUs."""
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if backend == "nccl" and device != "cuda":
+        raise ExecutionError(
+            "--backend nccl moves GPU tensors only; train with --device cuda, or with --backend "
+            "gloo on the CPU."
+        )
+    return device, backend
+
+
+def _train_command(
+    args: argparse.Namespace,
+    nproc: int,
+    device: str,
+    backend: str,
+    console: Console,
+    on_rank0: Callable[[Callable[[], Plan]], Plan],
+) -> int:
+    """Make or load the plan (on rank 0 under torchrun: `on_rank0`), then train under it."""
     from autosbp.zoo import parse_model_args
     from runtime.train import TrainSpec
 
     model_args = parse_model_args(args.model_args)
     first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume)
-    plan = _plan_for(args.model, model_args, args.plan, args.nproc, args.profile, console)
+    plan = on_rank0(
+        lambda: _plan_for(args.model, model_args, args.plan, nproc, args.profile, console)
+    )
     if first >= args.steps:
         console.print(
             f"{args.checkpoint_dir} holds {first} trained steps, and --steps is {args.steps}: "
@@ -124,6 +199,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         stall_timeout_s=args.stall_timeout,
         checkpoint_dir=None if args.checkpoint_dir is None else str(args.checkpoint_dir),
         checkpoint_every=args.checkpoint_every or CHECKPOINT_EVERY, resume=args.resume,
+        backend=backend, device=device,
     )  # fmt: skip
     return _train_and_report(spec, plan, console, trace=args.trace)
 
@@ -178,11 +254,13 @@ def _plan_for(
     from autosbp.planner.api import auto_parallelize
     from autosbp.zoo import load_model
 
-    with console.status(f"planning {model} ({plan_arg}) for {nproc} processes on {profile}"):
+    what = f"planning {printable(model)} ({printable(plan_arg)}) for {nproc} processes on {profile}"
+    with activity(console, what) as act:
+        act.update("building the model")
         module, inputs = load_model(model, model_args)
         plan = auto_parallelize(
             module, inputs, profile=profile, devices=nproc, strategy=plan_arg, name=model,
-            compare=compare,
+            compare=compare, progress=act.update,
         )  # fmt: skip
     check_job(plan, model, model_args, source=f"the {plan_arg} plan")  # is the model trainable?
     return plan
@@ -201,11 +279,14 @@ def _train_and_report(
     import dataclasses
 
     from autosbp.timeline import draw_timelines, predicted_events, write_chrome_trace
-    from runtime.train import train
+    from costmodel.torchrun import torchrun_world
+    from runtime.train import StepProgress, train
 
     model, steps, check = shown(spec.model), spec.steps, spec.check
+    world = torchrun_world()
+    writes = world is None or world.rank == 0  # under torchrun, rank 0 writes the files
     cores = os.cpu_count() or 1
-    if plan.device_count > cores:
+    if plan.device_count > cores and world is None:
         console.print(
             f"note: {plan.device_count} processes share {cores} CPU cores, so each rank runs on "
             f"about {cores / plan.device_count:.2g} of a core; the plan's profile prices a device "
@@ -213,15 +294,25 @@ def _train_and_report(
             "stay valid)."
         )
     spec = dataclasses.replace(spec, trace=trace is not None or timeline is not None)
-    with console.status(f"training {steps} steps on {plan.device_count} processes"):
-        result = train(spec)
-    if trace is not None:
+    with activity(console, f"training {steps} steps on {plan.device_count} processes") as act:
+        act.update("starting the ranks", total=steps)
+
+        def on_step(done: StepProgress) -> None:
+            act.update(
+                f"step {done.done}: loss {done.loss:.6f}, {done.step_s * 1e3:.1f} ms/step",
+                completed=done.done,
+            )
+
+        result = train(spec, on_step)
+    if not writes:
+        return 0  # under torchrun, rank 0 reports the job (its records hold the checks)
+    if trace is not None and writes:
         write_chrome_trace(
             trace, list(result.events), plan_digest=plan.digest(),
             metadata={"strategy": plan.strategy},
         )  # fmt: skip
         console.print(f"Chrome trace of every firing written to {trace} (open it in Perfetto)")
-    if timeline is not None:
+    if timeline is not None and writes:
         draw_timelines(
             timeline, predicted_events(plan), list(result.events),
             title=printable(f"{spec.model}: {plan.strategy} plan, predicted vs measured (last step)"),
@@ -303,26 +394,29 @@ def _gpt3(layers: int, out: Path, console: Console) -> Path:
     """Plan GPT-3 175B on 1024 A100s and print it beside the Megatron-LM plan; save the plan."""
     from autosbp.capturing.rebatch import micro_batch_graphs
     from autosbp.planner.api import plan_graphs
-    from autosbp.planner.search import powers_of_two_dividing
+    from autosbp.planner.space import divisors
     from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron
 
     hand, hand_count = gpt3_megatron(layers)
-    counts = powers_of_two_dividing(GPT3_175B["batch"])
+    counts = divisors(GPT3_175B["batch"])  # every micro-batch count: the search's whole space
     common: dict[str, Any] = {
         "profile": "dgx-a100", "devices": 1024, "memory_limit": None, "global_batch": None,
         "optimizer": "adam", "dtype": "bf16", "time_limit_s": 60.0,
     }  # fmt: skip
-    with console.status("capturing GPT-3 on the meta device") as status:
+    with activity(console, f"planning GPT-3 175B ({layers} layers) for 1024 A100s") as act:
+        act.update("capturing GPT-3 on the meta device")
         model, inputs = gpt3_175b(layers)
-        graphs = micro_batch_graphs(model, inputs, (*counts, hand_count), name="gpt3-175b")
-        status.update("searching stages, meshes, micro-batches, recomputation and signatures")
+        graphs = micro_batch_graphs(
+            model, inputs, tuple(sorted({*counts, hand_count})), name="gpt3-175b"
+        )
+        act.update("searching stages, meshes, micro-batches, recomputation and signatures")
         start = time.perf_counter()
         auto = plan_graphs(
             {c: graphs[c] for c in counts}, **common, strategy="auto",
-            progress=lambda message: status.update(f"searching: {message}"),
+            progress=lambda message: act.update(f"searching: {message}"),
         )  # fmt: skip
         searched = time.perf_counter() - start
-        status.update(f"pricing the Megatron-LM plan {hand}")
+        act.update(f"pricing the Megatron-LM plan {hand}")
         megatron = plan_graphs(
             {hand_count: graphs[hand_count]}, **common, strategy=hand, recompute="full"
         )

@@ -12,16 +12,18 @@ from autosbp.errors import AutosbpError
 from autosbp.sbp import B, Mesh, P, S
 
 __all__ = [
-    "AutosbpError", "B", "Engine", "Mesh", "P", "Plan", "S", "auto_parallelize", "capture", "explain",
+    "AutosbpError", "B", "Engine", "Mesh", "P", "Plan", "S", "auto_parallelize", "capture",
+    "distribute", "explain",
 ]  # fmt: skip
 
-# name -> module that defines it; imported lazily by __getattr__ (Engine lives in runtime, which
-# imports autosbp: loading it lazily keeps the arrows one-way at import time).
+# name -> module that defines it; imported lazily by __getattr__ (Engine and distribute live in
+# runtime, which imports autosbp: loading them lazily keeps the arrows one-way at import time).
 _LAZY = {
     "Engine": "runtime.engine",
     "Plan": "autosbp.plan",
     "auto_parallelize": "autosbp.planner.api",
     "capture": "autosbp.capturing",
+    "distribute": "runtime.distribute",
     "explain": "autosbp.explanation",
 }
 

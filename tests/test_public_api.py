@@ -31,3 +31,9 @@ def test_public_api_end_to_end_in_a_few_lines() -> None:
     assert plan.solver.status == "optimal"
     assert repr(S(0)) == "S(0)"
     assert explain(plan, "linear").alternatives
+
+
+def test_distribute_is_the_runtimes() -> None:
+    from runtime.distribute import distribute
+
+    assert autosbp.distribute is distribute  # loaded on first use, like Engine

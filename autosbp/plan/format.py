@@ -24,6 +24,9 @@ from autosbp.plan.schema import FORMAT, VERSION, read_plan_text, validate_plan_j
 from autosbp.sbp import dtensor_names, parse_nd_sbp
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
+
     from autosbp.plan.tables import TextTable
 
 
@@ -281,6 +284,22 @@ class Plan:
         """sha256 of the plan's JSON (keys sorted): equal on every rank that runs the same plan."""
         text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
+
+    # ---- in torch DTensor's terms (plan.dtensor) ------------------------------------------------
+
+    def device_mesh(self, stage: int | None = None, device_type: str | None = None) -> DeviceMesh:
+        """The torch DeviceMesh of `stage`'s devices (default: the only stage); call it on every
+        rank of an initialized world (`plan.dtensor.device_mesh`)."""
+        from autosbp.plan.dtensor import device_mesh
+
+        return device_mesh(self, stage, device_type)
+
+    def placements(self, name: str) -> tuple[Placement, ...]:
+        """The DTensor placements of parameter `name`, or of graph node `name`'s first output (an
+        input), one per mesh dim: `S(0)B` is (Shard(0), Replicate())."""
+        from autosbp.plan.dtensor import placements
+
+        return placements(self, name)
 
     # ---- use with a model --------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 """`autosbp plan MODEL ...`: find a plan and write it as JSON; `autosbp explain plan.json`.
 
-Lives here: the two commands' arguments and output. Lives elsewhere: the search (`planner`),
+Lives here: the two commands' arguments and output, and where a plan is written (`default_out`,
+`refuse_replacing`: never over another model's or strategy's plan without --force). Lives
+elsewhere: the search (`planner`),
 the plan format (`plan`), model loading (`zoo`), the model arguments (`commands.capture`: the
 model is built on the meta device unless --materialize; planning reads shapes only).
 """
@@ -8,6 +10,7 @@ model is built on the meta device unless --materialize; planning reads shapes on
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from rich.console import Console
@@ -15,7 +18,10 @@ from rich.table import Table
 
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments, load_from_args
+from autosbp.errors import AutosbpError, PlanError
 from autosbp.plan import Plan
+from costmodel.progress import activity
+from costmodel.text import printable
 
 GIB = 2**30
 
@@ -29,8 +35,10 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         return
     add_model_arguments(parser, meta_by_default=True)
     parser.add_argument(
-        "--profile", default="cpu-gloo", help="a shipped profile name or a profile JSON path"
-    )
+        "--profile", default="cpu-gloo",
+        help="a shipped profile name (`autosbp profiles`) or a profile JSON path (default: "
+        "cpu-gloo)",
+    )  # fmt: skip
     parser.add_argument(
         "--devices", type=positive_int, required=True, help="number of devices to plan for"
     )
@@ -48,7 +56,8 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--strategy",
         default="auto",
-        help="auto, dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M] (M micro-batches)",
+        help="auto (the search), dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M] (M micro-batches) "
+        "(default: auto)",
     )
     parser.add_argument(
         "--recompute",
@@ -87,8 +96,15 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         help="also price the usual hand plans (dp, fsdp, megatron:...) and show them beside",
     )
     parser.add_argument(
-        "--out", default="plan.json", help="where to write the plan (default: plan.json)"
-    )
+        "--out", type=Path,
+        help="where to write the plan (default: MODEL-STRATEGY-DEVICES.json, e.g. "
+        "gpt-auto-8.json); a file holding another model's or strategy's plan is never replaced "
+        "without --force",
+    )  # fmt: skip
+    parser.add_argument(
+        "--force", action="store_true",
+        help="replace --out even if it holds something else (default: refuse)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -99,7 +115,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     model, inputs = load_from_args(args)
     if args.dtype is not None:  # the command built the model: it may cast it, real or meta
         inputs = in_dtype(model, inputs, args.dtype, owned=True)
-    with console.status(f"planning for {args.devices} devices of {args.profile}") as status:
+    what = f"planning {printable(args.model)} for {args.devices} devices of {args.profile}"
+    with activity(console, what) as act:
         plan = auto_parallelize(
             model,
             inputs,
@@ -114,15 +131,53 @@ def run(args: argparse.Namespace, console: Console) -> int:
             strategy=args.strategy,
             recompute=args.recompute,
             time_limit_s=args.time_limit_s,
-            progress=lambda text: status.update(f"planning: {text}"),
+            progress=act.update,
             compare=args.compare,
         )
     console.print(plan.summary())
     if plan.hand_plans:
         console.print(plan.hand_plan_table())
-    path = plan.save(args.out)
+    out = args.out or default_out(args.model, args.strategy, args.devices)
+    refuse_replacing(out, plan, force=args.force)
+    path = plan.save(out)
     console.print(f"plan written to {path}")
     return 0
+
+
+def default_out(model: str, strategy: str, devices: int) -> Path:
+    """MODEL-STRATEGY-DEVICES.json in this folder: a file's stem for a model file
+    (`path/to/m.py:build` -> m), strategies without their punctuation
+    (megatron:tp=2,pp=2,dp=2 -> megatron-tp2-pp2-dp2)."""
+    stem = Path(model.split(":", 1)[0]).stem if ":" in model else model
+    words = re.findall(r"[A-Za-z0-9_.]+", f"{stem} {strategy}".replace("=", ""))
+    return Path(f"{'-'.join(words)}-{devices}.json")
+
+
+def refuse_replacing(path: Path, plan: Plan, *, force: bool) -> None:
+    """PlanError when `path` exists and holds anything but a plan of the same model (graph
+    fingerprint), strategy and device count, unless `force`: a plan never silently replaces
+    another model's or strategy's plan, nor a file that is no plan."""
+    if force or not path.exists():
+        return
+    try:
+        old = Plan.load(path)
+    except AutosbpError:
+        holds = "something that is not an autosbp plan"
+    else:
+        same = (old.fingerprint, old.strategy, old.device_count) == (
+            plan.fingerprint, plan.strategy, plan.device_count,
+        )  # fmt: skip
+        if same:
+            return  # the same plan, planned again
+        holds = (
+            f"the {printable(old.strategy)} plan of {printable(old.model_name)} for "
+            f"{old.device_count} devices"
+        )
+    raise PlanError(
+        f"{path} exists and holds {holds}; this is the {printable(plan.strategy)} plan of "
+        f"{printable(plan.model_name)} for {plan.device_count} devices. Pass another --out, or "
+        "--force to replace it."
+    )
 
 
 def _explain(args: argparse.Namespace, console: Console) -> int:

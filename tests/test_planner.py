@@ -62,13 +62,17 @@ def plan(
     )  # fmt: skip
 
 
+UNLIMITED = 1e30  # a memory limit that binds nothing: its constraints hold every node and edge
+
+
 def limit_between(memory: Sequence[MemoryConstraint], fraction: float) -> float:
-    """A limit `fraction` of the way from the least to the most bytes, in the tightest stage."""
+    """A limit `fraction` of the way from the least to the most bytes (of node candidates and
+    edge pairs), in the tightest stage."""
     limits = []
     for constraint in memory:
-        per = constraint.bytes_per_candidate.values()
-        lo, hi = sum(float(np.min(b)) for b in per), sum(float(np.max(b)) for b in per)
-        limits.append(lo + fraction * (hi - lo))
+        per = [*constraint.bytes_per_candidate.values(), *constraint.bytes_per_pair.values()]
+        lo, hi = constraint.least_bytes(), sum(float(np.max(b)) for b in per if b.size)
+        limits.append(lo + fraction * (hi + constraint.constant_bytes - lo))
     return max(limits)
 
 
@@ -88,7 +92,7 @@ def tiny_problem(mesh: tuple[int, ...], memory_fraction: float | None) -> Proble
     limit = None
     if memory_fraction is not None:
         unlimited = build_problem(
-            graph, Mesh(mesh), a100_prices(), optimizer="adam", memory_limit_bytes=1.0
+            graph, Mesh(mesh), a100_prices(), optimizer="adam", memory_limit_bytes=UNLIMITED
         )
         limit = limit_between(unlimited.problem.memory, memory_fraction)
     return build_problem(
@@ -231,7 +235,11 @@ def test_pipelined_problem_equals_brute_force(memory_fraction: float | None) -> 
     # One max term: the path bounds through the pairs of the two (different) stages, (0, 0),
     # (0, 1) and (1, 1), each with one or two parts of its update.
     assert len(free.max_terms) == 1 and len(free.max_terms[0].parts) >= 3
-    limit = None if memory_fraction is None else limit_between(problem(1.0).memory, memory_fraction)
+    limit = (
+        None
+        if memory_fraction is None
+        else limit_between(problem(UNLIMITED).memory, memory_fraction)
+    )
     exact = problem(limit)
     assert math.prod(len(c) for c in exact.node_costs.values()) <= 2_000_000
     solved_like_brute_force(exact)
@@ -286,8 +294,7 @@ def test_tied_blocks_price_like_the_whole_graph(stages: int, recompute: str) -> 
 
 
 def memory_used(constraint: MemoryConstraint, choice: dict) -> float:
-    per = constraint.bytes_per_candidate
-    return constraint.constant_bytes + sum(float(b[choice[v]]) for v, b in per.items())
+    return constraint.used_bytes(choice)
 
 
 def _bench() -> ModuleType:
@@ -329,8 +336,10 @@ def test_gpt3_on_1024_a100s_beats_every_hand_plan_of_the_grid(gpt3) -> None:
     rows = bench.hand_grid(graphs)
     fitting = [(s, r, p.predicted.step_time_s) for s, r, p, _ in rows if p is not None]
     # Megatron replicates weights over dp: 175e9 parameters x 16 bytes (Adam, bf16 with fp32
-    # master) / (tp x pp) fit 67 GiB only with tp x pp >= 64: (4, 16), (8, 8), (8, 16).
-    assert len(fitting) == 9, [(s, r, why) for s, r, p, why in rows if p is None]
+    # master) / (tp x pp) fit 67 GiB only with tp x pp >= 64: (4, 16), (8, 8), (8, 16), each
+    # with every recomputation but (4, 16) selective, which no longer fits once what autograd
+    # keeps is counted (bench/plan_speed.py --hand-grid: 8 of 60 fit).
+    assert len(fitting) == 8, [(s, r, why) for s, r, p, why in rows if p is None]
     slower = [(s, r, t) for s, r, t in fitting if step > t * (1 + 1.01 * MIP_GAP)]
     assert not slower, (step, slower)
     # Megatron-LM's published configuration (Narayanan et al. 2021: tp 8, pp 16, dp 8, one
@@ -462,7 +471,7 @@ def test_boxing_prices_reused_across_shapes_equal_fresh_ones() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("memory_fraction", [None, 0.3])
+@pytest.mark.parametrize("memory_fraction", [None, 0.15])
 def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> None:
     # A zoo model on a 2x2 mesh as the search builds it. To keep the enumeration small (1e5),
     # mesh dim 0 is data parallel and most weights are replicated; every compute op chooses
@@ -493,7 +502,11 @@ def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> No
             allow=allow,
         ).problem  # fmt: skip
 
-    limit = None if memory_fraction is None else limit_between(problem(1.0).memory, memory_fraction)
+    limit = (
+        None
+        if memory_fraction is None
+        else limit_between(problem(UNLIMITED).memory, memory_fraction)
+    )
     exact = problem(limit)
     assert math.prod(len(c) for c in exact.node_costs.values()) <= 200_000
     solved_like_brute_force(exact)

@@ -14,7 +14,13 @@ from autosbp.capturing.export import capture
 from autosbp.planner.problem import build_problem, predict
 from autosbp.sbp import Mesh
 from autosbp.schedule import hidden_sync_s
-from tests.test_planner import TinyNet, a100_prices, limit_between, solved_like_brute_force
+from tests.test_planner import (
+    UNLIMITED,
+    TinyNet,
+    a100_prices,
+    limit_between,
+    solved_like_brute_force,
+)
 
 
 def _simulated_exposed_s(sync_s: float, backward_s: float, buckets: int) -> float:
@@ -55,7 +61,7 @@ def test_overlapped_sync_problem_equals_brute_force_and_the_prediction(
             micro_batches=2,
         )  # fmt: skip
 
-    limit = None if memory_fraction is None else limit_between(build(1.0).problem.memory, 0.3)
+    limit = None if memory_fraction is None else limit_between(build(UNLIMITED).problem.memory, 0.3)
     mp = build(limit)
     assert mp.stage_costs.sync_buckets == (12,)
     assert len(mp.problem.max_terms) == 1
@@ -69,3 +75,32 @@ def test_overlapped_sync_problem_equals_brute_force_and_the_prediction(
     assert prediction.sync_hidden_s[0] == pytest.approx(hidden)
     if memory_fraction is None:  # replicated weights: their sync partly hides
         assert 0 < prediction.sync_hidden_s[0] < sync_s
+
+
+def _two_streams_s(gather_s: float, compute_s: float, blocks: int, depth: int) -> float:
+    """Identical blocks on two streams: block j computes once its parameters are gathered and
+    block j - 1 is done; block j's gather starts once block j - 1's is done and a buffer is
+    free (at most 1 + `depth` blocks' parameters held: block j - 1 - depth's compute done)."""
+    gathered, computed = [0.0] * blocks, [0.0] * blocks
+    for j in range(blocks):
+        freed = computed[j - 1 - depth] if j - 1 - depth >= 0 else 0.0
+        gathered[j] = max(gathered[j - 1] if j else 0.0, freed) + gather_s
+        computed[j] = max(computed[j - 1] if j else 0.0, gathered[j]) + compute_s
+    return computed[-1]
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["prefetch1", "prefetch2"])
+@pytest.mark.parametrize("seed", range(3))
+def test_hidden_gather_equals_a_two_stream_simulation(seed: int, depth: int) -> None:
+    # Perfect overlap: what prefetching hides of b blocks' gathers is what the two streams
+    # save against running gather and compute one after another; a deeper prefetch saves
+    # nothing more on identical blocks (the slower stream sets the pace).
+    rng = random.Random(seed)
+    for _ in range(50):
+        gather_s, compute_s, blocks = rng.uniform(0, 2), rng.uniform(0, 2), rng.randint(1, 12)
+        serial = blocks * (gather_s + compute_s)
+        saved = serial - _two_streams_s(gather_s, compute_s, blocks, depth)
+        hidden = schedule.hidden_gather_s(gather_s, compute_s, blocks - 1, overlap=1.0)
+        assert hidden == pytest.approx(saved, rel=1e-12, abs=1e-12)
+        half = schedule.hidden_gather_s(gather_s, compute_s, blocks - 1, overlap=0.5)
+        assert half == pytest.approx(0.5 * hidden, rel=1e-12, abs=1e-12)

@@ -24,6 +24,11 @@ Model (every constant states where it comes from):
   An input v writes in place (or a view on the way to such a write: `rules.pinned_inputs`) is
   forbidden to change layout (an infinite price): a boxed copy would take the write away from
   the tensor the model reads afterwards, so a plan never asks the runtime for it.
+- a parameter stored split whose consumer keeps its converted copy for backward (`kept`) has
+  each layout twice (FSDP's reshard_after_forward): kept (the copy stays until backward: bytes
+  per micro-batch in flight, `memory`) or re-gathered (freed after forward and converted again
+  before backward: the forward conversion once more per micro-batch, priced by the builder on
+  the edge, `stage_terms`); `NodeStrategies.regather` says which candidate is which.
 - a parameter in layout p pays, once per step, the gradient sync dual(p) -> p (P -> B
   all-reduce where the parameter is replicated: data parallel's all-reduce; nothing where it is
   split: FSDP's reduce-scatter is already the backward of its all-gather), as its share of a
@@ -82,8 +87,10 @@ class Prices(Protocol):
 @dataclass(frozen=True)
 class NodeStrategies:
     """A node's candidates and their per-micro-batch compute time (forward + backward); for a
-    parameter, its per-step gradient sync + optimizer time, `sync_s` the sync part alone, and
-    `accumulate_s` the time to add one micro-batch's gradient into the accumulated one."""
+    parameter, its per-step gradient sync + optimizer time, `sync_s` the sync part alone,
+    `accumulate_s` the time to add one micro-batch's gradient into the accumulated one, and
+    `regather` whether a candidate frees its converted copies after forward and converts again
+    before backward (a layout may appear twice: kept, then re-gathered)."""
 
     name: str
     candidates: tuple[NdSignature, ...]
@@ -91,15 +98,22 @@ class NodeStrategies:
     sync_s: np.ndarray | None = None  # parameters only
     accumulate_s: np.ndarray | None = None  # parameters only
     pinned: frozenset[int] = frozenset()  # inputs that must arrive unboxed (`pinned_inputs`)
+    regather: np.ndarray | None = None  # parameters only: bool per candidate
 
     def restricted(self, keep: Sequence[int]) -> NodeStrategies:
         """Only the candidates at `keep`."""
         sync = self.sync_s[keep] if self.sync_s is not None else None
         accumulate = self.accumulate_s[keep] if self.accumulate_s is not None else None
+        regather = self.regather[keep] if self.regather is not None else None
         candidates = tuple(self.candidates[i] for i in keep)
         return NodeStrategies(
-            self.name, candidates, self.compute_s[keep], sync, accumulate, self.pinned
+            self.name, candidates, self.compute_s[keep], sync, accumulate, self.pinned, regather
         )
+
+    def regathers(self, index: int) -> bool:
+        """Does candidate `index` free its converted copies after forward (FSDP's
+        reshard_after_forward)?"""
+        return self.regather is not None and bool(self.regather[index])
 
 
 class BoxingPricer:
@@ -263,14 +277,23 @@ def sync_bucket_bytes(graph: OpGraph) -> int:
 
 
 def node_strategies(
-    graph: OpGraph, name: str, pricer: BoxingPricer, bucket_bytes: int
+    graph: OpGraph, name: str, pricer: BoxingPricer, bucket_bytes: int, regatherable: bool = False
 ) -> NodeStrategies:
     """Candidates of node `name`: per micro-batch compute time, or per step for parameters
-    (their gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`)."""
+    (their gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`).
+    `regatherable` (a parameter some consumer keeps, `kept.Kept.regatherable`): each layout that
+    is not B on every mesh dim comes twice, kept and re-gathered (the module header)."""
     attrs = graph.graph.nodes[name]
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
     if attrs["role"] is Role.PARAMETER:
+        again = tuple(
+            s
+            for s in candidates
+            if regatherable and not all(isinstance(x, Broadcast) for x in s.outputs[0])
+        )
+        regather = np.array([False] * len(candidates) + [True] * len(again))
+        candidates += again
         meta = attrs["outputs"][0]
         sync = np.array(
             [
@@ -280,7 +303,9 @@ def node_strategies(
         )
         update = np.array([_optimizer_s(meta, s.outputs[0], pricer) for s in candidates])
         accumulate = np.array([_accumulate_s(meta, s.outputs[0], pricer) for s in candidates])
-        return NodeStrategies(name, candidates, sync + update, sync, accumulate)
+        return NodeStrategies(
+            name, candidates, sync + update, sync, accumulate, regather=regather.astype(bool)
+        )
     times = [_compute_s(attrs, sig, mesh_shape, pricer.prices) for sig in candidates]
     return NodeStrategies(name, candidates, np.array(times), pinned=pinned_inputs(graph, name))
 

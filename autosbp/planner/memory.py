@@ -1,31 +1,40 @@
-"""Per-device memory of a strategy: model states by their layout, saved activations by theirs.
+"""Per-device memory of a strategy: model states by their layout, what backward keeps by its.
 
-Lives here: bytes per parameter element for each optimizer and dtype, which ops keep their
-output for backward, and the per-candidate bytes the ILP's memory constraint sums.
-Lives elsewhere: time prices (`costs`), the constraint itself (`ilp.MemoryConstraint`).
+Lives here: bytes per parameter element for each optimizer and dtype, and the bytes the ILP's
+memory constraints sum: per node candidate (`candidate_bytes`: model states, user inputs and
+buffers, the outputs and intermediates a node keeps for backward) and per edge pair
+(`pair_bytes`: what a kept use holds once its value is converted to the consumer's layout).
+Lives elsewhere: what is kept (`kept`: read off the graph with autograd's own facts,
+`saved`), time prices (`costs`), the constraints themselves (`ilp_problem.MemoryConstraint`,
+summed per stage with the micro-batches in flight by `stage_terms`).
 
-Model (Rajbhandari et al. 2020, ZeRO, section 3.1, for model states; Korthikanti et al. 2022
-section 4 for activations):
+Model (Rajbhandari et al. 2020, ZeRO, section 3.1, for model states; for activations, what
+autograd saves, as `kept` derives it, where Korthikanti et al. 2022 section 4 count by hand):
 - a parameter element costs its value and its gradient in the training dtype, plus optimizer
   states in fp32 (Adam: 2, SGD with momentum: 1, SGD: 0) and an fp32 master copy when training
   in bf16/fp16: 16 bytes per element for Adam in either precision;
-- every compute op that is not a view keeps its output until backward (an upper bound of what
-  autograd saves), times the micro-batches in flight on its stage;
-- all of it divided by the layout: a device holds its local shard only.
+- a kept output counts its local tensor in the node's layout; a kept intermediate (a norm's
+  mean, a dropout mask) its whole bytes times the node's share of the work (the smallest
+  local/global ratio of its tensors, as `costs` prices the work);
+- a kept use counts, on its edge, the converted copy where the conversion makes one (any
+  collective, or a zero fill), and nothing where it is a view (a slice of B, or no conversion),
+  unless the use is its value's only holder: then the producer's own tensor is what it keeps.
+All of it is per device: a device holds its local shard only.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from autosbp.capturing.flops import op_family
-from autosbp.capturing.graph import Role
+from autosbp.capturing.graph import Role, TensorMeta
+from autosbp.planner.kept import KeptUse
 from autosbp.rules import NdSignature
-from autosbp.sbp import local_shape
+from autosbp.sbp import Broadcast, NdSbp, Split, local_shape
 
 OPTIMIZER_STATES = {"adam": 2, "sgd_momentum": 1, "sgd": 0}
 
@@ -43,24 +52,85 @@ def candidate_bytes(
     mesh_shape: tuple[int, ...],
     *,
     optimizer: str,
-    in_flight: int,
+    outputs: frozenset[int] = frozenset(),
+    extra_bytes: int = 0,
 ) -> float:
-    """Bytes one device keeps for this node under `signature` (see the module header)."""
+    """Bytes one device keeps for this node under `signature` with one micro-batch in flight:
+    a parameter's states, a buffer's or input's tensor, or a compute node's kept `outputs` and
+    intermediates (`extra_bytes`, whole; `kept.Kept` says which)."""
     role = attrs["role"]
     if role is Role.PARAMETER:
         meta = attrs["outputs"][0]
         local = math.prod(local_shape(meta.shape, signature.outputs[0], mesh_shape))
         return float(local * parameter_bytes_per_element(meta.dtype, optimizer))
     if role is Role.BUFFER or role is Role.INPUT:
-        meta = attrs["outputs"][0]
-        return float(
-            math.prod(local_shape(meta.shape, signature.outputs[0], mesh_shape))
-            * meta.dtype.itemsize
-        )
-    if role is not Role.COMPUTE or op_family(attrs["op"]) == "view":  # views alias their input
+        return local_bytes(attrs["outputs"][0], signature.outputs[0], mesh_shape)
+    if role is not Role.COMPUTE:
         return 0.0
-    saved = sum(
-        math.prod(local_shape(meta.shape, nd, mesh_shape)) * meta.dtype.itemsize
-        for meta, nd in zip(attrs["outputs"], signature.outputs, strict=True)
+    kept = sum(local_bytes(attrs["outputs"][o], signature.outputs[o], mesh_shape) for o in outputs)
+    return kept + extra_bytes * work_share(attrs, signature, mesh_shape)
+
+
+def local_bytes(meta: TensorMeta, layout: NdSbp, mesh_shape: tuple[int, ...]) -> float:
+    return float(math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.dtype.itemsize)
+
+
+def work_share(
+    attrs: Mapping[str, Any], signature: NdSignature, mesh_shape: tuple[int, ...]
+) -> float:
+    """The share of a node's work one device does: the smallest local/global size ratio among
+    its tensors (empty tensors tell nothing)."""
+    share = 1.0
+    metas = (*attrs["inputs"], *attrs["outputs"])
+    for meta, layout in zip(metas, (*signature.inputs, *signature.outputs), strict=True):
+        if meta.numel:
+            share = min(share, math.prod(local_shape(meta.shape, layout, mesh_shape)) / meta.numel)
+    return share
+
+
+def is_view_conversion(src: NdSbp, dst: NdSbp) -> bool:
+    """Is converting `src` to `dst` a view of the local tensor (no copy)? Only where every mesh
+    dim keeps its SBP or slices a broadcast tensor (B -> S)."""
+    return all(
+        a == b or (isinstance(a, Broadcast) and isinstance(b, Split))
+        for a, b in zip(src, dst, strict=True)
     )
-    return float(saved * in_flight)
+
+
+def use_bytes(
+    src: NdSbp, dst: NdSbp, meta: TensorMeta, mesh_shape: tuple[int, ...], sole: bool
+) -> float:
+    """What one kept use holds on a device: the converted copy, or (no copy made) the
+    producer's tensor where the use is its only holder, else nothing beyond it."""
+    if not is_view_conversion(src, dst):
+        return local_bytes(meta, dst, mesh_shape)
+    return local_bytes(meta, src, mesh_shape) if sole else 0.0
+
+
+def pair_bytes(
+    producer_outputs: Sequence[Sequence[NdSbp]],
+    consumer_inputs: Sequence[Sequence[NdSbp]],
+    uses: Sequence[KeptUse],
+    metas: Sequence[TensorMeta],
+    mesh_shape: tuple[int, ...],
+) -> np.ndarray:
+    """Per pair (producer candidate i, consumer candidate j), the bytes the kept `uses` of an
+    edge hold with one micro-batch in flight: `producer_outputs[i][o]` is candidate i's layout
+    of output o, `consumer_inputs[j][k]` candidate j's of input k, `metas[n]` the tensor of
+    `uses[n]`. Each distinct (layout, layout) pair is priced once."""
+    matrix = np.zeros((len(producer_outputs), len(consumer_inputs)))
+    for use, meta in zip(uses, metas, strict=True):
+        srcs, src_of = _distinct([outs[use.out_idx] for outs in producer_outputs])
+        dsts, dst_of = _distinct([ins[use.in_idx] for ins in consumer_inputs])
+        table = np.array(
+            [[use_bytes(src, dst, meta, mesh_shape, use.sole) for dst in dsts] for src in srcs]
+        ).reshape(len(srcs), len(dsts))
+        matrix += table[np.ix_(src_of, dst_of)]
+    return matrix
+
+
+def _distinct(layouts: Sequence[NdSbp]) -> tuple[list[NdSbp], np.ndarray]:
+    """The distinct layouts, and for each given one its index among them."""
+    index: dict[NdSbp, int] = {}
+    of = [index.setdefault(layout, len(index)) for layout in layouts]
+    return list(index), np.array(of, dtype=int)

@@ -38,11 +38,20 @@ objective equals the prediction (measured on GPT-3 configurations: equal to 1e-5
 middle stage is slowest the simulation can idle more than any path bound sees; the ILP then
 minimizes a lower bound, and the plan is priced by the simulation all the same. With one stage
 the objective is m busy + u exactly.
+
+Hidden parameter conversions (`schedule.hidden_gather_s`, FSDP's prefetch). On a stage of
+b >= 2 identical blocks, f_s and b_s above are the exposed times: the serial ones less
+n a min(G, C) per direction (n = b - 1 slots, a the overlap, G and C one block's parameter
+conversions and compute in that direction), as `predict` hands them to the simulation, so the
+derivation holds unchanged (still >= 0: n G < the stage's conversions). Linear form (`_Hiding`):
+a min(G, C) = G + C - T with T = max(C + (1 - a) G, G + (1 - a) C), so an exposed time is
+linear plus n T, a max term with a positive weight (one stage) or held, with coefficient
+weight x n >= 0, inside the path-bound term's parts (stages: nested max terms, `ilp`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,10 +63,11 @@ from autosbp.planner.ilp_problem import Costs, MaxTerm, MemoryConstraint
 class StageCosts:
     """Per pipeline stage, the ILP-keyed costs that make up its times (seconds), for pricing a
     solution: `busy` one micro-batch's forward + backward (+ recomputation), `forward` its
-    forward part, `send` the one-way transfer of its outputs to later stages per micro-batch,
-    `update` the per-step gradient sync and optimizer, of which the last micro-batch's backward
-    hides part of the sync (`schedule.hidden_sync_s`); its memory constraint; and its kind,
-    equal for stages whose costs are equal (what they are made of)."""
+    forward part (both before any overlap), `send` the one-way transfer of its outputs to later
+    stages per micro-batch, `update` the per-step gradient sync and optimizer, of which the
+    last micro-batch's backward hides part of the sync (`schedule.hidden_sync_s`); its memory
+    constraint; its kind, equal for stages whose costs are equal (what they are made of); and
+    what the blocks' compute hides of the parameters' conversions (`schedule.hidden_gather_s`)."""
 
     busy: tuple[Costs, ...]
     forward: tuple[Costs, ...]
@@ -68,6 +78,17 @@ class StageCosts:
     overlap: float  # the profile's fraction of communication that compute hides
     memory: tuple[MemoryConstraint, ...]
     kinds: tuple[Hashable, ...] = ()  # per stage; () when not known: every stage its own
+    # One block's parameter conversions and compute per micro-batch, forward and backward
+    # (`schedule.hidden_gather_s`), and per stage its blocks that hide them (() or 0: none).
+    gather_forward: tuple[Costs, ...] = ()
+    compute_forward: tuple[Costs, ...] = ()
+    gather_backward: tuple[Costs, ...] = ()
+    compute_backward: tuple[Costs, ...] = ()
+    slots: tuple[int, ...] = ()
+
+    def hides(self, s: int) -> bool:
+        """Does stage s hide parameter communication behind its blocks' compute?"""
+        return bool(self.slots) and self.slots[s] > 0 and self.overlap > 0
 
 
 NodeCosts = dict[str, np.ndarray]
@@ -79,48 +100,125 @@ def objective_terms(
     costs: StageCosts, keys: Sequence[str], micro_batches: int
 ) -> tuple[NodeCosts, EdgeCosts, tuple[MaxTerm, ...]]:
     """Node costs, edge costs and max terms of the objective (the module docstring): with one
-    stage m x busy + the update, the update's two parts a max term where backward hides some
-    of its sync; with stages, the largest path bound."""
+    stage m x busy (less what the blocks' compute hides of the parameters' conversions) + the
+    update, each hiding a max term of its own; with stages, the largest path bound, whose parts
+    hold the stages' hiding terms (nested max terms)."""
     m, busy = micro_batches, costs.busy
+    layout = _Layout(costs)
+    hiding = _Hiding(costs)
     if len(busy) == 1:
-        node_costs = {r: m * busy[0].node_costs[r] for r in keys}
-        edge_costs = {e: m * c for e, c in busy[0].edge_costs.items()}
+        linear: list[Weighted] = [(float(m), busy[0])]
+        terms: list[MaxTerm] = []
+        for s, direction in hiding.keys:
+            linear += hiding.exposed(float(m), s, direction)
+            streams = hiding.parts(s, direction)
+            terms.append(MaxTerm(m * costs.slots[s], tuple(layout.sum(p) for p in streams)))
         updates = _update_parts(costs, 0)
         if len(updates) > 1:
-            layout = _Layout(costs)
-            return node_costs, edge_costs, (MaxTerm(1.0, tuple(layout.sum(u) for u in updates)),)
-        for r, c in costs.update[0].node_costs.items():
-            node_costs[r] = node_costs[r] + c
-        return node_costs, edge_costs, ()
+            terms.append(MaxTerm(1.0, tuple(layout.sum(u) for u in updates)))
+        else:
+            linear += updates[0]
+        base = layout.sum(linear)
+        node_costs = {r: base.node_costs[r] + _forbidden(busy[0].node_costs[r]) for r in keys}
+        edge_costs = {e: base.edge_costs[e] + _forbidden(c) for e, c in busy[0].edge_costs.items()}
+        return node_costs, edge_costs, tuple(terms)
     # Every cost lives in the max term; the linear costs only carry which candidates and pairs
     # are forbidden (an infinite cost), as the stages' costs say.
     node_costs = {r: _forbidden(np.sum([c.node_costs[r] for c in busy], axis=0)) for r in keys}
     edge_costs = {e: _forbidden(matrix) for e, matrix in _sum_edges(busy).items()}
-    runs, layout = _runs(costs), _Layout(costs)
-    parts = tuple(
-        layout.sum(_path(costs, runs, a, b, m) + update)
-        for a in range(len(runs))
-        for b in range(a, len(runs))
-        for update in _update_parts(costs, runs[a][0])
-    )
-    return node_costs, edge_costs, (MaxTerm(1.0, parts),)
+    runs = _runs(costs)
+    inner_terms = [
+        MaxTerm(0.0, tuple(layout.sum(p) for p in hiding.parts(*key))) for key in hiding.keys
+    ]
+    parts: list[Costs] = []
+    nested: list[Mapping[int, float]] = []
+    for a in range(len(runs)):
+        for b in range(a, len(runs)):
+            path, inner = hiding.expand(_path(costs, runs, a, b, m))
+            for update in _update_parts(costs, runs[a][0]):
+                parts.append(layout.sum(path + update))
+                nested.append(inner)
+    return node_costs, edge_costs, (*inner_terms, MaxTerm(1.0, tuple(parts), tuple(nested)))
 
 
-def _path(costs: StageCosts, runs: list[list[int]], a: int, b: int, m: int) -> list[Weighted]:
+Entry = tuple[float, str, int]  # weight x a stage's time ("forward", "busy" or "send")
+
+
+def _path(costs: StageCosts, runs: list[list[int]], a: int, b: int, m: int) -> list[Entry]:
     """P(s, k) less the update, for s the first stage of run a and k the last of run b >= a:
     the fill to k, its m micro-batches, the drain back to s. Stages of a run are identical, so
     a run's stages add up as its length times one of them."""
     k = runs[b][-1]
-    terms: list[Weighted] = [(float(m), costs.busy[k])]
+    entries: list[Entry] = [(float(m), "busy", k)]
     for c in range(b + 1):
         q = runs[c][0]  # one stage of run c stands for each of its stages before k
         n = float(len(runs[c]) - (1 if c == b else 0))
         if n == 0:
             continue
-        terms += [(n, costs.forward[q]), (n, costs.send[q])]
+        entries += [(n, "forward", q), (n, "send", q)]
         if c >= a:  # the backward of micro-batch m - 1 drains from k down to s
-            terms += [(n, costs.busy[q]), (-n, costs.forward[q]), (n, costs.send[q])]
-    return terms
+            entries += [(n, "busy", q), (-n, "forward", q), (n, "send", q)]
+    return entries
+
+
+class _Hiding:
+    """What the blocks' compute hides of the parameters' conversions, as ILP terms. Per stage
+    and direction, with G one block's conversions, C its compute, n the stage's slots and a the
+    overlap, the exposed time is the stage's time less n a min(G, C), and
+
+        a min(G, C) = G + C - T,   T = max(C + (1 - a) G, G + (1 - a) C) >= 0,
+
+    so a stage's exposed forward is forward - n (Gf + Cf) + n Tf (linear, and n >= 0 times a
+    max term), its exposed busy time busy - n (Gf + Cf + Gb + Cb) + n Tf + n Tb. The T terms
+    come first in the problem's max terms, one per stage that hides and direction (`keys`)."""
+
+    def __init__(self, costs: StageCosts) -> None:
+        self.costs = costs
+        self.keys = [
+            (s, direction)
+            for s in range(len(costs.busy))
+            if costs.hides(s)
+            for direction in ("forward", "backward")
+        ]
+        self.index = {key: i for i, key in enumerate(self.keys)}
+
+    def parts(self, s: int, direction: str) -> tuple[list[Weighted], list[Weighted]]:
+        """The two parts of T on stage s in `direction`."""
+        gather, compute = self._pair(s, direction)
+        a = self.costs.overlap
+        return [(1.0, compute), (1.0 - a, gather)], [(1.0, gather), (1.0 - a, compute)]
+
+    def exposed(self, weight: float, s: int, direction: str) -> list[Weighted]:
+        """weight x -n (G + C): the linear part of weight x the exposed time's change."""
+        gather, compute = self._pair(s, direction)
+        slots = float(self.costs.slots[s])
+        return [(-weight * slots, gather), (-weight * slots, compute)]
+
+    def _pair(self, s: int, direction: str) -> tuple[Costs, Costs]:
+        c = self.costs
+        if direction == "forward":
+            return c.gather_forward[s], c.compute_forward[s]
+        return c.gather_backward[s], c.compute_backward[s]
+
+    def expand(self, entries: list[Entry]) -> tuple[list[Weighted], dict[int, float]]:
+        """A path's entries as weighted costs of the exposed stage times, and the
+        coefficients of the hiding terms in it (each >= 0: forward enters a path no more
+        negatively than busy, which holds it)."""
+        c = self.costs
+        fields = {"forward": c.forward, "busy": c.busy, "send": c.send}
+        directions = {"forward": ("forward",), "busy": ("forward", "backward"), "send": ()}
+        weighted: list[Weighted] = []
+        inner: dict[int, float] = {}
+        for weight, name, q in entries:
+            weighted.append((weight, fields[name][q]))
+            for direction in directions[name]:
+                index = self.index.get((q, direction))
+                if index is not None:
+                    weighted += self.exposed(weight, q, direction)
+                    inner[index] = inner.get(index, 0.0) + weight * c.slots[q]
+        kept = {i: v for i, v in inner.items() if abs(v) > 1e-12}
+        assert all(v > 0 for v in kept.values()), kept
+        return weighted, kept
 
 
 def _update_parts(costs: StageCosts, s: int) -> list[list[Weighted]]:
@@ -161,7 +259,11 @@ class _Layout:
         for v, c in costs.busy[0].node_costs.items():
             self.nodes[v] = (at, len(c))
             at += len(c)
-        for field in (costs.busy, costs.forward, costs.send, costs.update, costs.sync):
+        fields = (
+            costs.busy, costs.forward, costs.send, costs.update, costs.sync,
+            costs.gather_forward, costs.gather_backward,
+        )  # fmt: skip
+        for field in fields:
             for stage in field:
                 for e, matrix in stage.edge_costs.items():
                     if e not in self.edges:

@@ -4,10 +4,11 @@ recomputation), and what its solution predicts.
 Lives here: the prices of a graph on a stage mesh that every configuration shares (`Priced`,
 `price_graph`), the Problem of one configuration (`build_problem`: objective and memory, see its
 docstring), its bound and its solve (`lower_bound_of`, `solve_mesh`), and the prediction of a
-solved configuration by the actor simulation (`predict`). Lives elsewhere: the objective made
-of the stages' costs, a lower bound of `predict` (`objective`), prices (`costs`, `memory`),
-stages and recomputation (`pipeline`), tied blocks (`reduce`), the solver (`ilp`), the search
-over configurations (`search`), hand-plan restrictions (`strategies`).
+solved configuration by the actor simulation (`predict`). Lives elsewhere: the per-stage sums
+(`stage_terms`), the objective made of them, a lower bound of `predict` (`objective`), prices
+(`costs`, `memory`, what backward keeps: `kept`), stages and recomputation (`pipeline`), tied
+blocks (`reduce`), the solver (`ilp`), the search over configurations (`search`), hand-plan
+restrictions (`strategies`).
 
 Each configuration is solved exactly (to MIP_GAP). Within a stage, the objective has one
 overlap: the gradient sync runs while the last micro-batch's backward does
@@ -18,7 +19,6 @@ update run one after another on each device.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 
@@ -27,7 +27,6 @@ import numpy as np
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import NoFitError
 from autosbp.planner.costs import (
-    BACKWARD_FACTOR,
     BoxingPricer,
     NodeStrategies,
     Prices,
@@ -36,14 +35,16 @@ from autosbp.planner.costs import (
     sync_bucket_bytes,
 )
 from autosbp.planner.ilp import bound_or_solve, solve_below
-from autosbp.planner.ilp_problem import Costs, MemoryConstraint, Problem, Solution
-from autosbp.planner.memory import candidate_bytes
+from autosbp.planner.ilp_problem import Problem, Solution
+from autosbp.planner.kept import Kept, kept_for_backward
+from autosbp.planner.memory import candidate_bytes, pair_bytes
 from autosbp.planner.objective import StageCosts, objective_terms
-from autosbp.planner.pipeline import StageSplit, in_flight, recomputed, split_stages
+from autosbp.planner.pipeline import StageSplit, recomputed, split_stages
 from autosbp.planner.reduce import TiedStages, tie_blocks, tie_graph, tie_stages, twin_key
+from autosbp.planner.stage_terms import P2P, StageTerms
 from autosbp.rules import NdSignature
-from autosbp.sbp import Broadcast, Mesh, local_shape
-from autosbp.schedule import hidden_sync_s, simulate, sync_buckets
+from autosbp.sbp import Broadcast, Mesh
+from autosbp.schedule import hidden_gather_s, hidden_sync_s, simulate
 
 Allow = Callable[[dict, NdSignature], bool]  # may this node (attrs) take this candidate?
 
@@ -68,30 +69,92 @@ class MeshProblem:
 
 
 @dataclass(frozen=True)
+class EdgeKept:
+    """What an edge's kept uses (`kept.Kept`) cost per pair of its endpoints' candidates, per
+    micro-batch: the bytes they keep until backward (`memory.pair_bytes`), the forward
+    conversion of them (what a re-gather repeats) and the copies a recomputed consumer keeps
+    while its block recomputes."""
+
+    bytes: np.ndarray
+    forward_s: np.ndarray
+    recomputed_bytes: np.ndarray
+
+
+@dataclass(frozen=True)
 class Priced:
     """Prices of a graph on a stage mesh that do not depend on stages, micro-batches or
     recomputation: candidates, and (computed on first use: most configurations of a search are
-    ruled out by their node prices alone) the edges' boxing matrices."""
+    ruled out by their node prices alone) the edges' boxing matrices and what backward keeps
+    (`kept_memo`, per recomputation mode: shared by every mesh of the graph)."""
 
     mesh: Mesh
     representative: dict[str, str]
     strategies: dict[str, NodeStrategies]
     graph: OpGraph
     pricer: BoxingPricer
+    kept_memo: dict[str, Kept] = field(default_factory=dict, repr=False, compare=False)
 
     matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict, repr=False, compare=False
     )  # per edge twin (`reduce.twin_key`), filled on first use
-    saved: dict[tuple[str, str], np.ndarray] = field(
+    saved: dict[tuple, np.ndarray] = field(
         default_factory=dict, repr=False, compare=False
-    )  # per (representative, optimizer), filled on first use
+    )  # per (representative, optimizer, recomputation), filled on first use
+    edges_kept: dict[tuple, EdgeKept] = field(default_factory=dict, repr=False, compare=False)
+    identical: list[bool] = field(default_factory=list, repr=False, compare=False)  # once
 
-    def saved_bytes(self, name: str, optimizer: str) -> np.ndarray:
-        """Per candidate, the bytes node `name` (a representative) keeps on a device."""
-        if (name, optimizer) not in self.saved:
-            attrs, found = self.graph.graph.nodes[name], self.strategies[name]
-            self.saved[(name, optimizer)] = _bytes(attrs, found, self.mesh, optimizer)
-        return self.saved[(name, optimizer)]
+    def blocks_identical(self) -> bool:
+        """Are the graph's repeated blocks all alike (`reduce.tie_blocks` ties them)?"""
+        if not self.identical:
+            tied = self.representative
+            if all(r == n for n, r in tied.items()):  # untied by request, or not alike
+                tied = tie_blocks(self.graph)
+            self.identical.append(any(r != n for n, r in tied.items()))
+        return self.identical[0]
+
+    def kept(self, recompute: str) -> Kept:
+        """What backward keeps under `recompute` (`kept.kept_for_backward`), once per graph."""
+        if recompute not in self.kept_memo:
+            self.kept_memo[recompute] = kept_for_backward(
+                self.graph, self.representative, recompute
+            )
+        return self.kept_memo[recompute]
+
+    def kept_bytes(self, name: str, optimizer: str, recompute: str) -> np.ndarray:
+        """Per candidate, the bytes node `name` (a representative) keeps on a device with one
+        micro-batch in flight: model states, or what its backward keeps (`kept`)."""
+        key = (name, optimizer, recompute)
+        if key not in self.saved:
+            kept, attrs = self.kept(recompute), self.graph.graph.nodes[name]
+            extra = 0 if recomputed(attrs, recompute) else kept.extra_bytes.get(name, 0)
+            self.saved[key] = self._bytes(name, optimizer, kept.outputs_of(name), extra)
+        return self.saved[key]
+
+    def rematerialized_bytes(self, name: str, recompute: str) -> np.ndarray:
+        """Per candidate, what a recomputed node holds while its block recomputes."""
+        key = (name, "", recompute)
+        if key not in self.saved:
+            kept = self.kept(recompute)
+            outputs = kept.rematerialized.get(name, frozenset())
+            extra = kept.extra_bytes.get(name, 0)
+            self.saved[key] = self._bytes(name, "", outputs, extra)
+        return self.saved[key]
+
+    def _bytes(self, name: str, optimizer: str, outputs: frozenset[int], extra: int) -> np.ndarray:
+        attrs, found = self.graph.graph.nodes[name], self.strategies[name]
+        return np.array(
+            [
+                candidate_bytes(
+                    attrs,
+                    sig,
+                    self.mesh.shape,
+                    optimizer=optimizer,
+                    outputs=outputs,
+                    extra_bytes=extra,
+                )
+                for sig in found.candidates
+            ]
+        )
 
     def edge_prices(self, u: str, v: str) -> tuple[np.ndarray, np.ndarray]:
         """The boxing matrices of edge (u, v), forward + backward and forward alone, per
@@ -107,6 +170,33 @@ class Priced:
             )
         return found
 
+    def edge_kept(self, u: str, v: str, recompute: str) -> EdgeKept:
+        """What the kept uses of edge (u, v) cost per pair (`EdgeKept`); once for its twins."""
+        twin = twin_key(self.graph, self.representative, u, v)
+        found = self.edges_kept.get((twin, recompute))
+        if found is None:
+            kept, outputs = self.kept(recompute), self.graph.graph.nodes[u]["outputs"]
+            su, sv = self.strategies[u], self.strategies[v]
+            layouts = (
+                [sig.outputs for sig in su.candidates],
+                [sig.inputs for sig in sv.candidates],
+            )
+            shape = (len(su.candidates), len(sv.candidates))
+
+            def held(uses) -> np.ndarray:
+                metas = [outputs[use.out_idx] for use in uses]
+                return pair_bytes(*layouts, uses, metas, self.mesh.shape)
+
+            uses = kept.uses.get(twin, ())
+            forward = np.zeros(shape)
+            if uses:
+                pairs = [(use.out_idx, use.in_idx) for use in uses]
+                metas = [outputs[use.out_idx] for use in uses]
+                forward = edge_matrix(su, sv, pairs, metas, self.pricer, forward_only=True)
+            found = EdgeKept(held(uses), forward, held(kept.recomputed_uses.get(twin, ())))
+            self.edges_kept[(twin, recompute)] = found
+        return found
+
 
 def price_graph(
     graph: OpGraph,
@@ -116,35 +206,46 @@ def price_graph(
     pricer: BoxingPricer | None = None,
     representative: dict[str, str] | None = None,
     memo: dict[Hashable, NodeStrategies] | None = None,
+    kept_memo: dict[str, Kept] | None = None,
 ) -> Priced:
     """Candidates of every representative node (`reduce.tie_blocks`, or `representative` where
     given); edges on first use. `pricer`: a boxing pricer of `mesh` to reuse (its chains serve
     every micro-batch size); `memo`: parameters' candidates to reuse across graphs (a
-    parameter's depend only on its tensor, the mesh and the sync bucket, `_parameter_key`)."""
+    parameter's depend only on its tensor, the mesh, the sync bucket and whether a consumer
+    keeps it, `_parameter_key`); `kept_memo`: what backward keeps, shared by every mesh of
+    `graph` (with the same `representative`)."""
     pricer = pricer or BoxingPricer(prices, mesh)
     rep = representative or tie_blocks(graph)
+    kept_memo = {} if kept_memo is None else kept_memo
+    if "none" not in kept_memo:  # which parameters some consumer keeps (`costs.node_strategies`)
+        kept_memo["none"] = kept_for_backward(graph, rep, "none")
+    regatherable = kept_memo["none"].regatherable
     bucket_bytes = sync_bucket_bytes(graph)
     strategies: dict[str, NodeStrategies] = {}
     for name in dict.fromkeys(rep.values()):
         attrs = graph.graph.nodes[name]
-        key = _parameter_key(attrs, mesh, bucket_bytes) if memo is not None else None
+        again = name in regatherable
+        key = _parameter_key(attrs, mesh, bucket_bytes, again) if memo is not None else None
         found = memo.get(key) if memo is not None and key is not None else None
         if found is None:
-            found = node_strategies(graph, name, pricer, bucket_bytes)
+            found = node_strategies(graph, name, pricer, bucket_bytes, again)
             if memo is not None and key is not None:
                 memo[key] = found
         strategies[name] = _restricted(replace(found, name=name), attrs, allow)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
-    return Priced(mesh, rep, strategies, graph, pricer)
+    return Priced(mesh, rep, strategies, graph, pricer, kept_memo)
 
 
-def _parameter_key(attrs: dict, mesh: Mesh, bucket_bytes: int) -> Hashable | None:
+def _parameter_key(
+    attrs: dict, mesh: Mesh, bucket_bytes: int, regatherable: bool
+) -> Hashable | None:
     """What a parameter's candidates and prices (`costs.node_strategies`) read, or None for
     other nodes (their candidates read their inputs and the graph around them)."""
     if attrs["role"] is not Role.PARAMETER:
         return None
-    return (mesh, bucket_bytes, attrs["op"], tuple(attrs["inputs"]), tuple(attrs["outputs"]))
+    metas = (tuple(attrs["inputs"]), tuple(attrs["outputs"]))
+    return (mesh, bucket_bytes, attrs["op"], *metas, regatherable)
 
 
 def build_problem(
@@ -167,25 +268,27 @@ def build_problem(
     Objective (`objective`): with stages, the largest of the 1F1B path bounds (Narayanan et
     al. 2021 section 2.2: the fill to a stage, its steady state, the drain, a stage's update),
     a lower bound of the simulated step for every choice and equal to it with the slowest
-    stage last; with one stage, micro_batches x the stage time plus its update, every op,
-    boxing, sync and update one after another. Memory: one constraint per stage, activations
-    x the micro-batches in flight there (`in_flight`).
+    stage last; with one stage, micro_batches x the stage time plus its update. Within a
+    stage, ops and activations' boxing run one after another; parameters' conversions overlap
+    the compute of identical blocks (`schedule.hidden_gather_s`) and the gradient sync the
+    last backward (`schedule.hidden_sync_s`). Memory: one constraint per stage, what backward
+    keeps x the micro-batches in flight there (`stage_terms`), on node candidates and on edge
+    pairs (the converted copies kept, unless a parameter re-gathers them).
     """
     split = split or split_stages(graph, 1)
     priced = priced or price_graph(graph, mesh, prices, allow)
     tied = tied or tie_stages(tie_graph(graph, priced.representative), split)
-    terms = _StageTerms(split.num_stages)
-    terms.add_nodes(tied, priced, mesh, optimizer, micro_batches, recompute)
+    blocks = tuple(len(b) for b in split.blocks)
+    terms = StageTerms(blocks, priced.blocks_identical())
+    terms.add_nodes(tied, priced, optimizer, micro_batches, recompute)
     keys = list(dict.fromkeys(priced.representative.values()))
     sizes = {r: len(priced.strategies[r].candidates) for r in keys}
     # Where the nodes alone overflow a stage (each at its fewest bytes), no choice fits: the
     # edges are not priced (most configurations of a deep model end here; `lower_bound_of`
     # then says nothing fits, and the no-fit message reads the node bytes).
-    overflows = memory_limit_bytes is not None and any(
-        _least_bytes(a, sizes) > memory_limit_bytes for a in terms.memory
-    )
+    overflows = memory_limit_bytes is not None and terms.least_bytes(sizes) > memory_limit_bytes
     if not overflows:
-        terms.add_edges(tied, priced, recompute, _P2P(prices, mesh, stage_link))
+        terms.add_edges(tied, priced, recompute, P2P(prices, mesh, stage_link))
     stage_costs = terms.stage_costs(sizes, prices.overlap_efficiency, memory_limit_bytes)
     node_costs, edge_costs, max_terms = objective_terms(stage_costs, keys, micro_batches)
     constraints = (
@@ -198,175 +301,6 @@ def build_problem(
         mesh, priced.strategies, problem, priced.representative, split, stage_costs,
         micro_batches, recompute, graph,
     )  # fmt: skip
-
-
-class _StageTerms:
-    """Per stage, the sums a configuration's costs and memory are built from (see
-    `StageCosts`); tied nodes and edges are added once per group, times its count."""
-
-    def __init__(self, num_stages: int) -> None:
-        self.num_stages = num_stages
-        self.busy, self.forward, self.send, self.update, self.sync, self.memory = (
-            [_Acc() for _ in range(num_stages)] for _ in range(6)
-        )
-        self.param_bytes = [0] * num_stages
-        # Per stage, what its time costs are made of: equal for stages whose costs are equal.
-        self.kinds: list[Counter[tuple]] = [Counter() for _ in range(num_stages)]
-
-    def add_nodes(
-        self,
-        tied: TiedStages,
-        priced: Priced,
-        mesh: Mesh,
-        optimizer: str,
-        micro_batches: int,
-        recompute: str,
-    ) -> None:
-        nodes = priced.graph.graph.nodes
-        for (r, s, read_outside), n in tied.nodes.items():
-            attrs, found = nodes[r], priced.strategies[r]
-            k = in_flight(s, self.num_stages)
-            self.kinds[s][("node", r, read_outside)] += n
-            if attrs["role"] is Role.PARAMETER:
-                self.update[s].node(r, n * found.compute_s)
-                assert found.sync_s is not None, f"{r}: a parameter priced without its sync"
-                self.sync[s].node(r, n * found.sync_s)
-                if micro_batches > 1:  # every backward but the first adds into the gradient
-                    assert found.accumulate_s is not None
-                    share = (micro_batches - 1) / micro_batches  # per micro-batch, m of them
-                    self.busy[s].node(r, n * share * found.accumulate_s)
-                self.param_bytes[s] += n * attrs["outputs"][0].nbytes
-            elif attrs["role"] is Role.COMPUTE:
-                fwd = found.compute_s / (1.0 + BACKWARD_FACTOR)
-                again = recomputed(attrs, recompute)
-                self.busy[s].node(r, n * (found.compute_s + (fwd if again else 0.0)))
-                self.forward[s].node(r, n * fwd)
-            saved = priced.saved_bytes(r, optimizer)
-            if attrs["role"] is Role.COMPUTE and recomputed(attrs, recompute):
-                kept = recompute == "full" and read_outside  # a block's output stays
-                self.memory[s].node(r, n * saved * (k if kept else 0))
-                self.memory[s].transient(r, saved)  # one block rematerialized at a time
-            else:
-                self.memory[s].node(r, n * saved * (1 if attrs["role"] is not Role.COMPUTE else k))
-
-    def add_edges(self, tied: TiedStages, priced: Priced, recompute: str, p2p: _P2P) -> None:
-        """Boxing on every edge, and each tensor sent to a later stage (time and memory)."""
-        rep, nodes = priced.representative, priced.graph.graph.nodes
-        for ((u, v), sv), n in tied.edges.items():
-            self.kinds[sv][("edge", u, v)] += n
-            both, fwd_only = priced.edge_prices(u, v)
-            again = recomputed(nodes[rep[v]], recompute)  # tied nodes are recomputed alike
-            self.busy[sv].edge((rep[u], rep[v]), n * (both + fwd_only) if again else n * both)
-            self.forward[sv].edge((rep[u], rep[v]), n * fwd_only)
-        for u, out_idx, sv in tied.sends:
-            self.kinds[sv - 1][("send", rep[u], out_idx, nodes[u]["outputs"][out_idx])] += 1
-            local = p2p.local_bytes(priced.strategies[u], out_idx, nodes[u]["outputs"][out_idx])
-            self.send[sv - 1].node(rep[u], p2p.time_s(local))
-            self.memory[sv].node(rep[u], local * in_flight(sv, self.num_stages))
-
-    def stage_costs(
-        self, sizes: dict[str, int], overlap: float, memory_limit_bytes: float | None
-    ) -> StageCosts:
-        limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
-
-        kinds = tuple(frozenset(kind.items()) for kind in self.kinds)
-        first = {kind: s for s, kind in reversed(list(enumerate(kinds)))}
-
-        def costs(sums: list[_Acc]) -> tuple[Costs, ...]:  # stages of one kind share theirs
-            built = {s: sums[s].costs(sizes) for s in set(first.values())}
-            return tuple(built[first[kind]] for kind in kinds)
-
-        return StageCosts(
-            costs(self.busy), costs(self.forward), costs(self.send), costs(self.update),
-            costs(self.sync), tuple(sync_buckets(b) for b in self.param_bytes), overlap,
-            tuple(
-                MemoryConstraint(a.memory_bytes(sizes), limit, name=f"stage {s}")
-                for s, a in enumerate(self.memory)
-            ),
-            kinds,
-        )  # fmt: skip
-
-
-def _least_bytes(memory: _Acc, sizes: dict[str, int]) -> float:
-    return sum(float(np.min(b)) for b in memory.memory_bytes(sizes).values() if len(b))
-
-
-def _bytes(attrs: dict, found: NodeStrategies, mesh: Mesh, optimizer: str) -> np.ndarray:
-    """Per candidate, the bytes one device keeps for this node with one micro-batch in flight."""
-    return np.array(
-        [
-            candidate_bytes(attrs, sig, mesh.shape, optimizer=optimizer, in_flight=1)
-            for sig in found.candidates
-        ]
-    )
-
-
-class _Acc:
-    """Sums node arrays and edge matrices per representative (tied copies add up); an edge
-    between two copies of one node (same position in two blocks) lands on the node's diagonal.
-    `transient` keeps the largest single copy (one block rematerialized at a time)."""
-
-    def __init__(self) -> None:
-        self.nodes: dict[str, np.ndarray] = {}
-        self.edges: dict[tuple[str, str], np.ndarray] = {}
-        self.peaks: dict[str, np.ndarray] = {}
-
-    def node(self, key: str, values: np.ndarray | float) -> None:
-        if key in self.nodes:
-            self.nodes[key] = self.nodes[key] + values
-        else:
-            self.nodes[key] = np.asarray(values, dtype=float) + 0.0
-
-    def edge(self, key: tuple[str, str], matrix: np.ndarray) -> None:
-        if key[0] == key[1]:
-            self.node(key[0], np.diag(matrix))
-        elif key in self.edges:
-            self.edges[key] = self.edges[key] + matrix
-        else:
-            self.edges[key] = matrix
-
-    def transient(self, key: str, values: np.ndarray) -> None:
-        self.peaks[key] = np.maximum(self.peaks[key], values) if key in self.peaks else values
-
-    def costs(self, sizes: dict[str, int]) -> Costs:
-        return Costs(
-            {r: _per_candidate(self.nodes.get(r), n) for r, n in sizes.items()}, self.edges
-        )
-
-    def memory_bytes(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
-        out = {}
-        for r, n in sizes.items():
-            total = _per_candidate(self.nodes.get(r), n)
-            out[r] = total + self.peaks[r] if r in self.peaks else total
-        return out
-
-
-def _per_candidate(values: np.ndarray | None, n: int) -> np.ndarray:
-    """`values` as one number per candidate (a scalar is every candidate's; None is 0)."""
-    if values is None:
-        return np.zeros(n)
-    return values if values.shape == (n,) else np.full(n, float(values))
-
-
-class _P2P:
-    """Cross-stage transfer: device i of one stage sends its local piece to device i of the
-    next (every stage has the same mesh shape, and a tensor keeps its layout across)."""
-
-    def __init__(self, prices: Prices, mesh: Mesh, link: str) -> None:
-        self.prices, self.mesh, self.link = prices, mesh, link
-
-    def local_bytes(self, found: NodeStrategies, out_idx: int, meta) -> np.ndarray:
-        return np.array(
-            [
-                math.prod(local_shape(meta.shape, sig.outputs[out_idx], self.mesh.shape))
-                * meta.dtype.itemsize
-                for sig in found.candidates
-            ],
-            dtype=float,
-        )
-
-    def time_s(self, nbytes: np.ndarray) -> np.ndarray:
-        return np.array([self.prices.p2p_time_s(float(b), self.link) for b in nbytes])
 
 
 def _restricted(found: NodeStrategies, attrs: dict, allow: Allow | None) -> NodeStrategies:
@@ -423,9 +357,10 @@ def solve_mesh(
 @dataclass(frozen=True)
 class Prediction:
     """A solved problem priced as the actor system runs it (`schedule.simulate`): per stage its
-    per-micro-batch forward/backward, transfer to the next stage and per-step update (seconds),
-    the part of the update's sync that the last backward hides, and peak bytes; the step time is
-    when the last stage finishes its update."""
+    per-micro-batch forward/backward (what stays exposed of the parameters' conversions
+    included, `gather_hidden_s` of them hidden behind the blocks' compute), transfer to the
+    next stage and per-step update (seconds), the part of the update's sync that the last
+    backward hides, and peak bytes; the step time is when the last stage finishes its update."""
 
     step_time_s: float
     forward_s: tuple[float, ...]
@@ -435,6 +370,7 @@ class Prediction:
     sync_hidden_s: tuple[float, ...]  # of update_s, what the last backward hides
     peak_bytes: tuple[float, ...]
     bubble_s: tuple[float, ...]
+    gather_hidden_s: tuple[float, ...] = ()  # per micro-batch, forward + backward
 
 
 def predict(mp: MeshProblem, solution: Solution) -> Prediction:
@@ -448,16 +384,41 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
         hidden_sync_s(c.value(choice), b, k, costs.overlap)
         for c, b, k in zip(costs.sync, bwd, costs.sync_buckets, strict=True)
     )
+    forward_hidden, backward_hidden = gathers_hidden(costs, choice)
+    exposed_fwd = tuple(f - h for f, h in zip(fwd, forward_hidden, strict=True))
+    exposed_bwd = tuple(b - h for b, h in zip(bwd, backward_hidden, strict=True))
     timeline = simulate(
-        mp.split.num_stages, mp.micro_batches, fwd.__getitem__, bwd.__getitem__, send.__getitem__
-    )
+        mp.split.num_stages, mp.micro_batches, exposed_fwd.__getitem__,
+        exposed_bwd.__getitem__, send.__getitem__,
+    )  # fmt: skip
     ends = [
         max(f.end_s for f in timeline.firings if f.stage == s) + update[s] - hidden[s]
         for s in range(mp.split.num_stages)
     ]
-    peaks = tuple(
-        mem.constant_bytes + sum(float(b[choice[v]]) for v, b in mem.bytes_per_candidate.items())
-        for mem in costs.memory
-    )
+    peaks = tuple(mem.used_bytes(choice) for mem in costs.memory)
     bubbles = tuple(timeline.bubble_s(s) for s in range(mp.split.num_stages))
-    return Prediction(max(ends), fwd, bwd, send, update, hidden, peaks, bubbles)
+    gathers = tuple(f + b for f, b in zip(forward_hidden, backward_hidden, strict=True))
+    return Prediction(
+        max(ends), exposed_fwd, exposed_bwd, send, update, hidden, peaks, bubbles, gathers
+    )
+
+
+def gathers_hidden(costs: StageCosts, choice: dict) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per stage and micro-batch, the parameter communication the blocks' compute hides in
+    forward and in backward (`schedule.hidden_gather_s`; 0 where the stage has no slots)."""
+    stages = range(len(costs.busy))
+    if not costs.slots:
+        return (0.0,) * len(stages), (0.0,) * len(stages)
+
+    def hidden(comm: tuple, compute: tuple) -> tuple[float, ...]:
+        return tuple(
+            hidden_gather_s(
+                comm[s].value(choice), compute[s].value(choice), costs.slots[s], costs.overlap
+            )
+            for s in stages
+        )
+
+    return (
+        hidden(costs.gather_forward, costs.compute_forward),
+        hidden(costs.gather_backward, costs.compute_backward),
+    )

@@ -17,6 +17,7 @@ Reference: autoparallel `repeated_subgraphs` (ilp-planners.md, "Graph-size reduc
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from autosbp.capturing.graph import OpGraph, Role
@@ -97,7 +98,7 @@ def tie_stages(tied: TiedGraph, split: StageSplit) -> TiedStages:
     return TiedStages(rep, nodes, edges, tuple(sends))
 
 
-def twin_key(graph: OpGraph, rep: dict[str, str], u: str, v: str) -> tuple:
+def twin_key(graph: OpGraph, rep: Mapping[str, str], u: str, v: str) -> tuple:
     """Equal for edges that boxing prices alike: between the same representatives, with the
     same uses (output index -> input index) of the same tensors."""
     uses = tuple(graph.graph.edges[u, v]["uses"])

@@ -28,11 +28,19 @@ space it can be, with these lower bounds of every plan of c (so of V(c)), tried 
 Each is at most the ILP's objective of every choice (dropping edges, transfers and the update
 of stage 0 drops non-negative terms; an LP relaxation is at most its ILP; dropping constraints
 only lowers an LP), and the objective is at most `predict` of the same choice (`objective`'s
-derivation), so each bound is at most V(c). For (2a): recomputation only adds time, choice by
-choice and so for every point of the LP. It adds d >= 0 to a stage's busy time (per candidate
-and pair: a recomputed forward), which enters a path bound P(s, k) as m d (stage k), d (a
-drain stage), and - h d in stage s's update (h <= 1), so each path bound changes by (m - h) d
-or (1 - h) d or more, never less than 0; every mode has the same candidates, pairs and paths.
+derivation), so each bound is at most V(c). What the blocks' compute hides of the parameters'
+conversions (`schedule.hidden_gather_s`: (b - 1) a min(G, C) per stage, direction and
+micro-batch, G one block's conversions = the stage's over b) is at most a (b - 1) / b of those
+conversions, which are boxing on the stage's edges: boxing less what it hides stays >= 0, so
+(0) and (1), which drop all boxing, still drop only non-negative terms. For (2a):
+recomputation only adds time, choice by choice and so for every point of the LP. It adds
+d >= 0 to a stage's busy time (per candidate and pair: a recomputed forward), which enters a
+path bound P(s, k) as m d (stage k), d (a drain stage), and - h d in stage s's update
+(h <= 1), so each path bound changes by (m - h) d or (1 - h) d or more, never less than 0;
+every mode has the same candidates, pairs and paths. With hiding, d also adds d / b to one
+block's compute C, so the hidden part grows by at most a (b - 1) / b d < d: the exposed time
+still grows by >= 0 (the hiding term max(C + (1 - a) G, G + (1 - a) C) grows by at least
+(1 - a) d / b at every point of the LP, which gives the same).
 A configuration is infeasible (not a bound, no plan) when a node has no candidate, when a
 stage overflows with every node at its fewest bytes, or when its LP is infeasible.
 
@@ -194,6 +202,7 @@ class _Search:
     priced: dict[tuple[int, Mesh], Priced] = field(default_factory=dict)
     pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
     parameters: dict[Hashable, NodeStrategies] = field(default_factory=dict)  # `price_graph`
+    kept: dict[int, dict] = field(default_factory=dict)  # per count: what backward keeps
     shared: dict[tuple[int, Mesh, int], float] = field(default_factory=dict)  # bound (2a)
     configurations: int = 0
     bounded: int = 0
@@ -348,7 +357,7 @@ class _Search:
             pricer = self.pricers.setdefault(config.mesh, BoxingPricer(self.prices, config.mesh))
             self.priced[key] = price_graph(
                 stages.graph, config.mesh, self.prices, self.space.allow, pricer,
-                stages.tied.representative, self.parameters,
+                stages.tied.representative, self.parameters, self.kept.setdefault(config.count, {}),
             )  # fmt: skip
         return self.priced[key]
 

@@ -55,10 +55,20 @@ class Alternative:
 
 @dataclass(frozen=True)
 class ParamPlan:
+    """A parameter's stored layout (`sbp`, its optimizer states' alike) and, where a consumer
+    converts it to a layout that copies it (an all-gather of a sharded weight: FSDP / ZeRO-3),
+    what happens to the converted copy between forward and backward:
+    `reshard_after_forward` False keeps it (autograd saves it for the consumer's backward: its
+    bytes count per micro-batch in flight); True frees it after the consumer's forward and
+    converts the parameter again before that consumer's backward (FSDP's name; the conversion
+    is priced once more per micro-batch). False in plans written before it was recorded, and
+    wherever no conversion copies the parameter."""
+
     sbp: str
     stage: int
     optimizer_state_sbp: str
     shape: tuple[int, ...] = ()
+    reshard_after_forward: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +77,15 @@ class StagePlan:
     and the predicted per-micro-batch times the actor simulation replays (`forward_s`,
     `backward_s` incl. boxing and recomputation, `send_s` to the next stage, one way) and the
     per-step `update_s` (gradient sync + optimizer), of which the last micro-batch's backward
-    hides `sync_hidden_s`. `step_time_s`: the stage's busy time."""
+    hides `sync_hidden_s`. `step_time_s`: the stage's busy time.
+
+    `prefetch_blocks` (k): the runtime converts the parameters of the next k repeated blocks
+    asynchronously while it computes one (forward: their gathers; backward: the re-gathers of
+    the blocks before it, and the gradient reduce-scatters of the block after it run beside
+    its backward); `gather_hidden_s` is what the plan prices as hidden that way per
+    micro-batch (forward + backward; `forward_s` and `backward_s` hold only what stays
+    exposed). 0 (plans written before they were recorded, and stages without identical
+    blocks): every conversion runs in line, nothing hidden."""
 
     devices: tuple[int, ...]
     mesh_shape: tuple[int, ...]
@@ -79,6 +97,8 @@ class StagePlan:
     send_s: float = 0.0
     update_s: float = 0.0
     sync_hidden_s: float = 0.0
+    prefetch_blocks: int = 0
+    gather_hidden_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -247,7 +267,13 @@ class Plan:
                 for name, n in data["nodes"].items()
             },
             params={
-                name: ParamPlan(p["sbp"], p["stage"], p["optimizer_state_sbp"], tuple(p["shape"]))
+                name: ParamPlan(
+                    p["sbp"],
+                    p["stage"],
+                    p["optimizer_state_sbp"],
+                    tuple(p["shape"]),
+                    p.get("reshard_after_forward", False),
+                )
                 for name, p in data["params"].items()
             },
             predicted=Predicted(**data["predicted"]),

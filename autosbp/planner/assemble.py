@@ -17,6 +17,7 @@ from autosbp.planner.ilp_problem import Costs, Solution
 from autosbp.planner.problem import MeshProblem
 from autosbp.planner.search import Found
 from autosbp.sbp import format_nd_sbp
+from autosbp.schedule import PREFETCH_BLOCKS
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -52,7 +53,9 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         )
         if attrs["role"] is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])
-            params[attrs["name"]] = ParamPlan(sbp, stage, sbp, tuple(attrs["outputs"][0].shape))
+            again = solved.strategies[rep].regathers(solution.choice[rep])
+            shape = tuple(attrs["outputs"][0].shape)
+            params[attrs["name"]] = ParamPlan(sbp, stage, sbp, shape, reshard_after_forward=again)
     per_stage = mesh.size
     m = solved.micro_batches
     stages = tuple(
@@ -69,6 +72,8 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             send_s=pred.send_s[s],
             update_s=pred.update_s[s],
             sync_hidden_s=pred.sync_hidden_s[s],
+            prefetch_blocks=PREFETCH_BLOCKS if solved.stage_costs.hides(s) else 0,
+            gather_hidden_s=pred.gather_hidden_s[s],
         )
         for s in range(split.num_stages)
     )
@@ -113,7 +118,8 @@ def solver_report(found: Found) -> SolverReport:
 
 def breakdown(found: Found) -> dict[str, float]:
     """Where the step goes on its busiest stage: compute (with recomputation) and boxing for all
-    micro-batches, the per-step gradient sync + optimizer (what backward does not hide of it; the
+    micro-batches (the parameters' conversions in full, what the blocks' compute hides of them
+    apart), the per-step gradient sync + optimizer (what backward does not hide of it; the
     hidden part apart), and the rest of the step (pipeline bubble and transfers)."""
     solved, choice, pred = found.problem, found.solution.choice, found.prediction
     costs = solved.stage_costs
@@ -121,13 +127,15 @@ def breakdown(found: Found) -> dict[str, float]:
     m = solved.micro_batches
     compute = m * Costs(costs.busy[s].node_costs).value(choice)
     comm = m * Costs({}, costs.busy[s].edge_costs).value(choice)
+    hidden = m * pred.gather_hidden_s[s]
     update = pred.update_s[s] - pred.sync_hidden_s[s]
     return {
         "compute_s": compute,
         "comm_s": comm,
+        "param_comm_hidden_s": hidden,
         "optimizer_and_grad_sync_s": update,
         "grad_sync_hidden_s": pred.sync_hidden_s[s],
-        "bubble_and_transfer_s": max(0.0, pred.step_time_s - compute - comm - update),
+        "bubble_and_transfer_s": max(0.0, pred.step_time_s - compute - comm + hidden - update),
     }
 
 
@@ -135,33 +143,41 @@ def alternatives(
     solved: MeshProblem, solution: Solution, keep: int = 8
 ) -> dict[str, tuple[Alternative, ...]]:
     """Per representative node, its `keep` cheapest signatures (the chosen one included), each
-    priced as the ILP objective if the node (and its tied copies) switched to it alone."""
+    priced as the ILP objective if the node (and its tied copies) switched to it alone. A
+    parameter's layout that appears twice (kept, re-gathered: `costs.NodeStrategies.regather`)
+    is named with `reshard_after_forward` for its re-gathered twin."""
     problem, choice = solved.problem, solution.choice
-    memory = problem.memory
     out: dict[str, tuple[Alternative, ...]] = {}
     linear = Costs(problem.node_costs, problem.edge_costs)
     for v in problem.node_costs:
         chosen = choice[v]
         objective = _switched(linear, v, choice)
+        values: list[np.ndarray] = []  # each max term's value per candidate (inner ones first)
         for term in problem.max_terms:
-            parts = np.array([_switched(part, v, choice) for part in term.parts])
-            objective = objective + term.weight * parts.max(axis=0)
+            parts = [
+                _switched(part, v, choice) + sum(c * values[t] for t, c in term.inner_of(p).items())
+                for p, part in enumerate(term.parts)
+            ]
+            values.append(np.max(parts, axis=0))
+            objective = objective + term.weight * values[-1]
         mem = np.zeros(len(objective))
-        if memory:  # the tightest stage's bytes
-            per_stage = np.array(
-                [_switched(Costs(c.bytes_per_candidate), v, choice) for c in memory]
-            )
-            mem = per_stage.max(axis=0)
+        if problem.memory:  # the tightest stage's bytes
+            mem = np.max(
+                [_switched(Costs(c.bytes_per_candidate, c.bytes_per_pair), v, choice)
+                 for c in problem.memory],
+                axis=0,
+            )  # fmt: skip
         order = sorted(
             range(len(objective)),
             key=lambda i: (not np.isfinite(objective[i]), objective[i]),
         )[:keep]
         if chosen not in order:
             order[-1] = chosen
-        candidates = solved.strategies[v].candidates
+        found = solved.strategies[v]
         out[v] = tuple(
             Alternative(
-                repr(candidates[i]),
+                repr(found.candidates[i])
+                + (" reshard_after_forward" if found.regathers(i) else ""),
                 float(objective[i]) if np.isfinite(objective[i]) else None,
                 int(mem[i] - mem[chosen]),
             )

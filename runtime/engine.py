@@ -189,6 +189,7 @@ class Engine:
         loss scaled by 1/micro-batches: the loss must be a mean over the batch), gradient sync,
         optimizer step. Returns the full loss (the mean over micro-batches) on every rank."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.grad_sync.zero_grad()  # bucketed gradients: zeroed views of their buckets
         pieces = split_micro_batches(batch, self.micro_batches)
         in_flight: dict[
             int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]

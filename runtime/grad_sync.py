@@ -15,8 +15,13 @@ Invariants:
 - Buckets: parameters with the same summed dims and dtype, in reverse graph order (the order in
   which backward finishes them), at most `bucket_bytes` each (DDP's bucket_cap_mb). A bucket's
   flat buffer lives across steps (a fresh one per step cost mlp-2048, 96 MiB of weights, about
-  5% of its step against DDP, measured); the synced gradients are views of it until the next
-  step's zero_grad drops them.
+  5% of its step against DDP, measured), and the gradients are views of it (DDP's
+  gradient_as_bucket_view): `zero_grad` zeroes it and hands the views back, autograd
+  accumulates into them in place, and the all-reduce runs on it without a copy, so a bucketed
+  gradient is held once, as the planner counts it (a copy held the bucket's gradients twice
+  from the launch on: 17% over the predicted peak of mlp's auto plan on 4 processes,
+  measured by tests/test_memory.py). Only the first step, before the buffer exists, copies.
+  A gradient backward never reached is None after `finish`, as without buckets.
 - Every rank launches its buckets in bucket order (a ready bucket waits for the ones before it),
   so the collectives of a group meet in the same order everywhere. They run on process groups of
   their own: they never interleave with the boxing collectives backward runs meanwhile.
@@ -105,6 +110,7 @@ class GradSync:
         self._bucket_of: dict[torch.Tensor, _Bucket] = {}
         self._next = 0  # the next bucket to launch
         self._armed = False
+        self._reached: set[torch.Tensor] = set()  # gradients the armed backward finished
         coords = mesh.coords(mesh.device_ids.index(dist.get_rank()))
         open_buckets: dict[tuple[Pattern, torch.dtype], _Bucket] = {}
         for name in reversed(list(params)):
@@ -120,6 +126,16 @@ class GradSync:
             self._bucket_of[param] = bucket
             if name not in deferred:
                 param.register_post_accumulate_grad_hook(self.gradient_ready)
+
+    def zero_grad(self) -> None:
+        """Before a step's first backward: every bucketed gradient a zeroed view of its bucket
+        (from the second step on; the others None)."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.flat is not None:
+                    bucket.flat.zero_()
+                    for param, view in zip(bucket.params, _views(bucket), strict=True):
+                        param.grad = view
 
     def arm(self) -> None:
         """Launch buckets from now on, as backward finishes their gradients: call right before
@@ -137,11 +153,9 @@ class GradSync:
         for bucket in self.buckets:
             assert bucket.work is not None and bucket.flat is not None
             bucket.work.wait(self.timeout)
-            offset = 0
-            for param in bucket.params:
-                if param.grad is not None:
-                    param.grad = bucket.flat[offset : offset + param.numel()].view_as(param)
-                offset += param.numel()
+            for param, view in zip(bucket.params, _views(bucket), strict=True):
+                param.grad = view if param in self._reached else None
+        self._reached.clear()
 
     def gradient_ready(self, param: torch.Tensor) -> None:
         """`param`'s gradient is final for this backward (autograd's post-accumulate hook, or
@@ -151,6 +165,7 @@ class GradSync:
         if not self._armed or bucket is None:
             return  # an earlier micro-batch (its gradients still accumulate), or no sync
         assert bucket.work is None, "a gradient accumulated twice in one backward"
+        self._reached.add(param)
         bucket.waiting -= 1
         ready = self._next
         while ready < len(self.buckets) and self.buckets[ready].waiting == 0:
@@ -163,15 +178,22 @@ class GradSync:
         """Start the all-reduce of every bucket before `until` not started yet, in order."""
         with torch.no_grad():
             for bucket in self.buckets[self._next : until]:
-                grads = [
-                    p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params
-                ]
-                if bucket.flat is None:  # kept across steps: no fresh buffer per step
-                    size, like = sum(g.numel() for g in grads), grads[0]
-                    bucket.flat = torch.empty(size, dtype=like.dtype, device=like.device)
-                torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
+                if bucket.flat is None:  # the first step: kept across steps from now on
+                    like = bucket.params[0]
+                    size = sum(p.numel() for p in bucket.params)
+                    bucket.flat = torch.zeros(size, dtype=like.dtype, device=like.device)
+                for param, view in zip(bucket.params, _views(bucket), strict=True):
+                    if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                        view.copy_(param.grad)  # not a view of the bucket: the first step
                 bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self._next = max(self._next, until)
+
+
+def _views(bucket: _Bucket) -> list[torch.Tensor]:
+    """Each parameter's piece of the bucket's flat buffer, shaped like the parameter."""
+    assert bucket.flat is not None
+    pieces = bucket.flat.split([p.numel() for p in bucket.params])
+    return [piece.view_as(p) for piece, p in zip(pieces, bucket.params, strict=True)]
 
 
 def _nbytes(params: Sequence[torch.Tensor]) -> int:

@@ -14,9 +14,10 @@ import torch
 from autosbp.capturing.graph import Role
 from autosbp.plan import Alternative, NodePlan, ParamPlan, Plan, Predicted, SolverReport, StagePlan
 from autosbp.planner.ilp_problem import Costs, Solution
+from autosbp.planner.memory import is_view_conversion
 from autosbp.planner.problem import MeshProblem
 from autosbp.planner.search import Found
-from autosbp.sbp import format_nd_sbp
+from autosbp.sbp import NdSbp, format_nd_sbp
 from autosbp.schedule import PREFETCH_BLOCKS
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -53,7 +54,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         )
         if attrs["role"] is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])
-            again = solved.strategies[rep].regathers(solution.choice[rep])
+            again = _reshards(solved, solution, name, sig.outputs[0])
             shape = tuple(attrs["outputs"][0].shape)
             params[attrs["name"]] = ParamPlan(sbp, stage, sbp, shape, reshard_after_forward=again)
     per_stage = mesh.size
@@ -104,6 +105,23 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         solver=solver_report(found),
         alternatives=alternatives(solved, solution),
     )
+
+
+def _reshards(solved: MeshProblem, solution: Solution, name: str, layout: NdSbp) -> bool:
+    """Does parameter `name` (stored in `layout`) free its converted copies after forward? Where
+    its candidate re-gathers and some consumer's conversion makes a copy: where none does, the
+    two twins are priced alike (nothing to free) and the plan says keep."""
+    rep = solved.representative[name]
+    if not solved.strategies[rep].regathers(solution.choice[rep]):
+        return False
+    graph = solved.graph
+    assert graph is not None, "a solved problem keeps its graph"
+    for v in graph.graph.successors(name):
+        inputs = solved.choice_of(solution, v).inputs
+        for _, in_idx in graph.graph.edges[name, v]["uses"]:
+            if not is_view_conversion(layout, inputs[in_idx]):
+                return True
+    return False
 
 
 def solver_report(found: Found) -> SolverReport:

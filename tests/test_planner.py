@@ -473,7 +473,9 @@ def test_boxing_prices_reused_across_shapes_equal_fresh_ones() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("memory_fraction", [None, 0.15])
 def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> None:
-    # A zoo model on a 2x2 mesh as the search builds it. To keep the enumeration small (1e5),
+    # A zoo model on a 2x2 mesh as the search builds it (the limit 0.15 of the way from the
+    # least to the most bytes, edge pairs' included: at 0.3 it no longer binds since memory
+    # counts only what autograd keeps). To keep the enumeration small (1e5),
     # mesh dim 0 is data parallel and most weights are replicated; every compute op chooses
     # freely on mesh dim 1 (tensor parallel, partial sums, replication), and so does the head.
     from autosbp.capturing.graph import Role

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The first checks to run on a machine with a GPU, as one prepared script.
+#
+# Run: bash bench/gpu_check.sh [OUT]     (OUT default: gpu-check-out, in the current folder)
+#
+# With CUDA (torch sees a GPU):
+#   1. `autosbp profile` on CUDA with nccl, quick (one rank per GPU, at most 8);
+#   2. `autosbp plan` of the zoo mlp for 1 GPU with that profile (dgx-h100's if the profile
+#      failed: said so);
+#   3. `autosbp train --check` on CUDA with nccl, 1 process under that plan; and, with 2 GPUs
+#      or more, 2 processes under the auto plan for 2 GPUs;
+#   4. a few matmul shapes' measured TFLOP/s beside the dgx profiles' assumed efficiency
+#      (bench/matmul_efficiency.py).
+# Without CUDA: says so on one line, skips 1-3, and runs 4 on the CPU against cpu-gloo (so CI
+# keeps the script working: tests/test_gpu_check.py).
+# Everything goes under OUT (each step's output in its own .log); the summary (OUT/summary.txt)
+# has one PASS / FAIL / SKIP line per step. A failing step does not stop the next ones; the
+# exit status is 1 if any step failed.
+set -uo pipefail
+
+OUT=${1:-gpu-check-out}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.." || exit 1  # the repository root: `-m autosbp.cli` and bench/ from here
+: > "$OUT/summary.txt"
+failed=0
+
+say() { echo "[gpu_check] $*" | tee -a "$OUT/summary.txt"; }
+
+step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, one summary line
+    local name=$1
+    shift
+    local start=$SECONDS
+    if "$@" > "$OUT/$name.log" 2>&1; then
+        say "PASS $name ($((SECONDS - start)) s): $*"
+    else
+        say "FAIL $name ($((SECONDS - start)) s, exit $?; see $OUT/$name.log): $*"
+        failed=1
+    fi
+}
+
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+say "torch $("$PYTHON" -c 'import torch; print(torch.__version__)'), $gpus CUDA device(s), output in $OUT"
+
+if [ "$gpus" -ge 1 ]; then
+    ranks=$((gpus < 8 ? gpus : 8))
+    step profile "$PYTHON" -m autosbp.cli profile --nproc "$ranks" --backend nccl --quick \
+        --out "$OUT/cuda-profile.json"
+    profile="$OUT/cuda-profile.json"
+    if [ ! -f "$profile" ]; then
+        profile=dgx-h100
+        say "no measured CUDA profile: planning with the shipped dgx-h100 profile instead"
+    fi
+    step plan-1gpu "$PYTHON" -m autosbp.cli plan mlp --devices 1 --profile "$profile" \
+        --out "$OUT/plan-1gpu.json" --force
+    step train-1gpu "$PYTHON" -m autosbp.cli train mlp --nproc 1 --plan "$OUT/plan-1gpu.json" \
+        --device cuda --backend nccl --steps 5 --check
+    if [ "$gpus" -ge 2 ]; then
+        step train-2gpu "$PYTHON" -m autosbp.cli train gpt --nproc 2 --plan auto \
+            --profile "$profile" --device cuda --backend nccl --steps 5 --check
+    else
+        say "SKIP train-2gpu: one GPU (2 processes need 2)"
+    fi
+else
+    say "SKIP profile, plan-1gpu, train-1gpu, train-2gpu: no CUDA device that torch can use (CPU build or no GPU); the matmul table below measures the CPU"
+fi
+
+step matmul "$PYTHON" bench/matmul_efficiency.py --repeats "${REPEATS:-20}"
+cat "$OUT/matmul.log"
+say "done: $( [ "$failed" -eq 0 ] && echo 'every step that ran passed' || echo 'some steps FAILED' )"
+exit "$failed"

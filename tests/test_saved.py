@@ -183,3 +183,17 @@ def test_well_known_rows(
     assert (set(got.inputs), set(got.outputs), got.extra_bytes) == (inputs, outputs, extra)
     real = [torch.randn(s) for s in shapes]
     assert_same(got, saved_by_autograd(attrs, real, flags), attrs, name)
+
+
+def test_an_op_the_probe_cannot_run_keeps_everything(caplog: pytest.LogCaptureFixture) -> None:
+    # nonzero's output shape depends on the data, which fake tensors do not hold: the probe
+    # falls back to the upper bound (every input and output kept) and says so.
+    x = TensorMeta((4, 3), torch.float32)
+    attrs = {
+        "op": "nonzero", "target": ATEN.nonzero.default, "args": (InputRef(0),), "kwargs": {},
+        "inputs": (x,), "outputs": (TensorMeta((5, 2), torch.int64),),
+    }  # fmt: skip
+    with caplog.at_level("INFO", logger="autosbp.planner.saved"):
+        got = saved_by(attrs, (True,))
+    assert got == Saved(frozenset({0}), frozenset({0}), 0, (False,), known=False)
+    assert "not probed" in caplog.text

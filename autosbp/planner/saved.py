@@ -29,6 +29,7 @@ each op's `grad_fn._saved_*` attributes on real tensors).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from autosbp.capturing.graph import STRIDE_FREE, InputRef, OpGraph, Role, Tensor
 
 __all__ = ["Saved", "requires_grad_of", "saved_by"]
 
+_LOG = logging.getLogger(__name__)
 PROBE_DEVICE = torch.device("cpu")  # whose kernels the probe asks (the module header)
 
 
@@ -91,7 +93,13 @@ def _probe(attrs: Mapping[str, Any], requires_grad: tuple[bool, ...]) -> Saved:
                 result = kernel(*args, **kwargs)
             outputs = _tensors(result)
             return _matched(packed, inputs, outputs)
-    except Exception:  # the op needs real data, or fake tensors cannot run it: assume the most
+    except Exception as exc:  # the op needs real data, or fake tensors cannot run it: assume
+        # the most (an upper bound), and say so
+        _LOG.info(
+            "%s: autograd's saves not probed (%s); counting every input and output",
+            attrs["op"],
+            exc,
+        )
         return _everything(attrs, requires_grad)
 
 

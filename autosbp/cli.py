@@ -29,7 +29,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "autosbp.commands.show",
         "show a plan's predicted step timeline, beside a measured trace",
     ),
-    ("train", "autosbp.commands.train", "train a model under a plan on N local processes"),
+    (
+        "train",
+        "autosbp.commands.train",
+        "train a model under a plan on N local processes, or as one rank under torchrun",
+    ),
     (
         "demo",
         "autosbp.commands.train",

@@ -108,7 +108,8 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--checkpoint-dir", type=Path, metavar="DIR",
         help="save the parameters and optimizer state in DIR every --checkpoint-every steps "
-        "and after the last one (a new or empty folder; --resume to continue one)",
+        "and after the last one (a new or empty folder; --resume to continue one) (default: no "
+        "checkpoints)",
     )  # fmt: skip
     parser.add_argument(
         "--checkpoint-every", type=positive_int, metavar="N",

@@ -25,6 +25,10 @@ Invariants:
   DDP's flat buckets, each launched while the last micro-batch's backward still runs, as soon
   as its gradients are final (`runtime.grad_sync`). A parameter read on a later stage (a tied
   embedding) is sent there every micro-batch and its gradient sent back.
+- Parameter gathers (a parameter's boxing with a collective, FSDP / ZeRO-3) run as the plan
+  prices them (`runtime.prefetch`): `prefetch_blocks` blocks ahead, freed after forward and
+  gathered again in backward where `reshard_after_forward`, their gradients reduce-scattered
+  while backward goes on, on process groups of their own.
 - The optimizer steps on local shards: exact for elementwise optimizers (SGD, Adam, AdamW), not
   for ones that take norms across a whole tensor (LAMB, gradient clipping by global norm).
 - Every wait is bounded by the world's timeout.
@@ -70,7 +74,9 @@ class Engine:
     `example_inputs` are the inputs the plan was made with (their shapes are checked); `graph`
     is an already captured graph of one micro-batch of `model` to skip capturing again;
     `recorder` (an autosbp.timeline.Recorder, or any SpanHook) wraps every actor firing of
-    every step. Before anything else, every rank checks that all hold the same plan, and takes
+    every step, and the parameter gathers, re-gathers and gradient reduce-scatters that run
+    beside them (`runtime.prefetch`). `gathers` runs those as asked instead of as the plan
+    says (`plan_gather_policy`: its prefetch depth and re-gathered parameters). Before anything else, every rank checks that all hold the same plan, and takes
     rank 0's initial parameters and buffers (`runtime.startup`).
     """
 
@@ -136,7 +142,7 @@ class Engine:
         self.program: Program = build_program(
             graph, self.signatures, self.state, self.coords, self.boxer,
             stage_of=stage_of, stage=self.stage, recompute=plan.recompute,
-            gathering=self._gathering(meshes, gathers or plan_gather_policy(plan)),
+            gathering=self._gathering(meshes, gathers or plan_gather_policy(plan, self.stage)),
         )  # fmt: skip
         self._links = _links(graph, self.signatures, stage_of, meshes, self.stage, self.index)
         self._order = stage_orders(len(meshes), self.micro_batches)[self.stage]

@@ -440,9 +440,9 @@ class GatherSchedule:
             span.__exit__(None, None, None)
 
 
-def plan_gather_policy(plan: Plan) -> GatherPolicy:
-    """The policy `plan` was priced with. TODO(issue 16): read the plan's per-parameter
-    keep / re-gather choice and its prefetch depth once the plan format states them; plans
-    without them were priced keeping every gathered weight, gathered when first read."""
-    del plan
-    return GatherPolicy()
+def plan_gather_policy(plan: Plan, stage: int) -> GatherPolicy:
+    """The policy `plan` was priced with on `stage`: its `prefetch_blocks`, and the parameters
+    whose gathered copies it frees after forward (`reshard_after_forward`). Plans written
+    before they were recorded load as 0 and keep-all: what they priced."""
+    regather = frozenset(name for name, p in plan.params.items() if p.reshard_after_forward)
+    return GatherPolicy(plan.stages[stage].prefetch_blocks, regather)

@@ -26,7 +26,8 @@ from runtime.prefetch import GatherPolicy
 
 Case = dict[str, Any]
 """{"id": str, "model": zoo name, "model_kwargs": dict, "plan": Plan JSON, "steps": int,
-"lr": float, "depth": int, "regather": bool}"""
+"lr": float, "depth": int, "regather": bool, "from_plan": bool (the plan states depth and
+re-gather; the engine reads them)}"""
 
 
 def run_gather_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
@@ -41,6 +42,8 @@ def _train(case: Case, rank: int) -> dict[str, Any]:
     graph = capture_micro_batch(model, inputs, plan.micro_batches, name=case["model"])
     names = frozenset(name for name, _ in model.named_parameters())
     policy = GatherPolicy(case["depth"], names if case["regather"] else frozenset())
+    if case["from_plan"]:
+        policy = None  # the plan's own (runtime.prefetch.plan_gather_policy)
     lr = case["lr"]
 
     def adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -6,7 +6,9 @@ weight kept until backward or freed after forward and gathered again (FSDP's
 reshard_after_forward), gathers prefetched 0, 1 and 2 units ahead, on 2 and 4 gloo processes.
 Beside the numerics, the schedule's own counts say that the path under test ran: re-gathers
 happened exactly when asked, units were started as far ahead as the depth (capped by the units
-there are), and the gradients were reduce-scattered asynchronously.
+there are), and the gradients were reduce-scattered asynchronously; and the engine runs what
+the plan states (per parameter `reshard_after_forward`, per stage `prefetch_blocks`) when it is
+given no policy of its own.
 
 How it runs: fsdp plans made here (tests/test_runtime.py's planning), one `run_workers` call
 per world size trains every case (tests/prefetch_workers.py).
@@ -14,6 +16,7 @@ per world size trains every case (tests/prefetch_workers.py).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +40,22 @@ CASES: list[tuple[int, str, bool, int]] = [
 ]
 
 
+# Read from the plan: the plan JSON states every parameter re-gathered and this depth, the
+# engine gets no policy of its own.
+FROM_PLAN: list[tuple[int, str, bool, int]] = [(2, "gpt-2l", True, 2)]
+
+
 def _case_id(world_size: int, model: str, regather: bool, depth: int) -> str:
     return f"{world_size}-{model}-{'regather' if regather else 'keep'}-depth{depth}"
+
+
+def _plan_stating(model: str, world_size: int, regather: bool, depth: int) -> dict[str, Any]:
+    plan = copy.deepcopy(_plan_json(model, world_size, "fsdp"))
+    for param in plan["params"].values():
+        param["reshard_after_forward"] = regather
+    for stage in plan["stages"]:
+        stage["prefetch_blocks"] = depth
+    return plan
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +65,23 @@ def worlds() -> Callable[[int], dict[str, list[dict[str, Any]]]]:
 
     def get(world_size: int) -> dict[str, list[dict[str, Any]]]:
         if world_size not in done:
-            chosen = [c for c in CASES if c[0] == world_size]
+            chosen = [(c, False) for c in CASES if c[0] == world_size]
+            chosen += [(c, True) for c in FROM_PLAN if c[0] == world_size]
             cases = [
                 {
-                    "id": _case_id(*c),
+                    "id": _case_id(*c) + ("-from-plan" if from_plan else ""),
                     "model": MODELS[c[1]][0],
                     "model_kwargs": MODELS[c[1]][1],
-                    "plan": _plan_json(c[1], world_size, "fsdp"),
+                    "plan": _plan_stating(c[1], world_size, c[2], c[3])
+                    if from_plan
+                    else _plan_json(c[1], world_size, "fsdp"),
                     "steps": STEPS,
                     "lr": LR,
                     "regather": c[2],
                     "depth": c[3],
+                    "from_plan": from_plan,
                 }
-                for c in chosen
+                for c, from_plan in chosen
             ]
             per_rank = run_workers(
                 run_gather_cases, world_size, (cases,), timeout_s=WORKER_TIMEOUT_S
@@ -73,12 +94,20 @@ def worlds() -> Callable[[int], dict[str, list[dict[str, Any]]]]:
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    ("world_size", "model", "regather", "depth"), CASES, ids=[_case_id(*c) for c in CASES]
+    ("world_size", "model", "regather", "depth", "from_plan"),
+    [(*c, False) for c in CASES] + [(*c, True) for c in FROM_PLAN],
+    ids=[_case_id(*c) for c in CASES] + [_case_id(*c) + "-from-plan" for c in FROM_PLAN],
 )
 def test_gather_paths_match_single_device(
-    worlds: Callable[[int], Any], world_size: int, model: str, regather: bool, depth: int
+    worlds: Callable[[int], Any],
+    world_size: int,
+    model: str,
+    regather: bool,
+    depth: int,
+    from_plan: bool,
 ) -> None:
-    per_rank = worlds(world_size)[_case_id(world_size, model, regather, depth)]
+    case_id = _case_id(world_size, model, regather, depth) + ("-from-plan" if from_plan else "")
+    per_rank = worlds(world_size)[case_id]
     for rank, result in enumerate(per_rank):
         assert result["losses"] == per_rank[0]["losses"], f"rank {rank} reports another loss"
     verdict = judge(per_rank[0]["checks"])

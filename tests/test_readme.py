@@ -83,12 +83,16 @@ def test_readme_runs_in_order(
     outputs = {}
     for command in commands:
         assert main(shlex.split(command)[1:]) == 0, command
-        outputs[command.split()[1]] = capsys.readouterr().out
-    assert "layers=2, hidden=64" in outputs["zoo"]
-    assert "training 10 steps on 2 processes: done" in outputs["train"]  # progress, piped
-    assert re.search(r"step 10: loss [\d.]+, [\d.]+ ms/step, 10/10", outputs["train"])
-    assert "matches single-device training" in outputs["train"]
-    assert "measured step" in outputs["show"] and (tmp_path / "t.png").is_file()
+        outputs[command] = capsys.readouterr().out
+    out_of = {c.split()[1] if "--compare" not in c else "compare": o for c, o in outputs.items()}
+    assert "layers=2, hidden=64" in out_of["zoo"]
+    for strategy in ("dp", "fsdp", "megatron:tp=1,pp=2,dp=4", "megatron:tp=8,pp=1,dp=1"):
+        row = next(line for line in out_of["compare"].splitlines() if f" {strategy} " in line)
+        assert re.search(r"\d\.\d\dx │ .* │ +│$", row), row  # priced: a ratio, an empty note
+    assert "training 10 steps on 2 processes: done" in out_of["train"]  # progress, piped
+    assert re.search(r"step 10: loss [\d.]+, [\d.]+ ms/step, 10/10", out_of["train"])
+    assert "matches single-device training" in out_of["train"]
+    assert "measured step" in out_of["show"] and (tmp_path / "t.png").is_file()
 
     cluster = section("### On a cluster: torchrun")
     (local,) = blocks(cluster, "bash")

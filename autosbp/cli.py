@@ -36,7 +36,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "demo",
-        "autosbp.commands.train",
+        "autosbp.commands.demo",
         "plan and train a small GPT on 4 CPU processes, then plan GPT-3 175B for 1024 A100s",
     ),
     ("profile", "costmodel.commands", "measure this machine's op and collective costs"),

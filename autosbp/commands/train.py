@@ -1,7 +1,10 @@
-"""`autosbp train MODEL ...` and `autosbp demo`: plan, then train under the plan on N processes.
+"""`autosbp train MODEL ...`: plan, then train under the plan on N processes (or as one rank
+under torchrun).
 
-Lives here: the two commands' arguments, making or loading the plan, the checkpoint arguments
-against their folder, and the per-step table (loss beside single-device training with --check).
+Lives here: the command's arguments, making or loading the plan (`plan_for`), the checkpoint
+arguments against their folder, training with progress and the per-step table (loss beside
+single-device training with --check: `train_and_report`, `train_spec`), used by `autosbp demo`
+too (`commands.demo`).
 Lives elsewhere: the training loop, its watchdog and checkpoints (`runtime.train`, imported
 lazily: the CLI is the one place autosbp reaches into runtime), what is checked before launch
 (`commands.preflight`), planning (`planner`).
@@ -11,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +25,7 @@ from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments
 from autosbp.commands.preflight import check_job
 from autosbp.errors import ExecutionError, PlanError
-from autosbp.plan import Plan, format_bytes, format_seconds
+from autosbp.plan import Plan
 from autosbp.plan.tables import shown
 from costmodel.progress import activity
 from costmodel.text import printable
@@ -38,25 +40,9 @@ STALL_TIMEOUT_S = 600.0
 CHECKPOINT_EVERY = 100
 BACKENDS = ("gloo", "nccl")  # costmodel.torchrun.BACKENDS, which loads torch.distributed
 TABLE_ENDS = 20  # a long job's table shows its first and last steps this many each
-DEMO_MODEL = ("gpt", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 16, "batch": 8})
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
-    if name == "demo":
-        parser.add_argument(
-            "--out", default="autosbp-out", help="folder for the plan (default: autosbp-out)"
-        )
-        parser.add_argument(
-            "--nproc", type=positive_int, default=4, help="CPU processes (default: 4)"
-        )
-        parser.add_argument(
-            "--steps", type=positive_int, default=20, help="training steps (default: 20)"
-        )
-        parser.add_argument(
-            "--gpt3-layers", type=positive_int, default=96,
-            help="depth of the GPT-3 175B planned in part 3 (default: 96, the real model)",
-        )  # fmt: skip
-        return
     add_model_arguments(parser)
     parser.add_argument(
         "--nproc", type=positive_int,
@@ -123,8 +109,6 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    if args.command == "demo":
-        return _demo(args, console)
     if args.meta:
         raise PlanError("`autosbp train` needs real parameters; drop --meta.")
     from costmodel.torchrun import torchrun_world
@@ -182,7 +166,7 @@ def _train_command(
     model_args = parse_model_args(args.model_args)
     first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume)
     plan = on_rank0(
-        lambda: _plan_for(args.model, model_args, args.plan, nproc, args.profile, console)
+        lambda: plan_for(args.model, model_args, args.plan, nproc, args.profile, console)
     )
     if first >= args.steps:
         console.print(
@@ -202,7 +186,15 @@ def _train_command(
         checkpoint_every=args.checkpoint_every or CHECKPOINT_EVERY, resume=args.resume,
         backend=backend, device=device,
     )  # fmt: skip
-    return _train_and_report(spec, plan, console, trace=args.trace)
+    return train_and_report(spec, plan, console, trace=args.trace)
+
+
+def train_spec(model: str, model_args: dict, plan: Plan, steps: int, **options: Any) -> TrainSpec:
+    """A `runtime.train.TrainSpec` (imported here: the CLI reaches into runtime from this module
+    only)."""
+    from runtime.train import TrainSpec
+
+    return TrainSpec(model, model_args, plan.to_json(), steps, **options)
 
 
 def _first_step(directory: Path | None, every: int | None, resume: bool) -> int:
@@ -237,7 +229,7 @@ def _first_step(directory: Path | None, every: int | None, resume: bool) -> int:
     return manifest.optimizer_step
 
 
-def _plan_for(
+def plan_for(
     model: str,
     model_args: dict,
     plan_arg: str,
@@ -267,7 +259,7 @@ def _plan_for(
     return plan
 
 
-def _train_and_report(
+def train_and_report(
     spec: TrainSpec,
     plan: Plan,
     console: Console,
@@ -283,7 +275,7 @@ def _train_and_report(
     from costmodel.torchrun import torchrun_world
     from runtime.train import StepProgress, train
 
-    model, steps, check = shown(spec.model), spec.steps, spec.check
+    steps, check = spec.steps, spec.check
     world = torchrun_world()
     writes = world is None or world.rank == 0  # under torchrun, rank 0 writes the files
     cores = os.cpu_count() or 1
@@ -307,20 +299,34 @@ def _train_and_report(
         result = train(spec, on_step)
     if not writes:
         return 0  # under torchrun, rank 0 reports the job (its records hold the checks)
-    if trace is not None and writes:
+    if trace is not None:
         write_chrome_trace(
             trace, list(result.events), plan_digest=plan.digest(),
             metadata={"strategy": plan.strategy},
         )  # fmt: skip
         console.print(f"Chrome trace of every firing written to {trace} (open it in Perfetto)")
-    if timeline is not None and writes:
+    if timeline is not None:
         draw_timelines(
             timeline, predicted_events(plan), list(result.events),
             title=printable(f"{spec.model}: {plan.strategy} plan, predicted vs measured (last step)"),
         )  # fmt: skip
         console.print(f"predicted vs measured timeline written to {timeline}")
+    table = _step_table(result, spec.model, plan, check)
+    console.print(table)
+    if check:
+        verdict = result.verdict()
+        if not verdict.passed:
+            raise ExecutionError(verdict.text)
+        console.print(verdict.text)
+    return 0
+
+
+def _step_table(result: Any, model: str, plan: Plan, check: bool) -> Table:
+    """One row per step (the first and last TABLE_ENDS of a long job): loss, with --check the
+    comparison with one device, and the step's time (its slowest rank's)."""
     table = Table(
-        title=f"{model}: {shown(plan.strategy)} plan, mesh {'x'.join(map(str, plan.mesh_shape))}"
+        title=f"{shown(model)}: {shown(plan.strategy)} plan, mesh "
+        f"{'x'.join(map(str, plan.mesh_shape))}"
     )
     for column in ("step", "loss", *(CHECK_COLUMNS if check else ()), "time"):
         table.add_column(column, justify="right")
@@ -338,13 +344,7 @@ def _train_and_report(
             continue
         extra = _check_cells(record.check) if check else ()
         table.add_row(str(record.step), f"{record.loss:.6f}", *extra, f"{seconds * 1e3:.1f} ms")
-    console.print(table)
-    if check:
-        verdict = result.verdict()
-        if not verdict.passed:
-            raise ExecutionError(verdict.text)
-        console.print(verdict.text)
-    return 0
+    return table
 
 
 CHECK_COLUMNS = ("one device (float64)", "loss", "gradients", "buffers", "updates")
@@ -361,98 +361,3 @@ def _check_cells(check: Any) -> tuple[str, ...]:
         f"{check.reference_loss:.6f}",
         *("-" if r is None else f"[{'green' if r <= 1 else 'red'}]{r:.2g}x" for r in ratios),
     )
-
-
-def _demo(args: argparse.Namespace, console: Console) -> int:
-    """Plan the demo GPT for N CPU processes, compare with hand plans, train it under the plan
-    (trace and timeline in the output folder); then plan GPT-3 175B for 1024 A100s beside the
-    Megatron-LM plan."""
-    name, model_args = DEMO_MODEL
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    console.rule(f"1. plan a small GPT for {args.nproc} CPU processes (profile cpu-gloo)")
-    plan = _plan_for(name, model_args, "auto", args.nproc, "cpu-gloo", console, compare=True)
-    console.print(plan.summary())
-    console.print(plan.hand_plan_table())
-    path = plan.save(out / "plan.json")
-    console.rule(f"2. train it {args.steps} steps under the plan, beside single-device training")
-    trace, timeline = out / "trace.json", out / "timeline.png"
-    from runtime.train import TrainSpec
-
-    spec = TrainSpec(name, model_args, plan.to_json(), args.steps, check=True)
-    code = _train_and_report(spec, plan, console, trace=trace, timeline=timeline)
-    console.rule(f"3. plan GPT-3 175B ({args.gpt3_layers} layers) for 1024 GPUs of DGX A100 nodes")
-    gpt3_path = _gpt3(args.gpt3_layers, out, console)
-    console.print(
-        f"outputs in {out.resolve()}: {path.name} (read it with `autosbp explain {path}`), "
-        f"{trace.name} (open in Perfetto), {timeline.name} (predicted vs measured), "
-        f"{gpt3_path.name} (`autosbp show {gpt3_path}`)"
-    )
-    return code
-
-
-def _gpt3(layers: int, out: Path, console: Console) -> Path:
-    """Plan GPT-3 175B on 1024 A100s and print it beside the Megatron-LM plan; save the plan."""
-    from autosbp.capturing.rebatch import micro_batch_graphs
-    from autosbp.planner.api import plan_graphs
-    from autosbp.planner.space import divisors
-    from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron
-
-    hand, hand_count = gpt3_megatron(layers)
-    counts = divisors(GPT3_175B["batch"])  # every micro-batch count: the search's whole space
-    common: dict[str, Any] = {
-        "profile": "dgx-a100", "devices": 1024, "memory_limit": None, "global_batch": None,
-        "optimizer": "adam", "dtype": "bf16", "time_limit_s": 60.0,
-    }  # fmt: skip
-    with activity(console, f"planning GPT-3 175B ({layers} layers) for 1024 A100s") as act:
-        act.update("capturing GPT-3 on the meta device")
-        model, inputs = gpt3_175b(layers)
-        graphs = micro_batch_graphs(
-            model, inputs, tuple(sorted({*counts, hand_count})), name="gpt3-175b"
-        )
-        act.update("searching stages, meshes, micro-batches, recomputation and signatures")
-        start = time.perf_counter()
-        auto = plan_graphs(
-            {c: graphs[c] for c in counts}, **common, strategy="auto",
-            progress=lambda message: act.update(f"searching: {message}"),
-        )  # fmt: skip
-        searched = time.perf_counter() - start
-        act.update(f"pricing the Megatron-LM plan {hand}")
-        megatron = plan_graphs(
-            {hand_count: graphs[hand_count]}, **common, strategy=hand, recompute="full"
-        )
-    console.print(auto.summary())
-    console.print(f"searched in {searched:.1f} s")
-    console.print(
-        _comparison("GPT-3 175B on 1024 A100s: auto vs Megatron-LM", auto, [(hand, megatron)])
-    )
-    return auto.save(out / "gpt3-plan.json")
-
-
-def _comparison(title: str, auto: Plan, hand: list[tuple[str, Plan]]) -> Table:
-    """Predicted step time and memory of `auto` and the hand plans (the same cost model)."""
-    table = Table(title=f"{title} (predicted, same cost model)")
-    columns = (
-        "strategy",
-        "stages",
-        "mesh",
-        "micro-batches",
-        "recompute",
-        "step time",
-        "peak memory",
-        "vs auto",
-    )
-    for column in columns:
-        table.add_column(column, justify="right")
-    for strategy, p in [("auto", auto), *hand]:
-        table.add_row(
-            strategy,
-            str(len(p.stages)),
-            "x".join(map(str, p.mesh_shape)),
-            str(p.micro_batches),
-            p.recompute,
-            format_seconds(p.predicted.step_time_s),
-            format_bytes(p.predicted.peak_memory_bytes),
-            f"{p.predicted.step_time_s / auto.predicted.step_time_s:.2f}x",
-        )
-    return table

@@ -1,0 +1,136 @@
+"""`autosbp demo`: plan a small GPT for N CPU processes beside hand plans, train it under the
+plan beside one device (trace and timeline), then plan GPT-3 175B for 1024 A100s beside
+Megatron-LM.
+
+Lives here: the command's arguments and its three parts. Lives elsewhere: planning and training
+with progress (`commands.train`: `plan_for`, `train_and_report`), the search (`planner`), the
+GPT-3 model and Megatron-LM's plan (`zoo`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autosbp.commands import positive_int
+from autosbp.commands.train import plan_for, train_and_report, train_spec
+from autosbp.plan import Plan, format_bytes, format_seconds
+from costmodel.progress import activity
+
+DEMO_MODEL = ("gpt", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 16, "batch": 8})
+
+
+def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument(
+        "--out", default="autosbp-out", help="folder for the plan (default: autosbp-out)"
+    )
+    parser.add_argument("--nproc", type=positive_int, default=4, help="CPU processes (default: 4)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=20, help="training steps (default: 20)"
+    )
+    parser.add_argument(
+        "--gpt3-layers", type=positive_int, default=96,
+        help="depth of the GPT-3 175B planned in part 3 (default: 96, the real model)",
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    return _demo(args, console)
+
+
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    """Plan the demo GPT for N CPU processes, compare with hand plans, train it under the plan
+    (trace and timeline in the output folder); then plan GPT-3 175B for 1024 A100s beside the
+    Megatron-LM plan."""
+    name, model_args = DEMO_MODEL
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console.rule(f"1. plan a small GPT for {args.nproc} CPU processes (profile cpu-gloo)")
+    plan = plan_for(name, model_args, "auto", args.nproc, "cpu-gloo", console, compare=True)
+    console.print(plan.summary())
+    console.print(plan.hand_plan_table())
+    path = plan.save(out / "plan.json")
+    console.rule(f"2. train it {args.steps} steps under the plan, beside single-device training")
+    trace, timeline = out / "trace.json", out / "timeline.png"
+    spec = train_spec(name, model_args, plan, args.steps, check=True)
+    code = train_and_report(spec, plan, console, trace=trace, timeline=timeline)
+    console.rule(f"3. plan GPT-3 175B ({args.gpt3_layers} layers) for 1024 GPUs of DGX A100 nodes")
+    gpt3_path = _gpt3(args.gpt3_layers, out, console)
+    console.print(
+        f"outputs in {out.resolve()}: {path.name} (read it with `autosbp explain {path}`), "
+        f"{trace.name} (open in Perfetto), {timeline.name} (predicted vs measured), "
+        f"{gpt3_path.name} (`autosbp show {gpt3_path}`)"
+    )
+    return code
+
+
+def _gpt3(layers: int, out: Path, console: Console) -> Path:
+    """Plan GPT-3 175B on 1024 A100s and print it beside the Megatron-LM plan; save the plan."""
+    from autosbp.capturing.rebatch import micro_batch_graphs
+    from autosbp.planner.api import plan_graphs
+    from autosbp.planner.space import divisors
+    from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron
+
+    hand, hand_count = gpt3_megatron(layers)
+    counts = divisors(GPT3_175B["batch"])  # every micro-batch count: the search's whole space
+    common: dict[str, Any] = {
+        "profile": "dgx-a100", "devices": 1024, "memory_limit": None, "global_batch": None,
+        "optimizer": "adam", "dtype": "bf16", "time_limit_s": 60.0,
+    }  # fmt: skip
+    with activity(console, f"planning GPT-3 175B ({layers} layers) for 1024 A100s") as act:
+        act.update("capturing GPT-3 on the meta device")
+        model, inputs = gpt3_175b(layers)
+        graphs = micro_batch_graphs(
+            model, inputs, tuple(sorted({*counts, hand_count})), name="gpt3-175b"
+        )
+        act.update("searching stages, meshes, micro-batches, recomputation and signatures")
+        start = time.perf_counter()
+        auto = plan_graphs(
+            {c: graphs[c] for c in counts}, **common, strategy="auto",
+            progress=lambda message: act.update(f"searching: {message}"),
+        )  # fmt: skip
+        searched = time.perf_counter() - start
+        act.update(f"pricing the Megatron-LM plan {hand}")
+        megatron = plan_graphs(
+            {hand_count: graphs[hand_count]}, **common, strategy=hand, recompute="full"
+        )
+    console.print(auto.summary())
+    console.print(f"searched in {searched:.1f} s")
+    console.print(
+        _comparison("GPT-3 175B on 1024 A100s: auto vs Megatron-LM", auto, [(hand, megatron)])
+    )
+    return auto.save(out / "gpt3-plan.json")
+
+
+def _comparison(title: str, auto: Plan, hand: list[tuple[str, Plan]]) -> Table:
+    """Predicted step time and memory of `auto` and the hand plans (the same cost model)."""
+    table = Table(title=f"{title} (predicted, same cost model)")
+    columns = (
+        "strategy",
+        "stages",
+        "mesh",
+        "micro-batches",
+        "recompute",
+        "step time",
+        "peak memory",
+        "vs auto",
+    )
+    for column in columns:
+        table.add_column(column, justify="right")
+    for strategy, p in [("auto", auto), *hand]:
+        table.add_row(
+            strategy,
+            str(len(p.stages)),
+            "x".join(map(str, p.mesh_shape)),
+            str(p.micro_batches),
+            p.recompute,
+            format_seconds(p.predicted.step_time_s),
+            format_bytes(p.predicted.peak_memory_bytes),
+            f"{p.predicted.step_time_s / auto.predicted.step_time_s:.2f}x",
+        )
+    return table

@@ -19,6 +19,7 @@ import torch
 
 from autosbp.capturing.export import capture_micro_batch
 from autosbp.plan import Plan
+from autosbp.timeline import Recorder
 from autosbp.zoo import build_model
 from runtime import Engine
 from runtime.check import StepChecker
@@ -31,8 +32,9 @@ re-gather; the engine reads them)}"""
 
 
 def run_gather_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
-    """Per case: {"losses": [...], "counts": GatherCounts as a dict or None} on every rank, plus
-    {"checks": [one StepCheck per step]} on rank 0."""
+    """Per case: {"losses": [...], "counts": GatherCounts as a dict or None, "units": how many,
+    "spans": the last step's timeline as (kind, micro-batch, start s, end s)} on every rank,
+    plus {"checks": [one StepCheck per step]} on rank 0."""
     return [_train(case, rank) for case in cases]
 
 
@@ -49,17 +51,22 @@ def _train(case: Case, rank: int) -> dict[str, Any]:
     def adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=lr)
 
-    engine = Engine(model, plan, adam, example_inputs=inputs, graph=graph, gathers=policy)
+    recorder = Recorder(rank, 0)
+    engine = Engine(
+        model, plan, adam, example_inputs=inputs, graph=graph, recorder=recorder, gathers=policy
+    )
     checker = StepChecker(engine, model, inputs, adam)
     losses, checks = [], []
     for step in range(case["steps"]):
         losses.append(engine.step(inputs))
+        last = recorder.mark_step()
         checks.append(checker.after_step(step, inputs, losses[-1]))
     schedule = engine.program.gathers
     out: dict[str, Any] = {
         "losses": losses,
         "counts": dataclasses.asdict(schedule.counts) if schedule is not None else None,
         "units": schedule.last_unit + 1 if schedule is not None else 0,
+        "spans": [(e.kind, e.micro_batch, e.start_s, e.end_s) for e in last],
     }
     if rank == 0:
         out["checks"] = checks

@@ -8,7 +8,9 @@ Beside the numerics, the schedule's own counts say that the path under test ran:
 happened exactly when asked, units were started as far ahead as the depth (capped by the units
 there are), and the gradients were reduce-scattered asynchronously; and the engine runs what
 the plan states (per parameter `reshard_after_forward`, per stage `prefetch_blocks`) when it is
-given no policy of its own.
+given no policy of its own. The step's timeline (the spans an `Engine` records) shows it:
+gathers of several units in flight at once exactly when prefetching, re-gathers and gradient
+reduce-scatters inside backward.
 
 How it runs: fsdp plans made here (tests/test_runtime.py's planning), one `run_workers` call
 per world size trains every case (tests/prefetch_workers.py).
@@ -17,6 +19,7 @@ per world size trains every case (tests/prefetch_workers.py).
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -119,3 +122,24 @@ def test_gather_paths_match_single_device(
     if regather:
         assert counts["ahead_units_backward"] == min(depth, units - 1)
     assert counts["deferred_reduces"] > 0
+    spans = per_rank[0]["spans"]
+    ahead = _overlapping(spans, "param_gather")
+    assert ahead == (depth > 0 and units > 1), "the timeline shows gathers in flight together"
+    if regather:
+        assert _within(spans, "param_regather", "backward"), "re-gathers run in backward"
+    assert _within(spans, "grad_reduce", "backward"), "reduce-scatters run in backward"
+
+
+Span = tuple[str, int | None, float, float]  # kind, micro-batch, start s, end s
+
+
+def _overlapping(spans: list[Span], kind: str) -> bool:
+    """Two spans of `kind` of one micro-batch in flight at once (a unit started ahead)."""
+    mine = sorted((s for s in spans if s[0] == kind), key=lambda s: (s[1] or 0, s[2]))
+    return any(a[1] == b[1] and b[2] < a[3] for a, b in itertools.pairwise(mine))
+
+
+def _within(spans: list[Span], kind: str, outer: str) -> bool:
+    """Some span of `kind` starts inside a span of `outer` and there is one of each."""
+    inner, around = [s for s in spans if s[0] == kind], [s for s in spans if s[0] == outer]
+    return any(o[2] <= s[2] <= o[3] for s in inner for o in around)

@@ -6,6 +6,11 @@ Rows (design.md section 5, targets from the "Actor runtime" issue):
 - data parallel: our Engine under the planner's `dp` plan on 2 gloo processes vs torch
   DistributedDataParallel on the same model, the same global batch (each DDP rank takes its
   half), the same optimizer (Adam); target ratio <= 1.05.
+- fsdp: our Engine under the planner's `fsdp` plan on 2 gloo processes vs torch FSDP2
+  (`torch.distributed.fsdp.fully_shard` on each repeated block and the root,
+  reshard_after_forward=True, its default prefetching), each rank half the batch, Adam; our
+  gathers run as the plan says (`--regather`, `--prefetch N`: as asked instead, e.g. as FSDP2
+  runs: `--regather --prefetch 1`); target <= 1.05.
 - one process: our Engine under a 1-device plan vs plain eager training (forward, backward,
   Adam) in the same process; target <= 1.05.
 - 2-stage 1F1B: our Engine under the `megatron:tp=1,pp=2,dp=1,mb=4` plan vs
@@ -90,6 +95,7 @@ class Reference(Enum):
 
     EAGER = "eager"  # forward, backward, Adam in one process
     DDP = "ddp"  # DistributedDataParallel, each rank half the batch
+    FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard per block and the root, half the batch
     PIPELINING = "pipelining"  # torch.distributed.pipelining Schedule1F1B, one stage a rank
 
 
@@ -108,6 +114,7 @@ class Comparison:
 
 COMPARISONS = (
     Comparison("dp vs DDP", 2, "dp", 1, Reference.DDP, 1.05),
+    Comparison("fsdp vs FSDP2", 2, "fsdp", 1, Reference.FSDP2, 1.05),
     Comparison("1 process vs eager", 1, "auto", 1, Reference.EAGER, 1.05),
     Comparison(
         "2-stage 1F1B vs Schedule1F1B", 2, "megatron:tp=1,pp=2,dp=1,mb=4", 4,
@@ -126,6 +133,7 @@ class Job:
     threads: int
     warmup: int
     steps: int
+    gathers: tuple[bool, int] | None = None  # (re-gather every parameter, prefetch depth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,32 +149,47 @@ def bench_worker(rank: int, world_size: int, job: Job) -> dict[str, Timing]:
     """On every rank: per model, an Engine and torch's loop (eager, DDP or a pipeline stage),
     stepped in alternating rounds; per-step times of this rank."""
     from runtime.engine import Engine
+    from runtime.prefetch import GatherPolicy
 
     torch.set_num_threads(job.threads)
     out: dict[str, Timing] = {}
     for name, (zoo_name, kwargs) in job.models.items():
         model, inputs = build_model(zoo_name, seed=0, **kwargs)
         plan = Plan.from_json(job.plans[name])
+        policy = None
+        if job.gathers is not None:
+            regather, depth = job.gathers
+            names = frozenset(n for n, _ in model.named_parameters()) if regather else frozenset()
+            policy = GatherPolicy(depth, names)
         engine = Engine(
-            model, plan, lambda params: torch.optim.Adam(params, lr=LR), example_inputs=inputs
-        )
+            model, plan, lambda params: torch.optim.Adam(params, lr=LR), example_inputs=inputs,
+            gathers=policy,
+        )  # fmt: skip
         if job.reference is Reference.PIPELINING:
             reference = _pipelining_step(zoo_name, kwargs, inputs, plan, rank)
         else:
-            reference = _torch_step(zoo_name, kwargs, inputs, rank, world_size)
+            reference = _torch_step(zoo_name, kwargs, inputs, rank, world_size, job.reference)
         out[name] = _alternate(functools.partial(engine.step, inputs), reference, job)
     return out
 
 
 def _torch_step(
-    zoo_name: str, kwargs: dict[str, Any], inputs: tuple[torch.Tensor, ...], rank: int, world: int
+    zoo_name: str,
+    kwargs: dict[str, Any],
+    inputs: tuple[torch.Tensor, ...],
+    rank: int,
+    world: int,
+    reference: Reference,
 ) -> Callable[[], float]:
-    """Torch's own training step on a fresh copy of the model: eager on one process, DDP with
-    this rank's slice of the batch on several."""
+    """Torch's own training step on a fresh copy of the model: eager on one process; DDP or
+    FSDP2 with this rank's slice of the batch on several."""
     model, _ = build_model(zoo_name, seed=0, **kwargs)
     local = inputs
-    if world > 1:
+    if reference is Reference.FSDP2:
+        _fully_shard(model, world)
+    elif world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
+    if world > 1:
         local = tuple(t.chunk(world)[rank] for t in inputs)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
 
@@ -178,6 +201,20 @@ def _torch_step(
         return float(loss.detach())
 
     return step
+
+
+def _fully_shard(model: nn.Module, world: int) -> None:
+    """FSDP2 as its documentation applies it: each repeated block its own unit, then the root
+    (the embeddings and head), every parameter sharded over the world, freed after forward
+    (reshard_after_forward=True) and gathered again in backward; its default prefetching
+    (the next unit's all-gather issued while one computes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.get_submodule("blocks"):
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
 
 
 def _pipelining_step(
@@ -317,6 +354,7 @@ def run_row(
     job = Job(
         models, _plans(models, comparison), comparison.reference, _threads(processes),
         args.warmup, args.steps,
+        (args.regather, args.prefetch) if args.regather or args.prefetch is not None else None,
     )  # fmt: skip
     per_rank = run_workers(bench_worker, processes, (job,), timeout_s=WORKER_TIMEOUT_S)
     return {
@@ -390,14 +428,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="measured steps per side")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per side first")
     parser.add_argument("--quick", action="store_true", help="one small mlp, few steps")
+    parser.add_argument(
+        "--only", choices=[r.value for r in Reference], help="the rows against this loop only"
+    )
+    parser.add_argument("--models", help="comma-separated names of MODELS (default: all)")
+    parser.add_argument(
+        "--regather", action="store_true", help="ours: free every gathered weight after forward"
+    )
+    parser.add_argument("--prefetch", type=int, help="ours: gathers this many blocks ahead")
     args = parser.parse_args(argv)
+    if args.regather and args.prefetch is None:
+        args.prefetch = 0
     models = QUICK_MODELS if args.quick else MODELS
+    if args.models:
+        models = {name: MODELS[name] for name in args.models.split(",")}
+    comparisons = [c for c in COMPARISONS if args.only in (None, c.reference.value)]
     if args.quick:
         args.steps, args.warmup = min(args.steps, 6), min(args.warmup, 1)
     console = Console(width=max(Console().width, 130))
     rows = [
         (comparison, name, timing)
-        for comparison in COMPARISONS
+        for comparison in comparisons
         for name, timing in run_row(models, comparison, args).items()
     ]
     command = "python bench/runtime.py " + " ".join(argv if argv is not None else sys.argv[1:])

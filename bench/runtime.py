@@ -149,7 +149,7 @@ def bench_worker(rank: int, world_size: int, job: Job) -> dict[str, Timing]:
     """On every rank: per model, an Engine and torch's loop (eager, DDP or a pipeline stage),
     stepped in alternating rounds; per-step times of this rank."""
     from runtime.engine import Engine
-    from runtime.prefetch import GatherPolicy
+    from runtime.gathers import GatherPolicy
 
     torch.set_num_threads(job.threads)
     out: dict[str, Timing] = {}

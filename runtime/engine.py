@@ -56,9 +56,10 @@ from autosbp.sbp import B, Mesh, NdSbp, P, Partial, format_nd_sbp, local_shape
 from autosbp.schedule import Phase, stage_orders
 from autosbp.timeline import SpanHook
 from runtime.closures import Boxer
+from runtime.gathers import GatherPolicy, has_collective, plan_gather_policy
 from runtime.grad_sync import GradSync, build_sync_groups, sync_patterns
 from runtime.groups import build_groups, world_timeout
-from runtime.prefetch import GatherPolicy, GatherSetup, has_collective, plan_gather_policy
+from runtime.prefetch import GatherSetup
 from runtime.program import Program, build_program, read_signatures, stage_boundaries
 from runtime.startup import agree_on_plan, broadcast_initial_state
 

@@ -54,7 +54,8 @@ from runtime.closures import (
     take_instruction,
     write_back_instruction,
 )
-from runtime.prefetch import GatherSchedule, GatherSetup, ParamBox, has_collective, plan_gathers
+from runtime.gathers import ParamBox, has_collective, plan_gathers
+from runtime.prefetch import GatherSchedule, GatherSetup
 
 __all__ = ["Program", "build_program", "read_signatures"]
 

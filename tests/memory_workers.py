@@ -16,8 +16,8 @@ from autosbp.capturing.export import capture_micro_batch
 from autosbp.plan import Plan
 from autosbp.zoo import build_model
 from runtime import Engine
+from runtime.gathers import GatherPolicy
 from runtime.memory import engine_tensors, measure_peak_bytes
-from runtime.prefetch import GatherPolicy
 
 Case = dict[str, Any]
 """{"id": str, "model": zoo name, "model_kwargs": dict, "plan": Plan JSON,

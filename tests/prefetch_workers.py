@@ -23,7 +23,7 @@ from autosbp.timeline import Recorder
 from autosbp.zoo import build_model
 from runtime import Engine
 from runtime.check import StepChecker
-from runtime.prefetch import GatherPolicy
+from runtime.gathers import GatherPolicy
 
 Case = dict[str, Any]
 """{"id": str, "model": zoo name, "model_kwargs": dict, "plan": Plan JSON, "steps": int,

@@ -31,14 +31,16 @@ WORKER_TIMEOUT_S = 120.0
 # the transients the planner does not price (an activation gradient of 512 B before its
 # reduce-scatter, the copy gloo's reduce-scatter makes of its input, the async threads' timing
 # of both) measured 5536 to 6176 B per rank over five runs: 1.07 to 1.20 of the prediction.
-TRANSIENT_BOUND = {
-    (4, "mlp", "fsdp"): "per-op transients of 0.4-1.0 kB (unpriced) on a 5.2 kB peak",
-}
+# That case is left out, not marked xfail (which could not fail): there one op's unpriced
+# transients exceed the 10% bound. Four times as wide (hidden 64) the mlp's fsdp plan measured
+# 1.10-1.16 on 2 and 4 processes: Adam's per-parameter temporaries in its step, which the
+# planner does not price either (issue 16's note reports both).
 CASES: list[tuple[int, str, str]] = [
     (n, model, strategy)
     for n in (2, 4)
     for model in ("mlp", "gpt")
     for strategy in ("fsdp", "auto")
+    if (n, model, strategy) != (4, "mlp", "fsdp")
 ]
 
 
@@ -75,12 +77,7 @@ def worlds() -> Callable[[int], dict[str, list[dict[str, float]]]]:
 @pytest.mark.dist
 @pytest.mark.parametrize(
     ("world_size", "model", "strategy"),
-    [
-        pytest.param(*c, marks=pytest.mark.xfail(reason=TRANSIENT_BOUND[c], strict=False))
-        if c in TRANSIENT_BOUND
-        else c
-        for c in CASES
-    ],
+    CASES,
     ids=[_case_id(*c) for c in CASES],
 )
 def test_measured_peak_is_the_predicted_peak(

@@ -299,7 +299,7 @@ def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 # Zoo model -> (first stage's prologue, last stage's head, loss of (head's output, target)): the
-# zoo's forward (autosbp/zoo.py) in three pieces around its blocks.
+# zoo's forward (autosbp/zoo/models.py) in three pieces around its blocks.
 StagePart = Callable[[Any, torch.Tensor], torch.Tensor]  # (the stage, its input)
 STAGE_PARTS: dict[str, tuple[StagePart, StagePart, Callable[..., torch.Tensor]]] = {
     "gpt": (_gpt_embed, lambda s, x: s.head(s.ln_f(x)), _gpt_loss),

@@ -1,7 +1,8 @@
 """The Plan as frozen values and as validated JSON (design 3.6).
 
 Lives here: the plan's dataclasses, `Plan.save` / `Plan.load` / `Plan.from_json` (loading never
-executes anything), the check that a plan belongs to a model and world, and `Plan.digest`.
+executes anything), the check that a plan belongs to a model and world, `Plan.digest`, and
+`write_atomically` (every file written for people, plans, traces and charts: whole or not at all).
 Lives elsewhere: what a plan file must be to be read (`plan.schema`), whether a plan is
 consistent as a whole (`plan.checks`), its tables for people (`plan.tables`), how a plan is
 found (`planner`), how it runs (runtime).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -208,19 +210,10 @@ class Plan:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the plan as JSON (atomically: a crash never leaves half a file)."""
-        path = Path(path)
         text = json.dumps(self.to_json(), indent=1) + "\n"
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            tmp.write_text(text)
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise PlanError(
-                f"cannot write the plan to {path} ({exc.strerror or exc}); choose a path in an "
-                "existing, writable directory (`--out` on the command line)."
-            ) from exc
-        return path
+        return write_atomically(
+            Path(path), lambda tmp: tmp.write_text(text), "plan", " (`--out` on the command line)"
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
@@ -355,3 +348,21 @@ def _node_json(node: NodePlan) -> dict[str, Any]:
         "stage": node.stage,
         **({"tied_to": node.tied_to} if node.tied_to else {}),
     }
+
+
+def write_atomically(
+    path: Path, write: Callable[[Path], object], what: str, hint: str = ""
+) -> Path:
+    """Call `write(tmp)`, then rename tmp to `path`: a failure never leaves half a file. Every
+    file autosbp writes for people goes through here (plans, traces, timeline charts)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise PlanError(
+            f"cannot write the {what} to {path} ({exc.strerror or exc}); choose a path in an "
+            f"existing, writable directory{hint}."
+        ) from None
+    return path

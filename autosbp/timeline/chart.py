@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from autosbp.plan.format import write_atomically
 from autosbp.timeline.events import (
     UPDATE,
     Event,
@@ -26,7 +27,6 @@ from autosbp.timeline.events import (
     measured_step_s,
     span_s,
 )
-from autosbp.timeline.trace import write_atomically
 
 __all__ = ["COLOURS", "draw_timelines"]
 

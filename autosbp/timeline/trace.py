@@ -2,8 +2,8 @@
 
 Lives here: `write_chrome_trace` and `read_trace` (open the files in Perfetto or
 chrome://tracing), `Trace` (a file's events and the plan it names), `check_trace_plan` (a trace
-of another plan is refused), and `write_atomically`, shared with the chart. Lives elsewhere: the
-events (`timeline.events`), the plan's id (`Plan.digest`).
+of another plan is refused). Lives elsewhere: the events (`timeline.events`), the plan's id
+(`Plan.digest`), writing a file whole or not at all (`plan.format.write_atomically`).
 
 Format: Google's Trace Event Format, "X" (complete) events, ts/dur in microseconds, pid = rank,
 tid = 0, cat = kind, args = {stage, micro_batch}; "M" events name each process. "otherData"
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autosbp.errors import PlanError
+from autosbp.plan.format import write_atomically
 from autosbp.timeline.events import Event
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PLAN_KEY", "Trace", "check_trace_plan", "read_chrome_trace", "read_trace",
-    "write_atomically", "write_chrome_trace",
+    "write_chrome_trace",
 ]  # fmt: skip
 
 PLAN_KEY = "plan_digest"  # in "otherData": the plan the trace was recorded under
@@ -151,18 +151,3 @@ def check_trace_plan(trace: Trace, plan: Plan, trace_path: str, plan_path: str) 
         f"trace {trace_path} {why}, so its steps cannot be set beside {plan_path}'s prediction; "
         f"record one with `autosbp train ... --plan {plan_path} --trace {trace_path}`."
     )
-
-
-def write_atomically(path: Path, write: Callable[[Path], object], what: str) -> Path:
-    """Call `write(tmp)`, then rename tmp to `path`: a failure never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise PlanError(
-            f"cannot write the {what} to {path} ({exc.strerror or exc}); choose a path in an "
-            "existing, writable directory."
-        ) from None
-    return path

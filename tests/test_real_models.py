@@ -53,12 +53,7 @@ PLAN_TIME_LIMIT_S = 120.0  # the searches end in seconds; the limit is for a loa
 WORKER_TIMEOUT_S = 900.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on shared cores: OpenMP spinning only slows them
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _on(device: str, name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -39,13 +38,7 @@ MESHES = [(2,), (4,), (2, 2)]
 aten = torch.ops.aten
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny ops on 2 busy cores: OpenMP spinning makes them 20-50x slower with 2 threads.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -27,13 +27,7 @@ from autosbp.rules.core import resolve_refs
 from autosbp.zoo import build_model
 from tests.test_rules_zoo import TINY, node_inputs, node_values
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))

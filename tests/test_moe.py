@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import networkx as nx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -275,8 +276,9 @@ def test_ep_splits_expert_weights_on_their_expert_dim(
     assert not any(space.mesh_ok(Mesh.of(other)) for other in ((4,), (2, 2)) if other != mesh)
 
     def allowed(shape: tuple[int, ...], nd: NdSbp) -> bool:
-        attrs = {"role": Role.PARAMETER, "outputs": (TensorMeta(shape, torch.float32),)}
-        return space.allow(attrs, NdSignature((), (nd,)))
+        weight = nx.DiGraph()
+        weight.add_node("w", role=Role.PARAMETER, outputs=(TensorMeta(shape, torch.float32),))
+        return space.allow(OpGraph(weight, ["w"]), "w", NdSignature((), (nd,)))
 
     assert allowed((4, 8, 16), expert) and allowed((16, 8), dense)
     assert not allowed((4, 8, 16), (B,) * len(mesh))  # experts are never replicated whole

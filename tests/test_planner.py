@@ -155,6 +155,33 @@ def test_hand_plans_are_priced_and_never_beat_auto() -> None:
     assert all(p.sbp.startswith("S(") for p in fsdp.params.values())
 
 
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_fsdp_gathers_every_weight_whole_and_splits_the_batch(name: str) -> None:
+    # FSDP's algorithm: weights stored split and gathered whole wherever they are used, so a
+    # matmul never runs on a split weight (the ILP, left free, computes the GPT's matmuls
+    # tensor-parallel on their split weights: that plan is not FSDP).
+    model, inputs = build_model(name, device="meta", batch=8)
+    graph = capture(model, inputs)
+    fsdp = plan_graph(
+        graph, profile="cpu-gloo", devices=2, memory_limit=None, global_batch=None,
+        optimizer="adam", dtype="fp32", strategy="fsdp", time_limit_s=60,
+    )  # fmt: skip
+    fed = 0
+    for node, attrs in graph.nodes(Role.COMPUTE):
+        layouts = fsdp.nodes[node].inputs
+        for producer, layout in zip(graph.producers(node), layouts, strict=True):
+            if producer is not None and producer[0] in graph.weight_only:
+                assert layout == "B", (node, producer, layout)
+                fed += attrs["op"] in MATMULS
+    assert fed >= 2, "the matmuls take their weights gathered"
+    assert all(p.sbp == "S(0)" for p in fsdp.params.values()), "stored split on dim 0, as FSDP2"
+    data = [n for n, _ in graph.nodes(Role.INPUT)]
+    assert all(fsdp.nodes[n].outputs == ("S(0)",) for n in data)
+
+
+MATMULS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
+
+
 def test_widedeep_shards_its_embedding_tables() -> None:
     # Recommender-sized tables (1M rows x 64): replicating them would all-reduce 256 MB of
     # gradient per table and step.
@@ -483,7 +510,8 @@ def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> No
     model, inputs = build_model("mlp", layers=1, hidden=8, batch=4)
     graph = capture(model, inputs)
 
-    def allow(attrs: dict, sig) -> bool:
+    def allow(graph: OpGraph, name: str, sig) -> bool:
+        attrs = graph.graph.nodes[name]
         role = attrs["role"]
         if role is Role.PARAMETER:
             first, second = sig.outputs[0]

@@ -26,6 +26,7 @@ Edge (u, v) attributes:
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterator
@@ -135,6 +136,22 @@ class OpGraph:
             for out_idx, in_idx in self.graph.edges[src, name]["uses"]:
                 out[in_idx] = (src, out_idx)
         return out
+
+    @functools.cached_property
+    def weight_only(self) -> frozenset[str]:
+        """Nodes whose value comes from parameters and buffers alone, no model input: the
+        weights themselves and what is computed from them only (a transpose, a cast, a view).
+        Read after capture has built the graph (the set is computed once)."""
+        found: set[str] = set()
+        for name in self.order:
+            attrs = self.graph.nodes[name]
+            if attrs["role"] in (Role.PARAMETER, Role.BUFFER):
+                found.add(name)
+            elif attrs["role"] is Role.COMPUTE:
+                producers = [p for p in self.producers(name) if p is not None]
+                if producers and all(src in found for src, _ in producers):
+                    found.add(name)
+        return frozenset(found)
 
     def fingerprint(self) -> str:
         """A hash of ops, shapes, dtypes and edges: equal for the same model and input shapes."""

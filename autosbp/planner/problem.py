@@ -46,7 +46,7 @@ from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, Mesh
 from autosbp.schedule import hidden_gather_s, hidden_sync_s, simulate
 
-Allow = Callable[[dict, NdSignature], bool]  # may this node (attrs) take this candidate?
+Allow = Callable[[OpGraph, str, NdSignature], bool]  # may node `name` take this candidate?
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def price_graph(
             found = node_strategies(graph, name, pricer, bucket_bytes, again)
             if memo is not None and key is not None:
                 memo[key] = found
-        strategies[name] = _restricted(replace(found, name=name), attrs, allow)
+        strategies[name] = _restricted(replace(found, name=name), graph, name, allow)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
     return Priced(mesh, rep, strategies, graph, pricer, kept_memo)
@@ -303,14 +303,16 @@ def build_problem(
     )  # fmt: skip
 
 
-def _restricted(found: NodeStrategies, attrs: dict, allow: Allow | None) -> NodeStrategies:
-    """The candidates a hand plan allows. A parameter the plan would split but whose dims the
-    mesh does not divide (a (1,)-shaped bias) stays replicated rather than making the plan
-    impossible."""
+def _restricted(
+    found: NodeStrategies, graph: OpGraph, name: str, allow: Allow | None
+) -> NodeStrategies:
+    """The candidates a hand plan allows node `name`. A parameter the plan would split but
+    whose dims the mesh does not divide (a (1,)-shaped bias) stays replicated rather than
+    making the plan impossible."""
     if allow is None:
         return found
-    keep = [i for i, sig in enumerate(found.candidates) if allow(attrs, sig)]
-    if not keep and attrs["role"] is Role.PARAMETER:
+    keep = [i for i, sig in enumerate(found.candidates) if allow(graph, name, sig)]
+    if not keep and graph.graph.nodes[name]["role"] is Role.PARAMETER:
         keep = [
             i
             for i, sig in enumerate(found.candidates)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autosbp.capturing.graph import Role
+from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
 from autosbp.planner.pipeline import RECOMPUTE_MODES
 from autosbp.planner.problem import Allow
@@ -55,10 +55,7 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             mesh_ok=lambda m: m.ndim == 1,
         )  # fmt: skip
     if strategy == "fsdp":
-        return Space(
-            (1,), modes, allow=_allow(param=lambda nd, shape: isinstance(nd[0], Split)),
-            mesh_ok=lambda m: m.ndim == 1,
-        )  # fmt: skip
+        return Space((1,), modes, allow=_fully_sharded(), mesh_ok=lambda m: m.ndim == 1)
     if strategy.startswith("megatron:"):
         tp, pp, dp, mb, ep = _megatron_degrees(strategy)
         counts = (mb,) if mb is not None else None
@@ -165,11 +162,38 @@ def _tensor_parallel(mesh_dim: int) -> Callable[[NdSbp, tuple[int, ...]], bool]:
     return lambda nd, shape: len(shape) < 2 or isinstance(nd[mesh_dim], Split)
 
 
+def _fully_sharded() -> Allow:
+    """FSDP's algorithm (ZeRO-3): every weight stored split on dim 0 (as FSDP2 shards it: its
+    gather and reduce-scatter then need no transposing copy), gathered whole where it is used,
+    the batch split, so each device computes its share of the batch with whole weights as
+    data parallelism does; the gradients come back reduce-scattered (the gather's dual). Every
+    input of an op that a weight alone feeds (the weight, its transpose, its cast) is
+    therefore replicated: without that rule the ILP may compute a matmul on split weights
+    (tensor parallelism), which is not this plan."""
+    stored = _allow(param=lambda nd, shape: nd[0] == Split(0))
+
+    def allow(graph: OpGraph, name: str, sig: NdSignature) -> bool:
+        if graph.graph.nodes[name]["role"] is not Role.COMPUTE:
+            return stored(graph, name, sig)
+        weights = graph.weight_only
+        return all(
+            producer is None or producer[0] not in weights or _replicated(nd)
+            for producer, nd in zip(graph.producers(name), sig.inputs, strict=True)
+        )
+
+    return allow
+
+
+def _replicated(nd: NdSbp) -> bool:
+    return all(isinstance(s, Broadcast) for s in nd)
+
+
 def _allow(param: Callable | None = None, data: Callable | None = None) -> Allow:
     """`param(nd_sbp, shape) -> bool` filters parameter layouts, `data(nd_sbp)` input layouts
     (default: the batch split on every mesh dim)."""
 
-    def allow(attrs: dict, sig: NdSignature) -> bool:
+    def allow(graph: OpGraph, name: str, sig: NdSignature) -> bool:
+        attrs = graph.graph.nodes[name]
         if attrs["role"] is Role.PARAMETER and param is not None:
             return bool(param(sig.outputs[0], attrs["outputs"][0].shape))
         if attrs["role"] is Role.INPUT:

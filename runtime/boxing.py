@@ -170,7 +170,7 @@ def _all_gather(
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((p * front.shape[0], *front.shape[1:]))
     work = _all_gather_single(out, front, group=group, async_op=async_op)
-    return Started(work, lambda: out.movedim(0, dim).contiguous())
+    return Started(work, lambda: _moved_back(out, dim))
 
 
 def _reduce_scatter(
@@ -179,7 +179,14 @@ def _reduce_scatter(
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // p, *front.shape[1:]))
     work = _reduce_scatter_single(out, front, group=group, async_op=async_op)
-    return Started(work, lambda: out.movedim(0, dim).contiguous())
+    return Started(work, lambda: _moved_back(out, dim))
+
+
+def _moved_back(out: torch.Tensor, dim: int) -> torch.Tensor:
+    """A collective's output (its dim 0 the mesh's) with that dim moved to `dim`, contiguous:
+    on dim 0 the output itself, not a view of it (a gathered weight then owns its storage, and
+    no copy is made to give it one)."""
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
 def _all_to_all(

@@ -89,12 +89,15 @@ class _Chain:
                 x = run_step(x, steps[k], groups)
                 k += 1
             self._started = start_step(x, steps[k], groups) if k < len(steps) else None
-        self._value = x
+        # Once a collective runs, it holds what it reads: keeping `x` too would hold a
+        # gradient's full copy until the deferred reduce-scatter finishes.
+        self._value = x if self._started is None else None
         self._rest, self._groups = tuple(steps[k + 1 :]), groups
 
     def result(self, timeout: datetime.timedelta) -> torch.Tensor:
         with torch.no_grad():
             x = self._started.result(timeout) if self._started is not None else self._value
+            assert x is not None
             for step in self._rest:
                 x = run_step(x, step, self._groups)
         return x

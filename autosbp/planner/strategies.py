@@ -51,7 +51,7 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
         return Space(tuple(range(1, (max_stages or 1) + 1)), modes)
     if strategy == "dp":
         return Space(
-            (1,), modes, allow=_allow(param=lambda nd, shape: all(isinstance(s, Broadcast) for s in nd)),
+            (1,), modes, allow=_allow(param=lambda nd, shape: _replicated(nd)),
             mesh_ok=lambda m: m.ndim == 1,
         )  # fmt: skip
     if strategy == "fsdp":
@@ -62,7 +62,7 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
         if ep > 1:
             return _expert_parallel_space(tp, pp, dp, ep, modes, counts)
         if tp == 1:  # no tensor parallelism: plain data parallelism in each stage
-            allow = _allow(param=lambda nd, shape: all(isinstance(s, Broadcast) for s in nd))
+            allow = _allow(param=lambda nd, shape: _replicated(nd))
             return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp,), dp)
         # Megatron: every weight matrix (and embedding table) split on the tp mesh dim, the ILP
         # picking which dim (column or row parallel); vectors (biases, norms) free; data split
@@ -145,7 +145,7 @@ def _expert_parallel_space(
 
         def param(nd: NdSbp, shape: tuple[int, ...]) -> bool:
             split = nd[-1] == Split(0) if is_expert(shape) else isinstance(nd[-1], Broadcast)
-            return split and all(isinstance(s, Broadcast) for s in nd[:-1])
+            return split and _replicated(nd[:-1])
 
         return Space((pp,), modes, counts, _allow(param=param), lambda m: m.shape == mesh, dp)
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autosbp.errors import AutosbpError
-from costmodel.text import printable
+from terminal.text import printable
 
 # (command, module, one-line help). The module owns the command's arguments and behaviour.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -39,8 +39,8 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "autosbp.commands.demo",
         "plan and train a small GPT on 4 CPU processes, then plan GPT-3 175B for 1024 A100s",
     ),
-    ("profile", "costmodel.commands", "measure this machine's op and collective costs"),
-    ("profiles", "costmodel.commands", "list the shipped hardware profiles"),
+    ("profile", "autosbp.commands.profile", "measure this machine's op and collective costs"),
+    ("profiles", "autosbp.commands.profile", "list the shipped hardware profiles"),
     ("zoo", "autosbp.commands.zoo", "list the zoo's models and the arguments --model-args takes"),
 )
 

@@ -1,15 +1,18 @@
 """The few error classes users see. Each message says what failed, why, and how to fix it.
 
-Lives here: the error hierarchy of the planner side; the root (`AutosbpError`) and the errors of
-the bottom layer (`ProfileError`, `ExecutionError`) live in `costmodel.errors` so that costmodel
-can raise them without importing upward. Raise these for bad user input (models, SBPs, profiles,
+Lives here: the error hierarchy of the planner side, and every user-facing error re-exported for
+users; the root (`AutosbpError`) lives in `terminal.errors`, `ExecutionError` in
+`launching.errors` and `ProfileError` in `costmodel.errors`, beside the code that raises them,
+so that no layer imports upward. Raise these for bad user input (models, SBPs, profiles,
 plans, CLI arguments); use `assert` for internal invariants. The CLI prints `AutosbpError`
 messages without a traceback and exits non-zero.
 """
 
 from __future__ import annotations
 
-from costmodel.errors import AutosbpError, ExecutionError, ProfileError
+from costmodel.errors import ProfileError
+from launching.errors import ExecutionError
+from terminal.errors import AutosbpError
 
 __all__ = [
     "AutosbpError", "CaptureError", "ExecutionError", "MicroBatchError", "NoFitError", "PlanError",

@@ -1,12 +1,12 @@
 """How far correct plans stay from `--check`'s bounds, and how far wrong ones go past them.
 
-For every (model, plan) below, the real job (`runtime.train.train_worker` with `check`) on gloo
-processes, and the worst error / bound of each kind over its steps (runtime/check.py: at most 1
+For every (model, plan) below, the real job (`runtime.jobs.train_worker` with `check`) on gloo
+processes, and the worst error / bound of each kind over its steps (runtime/verify/step_check.py: at most 1
 passes); then the sharded ones (fsdp, tp=2) with the optimizer given one gradient times
-1 + 1e-3, the smallest bug the check must catch (tests/check_workers.py). The margin on either side is the
+1 + 1e-3, the smallest bug the check must catch (tests/support/check_workers.py). The margin on either side is the
 figure: correct plans sit below 1 by the factor the bounds leave for chance and grouping, and
 the bug sits above it by orders of magnitude. Models: the zoo, the check's own cases
-(tests/check_models.py) and, when `transformers` imports, tests/real_models.py's third-party
+(tests/support/check_models.py) and, when `transformers` imports, tests/support/real_models.py's third-party
 models. A job that does not run (a capture or planning limit outside the check) is listed with
 its error.
 
@@ -29,10 +29,10 @@ from rich.table import Table  # noqa: E402
 from autosbp.errors import AutosbpError  # noqa: E402
 from autosbp.planner.api import auto_parallelize  # noqa: E402
 from autosbp.zoo import ZOO_MODELS, load_model  # noqa: E402
-from costmodel.launch import run_workers  # noqa: E402
-from runtime.check_report import Kind, StepCheck, judge  # noqa: E402
-from runtime.train import TrainSpec  # noqa: E402
-from tests.check_workers import run_checked  # noqa: E402
+from launching.workers import run_workers  # noqa: E402
+from runtime.jobs import TrainSpec  # noqa: E402
+from runtime.verify.verdict import Kind, StepCheck, judge  # noqa: E402
+from tests.support.check_workers import run_checked  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
@@ -44,8 +44,8 @@ ZOO_JOBS = [
     (4, "gpt", "megatron:tp=2,pp=2,dp=1,mb=2"),
 ]
 CHECK_JOBS = [
-    *((2, "tests/check_models.py:attention", s) for s in ("dp", "fsdp", TP2, "auto")),
-    *((2, f"tests/check_models.py:{m}", "dp") for m in ("conv_bn", "dropout", "grouped")),
+    *((2, "tests/support/check_models.py:attention", s) for s in ("dp", "fsdp", TP2, "auto")),
+    *((2, f"tests/support/check_models.py:{m}", "dp") for m in ("conv_bn", "dropout", "grouped")),
 ]
 REAL_MODELS = (
     "gpt2", "llama", "mistral", "qwen2", "mixtral", "bert", "t5", "vit", "resnet", "convnext",
@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             import transformers  # noqa: F401 - only whether it imports
 
             jobs += [
-                (2, f"tests/real_models.py:{m}", s) for m in REAL_MODELS for s in ("auto", "fsdp")
+                (2, f"tests/support/real_models.py:{m}", s)
+                for m in REAL_MODELS
+                for s in ("auto", "fsdp")
             ]
         except ImportError:
             console.print("transformers does not import: third-party models skipped")

@@ -27,9 +27,10 @@ from rich.console import Console  # noqa: E402 - after the path fix above
 from rich.table import Table  # noqa: E402
 
 from costmodel import Cluster, load_profile  # noqa: E402
-from costmodel.costs import CollectivePrice  # noqa: E402
+from costmodel.measure.items import ProfilerConfig  # noqa: E402
+from costmodel.measure.profiler import Measurements, measure  # noqa: E402
+from costmodel.prices import CollectivePrice  # noqa: E402
 from costmodel.profile import DType  # noqa: E402
-from costmodel.profiler import Measurements, ProfilerConfig, measure  # noqa: E402
 
 TARGET_REL_ERROR = 0.20  # the target for sizes >= 64 KiB
 LARGE_BYTES = 64 * 1024

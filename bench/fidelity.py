@@ -72,21 +72,21 @@ from autosbp.capturing.export import capture_micro_batch  # noqa: E402
 from autosbp.capturing.graph import OpGraph, Role  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import ClusterPrices, plan_graph  # noqa: E402
-from autosbp.planner.costs import BACKWARD_FACTOR, BoxingPricer, sync_bucket_bytes  # noqa: E402
-from autosbp.planner.strategies import strategy_space  # noqa: E402
+from autosbp.planner.candidates import BACKWARD_FACTOR, BoxingPricer, sync_bucket_bytes  # noqa: E402
+from autosbp.planner.hand_plans import strategy_space  # noqa: E402
 from autosbp.sbp import Mesh, parse_nd_sbp  # noqa: E402
 from autosbp.schedule import simulate  # noqa: E402
 from autosbp.zoo import build_model  # noqa: E402
 from costmodel import Cluster, load_profile  # noqa: E402
-from costmodel.launch import run_workers  # noqa: E402
-from costmodel.profiler_worker import OVERHEAD_OPS  # noqa: E402
-from runtime.train import adam  # noqa: E402
+from costmodel.measure.worker import OVERHEAD_OPS  # noqa: E402
+from launching.workers import run_workers  # noqa: E402
+from runtime.jobs import adam  # noqa: E402
 
 PROFILE = "cpu-gloo"
 TARGET_REL_ERROR = 0.15  # the target for the median |relative error|
 PLANNER_TIME_LIMIT_S = 60.0  # plan_graph's default
 WORKER_TIMEOUT_S = 600.0  # one spawn runs every case of a device count
-LR = 1e-2  # runtime.train's default (TrainSpec.lr)
+LR = 1e-2  # runtime.jobs's default (TrainSpec.lr)
 MIB = 2**20
 # Zoo models sized so a step takes well over 20 ms on one core (compute, not Python overhead,
 # dominates) while the whole bench stays near 5 minutes: label -> (zoo name, arguments).

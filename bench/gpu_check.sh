@@ -12,7 +12,7 @@
 #   4. a few matmul shapes' measured TFLOP/s beside the dgx profiles' assumed efficiency
 #      (bench/matmul_efficiency.py).
 # Without CUDA: says so on one line, skips 1-3, and runs 4 on the CPU against cpu-gloo (so CI
-# keeps the script working: tests/test_gpu_check.py).
+# keeps the script working: tests/cli/test_gpu_check.py).
 # Everything goes under OUT (each step's output in its own .log); the summary (OUT/summary.txt)
 # has one PASS / FAIL / SKIP line per step. A failing step does not stop the next ones; the
 # exit status is 1 if any step failed.

@@ -80,7 +80,7 @@ def capture(layers: int) -> Depth:
 
 
 def plan_auto(graphs: dict[int, OpGraph]) -> Plan:
-    """The plan `autosbp plan` makes for GPT-3 (tests/test_planner.py holds them equal)."""
+    """The plan `autosbp plan` makes for GPT-3 (tests/planner/test_planner.py holds them equal)."""
     return plan_graphs(graphs, **COMMON, strategy="auto")
 
 

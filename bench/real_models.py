@@ -1,11 +1,11 @@
-"""The real-model table: every model of tests/real_models.py through every step a user takes.
+"""The real-model table: every model of tests/support/real_models.py through every step a user takes.
 
 Steps (one column each): capture on meta and on the CPU with the same fingerprint; plan on 4
 cpu-gloo processes and on 64 DGX A100 GPUs with the hand plans priced beside (`--compare`);
 train 2 steps on 2 gloo processes under the auto plan, fsdp and tensor parallel 2 (heads or
-channels), each with `--check`'s machinery (runtime/check.py). Prints a markdown table,
+channels), each with `--check`'s machinery (runtime/verify/step_check.py). Prints a markdown table,
 pass or the first line of the reason, and the seconds each column took. The assertions of the
-same steps are tests/test_real_models.py; this prints what they assert, for the README.
+same steps are tests/models/test_real_models.py; this prints what they assert, for the README.
 
 Run: `python bench/real_models.py [model,model,...]` (default: every model; ~10 minutes on 2
 cores).
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autosbp.capturing.export import capture
 from autosbp.planner.api import auto_parallelize
-from costmodel.launch import run_workers
-from tests.real_model_workers import train_checked
-from tests.real_models import BUILDERS
-from tests.test_real_models import STRATEGIES
+from launching.workers import run_workers
+from tests.models.test_real_models import STRATEGIES
+from tests.support.real_model_workers import train_checked
+from tests.support.real_models import BUILDERS
 
 STEPS = 2
 COLUMNS = ("capture meta = cpu", "plan cpu-gloo 4", "plan dgx-a100 64", "auto", "fsdp", "tp=2")

@@ -15,9 +15,9 @@ job is left 5 s later; the job's listening sockets: clean when none listens beyo
 The last lines print tried / clean / hang / silent / traceback. Figures of the issue "Real
 jobs" (#18) were measured with it, before and after; it takes several minutes on 2 cores.
 
-Lives elsewhere: the corpus of damaged inputs (tests/bad_inputs_corpus.py, shared with the
-tests), the tests of the same cases (tests/test_bad_inputs.py, tests/test_failures.py,
-tests/test_job_control.py), which run without launching where they can.
+Lives elsewhere: the corpus of damaged inputs (tests/support/bad_inputs_corpus.py, shared with the
+tests), the tests of the same cases (tests/cli/test_bad_inputs.py, tests/capturing/test_failures.py,
+tests/runtime/test_job_control.py), which run without launching where they can.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.bad_inputs_corpus import write_corpus  # noqa: E402
+from tests.support.bad_inputs_corpus import write_corpus  # noqa: E402
 
 MARKER_ENV = "AUTOSBP_PROBE_MARKER"  # set in a fault case's environment; ranks inherit it
 KILL_WAIT_S = 5.0  # the issue's bar: no process of the job left 5 s after its parent died
@@ -139,7 +139,7 @@ CASES: tuple[Case, ...] = (
 # ------------------------------------------------------------------------------- inputs
 def prepare(root: Path) -> None:
     """Two real plans (mlp with 4 blocks: data parallel, and 2 stages), and every damaged plan
-    and profile and bad model of the shared corpus (tests/bad_inputs_corpus.py)."""
+    and profile and bad model of the shared corpus (tests/support/bad_inputs_corpus.py)."""
     for name, strategy in (("dp", "dp"), ("pp", "megatron:tp=1,pp=2,dp=1")):
         _cli(
             [

@@ -2,7 +2,7 @@
 
 Run: python bench/runtime.py [--steps 20] [--warmup 3] [--quick]
 
-Rows (design.md section 5, targets from the "Actor runtime" issue):
+Rows, each with its target:
 - data parallel: our Engine under the planner's `dp` plan on 2 gloo processes vs torch
   DistributedDataParallel on the same model, the same global batch (each DDP rank takes its
   half), the same optimizer (Adam); target ratio <= 1.05.
@@ -30,7 +30,7 @@ largest difference over all steps (the trajectories drift apart slowly). Models 
 that compute, not Python overhead, dominates a step on a 2-core CPU, yet a run takes a few
 minutes (--quick: under a minute).
 Lives elsewhere: the runtime (runtime/engine.py), planning (autosbp/planner), the worker launch
-(costmodel/launch.py).
+(launching/workers.py).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from autosbp.capturing.export import capture_micro_batch  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import plan_graph  # noqa: E402
 from autosbp.zoo import build_model  # noqa: E402
-from costmodel.launch import run_workers  # noqa: E402
+from launching.workers import run_workers  # noqa: E402
 
 LR = 1e-3
 LOSS_REL_TOL = 1e-4  # first step, ours vs torch: the same computation up to fp32 reordering
@@ -149,7 +149,7 @@ def bench_worker(rank: int, world_size: int, job: Job) -> dict[str, Timing]:
     """On every rank: per model, an Engine and torch's loop (eager, DDP or a pipeline stage),
     stepped in alternating rounds; per-step times of this rank."""
     from runtime.engine import Engine
-    from runtime.gathers import GatherPolicy
+    from runtime.parallel.gathers import GatherPolicy
 
     torch.set_num_threads(job.threads)
     out: dict[str, Timing] = {}

@@ -1,7 +1,7 @@
 """What autograd keeps, probed (`planner.saved`) vs read off autograd's nodes, for every model of
-the real-model suite (tests/real_models.py, MobileNetV2 included): one row per model.
+the real-model suite (tests/support/real_models.py, MobileNetV2 included): one row per model.
 
-The check is tests/test_saved.py's (`check_graph`), which CI runs on the zoo models; the
+The check is tests/planner/test_saved.py's (`check_graph`), which CI runs on the zoo models; the
 real models' captures take about a minute on 2 cores, so they run here. Prints a markdown table:
 the model, the ops checked (distinct op and input flags), pass or the first line of the reason.
 
@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autosbp.capturing.export import capture
-from tests.real_models import BUILDERS
-from tests.test_rules_zoo import node_values
-from tests.test_saved import check_graph
+from tests.planner.test_saved import check_graph
+from tests.rules.test_rules_zoo import node_values
+from tests.support.real_models import BUILDERS
 
 
 def row(name: str) -> str:

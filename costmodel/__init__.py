@@ -3,7 +3,7 @@
 Knows nothing of SBP or graphs (arrows: runtime -> autosbp -> costmodel). Start with
 `Cluster(load_profile("dgx-a100"), nodes=128)` and ask it `op_time_s`, `collective_time_s`,
 `p2p_time_s`, `memory_bytes` and `link_class_for_mesh_dim`. Profiles are JSON files validated by
-costmodel/schemas/profile.schema.json; `autosbp profile` measures one (costmodel.profiler).
+costmodel/schemas/profile.schema.json; `autosbp profile` measures one (costmodel.measure.profiler).
 """
 
 from costmodel.cluster import Cluster

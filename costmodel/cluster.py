@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from costmodel.costs import CollectivePrice, ComputePrice
 from costmodel.errors import ProfileError
+from costmodel.prices import CollectivePrice, ComputePrice
 from costmodel.profile import CollectiveKind, DType, LinkClass, Profile
 
 

@@ -1,18 +1,15 @@
-"""The root of the project's user-facing errors, at the bottom layer so every package can raise it.
+"""The cost model's error: a hardware profile that cannot be used.
 
-`autosbp.errors` re-exports these and adds the planner's own; users catch `AutosbpError`.
+The root (`AutosbpError`) lives in `terminal.errors`; `autosbp.errors` re-exports every
+user-facing error for users.
 """
 
 from __future__ import annotations
 
+from terminal.errors import AutosbpError
 
-class AutosbpError(Exception):
-    """Base of every user-facing error: the message is one paragraph (cause and fix)."""
+__all__ = ["ProfileError"]
 
 
 class ProfileError(AutosbpError):
     """A hardware profile that is missing, malformed, or of another schema version."""
-
-
-class ExecutionError(AutosbpError):
-    """A distributed run failed: a timeout, a dead rank, a mismatched collective."""

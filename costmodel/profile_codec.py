@@ -37,8 +37,8 @@ from costmodel.profile import (
     SourceKind,
     Topology,
 )
-from costmodel.text import has_control, printable
 from costmodel.units import Dimension, dimension_of, to_base
+from terminal.text import has_control, printable
 
 # The largest value a profile may state, per dimension, in base units: about 100x beyond the
 # largest hardware of 2025 (spec sheets: B200 192 GB HBM3e at 8 TB/s, 4.5e15 dense fp8 flop/s;

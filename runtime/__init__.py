@@ -1,7 +1,7 @@
-"""runtime: executes a Plan on torch.distributed (design.md 3.7). Decides nothing.
+"""runtime: executes a Plan on torch.distributed (docs/architecture.md, "Runtime"). Decides nothing.
 
 The public name is `Engine` (runtime.engine); it loads on first use, so importing a submodule
-such as `runtime.boxing` does not pull in the whole runtime.
+such as `runtime.execute.collectives` does not pull in the whole runtime.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ become DTensors with the plan's placements on the plan's DeviceMesh, and the mod
 distributes its inputs per the plan's input SBPs. torch's own op propagation then runs the
 model: DTensor picks each op's collectives, not the plan's signatures (the plan's layouts are
 where the parameters and inputs live; `runtime.engine` is what runs the plan itself). Lives
-elsewhere: the plan in DTensor's terms (`Plan.device_mesh`, `Plan.placements`:
+elsewhere: the plan in DTensor's terms (`autosbp.plan.device_mesh`, `placements`:
 `autosbp.plan.dtensor`), the plan's own runtime (`runtime.engine`).
 
 Invariants:
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, distribute_ten
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autosbp.errors import PlanError
-from autosbp.plan import Plan
+from autosbp.plan import Plan, device_mesh, placements
 
 __all__ = ["distribute", "input_names"]
 
@@ -49,8 +49,8 @@ def distribute(model: nn.Module, plan: Plan, *, device_type: str | None = None) 
     """Make `model`'s parameters DTensors with `plan`'s placements (in place; returned), and its
     forward distribute its inputs per the plan's input SBPs. Train it with any loop: the loss
     is a DTensor (`loss.backward()`, `loss.full_tensor()`), each gradient a DTensor with its
-    parameter's placements. `device_type`: "cpu" or "cuda" (`Plan.device_mesh`'s default)."""
-    mesh = plan.device_mesh(device_type=device_type)
+    parameter's placements. `device_type`: "cpu" or "cuda" (`autosbp.plan.device_mesh`'s default)."""
+    mesh = device_mesh(plan, device_type=device_type)
     names = {id(p): name for name, p in model.named_parameters()}
     _check_parameters(model, plan)
     made: dict[int, nn.Parameter] = {}
@@ -105,13 +105,13 @@ def _check_parameters(model: nn.Module, plan: Plan) -> None:
 
 
 def _placements(plan: Plan, name: str, what: str) -> tuple[Placement, ...]:
-    placements = plan.placements(name)
-    if any(isinstance(p, Partial) for p in placements):
+    found = placements(plan, name)
+    if any(isinstance(p, Partial) for p in found):
         raise PlanError(
             f"the plan lays out {what} {name!r} as a partial value ({plan.nodes.get(name)}); a "
             "whole tensor has no partial form to start from. Plan without that layout."
         )
-    return placements
+    return found
 
 
 def _distributing(

@@ -4,11 +4,11 @@ Lives here: the checks that a plan fits this model and world, this rank's stage 
 parameter of its stage as the local shard of its plan SBP, a leaf that requires grad; buffers
 likewise), the step (the stage's 1F1B order of forwards and backwards per micro-batch, the
 cross-stage sends and receives, the loss seed, gradient sync, the optimizer) and
-`full_state_dict`. Lives elsewhere: the stage's program (`runtime.program`), the firing order
-(`autosbp.schedule.stage_orders`), the collectives and process groups (`runtime.boxing`,
-`runtime.groups`), the gradient sync (`runtime.grad_sync`), the plan and its whole-plan
+`full_state_dict`. Lives elsewhere: the stage's program (`runtime.execute.program`), the firing order
+(`autosbp.schedule.stage_orders`), the collectives and process groups (`runtime.execute.collectives`,
+`runtime.execute.groups`), the gradient sync (`runtime.parallel.grad_sync`), the plan and its whole-plan
 checks (`autosbp.plan`), the ranks' agreement on the plan and on rank 0's initial state
-(`runtime.startup`), capture (`autosbp.capturing.export`).
+(`runtime.state.startup`), capture (`autosbp.capturing.export`).
 
 Invariants:
 - Everything is planned in the constructor; `step` runs prebuilt closures only.
@@ -23,16 +23,16 @@ Invariants:
 - A parameter in layout p ends backward with its gradient in dual(p) (P where p has B, S where p
   has S); the sync boxes dual(p) -> p (an all-reduce over p's B mesh dims of its stage), in
   DDP's flat buckets, each launched while the last micro-batch's backward still runs, as soon
-  as its gradients are final (`runtime.grad_sync`). A parameter read on a later stage (a tied
+  as its gradients are final (`runtime.parallel.grad_sync`). A parameter read on a later stage (a tied
   embedding) is sent there every micro-batch and its gradient sent back.
 - Parameter gathers (a parameter's boxing with a collective, FSDP / ZeRO-3) run as the plan
-  prices them (`runtime.prefetch`): `prefetch_blocks` blocks ahead, freed after forward and
+  prices them (`runtime.parallel.prefetch`): `prefetch_blocks` blocks ahead, freed after forward and
   gathered again in backward where `reshard_after_forward`, their gradients reduce-scattered
   while backward goes on, on process groups of their own.
 - The optimizer steps on local shards: exact for elementwise optimizers (SGD, Adam, AdamW), not
   for ones that take norms across a whole tensor (LAMB, gradient clipping by global norm).
 - Every wait is bounded by the world's timeout.
-Reference: design.md 3.7; Narayanan et al. 2021 (1F1B); torch DDP's gradient buckets
+Reference: docs/architecture.md ("Runtime"); Narayanan et al. 2021 (1F1B); torch DDP's gradient buckets
 (`bucket_cap_mb`, 25 MB by default).
 """
 
@@ -51,17 +51,18 @@ from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.layout import shard_tensor
 from autosbp.plan import Plan, check_plan
+from autosbp.plan.recompute import recomputed_nodes
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Mesh, NdSbp, P, Partial, format_nd_sbp, local_shape
 from autosbp.schedule import Phase, stage_orders
 from autosbp.timeline import SpanHook
-from runtime.closures import Boxer
-from runtime.gathers import GatherPolicy, has_collective, plan_gather_policy
-from runtime.grad_sync import GradSync, build_sync_groups, sync_patterns
-from runtime.groups import build_groups, world_timeout
-from runtime.prefetch import GatherSetup
-from runtime.program import Program, build_program, read_signatures, stage_boundaries
-from runtime.startup import agree_on_plan, broadcast_initial_state
+from runtime.execute.groups import build_groups, world_timeout
+from runtime.execute.instructions import Boxer
+from runtime.execute.program import Program, build_program, read_signatures, stage_boundaries
+from runtime.parallel.gathers import GatherPolicy, has_collective, plan_gather_policy
+from runtime.parallel.grad_sync import GradSync, build_sync_groups, sync_patterns
+from runtime.parallel.prefetch import GatherSetup
+from runtime.state.startup import agree_on_plan, broadcast_initial_state
 
 __all__ = ["Engine"]
 
@@ -76,9 +77,9 @@ class Engine:
     is an already captured graph of one micro-batch of `model` to skip capturing again;
     `recorder` (an autosbp.timeline.Recorder, or any SpanHook) wraps every actor firing of
     every step, and the parameter gathers, re-gathers and gradient reduce-scatters that run
-    beside them (`runtime.prefetch`). `gathers` runs those as asked instead of as the plan
+    beside them (`runtime.parallel.prefetch`). `gathers` runs those as asked instead of as the plan
     says (`plan_gather_policy`: its prefetch depth and re-gathered parameters). Before anything else, every rank checks that all hold the same plan, and takes
-    rank 0's initial parameters and buffers (`runtime.startup`).
+    rank 0's initial parameters and buffers (`runtime.state.startup`).
     """
 
     def __init__(
@@ -96,7 +97,7 @@ class Engine:
         if not dist.is_available() or not dist.is_initialized():
             raise ExecutionError(
                 "Engine needs an initialized torch.distributed world; launch with torchrun "
-                f"--nproc-per-node {plan.device_count} (or costmodel.launch.run_workers) and call "
+                f"--nproc-per-node {plan.device_count} (or launching.workers.run_workers) and call "
                 "dist.init_process_group first."
             )
         agree_on_plan(plan)
@@ -142,7 +143,7 @@ class Engine:
         self._timeout = world_timeout()
         self.program: Program = build_program(
             graph, self.signatures, self.state, self.coords, self.boxer,
-            stage_of=stage_of, stage=self.stage, recompute=plan.recompute,
+            stage_of=stage_of, stage=self.stage, recomputed=recomputed_nodes(plan, graph),
             gathering=self._gathering(meshes, gathers or plan_gather_policy(plan, self.stage)),
         )  # fmt: skip
         self._links = _links(graph, self.signatures, stage_of, meshes, self.stage, self.index)

@@ -7,7 +7,7 @@ Lives here, one module per responsibility:
   (`price_boxing`);
 - `simulate`: what the steps do to local tensors in pure torch, one process for all ranks
   (`simulate_boxing`, the oracle the runtime's collectives are tested against).
-Lives elsewhere: the same steps on torch.distributed (`runtime.boxing`), a step's time in
+Lives elsewhere: the same steps on torch.distributed (`runtime.execute.collectives`), a step's time in
 seconds (`costmodel`), where boxing is needed and what it costs a plan (`planner.costs`).
 
 The names most callers need are re-exported here: `from autosbp.boxing import plan_boxing`.

@@ -6,7 +6,7 @@ meshes, hops on the source mesh, one send/recv, hops on the destination mesh); `
 the same chain on one mesh as the numbers that price it.
 Lives elsewhere: the steps, their table, bytes and duals (`boxing.steps`); what a step does to
 tensors in pure torch (`boxing.simulate`: `simulate_boxing`, the oracle of the runtime) and with
-torch.distributed (`runtime.boxing`); what a step costs in seconds (`costmodel`).
+torch.distributed (`runtime.execute.collectives`); what a step costs in seconds (`costmodel`).
 
 Invariants: steps chain (`steps[k].dst == steps[k + 1].src`), start at the source and end at the
 destination; the chain's summed `total_bytes` is minimal over chains of supported hops (ties: fewest

@@ -3,7 +3,7 @@
 Lives here: `apply_local_step` (the LOCAL steps: slice, zero-pad, keep-or-zero), `transfer_slices`
 (where a SEND_RECV message sits in the sender's and the receiver's local tensors), and
 `simulate_boxing` (every rank's local tensor through a chain of steps, in one process).
-Lives elsewhere: planning (`chains`), the same steps on torch.distributed (`runtime.boxing`, which
+Lives elsewhere: planning (`chains`), the same steps on torch.distributed (`runtime.execute.collectives`, which
 calls `apply_local_step` and `transfer_slices` so that the two agree by construction).
 
 Invariants: the simulator works group by group on the local tensors only (never re-cuts the

@@ -4,7 +4,7 @@ Lives here: `StepKind`, `BoxingStep`, `Transfer`, `TRANSITIONS` (the one table o
 `make_hop` (the step that changes one mesh dim), `cross_step` / `cross_transfers` (the send/recv
 between two disjoint meshes), `dual_step` / `dual_nd_sbp` (backward), `local_box`.
 Lives elsewhere: choosing the chain (`boxing.plan_boxing`), what a step does to tensors in pure
-torch (`boxing.simulate`, the simulator) and with torch.distributed (`runtime.boxing`).
+torch (`boxing.simulate`, the simulator) and with torch.distributed (`runtime.execute.collectives`).
 
 Invariants:
 - A step changes one mesh dim (`mesh_dim`), or moves a tensor between two disjoint meshes

@@ -23,7 +23,7 @@ Invariants:
   node), recomputes `flops` and `transcendentals` (`flops`, compute nodes only) and `bytes`
   (capture's own formula, `builder.node_attrs`) from the new shapes, and copies everything else
   from the b1 capture. Its `fingerprint()` equals that of a real capture at b
-  (tests/test_rebatch.py).
+  (tests/capturing/test_rebatch.py).
 - A rebatched graph has `program = None`: the b1 ExportedProgram has b1 shapes and would lie.
   Nothing in autosbp or runtime reads `OpGraph.program` (the runtime interprets the nodes), so a
   rebatched graph plans and runs like a captured one. `meta["capture_s"]` is the seconds the

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from costmodel.progress import activity
-from costmodel.text import printable
+from terminal.progress import activity
+from terminal.text import printable
 
 if TYPE_CHECKING:
     from autosbp.capturing.graph import OpGraph

@@ -19,8 +19,15 @@ from rich.table import Table
 
 from autosbp.commands import positive_int
 from autosbp.commands.train import plan_for, train_and_report, train_spec
-from autosbp.plan import Plan, format_bytes, format_seconds
-from costmodel.progress import activity
+from autosbp.plan import (
+    Plan,
+    format_bytes,
+    format_seconds,
+    hand_plan_table,
+    save_plan,
+    summary_table,
+)
+from terminal.progress import activity
 
 DEMO_MODEL = ("gpt", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 16, "batch": 8})
 
@@ -52,9 +59,9 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     out.mkdir(parents=True, exist_ok=True)
     console.rule(f"1. plan a small GPT for {args.nproc} CPU processes (profile cpu-gloo)")
     plan = plan_for(name, model_args, "auto", args.nproc, "cpu-gloo", console, compare=True)
-    console.print(plan.summary())
-    console.print(plan.hand_plan_table())
-    path = plan.save(out / "plan.json")
+    console.print(summary_table(plan))
+    console.print(hand_plan_table(plan))
+    path = save_plan(plan, out / "plan.json")
     console.rule(f"2. train it {args.steps} steps under the plan, beside single-device training")
     trace, timeline = out / "trace.json", out / "timeline.png"
     spec = train_spec(name, model_args, plan, args.steps, check=True)
@@ -99,12 +106,12 @@ def _gpt3(layers: int, out: Path, console: Console) -> Path:
         megatron = plan_graphs(
             {hand_count: graphs[hand_count]}, **common, strategy=hand, recompute="full"
         )
-    console.print(auto.summary())
+    console.print(summary_table(auto))
     console.print(f"searched in {searched:.1f} s")
     console.print(
         _comparison("GPT-3 175B on 1024 A100s: auto vs Megatron-LM", auto, [(hand, megatron)])
     )
-    return auto.save(out / "gpt3-plan.json")
+    return save_plan(auto, out / "gpt3-plan.json")
 
 
 def _comparison(title: str, auto: Plan, hand: list[tuple[str, Plan]]) -> Table:

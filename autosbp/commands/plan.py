@@ -19,9 +19,9 @@ from rich.table import Table
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments, load_from_args
 from autosbp.errors import AutosbpError, PlanError
-from autosbp.plan import Plan
-from costmodel.progress import activity
-from costmodel.text import printable
+from autosbp.plan import Plan, hand_plan_table, load_plan, save_plan, summary_table
+from terminal.progress import activity
+from terminal.text import printable
 
 GIB = 2**30
 
@@ -135,12 +135,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
             progress=act.update,
             compare=args.compare,
         )
-    console.print(plan.summary())
+    console.print(summary_table(plan))
     if plan.hand_plans:
-        console.print(plan.hand_plan_table())
+        console.print(hand_plan_table(plan))
     out = args.out or default_out(args.model, args.strategy, args.devices)
     refuse_replacing(out, plan, force=args.force)
-    path = plan.save(out)
+    path = save_plan(plan, out)
     console.print(f"plan written to {path}")
     return 0
 
@@ -161,7 +161,7 @@ def refuse_replacing(path: Path, plan: Plan, *, force: bool) -> None:
     if force or not path.exists():
         return
     try:
-        old = Plan.load(path)
+        old = load_plan(path)
     except AutosbpError:
         holds = "something that is not an autosbp plan"
     else:
@@ -182,7 +182,7 @@ def refuse_replacing(path: Path, plan: Plan, *, force: bool) -> None:
 
 
 def _explain(args: argparse.Namespace, console: Console) -> int:
-    plan = Plan.load(Path(args.plan))
+    plan = load_plan(Path(args.plan))
     if args.node is not None:
         from autosbp.explanation import explain
 

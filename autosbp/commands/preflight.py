@@ -4,7 +4,7 @@ Lives here: `check_job`: the plan against the model (the model's graph at the pl
 micro-batch size, captured on the meta device, must have the plan's fingerprint and pass every
 whole-plan check, `autosbp.plan.check_plan`) and the model trainable (parameters the loss
 depends on). Lives elsewhere: the whole-plan checks (`autosbp.plan.checks`), the checkpoint
-arguments (`commands.train`: they read runtime's checkpoint format), the job (`runtime.train`).
+arguments (`commands.train`: they read runtime's checkpoint format), the job (`runtime.jobs`).
 
 Why here: a problem found after launch costs the ranks' start-up (10-30 s on 2 cores) and comes
 back as a rank's failure; found here, it costs one capture and reads as one paragraph.

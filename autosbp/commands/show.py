@@ -14,8 +14,8 @@ from pathlib import Path
 from rich.console import Console
 
 from autosbp.errors import PlanError
-from autosbp.plan import Plan
-from costmodel.text import printable
+from autosbp.plan import load_plan, summary_table
+from terminal.text import printable
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         span_s,
     )
 
-    plan = Plan.load(Path(args.plan))  # consistent in itself, or refused
+    plan = load_plan(Path(args.plan))  # consistent in itself, or refused
     measured = None
     if args.trace is not None:
         trace = read_trace(Path(args.trace))
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             f"trace {args.trace} holds no spans with a duration; pass a trace recorded by the "
             "runtime during at least one training step."
         )
-    console.print(plan.summary())
+    console.print(summary_table(plan))
     console.print(
         f"predicted step {predicted_s * 1e3:.3f} ms ({len(plan.stages)} stage(s) x "
         f"{plan.micro_batches} micro-batch(es), simulated)",

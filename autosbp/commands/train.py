@@ -5,7 +5,7 @@ Lives here: the command's arguments, making or loading the plan (`plan_for`), th
 arguments against their folder, training with progress and the per-step table (loss beside
 single-device training with --check: `train_and_report`, `train_spec`), used by `autosbp demo`
 too (`commands.demo`).
-Lives elsewhere: the training loop, its watchdog and checkpoints (`runtime.train`, imported
+Lives elsewhere: the training loop, its watchdog and checkpoints (`runtime.jobs`, imported
 lazily: the CLI is the one place autosbp reaches into runtime), what is checked before launch
 (`commands.preflight`), planning (`planner`).
 """
@@ -25,20 +25,16 @@ from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments
 from autosbp.commands.preflight import check_job
 from autosbp.errors import ExecutionError, PlanError
-from autosbp.plan import Plan
+from autosbp.plan import Plan, load_plan
 from autosbp.plan.tables import shown
-from costmodel.progress import activity
-from costmodel.text import printable
+from launching.backends import BACKENDS
+from runtime.defaults import CHECKPOINT_EVERY, STALL_TIMEOUT_S
+from terminal.progress import activity
+from terminal.text import printable
 
 if TYPE_CHECKING:
-    from runtime.train import TrainSpec
+    from runtime.jobs import TrainSpec
 
-# The job-control defaults --help states; runtime.train holds the same values for API callers
-# (TrainSpec; tests/test_job_control.py keeps the two equal). The CLI does not import runtime
-# before a command runs: `autosbp --help` would wait for torch.
-STALL_TIMEOUT_S = 600.0
-CHECKPOINT_EVERY = 100
-BACKENDS = ("gloo", "nccl")  # costmodel.torchrun.BACKENDS, which loads torch.distributed
 TABLE_ENDS = 20  # a long job's table shows its first and last steps this many each
 
 
@@ -79,7 +75,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "--check",
         action="store_true",
         help="compare every step with one device: loss and gradients against float64 within fp32 "
-        "rounding, updates against the same optimizer (runtime/check.py)",
+        "rounding, updates against the same optimizer (runtime/verify/step_check.py)",
     )
     parser.add_argument(
         "--trace", type=Path,
@@ -111,8 +107,8 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     if args.meta:
         raise PlanError("`autosbp train` needs real parameters; drop --meta.")
-    from costmodel.torchrun import torchrun_world
-    from runtime.train import made_on_rank0, torchrun_job
+    from launching.torchrun import torchrun_world
+    from runtime.jobs import made_on_rank0, torchrun_job
 
     device, backend = _device_and_backend(args.device, args.backend)
     world = torchrun_world()
@@ -161,7 +157,7 @@ def _train_command(
 ) -> int:
     """Make or load the plan (on rank 0 under torchrun: `on_rank0`), then train under it."""
     from autosbp.zoo import parse_model_args
-    from runtime.train import TrainSpec
+    from runtime.jobs import TrainSpec
 
     model_args = parse_model_args(args.model_args)
     first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume)
@@ -190,9 +186,9 @@ def _train_command(
 
 
 def train_spec(model: str, model_args: dict, plan: Plan, steps: int, **options: Any) -> TrainSpec:
-    """A `runtime.train.TrainSpec` (imported here: the CLI reaches into runtime from this module
+    """A `runtime.jobs.TrainSpec` (imported here: the CLI reaches into runtime from this module
     only)."""
-    from runtime.train import TrainSpec
+    from runtime.jobs import TrainSpec
 
     return TrainSpec(model, model_args, plan.to_json(), steps, **options)
 
@@ -201,7 +197,7 @@ def _first_step(directory: Path | None, every: int | None, resume: bool) -> int:
     """The step the job starts from (the checkpoint's with --resume, else 0), or an error
     naming the argument to fix: a checkpoint is never overwritten without --resume, and a
     folder that holds something else is never taken for one."""
-    from runtime.checkpoint_format import MANIFEST, read_manifest
+    from runtime.state.checkpoint_format import MANIFEST, read_manifest
 
     if directory is None:
         if resume or every is not None:
@@ -240,7 +236,7 @@ def plan_for(
     compare: bool = False,
 ) -> Plan:
     if plan_arg.endswith(".json") or Path(plan_arg).is_file():
-        plan = Plan.load(plan_arg)  # consistent in itself, or refused
+        plan = load_plan(plan_arg)  # consistent in itself, or refused
         plan.check_world(nproc)
         check_job(plan, model, model_args, source=f"plan file {plan_arg}")
         return plan
@@ -272,8 +268,8 @@ def train_and_report(
     import dataclasses
 
     from autosbp.timeline import draw_timelines, predicted_events, write_chrome_trace
-    from costmodel.torchrun import torchrun_world
-    from runtime.train import StepProgress, train
+    from launching.torchrun import torchrun_world
+    from runtime.jobs import StepProgress, train
 
     steps, check = spec.steps, spec.check
     world = torchrun_world()
@@ -331,9 +327,7 @@ def _step_table(result: Any, model: str, plan: Plan, check: bool) -> Table:
     for column in ("step", "loss", *(CHECK_COLUMNS if check else ()), "time"):
         table.add_column(column, justify="right")
     if check:
-        table.caption = (
-            "loss, gradients, buffers, updates: the worst error / bound (runtime/check.py)"
-        )
+        table.caption = "loss, gradients, buffers, updates: the worst error / bound (runtime/verify/step_check.py)"
     rows = list(zip(result.records, result.step_times_s, strict=True))
     for index, (record, seconds) in enumerate(rows):
         if TABLE_ENDS <= index < len(rows) - TABLE_ENDS:
@@ -353,8 +347,8 @@ tensors (at most 1x passes)."""
 
 
 def _check_cells(check: Any) -> tuple[str, ...]:
-    """A step's --check columns (`runtime.check_report.StepCheck`; rank 0 always has one)."""
-    from runtime.check_report import Kind
+    """A step's --check columns (`runtime.verify.verdict.StepCheck`; rank 0 always has one)."""
+    from runtime.verify.verdict import Kind
 
     ratios = (check.ratio(kind) for kind in (Kind.LOSS, Kind.GRADIENT, Kind.BUFFER, Kind.UPDATE))
     return (

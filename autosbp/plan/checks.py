@@ -5,7 +5,7 @@ Lives here: `plan_problems(plan, graph=None)` (every problem found, each a sente
 `check_plan` (one PlanError listing them). Used by `autosbp train` (in the parent, against the
 model's captured graph, before any process starts), `show` and `explain` (the plan alone), and
 the Engine (every rank, against its own graph). Lives elsewhere: what JSON and its schema say
-(`plan.format`: types, required fields, SBP text, finite numbers, sizes within int64).
+(`plan.values`: types, required fields, SBP text, finite numbers, sizes within int64).
 
 The plan alone:
 - mesh: one dim name and one known link class per mesh dim;
@@ -20,7 +20,8 @@ With the model's graph (of one micro-batch, as the plan was made):
 - data flows forward: a node's value goes to its own stage or a later one (1F1B runs stages
   in order: a value sent back to an earlier stage would wait forever);
 - every parameter's entry matches its node: layout, stage, shape;
-- the global batch is what the runtime trains: micro-batches x the graph's batch.
+- the global batch is what the runtime trains: micro-batches x the graph's batch;
+- a recomputed node is a compute node inside a repeated block that writes no input.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from autosbp.errors import PlanError, SbpError
+from autosbp.plan.values import Plan
 from autosbp.sbp import format_nd_sbp, local_shape, parse_nd_sbp
 from costmodel.profile import LinkClass
-from costmodel.text import printable
+from terminal.text import printable
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads only when a plan is checked against its model
     from autosbp.capturing.graph import OpGraph
-    from autosbp.plan.format import Plan
 
 __all__ = ["check_plan", "plan_problems"]
 
@@ -63,7 +64,7 @@ def plan_problems(plan: Plan, graph: OpGraph | None = None) -> list[str]:
     problems = [*_mesh(plan), *_devices(plan), *_stages(plan), *_layouts(plan), *_numbers(plan)]
     if graph is not None:
         problems += [*_coverage(plan, graph), *_data_flow(plan, graph), *_params(plan, graph)]
-        problems += _batch(plan, graph)
+        problems += [*_batch(plan, graph), *_recomputation(plan, graph)]
     return problems
 
 
@@ -303,4 +304,27 @@ def _batch(plan: Plan, graph: OpGraph) -> list[str]:
     return [
         f"the plan is for a global batch of {plan.global_batch} samples, but the model's example "
         f"inputs hold {batch} ({plan.micro_batches} micro-batches of {sizes[0]})"
+    ]
+
+
+def _recomputation(plan: Plan, graph: OpGraph) -> list[str]:
+    """A recomputed node runs again in backward from its run's saved inputs: it must be a
+    compute node inside a repeated block that writes into none of its inputs."""
+    from autosbp.capturing.graph import Role
+    from autosbp.rules import mutated_inputs
+
+    wrong = [
+        name
+        for name, attrs in graph.nodes()
+        if name in plan.nodes
+        and plan.nodes[name].recomputed
+        and (
+            attrs["role"] is not Role.COMPUTE or attrs.get("block") is None or mutated_inputs(attrs)
+        )
+    ]
+    if not wrong:
+        return []
+    return [
+        f"nodes {_names(wrong)} are marked recomputed, but only compute nodes inside a repeated "
+        "block that write into none of their inputs can be"
     ]

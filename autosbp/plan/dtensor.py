@@ -1,11 +1,11 @@
 """A plan in torch DTensor's terms: a `DeviceMesh` per stage and the placements of a tensor.
 
-Lives here: `device_mesh` and `placements` (behind `Plan.device_mesh` and `Plan.placements`),
+Lives here: `device_mesh` and `placements` (free functions of a plan),
 `dtensor_placement` (one SBP as a DTensor placement). Lives elsewhere: the plan's values
-(`plan.format`), turning a model's parameters and inputs into DTensors (`runtime.distribute`,
+(`plan.values`), turning a model's parameters and inputs into DTensors (`runtime.distribute`,
 the public `autosbp.distribute`).
 
-Invariants: SBP and DTensor agree by construction (design 3.1): S(d) is Shard(d), B is
+Invariants: SBP and DTensor agree by construction (docs/architecture.md, "Contracts"): S(d) is Shard(d), B is
 Replicate(), P is Partial(op); mesh dims apply outer first in both, so the nd-SBP `S(0)B` on a
 2x2 mesh is the placements (Shard(0), Replicate()) on a DeviceMesh of the same shape and device
 order (row-major). torch.distributed is imported only when asked, so reading a plan never needs
@@ -18,13 +18,12 @@ import difflib
 from typing import TYPE_CHECKING
 
 from autosbp.errors import PlanError
+from autosbp.plan.values import Plan
 from autosbp.sbp import Broadcast, Sbp, Split, parse_nd_sbp
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch.distributed loads only when a mesh is built
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Placement
-
-    from autosbp.plan.format import Plan
 
 __all__ = ["device_mesh", "dtensor_placement", "placements"]
 
@@ -71,7 +70,7 @@ def device_mesh(plan: Plan, stage: int | None = None, device_type: str | None = 
     stage = _stage(plan, stage)
     if not dist.is_available() or not dist.is_initialized():
         raise PlanError(
-            "Plan.device_mesh needs an initialized torch.distributed world; call "
+            "device_mesh(plan) needs an initialized torch.distributed world; call "
             f"dist.init_process_group first (under torchrun --nproc-per-node {plan.device_count})."
         )
     plan.check_world(dist.get_world_size())
@@ -87,7 +86,7 @@ def _stage(plan: Plan, stage: int | None) -> int:
         if count > 1:
             raise PlanError(
                 f"the plan for {plan.model_name} has {count} pipeline stages, each with a mesh of "
-                f"its own; name one: plan.device_mesh(stage=0..{count - 1})."
+                f"its own; name one: device_mesh(plan, stage=0..{count - 1})."
             )
         return 0
     if not 0 <= stage < count:

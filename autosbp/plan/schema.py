@@ -6,7 +6,7 @@ unreadable, not JSON, nested beyond a reader's depth, or holding NaN/Infinity, w
 reader takes by default) and `validate_plan_json` (the format and version, then every value:
 finite, within int64, no control characters, nesting bounded; then the schema in
 autosbp/schemas/plan.schema.json, with `integer` meaning a JSON integer). Lives elsewhere: the
-plan's values (`plan.format`), whether they agree with each other (`plan.checks`).
+plan's values (`plan.values`), whether they agree with each other (`plan.checks`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,18 @@ from typing import Any
 import jsonschema
 
 from autosbp.errors import PlanError
-from costmodel.text import has_control, printable
+from terminal.text import has_control, printable
 
-__all__ = ["FORMAT", "MAX_DEPTH", "MAX_INT", "VERSION", "plan_schema", "read_plan_text",
-           "validate_plan_json"]  # fmt: skip
+__all__ = [
+    "FORMAT", "MAX_DEPTH", "MAX_INT", "READABLE_VERSIONS", "VERSION", "plan_schema",
+    "read_plan_text", "validate_plan_json",
+]  # fmt: skip
 
 FORMAT = "autosbp.plan"
-VERSION = 1
+VERSION = 2
+# Every version this autosbp reads: 1 (before nodes stated their recomputation; `plan.recompute`
+# gives format 1's rule for it) and 2.
+READABLE_VERSIONS = (1, 2)
 MAX_INT = 2**63 - 1  # int64: the largest count or size torch (and other JSON readers) can hold
 # The schema nests at most 5 levels (alternatives -> node -> list -> entry -> field); deeper
 # data is not a plan, and bounding it keeps every reader iterative and fast.
@@ -90,12 +95,13 @@ def validate_plan_json(data: Any, source: str = "plan") -> None:
     if isinstance(data, dict) and data.get("format") != FORMAT:
         raise PlanError(
             f"{source} is not an autosbp plan (format {printable(repr(data.get('format')))}, "
-            f"expected {FORMAT!r}); pass a file written by `autosbp plan` or Plan.save()."
+            f"expected {FORMAT!r}); pass a file written by `autosbp plan` or autosbp.plan.save_plan()."
         )
-    if isinstance(data, dict) and data.get("version") != VERSION:
+    if isinstance(data, dict) and data.get("version") not in READABLE_VERSIONS:
         raise PlanError(
             f"{source} is plan version {printable(repr(data.get('version')))} but this autosbp "
-            f"reads version {VERSION}; make the plan again with this version of autosbp."
+            f"reads versions {', '.join(map(str, READABLE_VERSIONS))}; make the plan again with "
+            "this version of autosbp."
         )
     for where, value in _leaves(data, source, fix):
         if isinstance(value, float) and not math.isfinite(value):

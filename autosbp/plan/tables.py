@@ -1,13 +1,13 @@
 """A plan for people: its summary table, its hand plans beside it, and the units they print in.
 
-Lives here: `summary_table` and `hand_plan_table` (behind `Plan.summary` and
-`Plan.hand_plan_table`), `TextTable` (a rich table that `print` and `str` render as text, so a
+Lives here: `summary_table` and `hand_plan_table` (free functions of a plan,
+as every view of a plan is), `TextTable` (a rich table that `print` and `str` render as text, so a
 plan's summary reads as a table wherever it is printed), `format_seconds`, `format_bytes`.
-Lives elsewhere: the plan's values and JSON (`plan.format`), the timeline chart
+Lives elsewhere: the plan's values and JSON (`plan.values`), the timeline chart
 (`autosbp.timeline`), the CLI that prints them.
 
 Invariant: every name from a plan is shown as text, never as terminal control characters or
-rich markup (`costmodel.text.printable`, `rich.markup.escape`).
+rich markup (`terminal.text.printable`, `rich.markup.escape`).
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from __future__ import annotations
 import io
 import math
 import re
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from costmodel.text import printable
-
-if TYPE_CHECKING:
-    from autosbp.plan.format import HandPlan, Plan
+from autosbp.plan.values import HandPlan, Plan
+from terminal.text import printable
 
 __all__ = ["TextTable", "format_bytes", "format_seconds", "hand_plan_table", "summary_table"]
 
@@ -90,8 +87,6 @@ def summary_table(plan: Plan, main_weights: int = 6) -> TextTable:
 
 def hand_plan_table(plan: Plan) -> TextTable:
     """The plan beside every hand plan priced with it."""
-    from autosbp.plan.format import HandPlan
-
     table = TextTable(title=shown(f"{plan.model_name}: {plan.strategy} vs hand plans (predicted)"))
     for column in ("strategy", "step time", "vs this plan", "peak memory", "note"):
         table.add_column(column, justify="right" if column != "note" else "left")

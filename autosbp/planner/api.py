@@ -23,8 +23,8 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.errors import MicroBatchError, PlanError
 from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
+from autosbp.planner.hand_plans import hand_strategies, strategy_space
 from autosbp.planner.search import Found, GraphFor, divisors, search
-from autosbp.planner.strategies import hand_strategies, strategy_space
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers

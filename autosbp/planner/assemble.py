@@ -15,6 +15,7 @@ from autosbp.capturing.graph import Role
 from autosbp.plan import Alternative, NodePlan, ParamPlan, Plan, Predicted, SolverReport, StagePlan
 from autosbp.planner.ilp_problem import Costs, Solution
 from autosbp.planner.memory import is_view_conversion
+from autosbp.planner.pipeline import recomputed
 from autosbp.planner.problem import MeshProblem
 from autosbp.planner.search import Found
 from autosbp.sbp import NdSbp, format_nd_sbp
@@ -51,6 +52,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             tuple(format_nd_sbp(nd) for nd in sig.outputs),
             stage,
             tied_to="" if rep == name else rep,
+            recomputed=recomputed(attrs, solved.recompute),
         )
         if attrs["role"] is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])

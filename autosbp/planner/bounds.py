@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from autosbp.capturing.graph import OpGraph, Role
-from autosbp.planner.costs import BACKWARD_FACTOR, NodeStrategies, Prices, returns_view
+from autosbp.planner.candidates import BACKWARD_FACTOR, NodeStrategies, Prices, returns_view
 from autosbp.planner.pipeline import recomputed
 
 

@@ -43,7 +43,7 @@ numbers: costs in seconds, memory in bytes), the problem as sparse matrices and 
 (`ilp_solvers`: the LP relaxation by HiGHS through scipy, the MIP by OR-Tools, CBC by default),
 turning a graph, a mesh and a cost model into a Problem (`planner`), reducing graphs before
 solving (`reduce`).
-Reference: design.md 3.5; autoparallel optimize_sharding.py; Alpa auto_sharding.py.
+Reference: docs/architecture.md ("Planner"); autoparallel optimize_sharding.py; Alpa auto_sharding.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ and pair (`memory`), recomputation modes (`pipeline`), ties (`reduce`).
 The facts (autograd's, per op, `saved.saved_by`):
 - a value is kept when a backward that will run saves it: its consumer's (an input it saves),
   its producer's (an output it saves, e.g. softmax), or a checkpointed run's (the inputs of a
-  recomputed run of a block: `runtime.program` checkpoints each such run, which saves what it
+  recomputed run of a block: `runtime.execute.program` checkpoints each such run, which saves what it
   reads from outside it, not its parameters);
 - a view keeps its input exactly when something keeps its output (it aliases it), whatever
   the recomputation;
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpGraph, Role
+from autosbp.planner.autograd_probe import requires_grad_of, saved_by
 from autosbp.planner.pipeline import recomputed
 from autosbp.planner.reduce import twin_key
-from autosbp.planner.saved import requires_grad_of, saved_by
 
 __all__ = ["Kept", "KeptUse", "kept_for_backward"]
 

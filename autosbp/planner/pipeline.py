@@ -31,6 +31,7 @@ from typing import Any
 from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
+from autosbp.rules import mutated_inputs
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 KEPT_UNDER_SELECTIVE = frozenset({"matmul", "attention", "conv", "embedding"})
@@ -106,8 +107,12 @@ def in_flight(stage: int, num_stages: int) -> int:
 
 
 def recomputed(attrs: Mapping[str, Any], mode: str) -> bool:
-    """Is this node's output recomputed in backward (not kept) under `mode`?"""
+    """Is this node's output recomputed in backward (not kept) under `mode`? Never for an op
+    that writes into an input (running it again would write twice). The plan states the
+    answer per node (`NodePlan.recomputed`), and the runtime recomputes what it states."""
     if mode == "none" or attrs["role"] is not Role.COMPUTE or attrs.get("block") is None:
+        return False
+    if mutated_inputs(attrs):
         return False
     if mode == "full":
         return True

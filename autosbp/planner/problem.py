@@ -26,7 +26,7 @@ import numpy as np
 
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import NoFitError
-from autosbp.planner.costs import (
+from autosbp.planner.candidates import (
     BoxingPricer,
     NodeStrategies,
     Prices,

@@ -73,7 +73,8 @@ import numpy as np
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import MicroBatchError, NoFitError, PlanError
 from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
-from autosbp.planner.costs import BoxingPricer, NodeStrategies, Prices
+from autosbp.planner.candidates import BoxingPricer, NodeStrategies, Prices
+from autosbp.planner.hand_plans import Space
 from autosbp.planner.ilp import SolverTimeoutError
 from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.nofit import Refusals
@@ -99,7 +100,6 @@ from autosbp.planner.space import (
     powers_of_two_dividing,
     structure,
 )
-from autosbp.planner.strategies import Space
 from autosbp.sbp import Mesh
 
 __all__ = [

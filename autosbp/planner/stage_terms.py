@@ -27,7 +27,7 @@ from collections import Counter
 import numpy as np
 
 from autosbp.capturing.graph import Role
-from autosbp.planner.costs import BACKWARD_FACTOR, NodeStrategies, Prices
+from autosbp.planner.candidates import BACKWARD_FACTOR, NodeStrategies, Prices
 from autosbp.planner.ilp_problem import Costs, MemoryConstraint
 from autosbp.planner.objective import StageCosts
 from autosbp.planner.pipeline import in_flight, recomputed

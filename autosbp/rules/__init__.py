@@ -26,7 +26,7 @@ runtime writes its boxed copy back), and so must every view on the way from the 
 to it: `pinned_inputs` lists them, the planner forbids boxing there, the runtime refuses it.
 Call `local_op` once per node and device and reuse the LocalOp; `nd_signatures` is memoized on
 what rules read.
-References: design.md 3.3; OneFlow operator.cpp (`GetSbpSignaturesIf`, nD product and filter).
+References: docs/architecture.md ("Contracts": rules); OneFlow operator.cpp (`GetSbpSignaturesIf`, nD product and filter).
 """
 
 from __future__ import annotations

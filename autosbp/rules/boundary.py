@@ -8,7 +8,7 @@ d; the registry's divisibility filter drops splits that do not divide) and of th
 Invariants: a placeholder is never P (a parameter, buffer or user input is one value, not a sum
 to be taken later), so data parallel (B parameters), Megatron TP (S parameters on one mesh dim)
 and ZeRO/FSDP (S parameters on the data-parallel mesh dim) all emerge from these choices.
-References: OneFlow variable_op.cpp (any S(i) or B); design.md 3.5.
+References: OneFlow variable_op.cpp (any S(i) or B); docs/architecture.md ("Planner").
 """
 
 from __future__ import annotations

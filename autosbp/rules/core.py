@@ -10,7 +10,7 @@ nD product (`autosbp.rules`), the simulation oracle (`autosbp.rules.oracle`).
 Invariants: a Signature has one SBP per tensor input (InputRef order) and one per tensor output;
 rules never emit P on a tensor that is not floating point (the registry filters it anyway);
 a LocalOp returns exactly one tensor per node output, whatever the op returns.
-References: design.md 3.3; graph.py for the node attribute contract; OneFlow `GetSbp` functions.
+References: docs/architecture.md ("Contracts": rules); graph.py for the node attribute contract; OneFlow `GetSbp` functions.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Lives here: `node_from_call` (a node attrs dict, as capture would write it, from
 `run_global` (the op on whole tensors), `shard_inputs` (every device's pieces, P as random addends)
 and `simulate` (shard, run `local_op` per device, check B copies agree, assemble). Used by the
 tests and by anyone adding a rule. Lives elsewhere: real multi-process execution (runtime), the
-DTensor peer check (tests/rules_helpers.py).
+DTensor peer check (tests/support/rules_helpers.py).
 
 Invariants: P inputs are random addends that sum to the global value, never "value on device 0,
 zeros elsewhere" only, so a rule that wrongly accepts P fails here; every B output is checked to

@@ -38,7 +38,7 @@ expert split at 1/n of the rows (`costs`: the smallest local share), i.e. balanc
 average of the step time, not its worst case. Capacity-based dispatch (the zoo's `moe`) has no
 such gap: every expert computes its capacity, full or not.
 Ties: a top-k or sort of values equal within rounding may pick another element on another
-device's kernel or in another precision (runtime/check.py states this limit).
+device's kernel or in another precision (runtime/verify/step_check.py states this limit).
 References: Lepikhin et al. 2020 (GShard) section 2.2; Megatron-Core's all-gather token
 dispatcher (experts split, tokens replicated, outputs summed); transformers.integrations.moe.
 """

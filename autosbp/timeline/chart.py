@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from autosbp.plan.format import write_atomically
+from autosbp.plan.files import write_atomically
 from autosbp.timeline.events import (
     UPDATE,
     Event,

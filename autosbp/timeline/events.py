@@ -52,7 +52,7 @@ _Record = tuple[str, int | None, float, float]  # what a Recorder keeps: kind, m
 
 class SpanHook(Protocol):
     """What the runtime wraps each actor firing in: a `Recorder`, or any object with `span`
-    (a training job also reports its progress there: runtime.train)."""
+    (a training job also reports its progress there: runtime.jobs)."""
 
     def span(self, kind: str, micro_batch: int | None = None) -> AbstractContextManager[None]: ...
 
@@ -216,7 +216,7 @@ def span_s(events: list[Event]) -> float:
 
 
 def measured_step_s(events: list[Event]) -> float:
-    """A measured step's time, the one definition (`runtime.train` times its steps the same way):
+    """A measured step's time, the one definition (`runtime.jobs` times its steps the same way):
     its slowest rank's, from the start of that rank's first span in the step to the end of its
     last. `events` are one step's (`last_step`). Each rank is timed on its own clock, so ranks on
     several machines, or entering the step at different moments, do not stretch it."""

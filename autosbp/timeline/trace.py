@@ -3,7 +3,7 @@
 Lives here: `write_chrome_trace` and `read_trace` (open the files in Perfetto or
 chrome://tracing), `Trace` (a file's events and the plan it names), `check_trace_plan` (a trace
 of another plan is refused). Lives elsewhere: the events (`timeline.events`), the plan's id
-(`Plan.digest`), writing a file whole or not at all (`plan.format.write_atomically`).
+(`Plan.digest`), writing a file whole or not at all (`plan.files.write_atomically`).
 
 Format: Google's Trace Event Format, "X" (complete) events, ts/dur in microseconds, pid = rank,
 tid = 0, cat = kind, args = {stage, micro_batch}; "M" events name each process. "otherData"
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autosbp.errors import PlanError
-from autosbp.plan.format import write_atomically
+from autosbp.plan.files import write_atomically
 from autosbp.timeline.events import Event
 
 if TYPE_CHECKING:

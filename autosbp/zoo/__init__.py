@@ -11,7 +11,7 @@ planning it (`planner`).
 Invariants: `model(*example_inputs)` returns the scalar training loss; the same (name, kwargs,
 seed) gives bit-identical weights and inputs, and leaves the global RNG untouched; no dropout, so
 training is deterministic; `device="meta"` builds parameters and inputs without memory. Models
-are in train mode and use only the ops of design.md section 6 (linear, layer norm, SDPA, GELU,
+are in train mode and use only ops torch.export keeps as they are (linear, layer norm, SDPA, GELU,
 embedding, conv2d, batch norm, cross-entropy ...) and, in `moe`, the routing ops of
 `autosbp.rules.routing`. The GPT head is untied unless `tied=True`.
 """

@@ -30,7 +30,7 @@ from autosbp.zoo.models import CausalSelfAttention, Gpt
 # paid for imbalance; imbalance beyond it drops tokens, it never slows an expert down). A top-k
 # near tie (two router probabilities within rounding) may route a token differently in another
 # precision or summation order: with random weights and tokens it is vanishingly rare, and
-# runtime/check.py states the limit.
+# runtime/verify/step_check.py states the limit.
 CAPACITY_FACTOR = 1.25  # Switch's training value (Fedus et al. 2021, section 2.2: 1.0-1.25)
 BALANCE_WEIGHT = 0.01  # Switch's auxiliary load-balancing loss weight (section 2.2, alpha)
 

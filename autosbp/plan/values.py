@@ -1,0 +1,304 @@
+"""The Plan as frozen values and their JSON (docs/architecture.md, "The plan"): data, with free functions elsewhere.
+
+Lives here: the plan's dataclasses, `Plan.to_json` / `Plan.from_json` (schema-validated; loading
+never executes anything), the check that a plan belongs to a model and world, `Plan.digest`.
+Lives elsewhere, as free functions of a plan: its files (`plan.files`: `load_plan`, `save_plan`),
+what a plan file must be to be read (`plan.schema`), whether a plan is consistent as a whole
+(`plan.checks`), its tables for people (`plan.tables`), its DTensor view (`plan.dtensor`); how a
+plan is found (`planner`), how it runs (runtime).
+
+Invariants: every SBP is stored as text (`"S(0)B"`) next to its DTensor names; a plan refuses a
+model whose graph fingerprint differs; a loaded plan equals the saved one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autosbp.errors import PlanError
+from autosbp.plan.schema import FORMAT, VERSION, validate_plan_json
+from autosbp.sbp import dtensor_names, parse_nd_sbp
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The signature chosen for one op: the nd-SBP of each tensor input and output, its stage,
+    and whether backward recomputes it."""
+
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    stage: int = 0
+    tied_to: str = ""  # the node of the first repeated block whose choice this one shares
+    # Recomputed in backward (its output dropped after forward, computed again from the saved
+    # inputs of its run of recomputed nodes); plans of format 1 do not say (`plan.recompute`).
+    recomputed: bool = False
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One signature a node could have taken, priced with every other choice kept.
+
+    `step_time_s` is None where the signature cannot be combined with its neighbours' choices.
+    """
+
+    signature: str
+    step_time_s: float | None
+    memory_delta_bytes: int
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """A parameter's stored layout (`sbp`, its optimizer states' alike) and, where a consumer
+    converts it to a layout that copies it (an all-gather of a sharded weight: FSDP / ZeRO-3),
+    what happens to the converted copy between forward and backward:
+    `reshard_after_forward` False keeps it (autograd saves it for the consumer's backward: its
+    bytes count per micro-batch in flight); True frees it after the consumer's forward and
+    converts the parameter again before that consumer's backward (FSDP's name; the conversion
+    is priced once more per micro-batch). False in plans written before it was recorded, and
+    wherever no conversion copies the parameter."""
+
+    sbp: str
+    stage: int
+    optimizer_state_sbp: str
+    shape: tuple[int, ...] = ()
+    reshard_after_forward: bool = False
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: its devices (row-major over `mesh_shape`), the repeated blocks it runs,
+    and the predicted per-micro-batch times the actor simulation replays (`forward_s`,
+    `backward_s` incl. boxing and recomputation, `send_s` to the next stage, one way) and the
+    per-step `update_s` (gradient sync + optimizer), of which the last micro-batch's backward
+    hides `sync_hidden_s`. `step_time_s`: the stage's busy time.
+
+    `prefetch_blocks` (k): the runtime converts the parameters of the next k repeated blocks
+    asynchronously while it computes one (forward: their gathers; backward: the re-gathers of
+    the blocks before it, and the gradient reduce-scatters of the block after it run beside
+    its backward); `gather_hidden_s` is what the plan prices as hidden that way per
+    micro-batch (forward + backward; `forward_s` and `backward_s` hold only what stays
+    exposed). 0 (plans written before they were recorded, and stages without identical
+    blocks): every conversion runs in line, nothing hidden."""
+
+    devices: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    blocks: tuple[int, ...] = ()
+    step_time_s: float = 0.0
+    peak_memory_bytes: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    send_s: float = 0.0
+    update_s: float = 0.0
+    sync_hidden_s: float = 0.0
+    prefetch_blocks: int = 0
+    gather_hidden_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Predicted:
+    step_time_s: float
+    peak_memory_bytes: int
+    throughput_samples_per_s: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    """The search behind the plan: the status and proven gap of the chosen configuration's
+    ILP, the whole search's wall time, the configurations it reached, how many of them an LP
+    bounded and how many it solved (0 in plans written before these were recorded)."""
+
+    status: str
+    gap: float
+    seconds: float
+    configurations: int = 0
+    bounded: int = 0
+    solved: int = 0
+
+    def effort(self) -> str:
+        """The search effort as the summary says it (", 35 configurations (22 bounded by
+        their LP, 2 solved)"), or "" for a plan written before it was recorded."""
+        if not self.configurations:
+            return ""
+        return (
+            f", {self.configurations} configurations ({self.bounded} bounded by their LP, "
+            f"{self.solved} solved)"
+        )
+
+
+@dataclass(frozen=True)
+class HandPlan:
+    """A hand plan (`dp`, `fsdp`, `megatron:...`) priced by the same search, for comparison:
+    its predicted step time and peak memory, or None and why it does not fit."""
+
+    strategy: str
+    step_time_s: float | None
+    peak_memory_bytes: int | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_name: str
+    fingerprint: str
+    profile: str
+    device_count: int
+    memory_limit_bytes: int
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    mesh_dims: tuple[str, ...]
+    link_classes: tuple[str, ...]
+    stages: tuple[StagePlan, ...]
+    micro_batches: int
+    recompute: str
+    global_batch: int
+    dtype: str
+    optimizer: str
+    nodes: dict[str, NodePlan]
+    params: dict[str, ParamPlan]
+    predicted: Predicted
+    solver: SolverReport
+    alternatives: dict[str, tuple[Alternative, ...]] = field(default_factory=dict)
+    hand_plans: tuple[HandPlan, ...] = ()
+    # The format this plan was written in: VERSION for new plans; a loaded plan keeps its own,
+    # so that saving it again keeps what it meant (`plan.recompute.recomputed_nodes`).
+    version: int = VERSION
+
+    # ---- JSON -------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON data (lists, not tuples): what `plan.files.save_plan` writes and
+        `from_json` reads."""
+        return json.loads(json.dumps(self._json_fields()))
+
+    def _json_fields(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": self.version,
+            "model": {"name": self.model_name, "fingerprint": self.fingerprint},
+            "cluster": {
+                "profile": self.profile,
+                "devices": self.device_count,
+                "memory_limit_bytes": self.memory_limit_bytes,
+            },
+            "strategy": self.strategy,
+            "mesh": {
+                "shape": list(self.mesh_shape),
+                "dims": list(self.mesh_dims),
+                "link_classes": list(self.link_classes),
+            },
+            "stages": [asdict(stage) for stage in self.stages],
+            "micro_batches": self.micro_batches,
+            "recompute": self.recompute,
+            "global_batch": self.global_batch,
+            "dtype": self.dtype,
+            "optimizer": self.optimizer,
+            "nodes": {name: _node_json(node) for name, node in self.nodes.items()},
+            "params": {name: asdict(p) for name, p in self.params.items()},
+            "predicted": asdict(self.predicted),
+            "solver": asdict(self.solver),
+            "alternatives": {
+                name: [asdict(a) for a in alts] for name, alts in self.alternatives.items()
+            },
+            "hand_plans": [asdict(h) for h in self.hand_plans],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "plan") -> Plan:
+        validate_plan_json(data, source)
+        return cls(
+            model_name=data["model"]["name"],
+            fingerprint=data["model"]["fingerprint"],
+            profile=data["cluster"]["profile"],
+            device_count=data["cluster"]["devices"],
+            memory_limit_bytes=data["cluster"]["memory_limit_bytes"],
+            strategy=data["strategy"],
+            mesh_shape=tuple(data["mesh"]["shape"]),
+            mesh_dims=tuple(data["mesh"]["dims"]),
+            link_classes=tuple(data["mesh"]["link_classes"]),
+            stages=tuple(
+                StagePlan(**{**s, **{k: tuple(s[k]) for k in ("devices", "mesh_shape", "blocks")}})
+                for s in data["stages"]
+            ),
+            micro_batches=data["micro_batches"],
+            recompute=data["recompute"],
+            global_batch=data["global_batch"],
+            dtype=data["dtype"],
+            optimizer=data["optimizer"],
+            nodes={
+                name: NodePlan(
+                    n["op"],
+                    tuple(n["inputs"]),
+                    tuple(n["outputs"]),
+                    n["stage"],
+                    n.get("tied_to", ""),
+                    n.get("recomputed", False),
+                )
+                for name, n in data["nodes"].items()
+            },
+            params={
+                name: ParamPlan(
+                    p["sbp"],
+                    p["stage"],
+                    p["optimizer_state_sbp"],
+                    tuple(p["shape"]),
+                    p.get("reshard_after_forward", False),
+                )
+                for name, p in data["params"].items()
+            },
+            predicted=Predicted(**data["predicted"]),
+            solver=SolverReport(**data["solver"]),
+            alternatives={
+                name: tuple(Alternative(**a) for a in alts)
+                for name, alts in data.get("alternatives", {}).items()
+            },
+            hand_plans=tuple(HandPlan(**h) for h in data.get("hand_plans", [])),
+            version=data["version"],
+        )
+
+    # ---- for people ---------------------------------------------------------------------------
+
+    def best_hand_plan(self) -> HandPlan | None:
+        """The fastest of the hand plans priced beside this one (None if none fits or none was
+        priced)."""
+        fitting = [h for h in self.hand_plans if h.step_time_s is not None]
+        return min(fitting, key=lambda h: h.step_time_s or 0.0, default=None)
+
+    def digest(self) -> str:
+        """sha256 of the plan's JSON (keys sorted): equal on every rank that runs the same plan."""
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    # ---- use with a model --------------------------------------------------------------------
+
+    def check_model(self, fingerprint: str, model_name: str = "the model") -> None:
+        if fingerprint != self.fingerprint:
+            raise PlanError(
+                f"this plan was made for a model with graph fingerprint {self.fingerprint} "
+                f"({self.model_name}), but {model_name} has fingerprint {fingerprint}: the model or "
+                "its example input shapes changed. Make a new plan for this model."
+            )
+
+    def check_world(self, world_size: int) -> None:
+        if world_size != self.device_count:
+            raise PlanError(
+                f"this plan is for {self.device_count} devices but the job has {world_size} "
+                f"processes; launch with --nproc {self.device_count} or make a plan for {world_size}."
+            )
+
+
+def _node_json(node: NodePlan) -> dict[str, Any]:
+    return {
+        "op": node.op,
+        "inputs": list(node.inputs),
+        "outputs": list(node.outputs),
+        "inputs_dtensor": [dtensor_names(parse_nd_sbp(s)) for s in node.inputs],
+        "outputs_dtensor": [dtensor_names(parse_nd_sbp(s)) for s in node.outputs],
+        "stage": node.stage,
+        **({"tied_to": node.tied_to} if node.tied_to else {}),
+        **({"recomputed": True} if node.recomputed else {}),
+    }

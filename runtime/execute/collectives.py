@@ -1,0 +1,225 @@
+"""Execute boxing steps on torch.distributed, differentiably: the runtime side of `autosbp.boxing`.
+
+Lives here: `execute_boxing` (this rank's local tensor through a chain of steps) and the one
+autograd function that runs a step forward and its dual step backward. Lives elsewhere: planning
+and the steps' meaning (`autosbp.boxing`, `autosbp.boxing.steps`), the local ops and message
+slices shared with the simulator (`autosbp.boxing.simulate`), process groups (`runtime.execute.groups`).
+
+Invariants:
+- Every rank of the world calls `execute_boxing` with the same steps, in the same order as every
+  other boxing (collectives match by order). Ranks outside a step's meshes skip it.
+- Forward runs `step`; backward runs `dual_step(step)` (the adjoint): all-gather <-> reduce-scatter,
+  all-reduce <-> all-reduce, all-to-all S(i)->S(j) <-> S(j)->S(i), slice <-> zero-pad, keep-or-zero
+  <-> itself, send/recv <-> the same messages reversed. So the gradient of a B tensor comes back P
+  and of a P tensor B: a loss replicated on every rank must be seeded as P (e.g. 1 on one rank).
+- Results equal `autosbp.boxing.simulate_boxing` on the same pieces (tested on gloo).
+- A collective splits along tensor dim k by moving k to the front, so S(1) gathers concatenate
+  along dim 1, not dim 0.
+Reference: torch.distributed collectives (`all_gather_single`, `reduce_scatter_single`,
+`all_to_all_single`, `batch_isend_irecv`); OneFlow's dual SBP for gradients (`nd_sbp.cpp`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autosbp.boxing.simulate import apply_local_step, transfer_slices
+from autosbp.boxing.steps import BoxingStep, StepKind, dual_step
+from autosbp.errors import ExecutionError
+from autosbp.sbp import Mesh, Split, format_nd_sbp, local_shape
+from runtime.execute.groups import ProcessGroups
+
+__all__ = ["Started", "execute_boxing", "run_step", "start_step"]
+
+# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def execute_boxing(
+    local: torch.Tensor | None, steps: Sequence[BoxingStep], groups: ProcessGroups
+) -> torch.Tensor:
+    """This rank's local tensor after `steps` (from `plan_boxing`), differentiable.
+
+    `local` is this rank's piece in the layout of `steps[0].src` on `steps[0].mesh`; None on ranks
+    that hold none (destination stage, bystanders). Ranks of no destination mesh get an empty
+    placeholder: a source stage calls `.backward(torch.empty(0))` on it to take part in the
+    backward send. For that, ranks that hold no input build a placeholder that requires grad.
+    """
+    if not steps:
+        return local if local is not None else torch.empty(0)
+    rank = dist.get_rank()
+    first = steps[0]
+    if rank in first.mesh.device_ids:
+        _check_local(local, first, rank)
+    x = local if local is not None else _placeholder(first)
+    for step in steps:
+        if rank in step.mesh.device_ids or rank in step.dst_mesh.device_ids:
+            x = _BoxingHop.apply(x, step, groups)
+    return x
+
+
+def _check_local(local: torch.Tensor | None, step: BoxingStep, rank: int) -> None:
+    want = local_shape(step.shape, step.src, step.mesh.shape)
+    if local is None or tuple(local.shape) != want:
+        got = "None" if local is None else tuple(local.shape)
+        raise ExecutionError(
+            f"boxing {format_nd_sbp(step.src)} -> ... of a {step.shape} tensor on {step.mesh}: rank "
+            f"{rank} passed a local tensor of shape {got}, but its piece is {want}. Pass this "
+            "rank's piece (autosbp.layout.shard_tensor cuts one)."
+        )
+
+
+def _placeholder(step: BoxingStep) -> torch.Tensor:
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return torch.empty(0, dtype=step.dtype, device=device, requires_grad=torch.is_grad_enabled())
+
+
+class _BoxingHop(torch.autograd.Function):
+    """One step forward; its dual step backward (the adjoint of the step's linear map)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, step: BoxingStep, groups: ProcessGroups) -> torch.Tensor:
+        ctx.step, ctx.groups = step, groups
+        return run_step(x, step, groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return run_step(grad.contiguous(), dual_step(ctx.step), ctx.groups), None, None
+
+
+def run_step(
+    x: torch.Tensor, step: BoxingStep, groups: ProcessGroups, *, donate: bool = False
+) -> torch.Tensor:
+    """One step on this rank (which takes part in it), without autograd. With `donate`, the
+    caller gives up `x`: an all-reduce then runs in place instead of on a copy."""
+    if step.kind is StepKind.SEND_RECV:
+        return _send_recv(x, step, dist.get_rank())
+    return start_step(x, step, groups, donate=donate, async_op=False).result(None)
+
+
+@dataclass(slots=True)
+class Started:
+    """A step on its way: `work` (None for a local step, or a finished collective) and what
+    makes the step's result of the collective's output once it is done."""
+
+    work: dist.Work | None
+    finish: Callable[[], torch.Tensor]
+
+    def result(self, timeout: datetime.timedelta | None) -> torch.Tensor:
+        """The step's result, after waiting at most `timeout` for its collective (None: the
+        step was started synchronously)."""
+        if self.work is not None and timeout is not None:
+            self.work.wait(timeout)
+        return self.finish()
+
+
+def start_step(
+    x: torch.Tensor,
+    step: BoxingStep,
+    groups: ProcessGroups,
+    *,
+    donate: bool = False,
+    async_op: bool = True,
+) -> Started:
+    """Start one collective or local step on this rank, without autograd (not SEND_RECV: stage
+    to stage traffic is the engine's). With `async_op` the collective runs on its group's
+    threads while the caller goes on; `Started.result` waits for it."""
+    assert step.kind is not StepKind.SEND_RECV, "start_step: send/recv steps run synchronously"
+    rank = dist.get_rank()
+    mesh, mesh_dim = step.mesh, step.mesh_dim
+    assert mesh_dim is not None
+    coords = mesh.coords(mesh.device_ids.index(rank))
+    if step.kind is StepKind.LOCAL:
+        out = apply_local_step(step, x, coords[mesh_dim])
+        return Started(None, lambda: out)
+    group = groups.get(_group_ranks(mesh, mesh_dim, coords))
+    a, b, p = step.src_sbp, step.dst_sbp, step.group_size
+    if step.kind is StepKind.ALL_REDUCE:
+        out = x if donate and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+        return Started(dist.all_reduce(out, group=group, async_op=async_op), lambda: out)
+    if step.kind is StepKind.ALL_GATHER:
+        assert isinstance(a, Split)
+        return _all_gather(x, a.dim, p, group, async_op)
+    if step.kind is StepKind.REDUCE_SCATTER:
+        assert isinstance(b, Split)
+        return _reduce_scatter(x, b.dim, p, group, async_op)
+    assert step.kind is StepKind.ALL_TO_ALL and isinstance(a, Split) and isinstance(b, Split)
+    return _all_to_all(x, a.dim, b.dim, p, group, async_op)
+
+
+def _group_ranks(mesh: Mesh, mesh_dim: int, coords: tuple[int, ...]) -> tuple[int, ...]:
+    members = []
+    for k in range(mesh.shape[mesh_dim]):
+        at = (*coords[:mesh_dim], k, *coords[mesh_dim + 1 :])
+        members.append(mesh.device_ids[mesh.index(at)])
+    return tuple(members)
+
+
+def _all_gather(
+    x: torch.Tensor, dim: int, p: int, group: dist.ProcessGroup, async_op: bool
+) -> Started:
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((p * front.shape[0], *front.shape[1:]))
+    work = _all_gather_single(out, front, group=group, async_op=async_op)
+    return Started(work, lambda: _moved_back(out, dim))
+
+
+def _reduce_scatter(
+    x: torch.Tensor, dim: int, p: int, group: dist.ProcessGroup, async_op: bool
+) -> Started:
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // p, *front.shape[1:]))
+    work = _reduce_scatter_single(out, front, group=group, async_op=async_op)
+    return Started(work, lambda: _moved_back(out, dim))
+
+
+def _moved_back(out: torch.Tensor, dim: int) -> torch.Tensor:
+    """A collective's output (its dim 0 the mesh's) with that dim moved to `dim`, contiguous:
+    on dim 0 the output itself, not a view of it (a gathered weight then owns its storage, and
+    no copy is made to give it one)."""
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
+
+
+def _all_to_all(
+    x: torch.Tensor, src_dim: int, dst_dim: int, p: int, group: dist.ProcessGroup, async_op: bool
+) -> Started:
+    """S(src_dim) -> S(dst_dim): chunk c along dst_dim goes to member c; what comes back from
+    member m is chunk m along src_dim of the result."""
+    send = torch.stack(x.chunk(p, dim=dst_dim)).contiguous()
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return Started(work, lambda: torch.cat(recv.unbind(0), dim=src_dim))
+
+
+def _send_recv(x: torch.Tensor, step: BoxingStep, rank: int) -> torch.Tensor:
+    """This rank's part of a stage-to-stage step: send its messages, receive and add its own."""
+    src_index = step.mesh.device_ids.index(rank) if rank in step.mesh.device_ids else None
+    dst_index = step.dst_mesh.device_ids.index(rank) if rank in step.dst_mesh.device_ids else None
+    ops, received = [], []
+    for transfer in step.transfers:
+        src_slices, dst_slices = transfer_slices(step, transfer)
+        if transfer.src == src_index:
+            peer = step.dst_mesh.device_ids[transfer.dst]
+            ops.append(dist.P2POp(dist.isend, x[src_slices].contiguous(), peer))
+        if transfer.dst == dst_index:
+            buffer = x.new_empty([stop - start for start, stop in transfer.box])
+            ops.append(dist.P2POp(dist.irecv, buffer, step.mesh.device_ids[transfer.src]))
+            received.append((dst_slices, buffer))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    if dst_index is None:
+        return x.new_empty(0)
+    out = x.new_zeros(local_shape(step.shape, step.dst, step.dst_mesh.shape))
+    for dst_slices, buffer in received:
+        out[dst_slices] += buffer
+    return out

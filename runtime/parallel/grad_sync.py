@@ -1,0 +1,200 @@
+"""Gradient sync overlapped with backward: DDP's buckets, on the plan's layouts.
+
+Lives here: `GradSync` (the buckets of one rank, hooks that launch a bucket's all-reduce as soon
+as the last micro-batch's backward has finished every gradient in it, and `finish`, which
+launches what is left, waits, and puts the synced gradients back), `sync_patterns` and
+`build_sync_groups` (the process groups it runs on). Lives elsewhere: the step that arms it
+(`runtime.engine`), the layouts (the plan), the price of the overlap (`autosbp.schedule.
+exposed_sync_s`).
+
+Invariants:
+- A parameter in layout p ends backward with its gradient in dual(p); the sync boxes it to p: a
+  sum over the mesh dims where p is B (of more than one device). One all-reduce over the ranks
+  that share the other coordinates sums over all those dims at once (the boxing chain sums over
+  one dim after the other: the same sum).
+- Buckets: parameters with the same summed dims and dtype, in reverse graph order (the order in
+  which backward finishes them), at most `bucket_bytes` each (DDP's bucket_cap_mb). A bucket's
+  flat buffer lives across steps (a fresh one per step cost mlp-2048, 96 MiB of weights, about
+  5% of its step against DDP, measured), and the gradients are views of it (DDP's
+  gradient_as_bucket_view): `zero_grad` zeroes it and hands the views back, autograd
+  accumulates into them in place, and the all-reduce runs on it without a copy, so a bucketed
+  gradient is held once, as the planner counts it (a copy held the bucket's gradients twice
+  from the launch on: 17% over the predicted peak of mlp's auto plan on 4 processes,
+  measured by tests/runtime/test_memory.py). Only the first step, before the buffer exists, copies.
+  A gradient backward never reached is None after `finish`, as without buckets.
+- Every rank launches its buckets in bucket order (a ready bucket waits for the ones before it),
+  so the collectives of a group meet in the same order everywhere. They run on process groups of
+  their own: they never interleave with the boxing collectives backward runs meanwhile.
+- Only the last micro-batch's backward launches (`arm`): earlier ones still accumulate. A leaf's
+  gradient is accumulated once per backward call, so when its hook fires in the armed backward
+  the gradient is final. Parameters backward never reaches are synced (as zeros) by `finish`.
+- Every wait is bounded by the world's timeout.
+Reference: torch DDP's Reducer (Li et al. 2020, "PyTorch Distributed", section 3.2.3: bucketing,
+overlap, launch in bucket order); torch.Tensor.register_post_accumulate_grad_hook.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from autosbp.sbp import Broadcast, Mesh, NdSbp
+from autosbp.schedule import GRAD_BUCKET_BYTES
+from runtime.execute.groups import ProcessGroups
+
+__all__ = ["GradSync", "build_sync_groups", "summed_dims", "sync_patterns"]
+
+Pattern = tuple[int, ...]  # the mesh dims a gradient is summed over
+
+
+def summed_dims(layout: NdSbp, mesh_shape: Sequence[int]) -> Pattern:
+    """The mesh dims a parameter in `layout` sums its gradient over: where it is B on more than
+    one device."""
+    return tuple(
+        d
+        for d, (sbp, size) in enumerate(zip(layout, mesh_shape, strict=True))
+        if isinstance(sbp, Broadcast) and size > 1
+    )
+
+
+def sync_patterns(layouts: Iterable[NdSbp], mesh_shape: Sequence[int]) -> list[Pattern]:
+    """Every non-empty `summed_dims` among `layouts`, sorted: the same list on every rank when
+    every rank passes the layouts of every parameter of the plan."""
+    return sorted({p for layout in layouts if (p := summed_dims(layout, mesh_shape))})
+
+
+def build_sync_groups(meshes: Sequence[Mesh], patterns: Sequence[Pattern]) -> ProcessGroups:
+    """A group per (mesh, pattern, fixed other coordinates). A collective over the world: call on
+    every rank with the same meshes and patterns, in the same order."""
+    groups = ProcessGroups()
+    for mesh in meshes:
+        for pattern in patterns:
+            groups.add_groups(mesh, mesh.groups_over(pattern))
+    return groups
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Gradients synced by one all-reduce: flattened into `flat` at launch, split back after."""
+
+    params: tuple[torch.Tensor, ...]
+    group: dist.ProcessGroup
+    waiting: int = 0  # gradients the armed backward has not finished yet
+    work: dist.Work | None = None
+    flat: torch.Tensor | None = None
+
+
+class GradSync:
+    """Syncs the gradients of `params` (name -> this rank's shard, in graph order) in their
+    `layouts` on `mesh` (this rank's stage) through `groups` (`build_sync_groups`). The
+    gradients of `deferred` parameters are not autograd's to accumulate (`runtime.parallel.prefetch`
+    adds them in): whoever does calls `gradient_ready` once per backward."""
+
+    def __init__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        layouts: Mapping[str, NdSbp],
+        mesh: Mesh,
+        groups: ProcessGroups,
+        timeout: datetime.timedelta,
+        bucket_bytes: int = GRAD_BUCKET_BYTES,
+        deferred: Collection[str] = (),
+    ) -> None:
+        self.timeout = timeout
+        self.buckets: list[_Bucket] = []
+        self.launched_in_backward = 0  # buckets the last armed backward launched itself
+        self._bucket_of: dict[torch.Tensor, _Bucket] = {}
+        self._next = 0  # the next bucket to launch
+        self._armed = False
+        self._reached: set[torch.Tensor] = set()  # gradients the armed backward finished
+        coords = mesh.coords(mesh.device_ids.index(dist.get_rank()))
+        open_buckets: dict[tuple[Pattern, torch.dtype], _Bucket] = {}
+        for name in reversed(list(params)):
+            param, pattern = params[name], summed_dims(layouts[name], mesh.shape)
+            if not pattern:
+                continue  # split (or alone) on every mesh dim: the gradient is already in place
+            bucket = open_buckets.get((pattern, param.dtype))
+            if bucket is None or _nbytes(bucket.params) + param.nbytes > bucket_bytes:
+                bucket = _Bucket((), groups.get(mesh.group_of(coords, pattern)))
+                open_buckets[(pattern, param.dtype)] = bucket
+                self.buckets.append(bucket)
+            bucket.params += (param,)
+            self._bucket_of[param] = bucket
+            if name not in deferred:
+                param.register_post_accumulate_grad_hook(self.gradient_ready)
+
+    def zero_grad(self) -> None:
+        """Before a step's first backward: every bucketed gradient a zeroed view of its bucket
+        (from the second step on; the others None)."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.flat is not None:
+                    bucket.flat.zero_()
+                    for param, view in zip(bucket.params, _views(bucket), strict=True):
+                        param.grad = view
+
+    def arm(self) -> None:
+        """Launch buckets from now on, as backward finishes their gradients: call right before
+        the last micro-batch's backward (the one that finishes every gradient)."""
+        for bucket in self.buckets:
+            bucket.waiting, bucket.work = len(bucket.params), None
+        self._next, self._armed, self.launched_in_backward = 0, True, 0
+
+    def finish(self) -> None:
+        """Launch the buckets not launched yet, wait for all, and set every synced gradient
+        (parameters whose gradient is None stay None)."""
+        assert self._armed, "GradSync.finish without arm: call arm before the last backward"
+        self._armed = False
+        self._launch(len(self.buckets))
+        for bucket in self.buckets:
+            assert bucket.work is not None and bucket.flat is not None
+            bucket.work.wait(self.timeout)
+            for param, view in zip(bucket.params, _views(bucket), strict=True):
+                param.grad = view if param in self._reached else None
+        self._reached.clear()
+
+    def gradient_ready(self, param: torch.Tensor) -> None:
+        """`param`'s gradient is final for this backward (autograd's post-accumulate hook, or
+        whoever adds a `deferred` parameter's gradient in). A parameter split on every mesh
+        dim (in no bucket) has nothing to sync."""
+        bucket = self._bucket_of.get(param)
+        if not self._armed or bucket is None:
+            return  # an earlier micro-batch (its gradients still accumulate), or no sync
+        assert bucket.work is None, "a gradient accumulated twice in one backward"
+        self._reached.add(param)
+        bucket.waiting -= 1
+        ready = self._next
+        while ready < len(self.buckets) and self.buckets[ready].waiting == 0:
+            ready += 1
+        before = self._next
+        self._launch(ready)
+        self.launched_in_backward += self._next - before
+
+    def _launch(self, until: int) -> None:
+        """Start the all-reduce of every bucket before `until` not started yet, in order."""
+        with torch.no_grad():
+            for bucket in self.buckets[self._next : until]:
+                if bucket.flat is None:  # the first step: kept across steps from now on
+                    like = bucket.params[0]
+                    size = sum(p.numel() for p in bucket.params)
+                    bucket.flat = torch.zeros(size, dtype=like.dtype, device=like.device)
+                for param, view in zip(bucket.params, _views(bucket), strict=True):
+                    if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                        view.copy_(param.grad)  # not a view of the bucket: the first step
+                bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+        self._next = max(self._next, until)
+
+
+def _views(bucket: _Bucket) -> list[torch.Tensor]:
+    """Each parameter's piece of the bucket's flat buffer, shaped like the parameter."""
+    assert bucket.flat is not None
+    pieces = bucket.flat.split([p.numel() for p in bucket.params])
+    return [piece.view_as(p) for piece, p in zip(pieces, bucket.params, strict=True)]
+
+
+def _nbytes(params: Sequence[torch.Tensor]) -> int:
+    return sum(p.nbytes for p in params)

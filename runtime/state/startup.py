@@ -1,0 +1,79 @@
+"""What every rank agrees on before training: the same plan, and the same initial state.
+
+Lives here: `agree_on_plan` (every rank's plan digest, all-gathered: ranks given different plans
+stop at once with an error naming them, instead of waiting in mismatched collectives until a
+timeout), `broadcast_initial_state` (every parameter, buffer and lifted constant takes rank 0's
+value, so a model whose initialization is not seeded, or differs between processes, still
+trains one set of weights) and `from_rank0` (one tensor: a training job's batch, likewise). Lives elsewhere: the Engine, which calls both before anything else
+collective (`runtime.engine`); the digest (`Plan.digest`).
+
+Invariants: both are collectives over the default group, called by every rank in the same
+order; the broadcast walks the graph's state in graph order, the same on every rank (their
+plans agreed, and each rank's graph matched the plan's fingerprint before). A tensor tied to
+another (one object under two names) is sent once.
+Scope: every rank receives each tensor whole, one broadcast per tensor from global rank 0, and
+keeps its own shard afterwards (every rank builds the whole model anyway). Sending each rank
+only its pieces would move less at start-up; the result is the same.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autosbp.capturing.graph import OpGraph, Role
+from autosbp.errors import PlanError
+from autosbp.plan import Plan
+
+__all__ = ["agree_on_plan", "broadcast_initial_state", "from_rank0"]
+
+
+def agree_on_plan(plan: Plan) -> None:
+    """PlanError on every rank unless every rank holds the same plan (sha256 of its JSON)."""
+    digest = torch.tensor(list(bytes.fromhex(plan.digest())), dtype=torch.uint8)
+    gathered = [torch.empty_like(digest) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, digest)
+    ranks_of: dict[str, list[int]] = defaultdict(list)
+    for rank, theirs in enumerate(gathered):
+        ranks_of[bytes(theirs.tolist()).hex()].append(rank)
+    if len(ranks_of) == 1:
+        return
+    groups = "; ".join(f"ranks {ranks}: sha256 {d[:12]}..." for d, ranks in ranks_of.items())
+    raise PlanError(
+        f"the ranks hold {len(ranks_of)} different plans ({groups}); every rank must run the "
+        "same plan, or their collectives never match. Load one plan file on every rank "
+        "(autosbp.plan.load_plan), or build each rank's Plan from the same JSON."
+    )
+
+
+def broadcast_initial_state(model: nn.Module, graph: OpGraph) -> dict[str, torch.Tensor]:
+    """Every parameter, buffer and constant of `graph` (by name) with rank 0's value, copied
+    into `model`'s own tensors on every rank; returns them by name (the Engine shards these).
+    Tensors on the meta device are left as they are (the Engine refuses them, naming them)."""
+    sources: dict[str, torch.Tensor] = dict(graph.meta.get("constants", {}))
+    sources.update(model.named_buffers(remove_duplicate=False))
+    sources.update(model.named_parameters(remove_duplicate=False))
+    sent: set[int] = set()
+    with torch.no_grad():
+        for _, attrs in graph.nodes():
+            if attrs["role"] not in (Role.PARAMETER, Role.BUFFER):
+                continue
+            tensor = sources[attrs["name"]]
+            if id(tensor) in sent or tensor.is_meta:
+                continue
+            sent.add(id(tensor))
+            tensor.copy_(from_rank0(tensor))
+    return sources
+
+
+def from_rank0(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's value of `tensor`, a new tensor (a collective: every rank calls it with a tensor
+    of the same shape and dtype)."""
+    wire = tensor.detach().clone().contiguous()
+    if wire.dtype is torch.bool:  # gloo moves no bools; their bytes travel as uint8
+        wire = wire.view(torch.uint8)
+    dist.broadcast(wire, src=0)
+    return wire.view(tensor.dtype)

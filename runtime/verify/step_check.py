@@ -1,0 +1,440 @@
+"""`--check`: is each training step of a plan the step one device takes, up to fp32 rounding?
+
+Lives here: `StepChecker` (every rank: gathers the plan's weights and gradients each step; rank 0
+compares them), `Reference` (rank 0's oracle: the model on one device in float64 and in fp32,
+and the job's optimizer on whole tensors), `disable_dropout`, and the bounds below. Lives
+elsewhere: the values a comparison yields and the verdict's text (`runtime.verify.verdict`), the
+job that steps the checker (`runtime.jobs`), the CLI's table (`autosbp.commands.train`), the
+gathering of whole tensors (`Engine.full_state_dict`, `Engine.full_gradients`).
+
+Why not compare trajectories. Two correct fp32 programs that sum in different orders differ by
+rounding, and Adam divides each gradient element by its own running size: an element whose exact
+gradient is about 0 (an attention key bias, as softmax ignores a constant per row; a bias feeding
+a normalization) takes lr-sized steps in a direction set by rounding noise. Two one-process runs
+that differ only in thread count drift 5.2e-2 apart on ResNet-18. So the check never follows a
+trajectory of its own: at every step t it takes the plan's own weights w_t and asks two
+questions, each with a bound derived below.
+
+1. The forward and backward: the loss L, every parameter's gradient g, every buffer the forward
+   updates (BatchNorm's running statistics). The reference evaluates them at w_t in float64 (x64)
+   and in fp32, on the plan's micro-batches (the same BatchNorm statistics; each loss scaled by
+   1/m). float64 rounds 2^29 times finer than fp32, so x64 stands for the exact value, and the
+   distance of an fp32 evaluation from it is what fp32 rounding does to this computation on one
+   device: measured, because it depends on every reduction's length n and magnitudes (a sum of
+   n terms errs by about sqrt(n) u sum|terms|, u = 2^-24; Higham & Mary 2019, "A new approach to
+   probabilistic rounding error analysis") and on how each layer conditions the next, which no
+   formula knows for an arbitrary model. One fp32 evaluation is one draw of that error: in a
+   well-conditioned model (every zoo model, GPT-2, Llama, BERT) the sum of many roundings, the
+   same size every draw; in an ill-conditioned one (MobileNetV2 at batch 4: BatchNorm over a few
+   values, ReLU6) carried by one amplified rounding, so one draw can fall 5x short of the next,
+   or a rounding can flip a branch at a kink. So the reference takes NUDGED more draws: fp32 with
+   every floating weight, buffer and input moved one ulp up or down at random (the size of one
+   rounding, which sends every rounding inside the step to another draw: the random perturbation
+   of data of Chaitin-Chatelin & Fraysse 1996, "Lectures on Finite Precision Computations",
+   PRECISE), and the noise e1 of a value is the second largest of the six distances, robust to
+   one draw short by chance and to one on an outlying branch. The plan adds the same terms in
+   other groupings (shards, then a collective; micro-batches), which obey the same law, so its
+   error eP = ||xP - x64|| must satisfy, per tensor,
+       eP <= NOISE_FACTOR * max(e1, rho * ||x64||, u * ||x64||),
+   where rho, the step's relative rounding (the second largest over the draws of ||g - g64|| /
+   ||g64|| over all gradients together), floors a tensor whose own e1 is small (a scalar's), and
+   u ||x64|| is the rounding of the result itself, which no fp32 value escapes.
+   NOISE_FACTOR = GROUPING_FACTOR * CHANCE_FACTOR: grouping, a sum of n terms cut into N shards
+   and a collective errs like sqrt(n/N + N) <= sqrt(2n) for N <= n, against sqrt(n) on one
+   device, and kernels block their sums alike (2 covers sqrt(2) with room); chance, where the
+   error is the sum of many independent roundings an error sample exceeds 8 times its typical
+   size with probability about 1e-15 (a normal tail), and where one rounding carries it (one
+   degree of freedom, the worst case) the plan's error exceeds 16x the second largest of six
+   draws of the same size with probability 6e-6 per step, 3e-4 if the plan's draws are twice
+   the size (simulated). A wrong rule or boxing step errs by a share of the value itself: a sum
+   counted twice or missed, a wrong shard, 1e-3 and more, 10^3 to 10^6 times the bound of a
+   well-conditioned model. The verdict states rho's range: where fp32 itself cannot tell the
+   value better (a branch flip at a kink), the bound says so rather than false-alarm.
+   Excluded, and named: a gradient whose float64 value is below ZERO_FRACTION of its fp32
+   rounding error. float64 resolves 2^-29 of fp32's rounding, so such a gradient is exactly 0
+   (the key bias, the bias before a normalization); fp32 holds rounding noise there only, of no
+   scale to compare. The update (2.) still checks what the optimizer does with that noise.
+2. The optimizer's update: the reference applies the job's optimizer, on whole tensors, to w_t
+   with the plan's own gradients, and compares with the plan's w_{t+1}. The same elementwise
+   formula on the same inputs: only the order of operations inside one element may differ
+   (vector lanes against a scalar tail, fused or not; measured: 1 ulp). Per element:
+       |wP' - wR'| <= 2u |wR'| + UPDATE_FRACTION * |w_t - wR'|
+   (each side rounds its last subtraction once; the step itself agrees to k u per side for k of
+   about 10 operations, and Adam's state recurrences keep their rounding below 3u / (1 - beta2),
+   about 2^-12 of the step). A sharding bug (an update missed, doubled, or given another
+   element's state) is off by the step itself, at least 1 - beta1 = 0.1 of it; 2^-10 lies between,
+   4 times above rounding and 100 times below a bug.
+Dropout: a mask drawn per rank cannot match one device's, so the check sets p = 0 on every
+torch.nn dropout module on both sides (named in the report) and then probes that the model is
+deterministic (two forwards under different seeds give the same loss); it refuses a model that is
+still random (functional dropout with its own probability) rather than compare noise.
+An op without a float64 kernel (Hugging Face Mixtral's grouped matmul): it runs in fp32 inside the
+float64 reference (inputs rounded to fp32, output widened) and is named in the report; its
+rounding is then part of both e1 and eP, and the bound stays one device's own error. A model that
+fails in float64 outside one op (a dtype test in its Python code) is refused with an error that
+says so: without a float64 path nothing measures fp32's own error, and no bound can be derived.
+A resumed job: the engine's optimizer holds state from a checkpoint that the reference never saw,
+so updates are not compared (the verdict says so); the forward and backward still are.
+Limit: a kink met within rounding (ReLU at 0, a max or top-k between equal scores) can take a
+different branch in the plan than on one device; when no draw of the reference meets it too
+(about 1e-7 of the elements at kinks per step), it is reported as one tensor failing at one step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from autosbp.capturing.batches import split_micro_batches
+from autosbp.errors import ExecutionError
+from runtime.verify.verdict import Deviation, Kind, Notes, StepCheck
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
+
+__all__ = ["Reference", "StepChecker", "disable_dropout"]
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+State = Mapping[str, torch.Tensor]
+
+U_FP32 = 2.0**-24  # unit roundoff of IEEE 754 binary32: |fl(x) - x| <= u |x|
+GROUPING_FACTOR = 2.0  # derived in the header (1.): sqrt(2) from cutting a sum, with room
+CHANCE_FACTOR = 8.0  # derived in the header (1.): a normal tail; one degree of freedom, six draws
+NOISE_FACTOR = GROUPING_FACTOR * CHANCE_FACTOR
+ZERO_FRACTION = 2.0**-20  # derived in the header (1.): float64 resolves 2^-29 of fp32's rounding
+UPDATE_FRACTION = 2.0**-10  # derived in the header (2.): rounding 2^-12, a bug 2^-3.3 of a step
+NUDGED = 5  # fp32 samples at nudged values besides the plain one, derived in the header (1.)
+DROPOUT_MODULES = (
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+)  # fmt: skip
+
+
+def disable_dropout(model: nn.Module) -> tuple[str, ...]:
+    """Set p = 0 on every torch.nn dropout module of `model` that draws a mask; their names.
+    The graph keeps its ops (the fingerprint holds no probabilities), so a plan made with
+    dropout runs without it."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, DROPOUT_MODULES) and module.p > 0:
+            module.p = 0.0
+            names.append(name)
+    return tuple(names)
+
+
+@dataclass(frozen=True, slots=True)
+class _Evaluation:
+    """The loss, gradients and updated buffers of one step at given weights, in float64."""
+
+    loss: torch.Tensor
+    gradients: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+
+class Reference:
+    """Rank 0's oracle: `model` on one device in float64 and fp32, and `optimizer` on whole
+    tensors; `check` compares one step of the plan with them (see the module header)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerFactory | None,
+        micro_batches: int,
+        inputs: Sequence[torch.Tensor],
+        dropout: tuple[str, ...] = (),
+    ) -> None:
+        _require_deterministic(model, inputs, dropout)
+        self.fp32 = copy.deepcopy(model)
+        self.fp64 = copy.deepcopy(model).double()
+        self.fallback = _Float32Fallback()
+        self.weights = {
+            name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()
+        }
+        self.optimizer = optimizer(list(self.weights.values())) if optimizer else None
+        self.micro_batches = micro_batches
+        self.dropout = dropout
+        self.frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
+
+    def check(
+        self,
+        step: int,
+        inputs: Sequence[torch.Tensor],
+        before: State,
+        loss: float,
+        gradients: State,
+        after: State,
+    ) -> StepCheck:
+        """Compare the plan's step `step` (its weights `before`, loss, synced `gradients`, and
+        state `after`) with one device at the same weights."""
+        exact = self._exact(before, inputs)
+        samples = [self._evaluate(self.fp32, before, inputs)] + [
+            self._evaluate(self.fp32, *_nudged(before, inputs, seed=step * NUDGED + k))
+            for k in range(NUDGED)
+        ]
+        noise = _noise(exact, samples)
+        excluded = [
+            name
+            for name, g in exact.gradients.items()
+            if g.norm() < ZERO_FRACTION * noise[f"gradient {name}"]
+        ]
+        kept = [name for name in exact.gradients if name not in excluded]
+        rounding = sorted(
+            _relative_error([s.gradients[n] for n in kept], [exact.gradients[n] for n in kept])
+            for s in samples
+        )[-2]  # the second largest, as for each value (`_noise`)
+        rows = [_deviation(Kind.LOSS, "loss", torch.tensor(loss), exact.loss, noise, rounding)]
+        rows += [
+            _deviation(Kind.GRADIENT, n, gradients[n], exact.gradients[n], noise, rounding)
+            for n in kept
+        ]
+        rows += [
+            _deviation(Kind.BUFFER, n, after[n], b, noise, rounding)
+            for n, b in exact.buffers.items()
+        ]
+        if self.optimizer is not None:
+            rows += self._updates(self.optimizer, before, gradients, after)
+        notes = Notes(
+            tuple(excluded), self.dropout, tuple(sorted(self.fallback.ops)), self.frozen,
+            updates_compared=self.optimizer is not None,
+        )  # fmt: skip
+        return StepCheck.of(step, float(exact.loss), rounding, rows, notes)
+
+    def _exact(self, state: State, inputs: Sequence[torch.Tensor]) -> _Evaluation:
+        """The float64 evaluation; a model that runs in fp32 (just did) but not in float64, for
+        a reason other than one op's kernel, gets an error that says so."""
+        try:
+            with self.fallback:
+                return self._evaluate(self.fp64, state, inputs)
+        except Exception as error:
+            raise ExecutionError(
+                f"--check's float64 reference failed: the model runs in fp32 but not in float64 "
+                f"on one device ({type(error).__name__}: {error}). An op without a float64 kernel "
+                "would run in fp32 (runtime/verify/step_check.py); this failure is outside one op (a dtype "
+                "test or cast in the model's Python code?). Make forward dtype-generic, or train "
+                "without --check."
+            ) from error
+
+    def _evaluate(
+        self, model: nn.Module, state: State, inputs: Sequence[torch.Tensor]
+    ) -> _Evaluation:
+        """`model`'s step at the weights and buffers `state` on the plan's micro-batches, in the
+        model's dtype; results widened to float64."""
+        dtype = next(model.parameters()).dtype
+        buffers = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(state[name])
+                p.grad = None
+            for name, b in buffers.items():
+                if name in state:
+                    b.copy_(state[name])
+        total = torch.zeros((), dtype=dtype)
+        m = self.micro_batches
+        for piece in split_micro_batches(inputs, m):
+            loss = model(*(x.to(dtype) if x.is_floating_point() else x for x in piece)) / m
+            loss.backward()
+            total += loss.detach()
+        gradients = {
+            name: _widen(p.grad if p.grad is not None else torch.zeros_like(p))
+            for name, p in model.named_parameters()
+        }
+        kept = {name: _widen(b.detach()) for name, b in buffers.items() if name in state}
+        return _Evaluation(_widen(total), gradients, kept)
+
+    def _updates(
+        self, optimizer: torch.optim.Optimizer, before: State, gradients: State, after: State
+    ) -> list[Deviation]:
+        """The job's optimizer on whole tensors from the plan's weights and gradients, against
+        the plan's updated weights (header, 2.)."""
+        with torch.no_grad():
+            for name, w in self.weights.items():
+                w.copy_(before[name])
+                w.grad = gradients[name].to(w.dtype).clone()
+        optimizer.step()
+        return [_elementwise(n, after[n], w, before[n]) for n, w in self.weights.items()]
+
+
+class StepChecker:
+    """Every rank: the plan's weights before a step, its gradients and state after it (all
+    collectives, so every rank calls `after_step`); rank 0 also holds the `Reference` built from
+    `model` (dropout already off: `disable_dropout` before the engine) and returns each step's
+    `StepCheck`. Build it right before the first step to check (after loading a checkpoint);
+    `optimizer` is the job's, or None when the engine's optimizer already holds state the
+    reference cannot know (a resumed job): updates are then not compared, and the verdict says
+    so."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        optimizer: OptimizerFactory | None,
+        dropout: tuple[str, ...] = (),
+    ) -> None:
+        self.engine = engine
+        self.reference = (
+            Reference(model, optimizer, engine.micro_batches, inputs, dropout)
+            if engine.rank == 0
+            else None
+        )
+        self.before = engine.full_state_dict()
+
+    def after_step(
+        self, step: int, inputs: Sequence[torch.Tensor], loss: float
+    ) -> StepCheck | None:
+        gradients, after = self.engine.full_gradients(), self.engine.full_state_dict()
+        before, self.before = self.before, after
+        if self.reference is None:
+            return None
+        return self.reference.check(step, inputs, before, loss, gradients, after)
+
+
+def _deviation(
+    kind: Kind,
+    name: str,
+    plan: torch.Tensor,
+    exact: torch.Tensor,
+    noise: Mapping[str, float],
+    rounding: float,
+) -> Deviation:
+    """One tensor of the forward/backward against float64 (header, 1.); an integer tensor (a
+    step counter) must be equal."""
+    if not exact.is_floating_point():
+        error = float((plan.to(exact.dtype) != exact).sum())
+        return Deviation(kind, name, tuple(exact.shape), error, 0.0, float(exact.abs().sum()))
+    plan = _widen(plan)
+    size = float(exact.norm())
+    own = noise["loss" if kind is Kind.LOSS else f"{kind.value} {name}"]
+    bound = NOISE_FACTOR * max(own, rounding * size, U_FP32 * size)
+    error = float((plan - exact).norm())
+    scale = float((plan * exact).sum() / (exact * exact).sum()) if size > 0 else None
+    if scale is not None and float((plan - scale * exact).norm()) > bound:
+        scale = None  # no single factor explains the difference
+    return Deviation(kind, name, tuple(exact.shape), error, bound, size, scale)
+
+
+def _noise(exact: _Evaluation, samples: Sequence[_Evaluation]) -> dict[str, float]:
+    """Per value ("loss", "gradient NAME", "buffer NAME"): the second largest distance of the
+    fp32 samples from float64 (header, 1.); 0 for an integer value, which must be equal."""
+
+    def second(want: torch.Tensor, got: Iterable[torch.Tensor]) -> float:
+        if not want.is_floating_point():
+            return 0.0
+        return sorted(float((g - want).norm()) for g in got)[-2]
+
+    out = {"loss": second(exact.loss, (s.loss for s in samples))}
+    for n, g in exact.gradients.items():
+        out[f"gradient {n}"] = second(g, (s.gradients[n] for s in samples))
+    for n, b in exact.buffers.items():
+        out[f"buffer {n}"] = second(b, (s.buffers[n] for s in samples))
+    return out
+
+
+def _nudged(
+    state: State, inputs: Sequence[torch.Tensor], seed: int
+) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """`state` and `inputs` with every floating value moved one ulp up or down at random: the
+    size of one rounding, which sends every rounding inside the step to another draw."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def nudge(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():
+            return x
+        up = torch.rand(x.shape, generator=generator) < 0.5
+        return torch.nextafter(x, torch.where(up, torch.inf, -torch.inf).to(x.dtype))
+
+    return {n: nudge(t) for n, t in state.items()}, tuple(nudge(x) for x in inputs)
+
+
+def _elementwise(
+    name: str, plan: torch.Tensor, want: torch.Tensor, before: torch.Tensor
+) -> Deviation:
+    """The update of one tensor: its worst element against that element's bound (header, 2.);
+    `size` is that element's step."""
+    shape = tuple(want.shape)
+    plan, want, before = _widen(plan).flatten(), _widen(want).flatten(), _widen(before).flatten()
+    if not want.numel():
+        return Deviation(Kind.UPDATE, name, shape, 0.0, 0.0, 0.0)
+    diff, step = (plan - want).abs(), (before - want).abs()
+    bound = 2 * U_FP32 * want.abs() + UPDATE_FRACTION * step
+    ratio = torch.where(diff > 0, diff / bound, torch.zeros_like(diff))  # x / 0 = inf
+    at = int(ratio.argmax())
+    return Deviation(Kind.UPDATE, name, shape, float(diff[at]), float(bound[at]), float(step[at]))
+
+
+def _relative_error(approx: Iterable[torch.Tensor], exact: Iterable[torch.Tensor]) -> float:
+    """||approx - exact|| / ||exact|| over all tensors together (0 when exact is 0)."""
+    error = size = 0.0
+    for a, e in zip(approx, exact, strict=True):
+        error += float((a - e).square().sum())
+        size += float(e.square().sum())
+    return (error / size) ** 0.5 if size > 0 else 0.0
+
+
+def _widen(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to(torch.float64) if x.is_floating_point() else x.detach()
+
+
+def _require_deterministic(
+    model: nn.Module, inputs: Sequence[torch.Tensor], dropout: tuple[str, ...]
+) -> None:
+    """Refuse a model whose loss still depends on the random seed (header: Dropout)."""
+    losses = []
+    for seed in (1, 2):
+        with torch.random.fork_rng(), torch.no_grad():
+            torch.manual_seed(seed)
+            losses.append(copy.deepcopy(model)(*inputs).detach())
+    if not torch.equal(losses[0], losses[1]) and not losses[0].isnan().all():
+        values = [float(x) for x in losses]
+        off = f" (dropout modules set to p = 0: {', '.join(dropout)})" if dropout else ""
+        raise ExecutionError(
+            f"--check compares deterministic steps, but the model's loss depends on the random "
+            f"seed: {values[0]!r} and {values[1]!r} under two seeds{off}. Functional dropout "
+            "(F.dropout with its own probability, SDPA's dropout_p, a Hugging Face config's "
+            "attention_dropout) or another random op remains; set those probabilities to 0 for "
+            "the check."
+        )
+
+
+class _Float32Fallback(TorchDispatchMode):
+    """Inside the float64 reference: an op that has no float64 kernel runs in fp32 (inputs
+    rounded, outputs widened) and is remembered in `ops`; any other failure is the model's own
+    and propagates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if str(func) not in self.ops:
+            try:
+                return func(*args, **kwargs)
+            except (RuntimeError, NotImplementedError):
+                if func._schema.is_mutable or not _holds_float64((args, kwargs)):
+                    raise
+        out = func(*tree_map(_narrow, args), **tree_map(_narrow, kwargs))
+        self.ops.add(str(func))
+        return tree_map(_widen_fp32, out)
+
+
+def _holds_float64(tree: Any) -> bool:
+    found: list[bool] = []
+    tree_map(lambda x: found.append(isinstance(x, torch.Tensor) and x.dtype == torch.float64), tree)
+    return any(found)
+
+
+def _narrow(x: Any) -> Any:
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.float64 else x
+
+
+def _widen_fp32(x: Any) -> Any:
+    return x.double() if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x

@@ -1,0 +1,104 @@
+"""Progress of long actions (terminal.progress): plain timestamped lines off a terminal
+(start, rate-limited status, end), a live display on one, the ETA from the measured rate; a
+rank's finished steps reach the parent while the job runs (launching.rank's `done` channel,
+the watchdog's). `autosbp train` piped prints the step, loss and step time: tests/cli/test_readme.py
+runs it as the README writes it."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import torch.distributed as dist
+from rich.console import Console
+
+from launching.workers import report_progress, run_workers
+from terminal.progress import PLAIN_INTERVAL_S, activity, format_duration
+
+STAMP = r"\[\d\d:\d\d:\d\d\] "
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def plain_console() -> tuple[Console, io.StringIO]:
+    buffer = io.StringIO()
+    return Console(file=buffer, force_terminal=False, width=200), buffer
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.4, "0:00"), (42, "0:42"), (723, "12:03"), (3723, "1:02:03")],
+    ids=["zero", "seconds", "minutes", "hours"],
+)
+def test_format_duration(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+def test_plain_lines_are_rate_limited_with_an_eta() -> None:
+    console, buffer = plain_console()
+    clock = FakeClock()
+    with activity(console, "training 10 steps", total=10, clock=clock) as act:
+        clock.now_s += 2.0  # start-up: not counted in the rate
+        act.update("step 1", completed=1)  # too soon after "started": no line
+        for step in range(2, 5):
+            clock.now_s += 3.0  # 3 s per step
+            act.update(f"step {step}", completed=step)
+    lines = buffer.getvalue().splitlines()
+    assert all(re.match(STAMP + "training 10 steps: ", line) for line in lines), lines
+    assert lines[0].endswith("started")
+    # 5 s after the start comes the first status line (at 5 s, step 2); the next at 11 s
+    assert len(lines) == 4, lines
+    assert lines[1].endswith("step 2, 2/10, ETA 0:24 (0:05 elapsed)")  # 8 steps at 3 s
+    assert lines[2].endswith("step 4, 4/10, ETA 0:18 (0:11 elapsed)")
+    assert lines[3].endswith("done in 11.0 s, step 4, 4/10, ETA 0:18")
+
+
+def test_plain_line_when_stopped() -> None:
+    console, buffer = plain_console()
+    clock = FakeClock()
+
+    def fail() -> None:
+        with activity(console, "planning", clock=clock):
+            clock.now_s += 1.5
+            raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        fail()
+    assert buffer.getvalue().splitlines()[-1].endswith("planning: stopped after 1.5 s")
+
+
+def test_terminal_gets_a_live_display() -> None:
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=120)
+    with activity(console, "training 4 steps", total=4) as act:
+        act.update("step 2: loss 0.5", completed=2)
+    out = buffer.getvalue()
+    assert "\x1b[" in out  # drawn, not logged
+    assert "training 4 steps" in out and "step 2: loss 0.5" in out and "2/4" in out
+    assert not re.search(STAMP, out)
+    assert PLAIN_INTERVAL_S > 0
+
+
+def stepping_worker(rank: int, world: int, steps: int) -> list[float]:
+    dist.barrier()  # every rank joined before any leaves
+    for step in range(steps):
+        report_progress(f"step {step} done", done=(step + 1, 10.0 * rank + step, 0.001))
+    return [float(rank)]
+
+
+def test_finished_steps_reach_the_parent() -> None:
+    seen: list[tuple[int, tuple[float, ...]]] = []
+    run_workers(stepping_worker, 2, (5,), timeout_s=60, on_done=lambda r, v: seen.append((r, v)))
+    for rank in (0, 1):
+        mine = [values for r, values in seen if r == rank]
+        assert mine, seen  # the latest report per poll: at least the last one
+        assert mine[-1][:3] == (5.0, 10.0 * rank + 4, 0.001)
+        steps = [v[0] for v in mine]
+        assert steps == sorted(set(steps))  # in order, none twice

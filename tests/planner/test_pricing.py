@@ -1,0 +1,135 @@
+"""The planner's boxing prices: its caches (interned layouts, chains per divisibility pattern,
+per-use tables shared by edges) give exactly what pricing every pair afresh gives.
+
+Oracle: `plan_boxing` on the real shape, each step priced by the cost model, no cache between
+tensors. Prices come from the shipped spec profile of a DGX A100 node.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from autosbp.boxing import canonical_shape, dual_nd_sbp, plan_boxing
+from autosbp.capturing.graph import TensorMeta
+from autosbp.capturing.rebatch import micro_batch_graphs
+from autosbp.errors import SbpError
+from autosbp.planner.api import ClusterPrices
+from autosbp.planner.candidates import BoxingPricer
+from autosbp.planner.problem import price_graph
+from autosbp.sbp import B, Mesh, NdSbp, P, S
+from autosbp.zoo import build_model
+from costmodel import Cluster, load_profile
+
+MESH = Mesh((2, 2), ("a", "b"), link_classes=("inter_node", "intra_node"))
+
+
+def fresh_time_s(prices: ClusterPrices, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:
+    """One boxing priced from scratch: the chain planned for this very shape."""
+    if src == dst:
+        return 0.0
+    try:
+        chain = plan_boxing(src, dst, meta.shape, MESH, dtype=meta.dtype)
+    except SbpError:
+        return math.inf
+    return sum(BoxingPricer(prices, MESH).step_time_s(step) for step in chain)
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh_shape", "expected"),
+    [
+        ((768, 1536, 1024), (128, 8), (128, 128, 1024)),  # 768 = 3 x 256: 1024 does not divide
+        ((40, 48, 7), (4, 4), (4, 16, 1)),  # gcd(40, 16) = 8, yet 4 is the largest group dividing
+        ((12, 0), (2, 3, 4), (12, 24)),  # 0: every group size divides it
+    ],
+    ids=["gpt3-mesh", "square-mesh", "odd-mesh"],
+)
+def test_canonical_shape(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], expected: tuple[int, ...]
+) -> None:
+    assert canonical_shape(shape, Mesh(mesh_shape)) == expected
+
+
+@pytest.mark.parametrize("mesh_shape", [(4, 4), (128, 8), (2, 3, 4)], ids=str)
+def test_canonical_shape_divides_like_the_shape(mesh_shape: tuple[int, ...]) -> None:
+    # The chain search asks only whether products of mesh dim sizes divide a dim.
+    groups = {math.prod(c) for r in range(4) for c in itertools.combinations(mesh_shape, r)}
+    for n in range(1, 3000):
+        (canonical,) = canonical_shape((n,), Mesh(mesh_shape))
+        assert all((n % g == 0) == (canonical % g == 0) for g in groups), (n, canonical)
+
+
+def test_edge_tables_shared_across_edges_and_micro_batches_equal_fresh_prices() -> None:
+    # One pricer serves both micro-batch sizes (8 and 4 sequences divide alike on 2x2: chains
+    # reused) and every edge carrying the same tensor between the same layouts (tables reused).
+    prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=1))
+    model, inputs = build_model(
+        "gpt", device="meta", layers=1, hidden=64, heads=4, seq=16, vocab=128, batch=8
+    )
+    graphs = micro_batch_graphs(model, inputs, (1, 2), name="gpt")
+    shared = BoxingPricer(prices, MESH)
+    fresh: dict[tuple[NdSbp, NdSbp, TensorMeta], float] = {}
+    checked = 0
+    for graph in graphs.values():
+        priced = price_graph(graph, MESH, prices, pricer=shared)
+        for u, v in graph.graph.edges:
+            both, forward = priced.edge_prices(u, v)
+            uses = graph.graph.edges[u, v]["uses"]
+            producer, consumer = priced.strategies[u], priced.strategies[v]
+            expected_both, expected_forward = np.zeros(both.shape), np.zeros(both.shape)
+            for out_idx, in_idx in uses:
+                meta = graph.graph.nodes[u]["outputs"][out_idx]
+                for (i, p), (j, c) in itertools.product(
+                    enumerate(producer.candidates), enumerate(consumer.candidates)
+                ):
+                    src, dst = p.outputs[out_idx], c.inputs[in_idx]
+                    pairs = ((src, dst), (dual_nd_sbp(dst), dual_nd_sbp(src)))
+                    for a, b in pairs:
+                        if (a, b, meta) not in fresh:
+                            fresh[a, b, meta] = fresh_time_s(prices, a, b, meta)
+                    there, back = (fresh[(*pair, meta)] for pair in pairs)
+                    expected_forward[i, j] += there
+                    expected_both[i, j] += there + back
+            np.testing.assert_allclose(forward, expected_forward, rtol=1e-12, err_msg=f"{u}->{v}")
+            np.testing.assert_allclose(both, expected_both, rtol=1e-12, err_msg=f"{u}->{v}")
+            checked += 1
+    assert checked > 50
+
+
+def test_pricer_time_s_equals_fresh_prices_for_any_dtype() -> None:
+    # The price cache is keyed by shape and dtype: the same layouts in bf16 cost less.
+    prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=1))
+    pricer = BoxingPricer(prices, MESH)
+    for dtype in (torch.float32, torch.bfloat16):
+        meta = TensorMeta((8, 16), dtype)
+        for src, dst in [((P, B), (B, B)), ((S(0), S(1)), (B, S(0)))]:
+            assert pricer.time_s(src, dst, meta) == pytest.approx(
+                fresh_time_s(prices, src, dst, meta), rel=1e-12
+            )
+    assert pricer.time_s((P, B), (B, B), TensorMeta((8, 16), torch.bfloat16)) < pricer.time_s(
+        (P, B), (B, B), TensorMeta((8, 16), torch.float32)
+    )
+
+
+@pytest.mark.parametrize("profile", ["cpu-gloo", "dgx-a100"])
+def test_gradients_of_one_bucket_cost_one_collective_of_the_bucket(profile: str) -> None:
+    """Tensors that fill a bucket together pay, summed, the all-reduce of the whole bucket (a
+    tensor bigger than the bucket pays its own); on cpu-gloo that is far less than each tensor
+    as its own all-reduce (collectives cost far from linearly in their size there)."""
+    mesh = Mesh((2,))
+    prices = ClusterPrices(Cluster(load_profile(profile), nodes=1))
+    pricer = BoxingPricer(prices, mesh)
+    metas = [TensorMeta((128, 512), torch.float32)] * 8 + [TensorMeta((128,), torch.float32)] * 8
+    bucket = sum(m.nbytes for m in metas)
+    shares = sum(pricer.bucketed_time_s((P,), (B,), m, bucket) for m in metas)
+    whole = prices.collective_time_s("all_reduce", bucket, 2, "intra_node")
+    assert shares == pytest.approx(whole, rel=1e-6)
+    alone = sum(pricer.time_s((P,), (B,), m) for m in metas)
+    assert shares < alone
+    big = TensorMeta((1024, 1024), torch.float32)
+    own = prices.collective_time_s("all_reduce", big.nbytes, 2, "intra_node")
+    assert pricer.bucketed_time_s((P,), (B,), big, bucket) == pytest.approx(own, rel=1e-6)

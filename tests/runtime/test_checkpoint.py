@@ -1,0 +1,377 @@
+"""Checkpoints: saved under plan A, loaded under plan B, training continues as if uninterrupted.
+
+Oracle: the tiny gpt (gpt-2l, two blocks, where a plan has pipeline stages) trained on one
+device for SAVED + RESUMED Adam steps. A run that trains SAVED steps under plan A, saves, loads
+under plan B (other mesh, other SBPs, other world size, other pipeline stages and micro-batches)
+and trains RESUMED more must give the same losses at every step and the same parameters at the
+end (fp32, rel <= 1e-5; GPT's attention key bias is left out of the parameter check, see
+tests/runtime/test_runtime.py `_comparable`). Also: the files (one per rank, `weights_only` loadable, B
+copies saved once, each tensor saved by the stage that owns it, a manifest with SBPs, stages and
+the optimizer's step), atomic replacement of an old checkpoint, and clear errors for another
+model (at the same and at another micro-batch size), another optimizer, a truncated manifest, an
+older format version, a missing or damaged rank file, an unfinished save, and saving over a
+directory that is not one.
+
+How it runs: two `run_workers` calls. 4 processes train and save under every 4-process plan A
+(megatron:tp=2,dp=2 on a 2x2 mesh, fsdp, 2 stages of tp=2) and load the 4-process plans B; then
+the parent damages copies of the megatron checkpoint, and 2 processes save and load the 2-process
+pairs, load the 4-process checkpoints under dp, and try every bad input. Lives elsewhere: the
+workers (tests/support/checkpoint_workers.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from autosbp.cli import main
+from autosbp.errors import ExecutionError
+from autosbp.layout import shard_tensor
+from autosbp.plan import save_plan
+from autosbp.planner.api import auto_parallelize
+from autosbp.sbp import Mesh, parse_nd_sbp
+from autosbp.zoo import build_model
+from launching.workers import run_workers
+from runtime.jobs import FAULT_ENV
+from runtime.state.checkpoint import MANIFEST, read_manifest
+from tests.runtime.test_runtime import MEGATRON, MODELS, _build, _plan_json
+from tests.support.bad_inputs_corpus import ESCAPING_MANIFEST
+from tests.support.checkpoint_workers import run_checkpoint_cases
+
+SAVED, RESUMED = 2, 2
+LR = 1e-2
+REL_TOL = 1e-5
+WORKER_TIMEOUT_S = 120.0
+# (case id, plan A (world, strategy), plan B (world, strategy)): resume pairs.
+# Pipelined plans (2 stages of 1 or 2 devices) need gpt-2l: stages split repeated blocks.
+PP2_MB4, PP2_MB2 = "megatron:tp=1,pp=2,dp=1/mb4", "megatron:tp=1,pp=2,dp=1/mb2"
+TP2_PP2, DP2_PP2 = "megatron:tp=2,pp=2,dp=1/mb2", "megatron:tp=1,pp=2,dp=2/mb2"
+# (case id, model, plan A (world, strategy), plan B (world, strategy)): resume pairs. Plan B of a
+# 4-process load is saved under a 4-process plan A too (that world runs first).
+RESUMES: list[tuple[str, str, tuple[int, str], tuple[int, str]]] = [
+    ("megatron4-to-dp2", "gpt", (4, MEGATRON), (2, "dp")),
+    ("fsdp4-to-auto4", "gpt", (4, "fsdp"), (4, "auto")),
+    # 2 stages -> 1 (and micro-batches of 1 -> 4 samples: the graph fingerprints differ).
+    ("pp2-to-fsdp2", "gpt-2l", (2, PP2_MB4), (2, "fsdp")),
+    ("dp2-to-pp2", "gpt-2l", (2, "dp"), (2, PP2_MB2)),
+    # 2 stages of 2 devices -> other stage meshes (same micro-batches), tp x dp, fewer processes.
+    ("tp2pp2-to-dp2pp2", "gpt-2l", (4, TP2_PP2), (4, DP2_PP2)),
+    ("tp2pp2-to-megatron4", "gpt-2l", (4, TP2_PP2), (4, MEGATRON)),
+    ("tp2pp2-to-dp2", "gpt-2l", (4, TP2_PP2), (2, "dp")),
+]
+SOURCE = ("gpt", (4, MEGATRON))  # the checkpoint the file and refusal tests look into
+# (case id, model the engine trains, optimizer, checkpoint directory, expected error start, text)
+# (A checkpoint directory is `_dir(*SOURCE)` or one of `_damage_copies`.)
+REFUSALS: list[tuple[str, str, str, str, str, str]] = [
+    ("wrong-model", "mlp", "adam", "source", "PlanError", "state was compared"),
+    ("wrong-model-same-batch", "gpt-tied", "adam", "source", "PlanError", "has fingerprint"),
+    ("wrong-optimizer", "gpt", "sgd", "source", "PlanError", "holds Adam state"),
+    ("truncated-manifest", "gpt", "adam", "truncated", "ExecutionError", "is damaged"),
+    ("missing-rank-file", "gpt", "adam", "missing", "ExecutionError", "are missing"),
+    ("damaged-rank-file", "gpt", "adam", "damaged", "ExecutionError", "is damaged"),
+    ("unfinished-save", "gpt", "adam", "unfinished", "ExecutionError", "incomplete"),
+    ("old-version", "gpt", "adam", "old-version", "ExecutionError", "version 1, but"),
+    ("no-checkpoint", "gpt", "adam", "nowhere", "ExecutionError", "does not exist"),
+]
+
+
+def _dir(model: str, plan: tuple[int, str]) -> str:
+    """A checkpoint's directory name: "gpt-4-megatron-tp-2-dp-2" for (gpt, (4, MEGATRON))."""
+    return re.sub(r"\W+", "-", f"{model}-{plan[0]}-{plan[1]}")
+
+
+def _case(case_id: str, model: str, plan: tuple[int, str], **fields: Any) -> dict[str, Any]:
+    zoo_name, kwargs = MODELS[model]
+    case: dict[str, Any] = {
+        "id": case_id,
+        "model": zoo_name,
+        "model_kwargs": kwargs,
+        "plan": _plan_json(model, *plan),
+    }
+    case.update({"optimizer": "adam", "lr": LR, "load": None, "steps": 0, "save": None})
+    case.update({"state": False, **fields})
+    return case
+
+
+def _resumes(root: Path, world_size: int) -> list[dict[str, Any]]:
+    """This world's saves (each plan A once), then its loads (a case's plan B)."""
+    saves = {
+        (m, a): _case(f"save-{_dir(m, a)}", m, a, steps=SAVED, save=str(root / _dir(m, a)))
+        for _, m, a, _ in RESUMES
+        if a[0] == world_size
+    }
+    loads = [
+        _case(i, m, b, load=str(root / _dir(m, a)), steps=RESUMED, state=True)
+        for i, m, a, b in RESUMES
+        if b[0] == world_size
+    ]
+    return [*saves.values(), *loads]
+
+
+def _world4(root: Path) -> list[dict[str, Any]]:
+    return _resumes(root, 4)
+
+
+def _world2(root: Path) -> list[dict[str, Any]]:
+    ckpt = {"source": _dir(*SOURCE)}
+    refusals = [
+        _case(i, model, (2, "dp"), optimizer=opt, load=str(root / ckpt.get(name, name)))
+        for i, model, opt, name, _, _ in REFUSALS
+    ]
+    resave = _case(
+        "resave", "gpt", (2, "dp"), load=str(root / _dir(*SOURCE)), save=str(root / "resaved")
+    )
+    foreign = _case("save-over-foreign", "gpt", (2, "dp"), save=str(root / "foreign"))
+    return [*_resumes(root, 2), *refusals, resave, foreign]
+
+
+def _damage_copies(root: Path) -> None:
+    """Damaged copies of the megatron checkpoint, an old checkpoint to be replaced with the
+    leftover of a crashed save beside it, and a directory that is no checkpoint."""
+    source = root / _dir(*SOURCE)
+    names = (
+        "truncated",
+        "missing",
+        "damaged",
+        "unfinished",
+        "old-version",
+        "resaved",
+        "resaved.tmp",
+    )
+    for name in names:
+        shutil.copytree(source, root / name)
+    text = (source / MANIFEST).read_text()
+    (root / "truncated" / MANIFEST).write_text(text[: len(text) // 2])
+    (root / "old-version" / MANIFEST).write_text(json.dumps({**json.loads(text), "version": 1}))
+    (root / "missing" / "rank00001.pt").unlink()
+    data = bytearray((root / "damaged" / "rank00001.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (root / "damaged" / "rank00001.pt").write_bytes(bytes(data))
+    for name in ("unfinished", "resaved.tmp"):
+        (root / name / MANIFEST).unlink()  # a save that crashed before publishing
+    (root / "foreign").mkdir()
+    (root / "foreign" / "notes.txt").write_text("not a checkpoint")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[dict[str, Any]]]]:
+    """(checkpoint root, case id -> per-rank results) of both worlds."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    results: dict[str, list[dict[str, Any]]] = {}
+    for world_size, make in ((4, _world4), (2, _world2)):
+        if world_size == 2:
+            _damage_copies(root)
+        cases = make(root)
+        per_rank = run_workers(
+            run_checkpoint_cases, world_size, (cases,), timeout_s=WORKER_TIMEOUT_S
+        )
+        results.update({c["id"]: [r[i] for r in per_rank] for i, c in enumerate(cases)})
+    return root, results
+
+
+@cache
+def _single_device(model: str) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The oracle: losses of SAVED + RESUMED eager Adam steps on one device, and the state."""
+    module, inputs = _build(model)
+    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
+    losses = []
+    for _ in range(SAVED + RESUMED):
+        optimizer.zero_grad()
+        loss = module(*inputs)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: t.detach().numpy().copy() for name, t in module.state_dict().items()}
+
+
+def _comparable(model: str, name: str, tensor: np.ndarray) -> np.ndarray:
+    """The part of a tensor that training determines. GPT's attention key bias adds q.b_k to
+    every score of a row, which softmax ignores: its exact gradient is 0, so in fp32 it is
+    rounding noise (~1e-9) that Adam, dividing by the noise's own size, turns into steps of up
+    to lr either way. Nothing downstream depends on it (the loss is invariant)."""
+    if MODELS[model][0] == "gpt" and name.endswith("attn.qkv.bias"):
+        hidden = MODELS[model][1]["hidden"]
+        return np.concatenate([tensor[:hidden], tensor[2 * hidden :]])
+    return tensor
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    diff = np.linalg.norm((got - want).astype(np.float64).ravel())
+    return float(diff / max(np.linalg.norm(want.astype(np.float64).ravel()), 1e-30))
+
+
+# ------------------------------------------------------------------------------------ tests
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("case_id", "model", "plan_a", "plan_b"), RESUMES, ids=[r[0] for r in RESUMES]
+)
+def test_resumed_training_matches_single_device(
+    runs: Any, case_id: str, model: str, plan_a: tuple[int, str], plan_b: tuple[int, str]
+) -> None:
+    _, results = runs
+    saved, resumed = results[f"save-{_dir(model, plan_a)}"], results[case_id]
+    for result in (*saved, *resumed):
+        assert "error" not in result, result["error"]
+    want_losses, want_state = _single_device(model)
+    got_losses = saved[0]["losses"] + resumed[0]["losses"]
+    np.testing.assert_allclose(got_losses, want_losses, rtol=REL_TOL, atol=0)
+    got_state = resumed[0]["state"]
+    assert set(got_state) == set(want_state)
+    bad = {
+        name: rel
+        for name, want in want_state.items()
+        if (rel := _rel(_comparable(model, name, got_state[name]), _comparable(model, name, want)))
+        > REL_TOL
+    }
+    assert not bad, f"tensors differ from uninterrupted single-device training: {bad}"
+
+
+@pytest.mark.dist
+def test_files_hold_each_piece_once_with_its_sbp(runs: Any) -> None:
+    root, _ = runs
+    manifest = read_manifest(root / _dir(*SOURCE))
+    assert (manifest.mesh_shape, manifest.stages) == ((2, 2), ((0, 1, 2, 3),))
+    assert (manifest.optimizer_kind, manifest.optimizer_step) == ("Adam", SAVED)
+    entry = manifest.tensors["state/blocks.0.attn.qkv.weight"]
+    assert (entry.nd_sbp, entry.stage, entry.pieces) == ("BS(0)", 0, (0, 1, 0, 1))  # B copies once
+    assert manifest.tensors["optim/blocks.0.attn.qkv.weight/exp_avg"].nd_sbp == "BS(0)"
+    assert manifest.tensors["optim/blocks.0.attn.qkv.weight/step"].shape == ()
+    files = {
+        f.rank: torch.load(root / _dir(*SOURCE) / f.name, weights_only=True) for f in manifest.files
+    }
+    assert sorted(files) == [0, 1]  # ranks 2 and 3 hold only copies of what 0 and 1 saved
+    assert not list(root.glob("*.tmp")) and not list(root.glob("*.old"))
+    # The two saved pieces are the plan's shards of one tensor (rank 1 holds the second half).
+    key = "state/blocks.0.attn.qkv.weight"
+    whole = torch.cat([files[0][key], files[1][key]])
+    piece = shard_tensor(whole, parse_nd_sbp(entry.nd_sbp), Mesh((2, 2)), (0, 1))
+    assert torch.equal(piece, files[1][key])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("model", "plan"), [("gpt-2l", (2, PP2_MB4)), ("gpt-2l", (4, TP2_PP2))], ids=["pp2", "tp2pp2"]
+)
+def test_staged_files_hold_each_stage_pieces_once(
+    runs: Any, model: str, plan: tuple[int, str]
+) -> None:
+    root, _ = runs
+    manifest = read_manifest(root / _dir(model, plan))
+    assert len(manifest.stages) == 2 and manifest.micro_batches == int(plan[1][-1])
+    # Every tensor is saved by its owning stage: its pieces lie in that stage's rank files.
+    owners = {e.stage for e in manifest.tensors.values()}
+    assert owners == {0, 1}
+    assert all(set(e.pieces) <= set(manifest.stages[e.stage]) for e in manifest.tensors.values())
+    # One parameter group for the whole model, though each stage has its own optimizer.
+    params = {name for name, _ in _build(model)[0].named_parameters()}
+    assert [set(g["params"]) for g in manifest.param_groups] == [params]
+    # A rank file holds exactly the pieces the manifest names it for (so only its stage's).
+    for record in manifest.files:
+        held = torch.load(root / _dir(model, plan) / record.name, weights_only=True)
+        assert set(held) == {k for k, e in manifest.tensors.items() if record.rank in e.pieces}
+
+
+@pytest.mark.dist
+def test_save_replaces_an_old_checkpoint_atomically(runs: Any) -> None:
+    root, results = runs
+    assert all("error" not in r for r in results["resave"]), results["resave"][0]
+    manifest = json.loads((root / "resaved" / MANIFEST).read_text())
+    assert manifest["plan"]["mesh_shape"] == [2]  # the new dp checkpoint, not the old copy
+    # dp holds everything B: rank 0 alone writes, and nothing of the old 4-rank copy is left.
+    assert sorted(p.name for p in (root / "resaved").iterdir()) == [MANIFEST, "rank00000.pt"]
+    assert not (root / "resaved.tmp").exists() and not (root / "resaved.old").exists()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("case_id", "error", "text"),
+    [(r[0], r[4], r[5]) for r in REFUSALS],
+    ids=[r[0] for r in REFUSALS],
+)
+def test_load_refuses_bad_checkpoints(runs: Any, case_id: str, error: str, text: str) -> None:
+    _, results = runs
+    for result in results[case_id]:
+        assert "error" in result and result["error"].startswith(error), result
+        assert text in result["error"]
+
+
+@pytest.mark.dist
+def test_save_refuses_to_replace_a_non_checkpoint(runs: Any) -> None:
+    root, results = runs
+    for result in results["save-over-foreign"]:
+        assert "error" in result and "is not a checkpoint" in result["error"], result
+    assert (root / "foreign" / "notes.txt").read_text() == "not a checkpoint"
+
+
+# ------------------------------------------------------------------- from the command line
+CLI_STEPS, CLI_EVERY, KILLED_AT = 6, 2, 3  # rank 1 dies before step 3: the step-2 save survives
+
+
+def _cli_train(plan: Path, directory: Path, *extra: str) -> int:
+    argv = ["train", "mlp", "--nproc", "2", "--plan", str(plan), "--steps", str(CLI_STEPS),
+            "--checkpoint-dir", str(directory), "--checkpoint-every", str(CLI_EVERY), *extra]  # fmt: skip
+    return main(argv)
+
+
+def _saved_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every rank file (state and optimizer), keyed by rank and name."""
+    manifest = read_manifest(directory)
+    return {
+        f"{record.rank}:{key}": tensor
+        for record in manifest.files
+        for key, tensor in torch.load(directory / record.name, weights_only=True).items()
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_killed_job_resumes_from_the_cli_as_if_uninterrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`autosbp train --checkpoint-dir D --checkpoint-every 2`: killed before step 3, the job
+    has lost one step (at most 2); `--resume` trains steps 2..5, and its last checkpoint equals
+    an uninterrupted run's bit for bit: the same plan, processes and kernels replay the same
+    arithmetic, and a checkpoint restores the parameters and Adam's moments and step exactly."""
+    model, inputs = build_model("mlp")
+    plan = auto_parallelize(model, inputs, devices=2, strategy="dp", time_limit_s=10)
+    plan_path = save_plan(plan, tmp_path / "plan.json")
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert _cli_train(plan_path, whole) == 0
+    with monkeypatch.context() as patch:
+        patch.setenv(FAULT_ENV, f"rank=1,step={KILLED_AT},kind=kill")
+        assert _cli_train(plan_path, broken) == 2
+    saved_step = read_manifest(broken).optimizer_step
+    assert saved_step == 2 and KILLED_AT - saved_step <= CLI_EVERY
+    assert _cli_train(plan_path, broken) == 2  # a checkpoint is never overwritten unasked
+    assert "pass --resume to continue from it" in capsys.readouterr().err
+    assert _cli_train(plan_path, broken, "--resume") == 0
+    assert f"resuming from the checkpoint in {broken} at step 2" in capsys.readouterr().out
+    assert read_manifest(broken).optimizer_step == read_manifest(whole).optimizer_step == 6
+    got, want = _saved_tensors(broken), _saved_tensors(whole)
+    assert got.keys() == want.keys()
+    differ = [key for key in want if not torch.equal(got[key], want[key])]
+    assert differ == [], f"resumed tensors differ from the uninterrupted run's: {differ}"
+    assert _cli_train(plan_path, broken, "--resume") == 0  # nothing left: says so, trains nothing
+    assert "nothing left to train" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../../../../../etc/hostname", "/etc/hostname", "..", "sub/rank00000.pt", "link.pt"],
+    ids=["dot-dot", "absolute", "parent", "subfolder", "symlink-out"],
+)
+def test_manifest_file_names_stay_in_the_checkpoint(tmp_path: Path, name: str) -> None:
+    (tmp_path / "link.pt").symlink_to("/etc/hostname")
+    manifest = {**ESCAPING_MANIFEST, "files": [{**ESCAPING_MANIFEST["files"][0], "name": name}]}
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ExecutionError, match="is not a file of"):
+        read_manifest(tmp_path)

@@ -1,0 +1,98 @@
+"""Module-level worker for the check's tests (spawned by `launching.workers.run_workers`): the real
+training job (`runtime.jobs.train_worker`) with `check`, optionally with a bug injected.
+
+Lives here: `run_checked`, which runs each case's job on every rank and returns rank 0's
+`StepCheck`s, and `FAULTS`, the injected bugs: each is a way a runtime can be wrong that the
+check must catch, patched into this process only (never into the code under test):
+- `grad-scale`: the optimizer receives one parameter's gradient times (1 + 1e-3), under any
+  plan (each rank scales its piece of its stage's first parameter);
+- `all-reduce-average`: a boxing all-reduce averages instead of summing (a wrong boxing step);
+- `sync-twice`: the gradient sync all-reduces every bucket a second time, so each gradient is
+  summed over its replicas twice (a partial value summed again).
+Lives elsewhere: the cases and what they must show (tests/runtime/test_check.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from runtime.engine import Engine
+from runtime.jobs import TrainSpec, train_worker
+from runtime.parallel.grad_sync import GradSync
+from runtime.verify.verdict import StepCheck
+
+SCALE = 1 + 1e-3  # grad-scale's factor: the smallest error the issue asks the check to catch
+
+
+@contextlib.contextmanager
+def _grad_scale() -> Iterator[None]:
+    init = Engine.__init__
+
+    def scaled(self: Engine, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        first = next(iter(self.parameters.values()))
+        step = self.optimizer.step  # this engine's optimizer only, not the reference's
+
+        def scaled_step(*step_args: Any, **step_kwargs: Any) -> Any:
+            if first.grad is not None:
+                first.grad.mul_(SCALE)
+            return step(*step_args, **step_kwargs)
+
+        self.optimizer.step = scaled_step  # type: ignore[method-assign]
+
+    with mock.patch.object(Engine, "__init__", scaled):
+        yield
+
+
+@contextlib.contextmanager
+def _all_reduce_average() -> Iterator[None]:
+    all_reduce = dist.all_reduce
+
+    def average(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = all_reduce(tensor, *args, **kwargs)
+        if not kwargs.get("async_op", False):  # the boxing steps' blocking all-reduce
+            tensor.div_(dist.get_world_size(kwargs.get("group")))
+        return work
+
+    with mock.patch("runtime.execute.collectives.dist.all_reduce", average):
+        yield
+
+
+@contextlib.contextmanager
+def _sync_twice() -> Iterator[None]:
+    finish = GradSync.finish
+
+    def twice(self: GradSync) -> None:
+        finish(self)
+        for bucket in self.buckets:
+            assert bucket.flat is not None
+            dist.all_reduce(bucket.flat, group=bucket.group)
+
+    with mock.patch.object(GradSync, "finish", twice):
+        yield
+
+
+FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "none": contextlib.nullcontext,
+    "grad-scale": _grad_scale,
+    "all-reduce-average": _all_reduce_average,
+    "sync-twice": _sync_twice,
+}
+
+
+def run_checked(
+    rank: int, world_size: int, cases: list[tuple[str, TrainSpec, str]]
+) -> dict[str, list[StepCheck]]:
+    """Per case (id, job, fault name): the job's step checks on rank 0 (empty elsewhere)."""
+    out = {}
+    for case_id, spec, fault in cases:
+        with FAULTS[fault]():
+            rows, _, _ = train_worker(rank, world_size, spec)
+        out[case_id] = [check for _, _, check in rows if check is not None]
+    return out

@@ -1,0 +1,48 @@
+"""Module-level workers for the memory tests (spawned by `launching.workers.run_workers`).
+
+Lives here: `measure_cases`: per case, an `Engine` trains one step (Adam's states exist after
+it), then this rank's peak in a later step is measured (`runtime.verify.peak_memory`) and returned
+with the plan's prediction for this rank's stage. Lives elsewhere: planning and the
+assertions (tests/runtime/test_memory.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from autosbp.capturing.export import capture_micro_batch
+from autosbp.plan import Plan
+from autosbp.zoo import build_model
+from runtime import Engine
+from runtime.jobs import adam
+from runtime.parallel.gathers import GatherPolicy
+from runtime.verify.peak_memory import engine_tensors, measure_peak_bytes
+
+Case = dict[str, Any]
+"""{"id": str, "model": zoo name, "model_kwargs": dict, "plan": Plan JSON,
+"regather": bool | None (None: the plan's own policy), "depth": int}"""
+
+
+def measure_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, float]]:
+    """Per case: {"measured_bytes", "predicted_bytes"} of this rank."""
+    return [_measure(case, rank) for case in cases]
+
+
+def _measure(case: Case, rank: int) -> dict[str, float]:
+    model, inputs = build_model(case["model"], seed=0, **case["model_kwargs"])
+    plan = Plan.from_json(case["plan"])
+    graph = capture_micro_batch(model, inputs, plan.micro_batches, name=case["model"])
+    policy = None
+    if case["regather"] is not None:
+        names = frozenset(name for name, _ in model.named_parameters())
+        policy = GatherPolicy(case["depth"], names if case["regather"] else frozenset())
+
+    # The fused Adam that `autosbp train` steps with and the planner prices (torch's per-tensor
+    # loop would add two temporaries the size of the parameter it updates, unpriced).
+    optimizer = functools.partial(adam, lr=1e-3)
+    engine = Engine(model, plan, optimizer, example_inputs=inputs, graph=graph, gathers=policy)
+    engine.step(inputs)
+    measured = measure_peak_bytes(lambda: engine.step(inputs), lambda: engine_tensors(engine))
+    stage = next(s for s in plan.stages if rank in s.devices)
+    return {"measured_bytes": float(measured), "predicted_bytes": float(stage.peak_memory_bytes)}

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from autosbp.boxing.steps import local_box
-from autosbp.capturing.graph import OpGraph, Role, TensorMeta, run_device
+from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta, run_device
 from autosbp.errors import PlanError
 from autosbp.plan import Plan
 from autosbp.planner.pipeline import recomputed
@@ -233,7 +233,7 @@ class _Builder:
         self.reads.append(reads)
         self.writes.append(writes)
 
-    def add_compute(self, name: str, attrs: Mapping[str, Any]) -> None:
+    def add_compute(self, name: str, attrs: OpNode) -> None:
         self.current = name
         sig = self.signatures[name]
         pinned = pinned_inputs(self.graph, name)

@@ -8,6 +8,7 @@ divisibility filter, P only on floating tensors, placeholders and output, unknow
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -250,7 +251,7 @@ def test_output_accepts_b_or_p() -> None:
 def test_unknown_op_gets_all_b_and_one_warning_listing_it(caplog: pytest.LogCaptureFixture) -> None:
     x = torch.randn(4, 8)
     node, inputs = node_from_call(aten.relu.default, (x,))
-    node["op"] = "aten.foo.default"
+    node = dataclasses.replace(node, op="aten.foo.default")
     assert not has_rule("aten.foo.default")
     assert signatures_1d(node, 2) == [Signature((B,), (B,))]
     assert [repr(s) for s in nd_signatures(node, (2, 2))] == ["(BB -> BB)"]

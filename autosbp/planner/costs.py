@@ -53,7 +53,7 @@ import torch
 from autosbp import schedule
 from autosbp.boxing import StepPrice, canonical_shape, price_boxing
 from autosbp.boxing.steps import BoxingStep, StepKind, dual_nd_sbp
-from autosbp.capturing.graph import OpGraph, Role, TensorMeta
+from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta
 from autosbp.errors import SbpError
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs
 from autosbp.sbp import Broadcast, Mesh, NdSbp, local_shape
@@ -323,7 +323,7 @@ def _accumulate_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> floa
     return pricer.prices.op_time_s(local, 3 * local * meta.dtype.itemsize, meta.dtype)
 
 
-def _candidates(attrs: dict[str, Any], mesh_shape: tuple[int, ...]) -> list[NdSignature]:
+def _candidates(attrs: OpNode, mesh_shape: tuple[int, ...]) -> list[NdSignature]:
     sigs = nd_signatures(attrs, mesh_shape)
     if attrs["role"] is Role.BUFFER:
         # A buffer is state, not trained: keep it replicated (the runtime materializes it whole).
@@ -332,7 +332,7 @@ def _candidates(attrs: dict[str, Any], mesh_shape: tuple[int, ...]) -> list[NdSi
 
 
 def _compute_s(
-    attrs: dict[str, Any], sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
+    attrs: OpNode, sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
 ) -> float:
     if attrs["role"] is not Role.COMPUTE or (not attrs["flops"] and not attrs["bytes"]):
         return 0.0

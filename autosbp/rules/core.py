@@ -10,7 +10,7 @@ nD product (`autosbp.rules`), the simulation oracle (`autosbp.rules.oracle`).
 Invariants: a Signature has one SBP per tensor input (InputRef order) and one per tensor output;
 rules never emit P on a tensor that is not floating point (the registry filters it anyway);
 a LocalOp returns exactly one tensor per node output, whatever the op returns.
-References: design.md 3.3; graph.py for the node attribute contract; OneFlow `GetSbp` functions.
+References: design.md 3.3; `OpNode` (graph.py) for the node contract; OneFlow `GetSbp` functions.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, TypeAlias
 
 import torch
 
-from autosbp.capturing.graph import InputRef, RunDevice
+from autosbp.capturing.graph import InputRef, OpNode, RunDevice
 from autosbp.sbp import B, Broadcast, NdSbp, P, Partial, Sbp, Split, format_nd_sbp, local_shape
 
-Node: TypeAlias = Mapping[str, Any]
+Node: TypeAlias = OpNode
 Shape: TypeAlias = tuple[int, ...]
 
 

@@ -180,7 +180,7 @@ class Engine:
             has_collective(self.boxer.steps(have, want, attrs["outputs"][0].shape))
             for node, attrs in graph.nodes(Role.PARAMETER)
             for consumer in graph.graph.successors(node)
-            for _, index in graph.graph.edges[node, consumer]["uses"]
+            for _, index in graph.uses(node, consumer)
             if (have := signatures[node].outputs[0]) != (want := signatures[consumer].inputs[index])
         )
         if not gathered:
@@ -311,7 +311,7 @@ class Engine:
 
     def _dtype_of(self, name: str) -> torch.dtype:
         node = next(n for n, a in self.graph.nodes() if a["name"] == name)
-        return self.graph.graph.nodes[node]["outputs"][0].dtype
+        return self.graph.node(node)["outputs"][0].dtype
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -378,7 +378,7 @@ def _links(
 
     def local(value: tuple[str, int]) -> TensorMeta:
         node, out = value
-        meta = graph.graph.nodes[node]["outputs"][out]
+        meta = graph.node(node)["outputs"][out]
         layout = signatures[node].outputs[out]
         return TensorMeta(local_shape(meta.shape, layout, meshes[stage].shape), meta.dtype)
 

@@ -206,20 +206,20 @@ class _Builder:
         if index in pinned:
             raise PlanError(
                 f"the plan boxes input {index} of node {consumer!r} "
-                f"({self.graph.graph.nodes[consumer]['op']}) from {format_nd_sbp(have)} to "
+                f"({self.graph.node(consumer)['op']}) from {format_nd_sbp(have)} to "
                 f"{format_nd_sbp(want)}, but that input leads to an in-place write: a boxed copy "
                 "would take the write away from the tensor read afterwards. The planner never "
                 "does this; the plan was edited or made by another autosbp version: make it again."
             )
         key = (node, out, want)
         if key not in self.boxed:
-            attrs = self.graph.graph.nodes[node]
+            attrs = self.graph.node(node)
             meta = attrs["outputs"][out]
             box = self.boxer.chain(have, want, meta.shape, meta.dtype)
             src, dst = self.slots[(node, out)], self.new_slot()
             steps = self.boxer.steps(have, want, meta.shape, meta.dtype)
             if attrs["role"] is Role.PARAMETER and has_collective(steps):
-                block = self.graph.graph.nodes[consumer]["block"]
+                block = self.graph.node(consumer)["block"]
                 self.param_boxes.append(
                     ParamBox(len(self.steps), attrs["name"], src, dst, block, steps)
                 )
@@ -276,7 +276,7 @@ class _Builder:
         target = self.slots[(node, out)]
         if copy == target:
             return  # the op wrote into the buffer itself
-        attrs = self.graph.graph.nodes[node]
+        attrs = self.graph.node(node)
         assert attrs["role"] is Role.BUFFER, (
             f"{consumer}: a boxed write into {node} (pinned_inputs)"
         )
@@ -295,12 +295,12 @@ def stage_boundaries(
     if stage_of is None:
         return out
     for name in graph.order:
-        if graph.graph.nodes[name]["role"] is Role.INPUT:
+        if graph.node(name)["role"] is Role.INPUT:
             continue
         readers: dict[tuple[int, int], None] = {}
         for v in graph.graph.successors(name):
             if stage_of[v] != stage_of[name]:
-                for out_idx, _ in graph.graph.edges[name, v]["uses"]:
+                for out_idx, _ in graph.uses(name, v):
                     readers[(stage_of[v], out_idx)] = None
         for reader, out_idx in sorted(readers):
             out.setdefault((stage_of[name], reader), []).append((name, out_idx))
@@ -413,10 +413,9 @@ def _schedule_gathers(
 def _recompute_runs(builder: _Builder, recompute: str) -> list[tuple[int, int]]:
     """The maximal runs [start, end) of at least two recomputed steps of one block
     (`planner.pipeline.recomputed`; ops that write into inputs never are)."""
-    nodes = builder.graph.graph.nodes
 
     def group(k: int) -> int | None:
-        attrs = nodes[builder.owners[k]] if builder.owners[k] else None
+        attrs = builder.graph.node(builder.owners[k]) if builder.owners[k] else None
         if attrs is None or mutated_inputs(attrs) or not recomputed(attrs, recompute):
             return None
         return attrs["block"]

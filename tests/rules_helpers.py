@@ -474,8 +474,8 @@ def _dtensor_record(
     try:
         with CommDebugMode() as comm:
             outs = as_tuple(
-                node["target"](
-                    *resolve_refs(node["args"], dtensors), **resolve_refs(node["kwargs"], dtensors)
+                node.target(
+                    *resolve_refs(node.args, dtensors), **resolve_refs(node.kwargs, dtensors)
                 )
             )
     except Exception as exc:  # DTensor lacks a strategy: reported, judged by the test

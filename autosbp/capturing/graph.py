@@ -109,6 +109,11 @@ class OpNode:
     name: str = ""
     """The parameter/buffer fully qualified name for PARAMETER/BUFFER nodes, else ""."""
 
+    @property
+    def schema(self) -> torch._C.FunctionSchema | None:
+        """The ATen schema of `target` (None for placeholders, the output, plain callables)."""
+        return getattr(self.target, "_schema", None)
+
     # TRANSITIONAL (issue 26, removed once every reader reads fields): `node["op"]` and
     # `node.get("block")` for the readers not yet converted.
     def __getitem__(self, key: str) -> Any:

@@ -144,7 +144,7 @@ def _check_broadcast_copies(
                 other = pieces[mesh.index(first)]
                 if not _same(pieces[index], other):
                     raise AssertionError(
-                        f"{node['op']}: B output differs on devices {tuple(first)} and {coords}"
+                        f"{node.op}: B output differs on devices {tuple(first)} and {coords}"
                     )
 
 
@@ -157,6 +157,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _call_raw(node: Node, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    args = resolve_refs(node["args"], inputs)
-    kwargs = {k: resolve_refs(v, inputs) for k, v in node["kwargs"].items()}
-    return as_tuple(node["target"](*args, **kwargs))
+    args = resolve_refs(node.args, inputs)
+    kwargs = {k: resolve_refs(v, inputs) for k, v in node.kwargs.items()}
+    assert node.target is not None, f"{node.op}: no target to call"
+    return as_tuple(node.target(*args, **kwargs))

@@ -155,10 +155,10 @@ def read_signatures(
             tuple(parse_nd_sbp(s) for s in node_plan.inputs),
             tuple(parse_nd_sbp(s) for s in node_plan.outputs),
         )
-        if node_plan.op != attrs["op"] or sig not in nd_signatures(attrs, mesh_shape):
+        if node_plan.op != attrs.op or sig not in nd_signatures(attrs, mesh_shape):
             raise PlanError(
-                f"the plan gives node {name!r} ({attrs['op']}, module "
-                f"`{attrs['module_path'] or '<top>'}`) the signature {sig!r} for op "
+                f"the plan gives node {name!r} ({attrs.op}, module "
+                f"`{attrs.module_path or '<top>'}`) the signature {sig!r} for op "
                 f"{node_plan.op}, which its rule does not offer on mesh {mesh_shape}; the plan "
                 "was edited or made by another autosbp version: make it again."
             )
@@ -206,7 +206,7 @@ class _Builder:
         if index in pinned:
             raise PlanError(
                 f"the plan boxes input {index} of node {consumer!r} "
-                f"({self.graph.node(consumer)['op']}) from {format_nd_sbp(have)} to "
+                f"({self.graph.node(consumer).op}) from {format_nd_sbp(have)} to "
                 f"{format_nd_sbp(want)}, but that input leads to an in-place write: a boxed copy "
                 "would take the write away from the tensor read afterwards. The planner never "
                 "does this; the plan was edited or made by another autosbp version: make it again."
@@ -214,14 +214,14 @@ class _Builder:
         key = (node, out, want)
         if key not in self.boxed:
             attrs = self.graph.node(node)
-            meta = attrs["outputs"][out]
+            meta = attrs.outputs[out]
             box = self.boxer.chain(have, want, meta.shape, meta.dtype)
             src, dst = self.slots[(node, out)], self.new_slot()
             steps = self.boxer.steps(have, want, meta.shape, meta.dtype)
-            if attrs["role"] is Role.PARAMETER and has_collective(steps):
-                block = self.graph.node(consumer)["block"]
+            if attrs.role is Role.PARAMETER and has_collective(steps):
+                block = self.graph.node(consumer).block
                 self.param_boxes.append(
-                    ParamBox(len(self.steps), attrs["name"], src, dst, block, steps)
+                    ParamBox(len(self.steps), attrs.name, src, dst, block, steps)
                 )
             self.emit(box_instruction(box, src, dst), (src,), (dst,))
             self.boxed[key] = dst
@@ -244,7 +244,7 @@ class _Builder:
             else slot
             for i, slot in enumerate(ins)
         )
-        outs = tuple(self.new_slot() for _ in attrs["outputs"])
+        outs = tuple(self.new_slot() for _ in attrs.outputs)
         for index, slot in enumerate(outs):
             self.slots[(name, index)] = slot
         op = local_op(attrs, sig, self.mesh.shape, self.coords)
@@ -277,10 +277,8 @@ class _Builder:
         if copy == target:
             return  # the op wrote into the buffer itself
         attrs = self.graph.node(node)
-        assert attrs["role"] is Role.BUFFER, (
-            f"{consumer}: a boxed write into {node} (pinned_inputs)"
-        )
-        meta = attrs["outputs"][0]
+        assert attrs.role is Role.BUFFER, f"{consumer}: a boxed write into {node} (pinned_inputs)"
+        meta = attrs.outputs[0]
         want = self.signatures[consumer].inputs[index]
         box = self.boxer.chain(want, self.layout(node, out), meta.shape, meta.dtype)
         self.emit(write_back_instruction(box, copy, target), (copy,), ())
@@ -295,7 +293,7 @@ def stage_boundaries(
     if stage_of is None:
         return out
     for name in graph.order:
-        if graph.node(name)["role"] is Role.INPUT:
+        if graph.node(name).role is Role.INPUT:
             continue
         readers: dict[tuple[int, int], None] = {}
         for v in graph.graph.successors(name):
@@ -340,16 +338,16 @@ def build_program(
         if name in here:
             slot = builder.new_slot()
             builder.slots[(name, 0)] = slot
-            meta, layout = attrs["outputs"][0], builder.layout(name, 0)
+            meta, layout = attrs.outputs[0], builder.layout(name, 0)
             inputs.append(
                 InputLoader(position, slot, meta, _input_index(meta, layout, mesh, coords))
             )
     for name, attrs in graph.nodes():
-        role = attrs["role"]
+        role = attrs.role
         if name not in here or role is Role.INPUT:
             continue
         if role in (Role.PARAMETER, Role.BUFFER):
-            builder.slots[(name, 0)] = builder.new_slot(state[attrs["name"]])
+            builder.slots[(name, 0)] = builder.new_slot(state[attrs.name])
         elif role is Role.OUTPUT:
             node, out = graph.producers(name)[0]  # type: ignore[misc]
             loss = (builder.slots[(node, out)], builder.layout(node, out))
@@ -418,7 +416,7 @@ def _recompute_runs(builder: _Builder, recompute: str) -> list[tuple[int, int]]:
         attrs = builder.graph.node(builder.owners[k]) if builder.owners[k] else None
         if attrs is None or mutated_inputs(attrs) or not recomputed(attrs, recompute):
             return None
-        return attrs["block"]
+        return attrs.block
 
     runs = []
     k, n = 0, len(builder.steps)

@@ -13,7 +13,6 @@ attribute that only this module reads or writes (`_NODE`, `_USES`).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import hashlib
@@ -114,20 +113,6 @@ class OpNode:
         """The ATen schema of `target` (None for placeholders, the output, plain callables)."""
         return getattr(self.target, "_schema", None)
 
-    # TRANSITIONAL (issue 26, removed once every reader reads fields): `node["op"]` and
-    # `node.get("block")` for the readers not yet converted.
-    def __getitem__(self, key: str) -> Any:
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
-
-def _legacy_attrs(node: OpNode) -> dict[str, Any]:
-    """TRANSITIONAL (issue 26): the node's fields as networkx attributes too, for readers of
-    `graph.graph.nodes[name]["op"]` not yet converted."""
-    return {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
-
 
 _NODE = "node"  # the networkx node attribute holding its OpNode
 _USES = "uses"  # the networkx edge attribute holding its Uses
@@ -204,7 +189,7 @@ class OpGraph:
     def add_node(self, name: str, node: OpNode, sources: Sequence[tuple[str, int]] = ()) -> None:
         """Append node `name` (to `order` too), its input k read from `sources[k]` (producer,
         output index): one edge per producer, its uses in input order."""
-        self.graph.add_node(name, **{_NODE: node}, **_legacy_attrs(node))
+        self.graph.add_node(name, **{_NODE: node})
         self.order.append(name)
         for in_index, (src, out_index) in enumerate(sources):
             if self.graph.has_edge(src, name):
@@ -214,7 +199,7 @@ class OpGraph:
 
     def set_node(self, name: str, node: OpNode) -> None:
         """Replace the data of node `name` (its edges stay)."""
-        self.graph.nodes[name].update({_NODE: node}, **_legacy_attrs(node))
+        self.graph.nodes[name][_NODE] = node
 
     def remove_node(self, name: str) -> None:
         """Drop node `name` and its edges (and from `order`)."""

@@ -3,7 +3,7 @@
 Lives here: `BatchFamily` (fitted from two captures of one model at batches b1 != b2, both >= 2;
 `graph_at(b)` is the graph at batch b) and `micro_batch_graphs` (one micro-batch graph per
 micro-batch count, exporting at most twice when the model rebatches). Lives elsewhere: capture
-itself and its node attributes (`export`, `graph`), flop formulas (`flops`), cutting a batch
+itself and its nodes (`export`, `graph.OpNode`), flop formulas (`flops`), cutting a batch
 into micro-batches (`capturing.batches`).
 
 Why: an export of GPT-3 (96 layers) takes ~11 s, and the planner wants the micro-batch graph for
@@ -12,7 +12,7 @@ dim, a `view` size) is a*batch + c for the models this project captures, so two 
 
 Invariants:
 - A family is rebatchable only if the two captures have the same structure: node order and names,
-  every node attribute except the shape-derived ones (op, role, target, module_path, block, name),
+  every node field except the shape-derived ones (op, role, target, module_path, block, name),
   the types and nesting of args/kwargs, tensor ranks and dtypes, edges and their `uses`, and the
   graph's `meta` (constants by name, shape and dtype; tied, block_container, buffer_mutations).
   Otherwise `reason` says which node differs and `graph_at` raises `CaptureError` with it.

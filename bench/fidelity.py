@@ -232,10 +232,10 @@ def predicted_sync_s(graph: OpGraph, plan: Plan, profile: str, stage: int) -> fl
     bucket_bytes = sync_bucket_bytes(graph)
     total = 0.0
     for _, attrs in graph.nodes(Role.PARAMETER):
-        param = plan.params[attrs["name"]]
+        param = plan.params[attrs.name]
         if param.stage == stage:
             layout = parse_nd_sbp(param.sbp)
-            meta = attrs["outputs"][0]
+            meta = attrs.outputs[0]
             total += pricer.bucketed_time_s(dual_nd_sbp(layout), layout, meta, bucket_bytes)
     return total
 

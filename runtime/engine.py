@@ -123,11 +123,11 @@ class Engine:
         stage_of = {name: node.stage for name, node in plan.nodes.items()}
         self.boxer = Boxer(self.mesh, build_groups(meshes))
         self.layouts = _state_layouts(graph, self.signatures, plan)
-        self.shapes = {a["name"]: a["outputs"][0].shape for _, a in graph.nodes() if a["name"]}
+        self.shapes = {a.name: a.outputs[0].shape for _, a in graph.nodes() if a.name}
         self.owner = {
-            attrs["name"]: stage_of[node]
+            attrs.name: stage_of[node]
             for node, attrs in graph.nodes()
-            if attrs["role"] in (Role.PARAMETER, Role.BUFFER)
+            if attrs.role in (Role.PARAMETER, Role.BUFFER)
         }
         self.state = _materialize(
             broadcast_initial_state(model, graph),
@@ -178,10 +178,10 @@ class Engine:
         from the whole graph), or None where the plan gathers no parameter."""
         graph, signatures = self.graph, self.signatures
         gathered = any(
-            has_collective(self.boxer.steps(have, want, attrs["outputs"][0].shape))
+            has_collective(self.boxer.steps(have, want, attrs.outputs[0].shape))
             for node, attrs in graph.nodes(Role.PARAMETER)
             for consumer in graph.graph.successors(node)
-            for _, index in graph.graph.edges[node, consumer]["uses"]
+            for _, index in graph.uses(node, consumer)
             if (have := signatures[node].outputs[0]) != (want := signatures[consumer].inputs[index])
         )
         if not gathered:
@@ -311,8 +311,8 @@ class Engine:
         return out
 
     def _dtype_of(self, name: str) -> torch.dtype:
-        node = next(n for n, a in self.graph.nodes() if a["name"] == name)
-        return self.graph.graph.nodes[node]["outputs"][0].dtype
+        node = next(n for n, a in self.graph.nodes() if a.name == name)
+        return self.graph.node(node).outputs[0].dtype
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -379,7 +379,7 @@ def _links(
 
     def local(value: tuple[str, int]) -> TensorMeta:
         node, out = value
-        meta = graph.graph.nodes[node]["outputs"][out]
+        meta = graph.node(node).outputs[out]
         layout = signatures[node].outputs[out]
         return TensorMeta(local_shape(meta.shape, layout, meshes[stage].shape), meta.dtype)
 
@@ -401,7 +401,7 @@ def _links(
 
 
 def _names(graph: OpGraph, role: Role) -> list[str]:
-    return [attrs["name"] for _, attrs in graph.nodes(role)]
+    return [attrs.name for _, attrs in graph.nodes(role)]
 
 
 def _state_layouts(
@@ -411,14 +411,12 @@ def _state_layouts(
     plan's parameter table."""
     layouts: dict[str, NdSbp] = {}
     for node, attrs in graph.nodes():
-        if attrs["role"] not in (Role.PARAMETER, Role.BUFFER):
+        if attrs.role not in (Role.PARAMETER, Role.BUFFER):
             continue
-        name, layout = attrs["name"], signatures[node].outputs[0]
+        name, layout = attrs.name, signatures[node].outputs[0]
         assert not any(isinstance(s, Partial) for s in layout), f"{name}: a P placeholder"
         listed = plan.params.get(name)
-        if attrs["role"] is Role.PARAMETER and (
-            listed is None or listed.sbp != format_nd_sbp(layout)
-        ):
+        if attrs.role is Role.PARAMETER and (listed is None or listed.sbp != format_nd_sbp(layout)):
             raise PlanError(
                 f"the plan gives parameter {name!r} the SBP {listed.sbp if listed else 'none'} in "
                 f"its parameter table but {format_nd_sbp(layout)} in its node; the plan is "
@@ -440,9 +438,9 @@ def _materialize(
     its stage (`here(name)`)."""
     state: dict[str, torch.Tensor] = {}
     for _, attrs in graph.nodes():
-        if attrs["role"] not in (Role.PARAMETER, Role.BUFFER):
+        if attrs.role not in (Role.PARAMETER, Role.BUFFER):
             continue
-        name = attrs["name"]
+        name = attrs.name
         if not here(name):
             continue
         full = sources[name].detach()
@@ -453,5 +451,5 @@ def _materialize(
                 "and initialize the weights), then build the Engine."
             )
         local = shard_tensor(full, layouts[name], mesh, coords).clone()
-        state[name] = local.requires_grad_(attrs["role"] is Role.PARAMETER)
+        state[name] = local.requires_grad_(attrs.role is Role.PARAMETER)
     return state

@@ -1,8 +1,8 @@
 """Capturing: a model and example inputs become the operator graph the planner and runtime read.
 
 Lives here, one module per responsibility:
-- `graph`: the node and edge vocabulary (`OpGraph`, `Role`, `TensorMeta`, `InputRef`,
-  `RUN_DEVICE`);
+- `graph`: the node and edge vocabulary (`OpGraph`, `OpNode`, `Role`, `TensorMeta`,
+  `InputRef`, `RUN_DEVICE`);
 - `export`: `capture` (torch.export on fake CPU tensors -> `OpGraph`) and `run_graph`, its
   reference interpreter;
 - `builder`: one graph node per exported node, in the canonical form that makes the graph

@@ -1,7 +1,7 @@
 """Repeated blocks: which captured nodes belong to transformer layer k (or residual block k).
 
 Lives here: `assign_blocks`, which picks the repeated-block container of a captured graph and sets
-each node's `block`. Lives elsewhere: capture itself (`export`), tying blocks in the planner.
+each node's `block` (a new `OpNode` each). Lives elsewhere: capture itself (`export`), tying blocks in the planner.
 
 The container is a module path whose numbered children (`blocks.0`, `blocks.1`, ... from a
 ModuleList or Sequential) are >= 2 modules of one type; among those, the one with the most
@@ -13,31 +13,28 @@ None. A node's block comes from its module path (parameters: their owning module
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-import networkx as nx
-
-from autosbp.capturing.graph import Role
+from autosbp.capturing.graph import OpGraph, OpNode, Role
 
 __all__ = ["assign_blocks"]
 
 ModuleStack = list[tuple[str, str]]  # (module path, module type name), outermost first
 
 
-def assign_blocks(
-    graph: nx.DiGraph, order: list[str], stacks: Mapping[str, ModuleStack]
-) -> str | None:
+def assign_blocks(graph: OpGraph, stacks: Mapping[str, ModuleStack]) -> str | None:
     """Set `block` on every node of `graph`; return the container's module path (or None).
 
     `stacks` maps each compute node to its nn_module_stack (the export's `nn_module_stack`).
     """
     for container in _block_candidates(stacks):
-        blocks = {name: _block_index(_node_path(graph.nodes[name]), container) for name in order}
-        if _blocks_identical(graph, order, blocks):
+        blocks = {name: _block_index(_node_path(node), container) for name, node in graph.nodes()}
+        if _blocks_identical(graph, blocks):
             for name, block in blocks.items():
-                graph.nodes[name]["block"] = block
+                graph.set_node(name, dataclasses.replace(graph.node(name), block=block))
             return container
     return None
 
@@ -58,8 +55,8 @@ def _block_candidates(stacks: Mapping[str, ModuleStack]) -> list[str]:
     return [parent for _, _, parent in ranked]
 
 
-def _node_path(attrs: Mapping[str, Any]) -> str:
-    return attrs["name"] or attrs["module_path"]
+def _node_path(node: OpNode) -> str:
+    return node.name or node.module_path
 
 
 def _block_index(path: str, container: str) -> int | None:
@@ -70,13 +67,11 @@ def _block_index(path: str, container: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _blocks_identical(
-    graph: nx.DiGraph, order: list[str], blocks: Mapping[str, int | None]
-) -> bool:
+def _blocks_identical(graph: OpGraph, blocks: Mapping[str, int | None]) -> bool:
     signatures: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
-    for name in order:
-        block, attrs = blocks[name], graph.nodes[name]
-        if block is not None and attrs["role"] is Role.COMPUTE:
-            signatures[block].append((attrs["op"], attrs["inputs"], attrs["outputs"]))
+    for name, node in graph.nodes():
+        block = blocks[name]
+        if block is not None and node.role is Role.COMPUTE:
+            signatures[block].append((node.op, node.inputs, node.outputs))
     distinct = {tuple(sig) for sig in signatures.values()}
     return len(signatures) >= 2 and len(distinct) == 1

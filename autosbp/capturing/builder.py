@@ -1,9 +1,9 @@
 """From an exported program to graph nodes: one fx node at a time, in canonical form.
 
-Lives here: `GraphBuilder` (placeholders, ATen calls and the loss output as networkx nodes with
-the attributes of `capturing.graph`), `node_attrs` (a node's attributes, capture's byte formula)
-and the canonical form below. Lives elsewhere: the export and the graph-level passes (`export`:
-tied parameters, blocks, unknown ops), export failures (`failures`), flop formulas (`flops`).
+Lives here: `GraphBuilder` (placeholders, ATen calls and the loss output as the `OpNode`s of an
+`OpGraph`), `node_bytes` (capture's byte formula) and the canonical form below. Lives elsewhere:
+the export and the graph-level passes (`export`: tied parameters, blocks, unknown ops), export
+failures (`failures`), flop formulas (`flops`).
 
 The canonical form: the graph of a model must not depend on the device it was captured on (a
 plan made on "meta" trains on "cpu" or "cuda": same nodes, same fingerprint). So:
@@ -41,10 +41,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from autosbp.capturing.failures import dependent_shape_message, unsupported_node_message
 from autosbp.capturing.flops import count_flops, count_transcendentals
-from autosbp.capturing.graph import RUN_DEVICE, InputRef, Role, TensorMeta
+from autosbp.capturing.graph import RUN_DEVICE, InputRef, OpGraph, OpNode, Role, TensorMeta
 from autosbp.errors import CaptureError
 
-__all__ = ["GraphBuilder", "node_attrs", "tensor_meta", "tensors_of"]
+__all__ = ["GraphBuilder", "node_bytes", "tensor_meta", "tensors_of"]
 
 _INPUT_ROLES = {
     InputKind.PARAMETER: Role.PARAMETER,
@@ -61,12 +61,12 @@ Location = tuple[str, int]  # (graph node, output index)
 
 
 class GraphBuilder:
-    """Adds fx nodes one at a time; remembers where each fx value lives (node, output index)."""
+    """Adds fx nodes one at a time to `graph`; remembers where each fx value lives (node,
+    output index)."""
 
     def __init__(self, program: ExportedProgram, name: str) -> None:
         self.name = name
-        self.graph = nx.DiGraph()
-        self.order: list[str] = []
+        self.graph = OpGraph(nx.DiGraph(), [], name, program)
         self.module_stacks: dict[str, list[tuple[str, str]]] = {}
         self.buffer_mutations: dict[str, tuple[str, int]] = {}
         self._program = program
@@ -106,8 +106,12 @@ class GraphBuilder:
             self._state.add(node.name)
         fqn = (spec.target or "") if role is not Role.INPUT else ""
         outputs = (tensor_meta(node.meta["val"]),)
-        attrs = node_attrs("placeholder", role, outputs=outputs, module_path=fqn.rpartition(".")[0])
-        self._insert(node.name, {**attrs, "name": fqn}, sources=[])
+        module_path = fqn.rpartition(".")[0]
+        placeholder = OpNode(
+            "placeholder", role, outputs=outputs, bytes=node_bytes((), outputs),
+            module_path=module_path, name=fqn,
+        )  # fmt: skip
+        self.graph.add_node(node.name, placeholder)
         self._where[node.name] = (node.name, 0)
 
     def _fold_getitem(self, node: fx.Node) -> None:
@@ -148,13 +152,16 @@ class GraphBuilder:
     def _detached(self, region: fx.Node, index: int, location: Location | None) -> Location | None:
         if location is None:
             return None
-        meta = self.graph.nodes[location[0]]["outputs"][location[1]]
+        source = self.graph.node(location[0])
+        meta = source.outputs[location[1]]
         name = f"{self._key(region)}_detach_{index}"
-        attrs = node_attrs("aten.detach.default", Role.COMPUTE, inputs=(meta,), outputs=(meta,))
-        module_path = self.graph.nodes[location[0]]["module_path"]
-        attrs.update(target=aten.detach.default, args=(InputRef(0),), module_path=module_path)
+        detach = OpNode(
+            "aten.detach.default", Role.COMPUTE, target=aten.detach.default, args=(InputRef(0),),
+            inputs=(meta,), outputs=(meta,), bytes=node_bytes((meta,), (meta,)),
+            module_path=source.module_path,
+        )  # fmt: skip
         self.module_stacks[name] = self.module_stacks.get(location[0], [])
-        self._insert(name, attrs, sources=[location])
+        self.graph.add_node(name, detach, [location])
         return (name, 0)
 
     def _add_compute(self, node: fx.Node) -> None:
@@ -165,24 +172,19 @@ class GraphBuilder:
         sources: list[Location] = []
         args = self._replace(node.args, sources)
         kwargs = self._replace(node.kwargs, sources)
-        inputs = tuple(self.graph.nodes[s]["outputs"][i] for s, i in sources)
+        inputs = tuple(self.graph.node(s).outputs[i] for s, i in sources)
         outputs = tuple(tensor_meta(t) for t in tensors_of(val))
         op = str(target)
         name = self._key(node)
         stack = [(str(p), str(t)) for p, t in (node.meta.get("nn_module_stack") or {}).values()]
         self.module_stacks[name] = stack
-        attrs = node_attrs(
-            op,
-            Role.COMPUTE,
-            inputs=inputs,
-            outputs=outputs,
-            module_path=stack[-1][0] if stack else "",
-        )
-        attrs.update(
-            target=target, args=args, kwargs=kwargs, flops=count_flops(op, inputs, outputs),
+        compute = OpNode(
+            op, Role.COMPUTE, target=target, args=args, kwargs=kwargs, inputs=inputs,
+            outputs=outputs, flops=count_flops(op, inputs, outputs),
             transcendentals=count_transcendentals(op, inputs, outputs),
+            bytes=node_bytes(inputs, outputs), module_path=stack[-1][0] if stack else "",
         )  # fmt: skip
-        self._insert(name, attrs, sources=sources)
+        self.graph.add_node(name, compute, sources)
         self._note_views(node)
         if isinstance(val, (list, tuple)):
             positions = [isinstance(v, torch.Tensor) for v in val]
@@ -205,12 +207,11 @@ class GraphBuilder:
             k for k, s in enumerate(self._output_specs) if s.kind is OutputKind.USER_OUTPUT
         )
         args = (self._replace(values[loss_position], sources),)
-        loss = self.graph.nodes[sources[0][0]]["outputs"][sources[0][1]]
-        self._insert(
-            "output",
-            {**node_attrs("output", Role.OUTPUT, inputs=(loss,)), "args": args},
-            sources=sources,
+        loss = self.graph.node(sources[0][0]).outputs[sources[0][1]]
+        output = OpNode(
+            "output", Role.OUTPUT, args=args, inputs=(loss,), bytes=node_bytes((loss,), ())
         )
+        self.graph.add_node("output", output, sources)
 
     # ------------------------------------------------------------------------ in-place writes
     def _functional(self, node: fx.Node) -> tuple[Callable[..., Any], list[fx.Node]]:
@@ -275,15 +276,6 @@ class GraphBuilder:
         sources.append(source)
         return InputRef(len(sources) - 1)
 
-    def _insert(self, node_name: str, attrs: dict[str, Any], *, sources: list[Location]) -> None:
-        self.graph.add_node(node_name, **attrs)
-        self.order.append(node_name)
-        for in_index, (src, out_index) in enumerate(sources):
-            if self.graph.has_edge(src, node_name):
-                self.graph.edges[src, node_name]["uses"] += ((out_index, in_index),)
-            else:
-                self.graph.add_edge(src, node_name, uses=((out_index, in_index),))
-
 
 def _functional_twin(target: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """`aten.relu_.default` -> `aten.relu.default` (same arguments, a new output), if any."""
@@ -315,31 +307,9 @@ def _returns_alias(target: torch._ops.OpOverload) -> bool:
     )
 
 
-def node_attrs(
-    op: str,
-    role: Role,
-    *,
-    inputs: tuple[TensorMeta, ...] = (),
-    outputs: tuple[TensorMeta, ...] = (),
-    module_path: str = "",
-) -> dict[str, Any]:
-    """A node's attributes (see `autosbp.capturing.graph`), defaults of a non-compute node."""
-    nbytes = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
-    return {
-        "op": op,
-        "role": role,
-        "target": None,
-        "args": (),
-        "kwargs": {},
-        "inputs": inputs,
-        "outputs": outputs,
-        "flops": 0.0,
-        "transcendentals": 0.0,
-        "bytes": nbytes,
-        "module_path": module_path,
-        "block": None,
-        "name": "",
-    }
+def node_bytes(inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...]) -> int:
+    """Capture's `OpNode.bytes`: every input read and every output written once."""
+    return sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
 
 
 def tensor_meta(value: Any) -> TensorMeta:

@@ -38,7 +38,6 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -231,20 +230,19 @@ def _build_opgraph(program: ExportedProgram, model: nn.Module, name: str) -> OpG
     builder = GraphBuilder(program, name)
     for node in program.graph.nodes:
         builder.add(node)
-    tied = _drop_tied_aliases(builder.graph, builder.order, model)
-    unknown = _unknown_ops(
-        {a["op"] for _, a in builder.graph.nodes(data=True) if a["role"] is Role.COMPUTE}
-    )
-    meta: dict[str, Any] = {
+    graph = builder.graph
+    tied = _drop_tied_aliases(graph, model)
+    graph.unknown_ops = _unknown_ops({node.op for _, node in graph.nodes(Role.COMPUTE)})
+    graph.meta = {
         "constants": dict(program.constants),
         "buffer_mutations": builder.buffer_mutations,
         "tied": tied,
-        "block_container": assign_blocks(builder.graph, builder.order, builder.module_stacks),
+        "block_container": assign_blocks(graph, builder.module_stacks),
     }
-    return OpGraph(builder.graph, builder.order, name, program, unknown, meta)
+    return graph
 
 
-def _drop_tied_aliases(graph: nx.DiGraph, order: list[str], model: nn.Module) -> dict[str, str]:
+def _drop_tied_aliases(graph: OpGraph, model: nn.Module) -> dict[str, str]:
     """Export keeps one placeholder per name of a tied tensor (e.g. `wte.weight` and
     `head.weight`) but feeds every use from one of them: drop the unused ones, so a tied
     parameter is one node. Returns {dropped name: kept name}."""
@@ -255,21 +253,18 @@ def _drop_tied_aliases(graph: nx.DiGraph, order: list[str], model: nn.Module) ->
     ]:
         names_of[id(tensor)].append(fqn)
     node_of = {
-        a["name"]: n
-        for n, a in graph.nodes(data=True)
-        if a["role"] in (Role.PARAMETER, Role.BUFFER)
+        node.name: n for n, node in graph.nodes() if node.role in (Role.PARAMETER, Role.BUFFER)
     }
     tied: dict[str, str] = {}
     for names in names_of.values():
         nodes = [node_of[fqn] for fqn in names if fqn in node_of]
-        used = [n for n in nodes if graph.out_degree(n)]
+        used = [n for n in nodes if graph.graph.out_degree(n)]
         if len(nodes) < 2 or len(used) != 1:
             continue
         for n in nodes:
             if n != used[0]:
-                tied[graph.nodes[n]["name"]] = graph.nodes[used[0]]["name"]
+                tied[graph.node(n).name] = graph.node(used[0]).name
                 graph.remove_node(n)
-                order.remove(n)
     return tied
 
 
@@ -303,19 +298,20 @@ def run_graph(
     device = torch.device(device or (first.device if first is not None else "cpu"))
     values: dict[str, list[torch.Tensor]] = {}
     user_inputs = iter(inputs)
-    for name, attrs in opgraph.nodes():
-        role = attrs["role"]
+    for name, node in opgraph.nodes():
+        role = node.role
         if role is Role.INPUT:
             values[name] = [next(user_inputs)]
         elif role in (Role.PARAMETER, Role.BUFFER):
-            values[name] = [_lookup_state(params, opgraph.meta.get("constants", {}), attrs["name"])]
+            values[name] = [_lookup_state(params, opgraph.meta.get("constants", {}), node.name)]
         else:
             tensors = [values[src][index] for src, index in _producers(opgraph, name)]
             if role is Role.OUTPUT:
                 return tensors[0]
-            args = run_device(_resolve(attrs["args"], tensors), device)
-            kwargs = run_device(_resolve(attrs["kwargs"], tensors), device)
-            kernel = STRIDE_FREE.get(attrs["target"], attrs["target"])
+            args = run_device(_resolve(node.args, tensors), device)
+            kwargs = run_device(_resolve(node.kwargs, tensors), device)
+            assert node.target is not None, f"{name}: a compute node without a target"
+            kernel = STRIDE_FREE.get(node.target, node.target)
             values[name] = tensors_of(kernel(*args, **kwargs))
     raise CaptureError(f"Graph of `{opgraph.model_name}` has no output node.")
 

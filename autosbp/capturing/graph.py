@@ -1,26 +1,14 @@
 """The operator graph the planner sees: ATen ops as nodes of a networkx DiGraph.
 
-Lives here: the node/edge vocabulary (`Role`, `TensorMeta`, `InputRef`, `OpGraph`) shared by
-capture (which builds graphs), rules (which read a node's op, args and shapes), the planner and
-the runtime (which interprets the same nodes with local shapes). Lives elsewhere: building a
+Lives here: the node/edge vocabulary (`Role`, `TensorMeta`, `InputRef`, `OpNode`, `OpGraph`)
+shared by capture (which builds graphs), rules (which read a node's op, args and shapes), the
+planner and the runtime (which interprets the same nodes with local shapes). Lives elsewhere: building a
 graph from a model (`export`), signatures of ops (`rules`).
 
-Node attributes (every node):
-  op           str, the ATen overload name ("aten.linear.default"), or "placeholder"/"output"
-  role         Role
-  target       the callable (torch OpOverload) for compute nodes, else None
-  args, kwargs the call's arguments with every tensor input replaced by InputRef(i) and every
-               device by RUN_DEVICE (the graph does not depend on the capture device)
-  inputs       tuple[TensorMeta, ...], the tensor inputs in InputRef order
-  outputs      tuple[TensorMeta, ...], the tensor outputs (multi-output ops list all)
-  flops        float, forward flops of the op (0 for views and placeholders)
-  transcendentals float, exp/log/erf/tanh evaluations of the forward (`flops`)
-  bytes        int, bytes read + written by the op (inputs + outputs)
-  module_path  str, the nn.Module path it came from ("" at the top)
-  block        int | None, index of the repeated block (transformer layer k), if any
-  name         str, parameter/buffer fully qualified name for PARAMETER/BUFFER nodes, else ""
-Edge (u, v) attributes:
-  uses         tuple[tuple[int, int], ...]: (output index of u, input index of v) for each use
+A node's data is one `OpNode` (a frozen dataclass: its fields document the node contract), read
+through `OpGraph.node` / `OpGraph.nodes`; an edge (u, v) carries `uses` (`OpGraph.uses`): the
+(output index of u, input index of v) pairs, one per use. networkx holds each under one
+attribute that only this module reads or writes (`_NODE`, `_USES`).
 """
 
 from __future__ import annotations
@@ -29,7 +17,7 @@ import enum
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +55,7 @@ class TensorMeta:
 
 @dataclass(frozen=True, slots=True)
 class InputRef:
-    """Stands in a node's args for its tensor input number `index` (see node attr `inputs`)."""
+    """Stands in a node's args for its tensor input number `index` (see `OpNode.inputs`)."""
 
     index: int
 
@@ -83,6 +71,51 @@ class RunDevice:
 
 
 RUN_DEVICE = RunDevice()
+
+Uses = tuple[tuple[int, int], ...]  # an edge's (producer output index, consumer input index)
+
+
+@dataclass(frozen=True, slots=True)
+class OpNode:
+    """One node of the graph: an ATen call, a placeholder (parameter, buffer, input) or the
+    output. Capture builds them whole (`builder`); a pass that changes one builds a new one
+    (`dataclasses.replace`)."""
+
+    op: str
+    """The ATen overload name ("aten.linear.default"), or "placeholder" / "output"."""
+    role: Role
+    target: Callable[..., Any] | None = None
+    """The callable (a torch OpOverload) for compute nodes, else None."""
+    args: tuple[Any, ...] = ()
+    """The call's positional arguments, every tensor input replaced by InputRef(i) and every
+    device by RUN_DEVICE (the graph does not depend on the capture device)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """The call's keyword arguments, replaced as `args` are."""
+    inputs: tuple[TensorMeta, ...] = ()
+    """The tensor inputs in InputRef order."""
+    outputs: tuple[TensorMeta, ...] = ()
+    """The tensor outputs (a multi-output op lists all)."""
+    flops: float = 0.0
+    """Forward flops of the op (0 for views and placeholders)."""
+    transcendentals: float = 0.0
+    """exp/log/erf/tanh evaluations of the forward (beside `flops`)."""
+    bytes: int = 0
+    """Bytes read + written by the op (capture: inputs + outputs, `builder.node_bytes`)."""
+    module_path: str = ""
+    """The nn.Module path it came from ("" at the top)."""
+    block: int | None = None
+    """Index of the repeated block (transformer layer k) it belongs to, if any (`blocks`)."""
+    name: str = ""
+    """The parameter/buffer fully qualified name for PARAMETER/BUFFER nodes, else ""."""
+
+    @property
+    def schema(self) -> torch._C.FunctionSchema | None:
+        """The ATen schema of `target` (None for placeholders, the output, plain callables)."""
+        return getattr(self.target, "_schema", None)
+
+
+_NODE = "node"  # the networkx node attribute holding its OpNode
+_USES = "uses"  # the networkx edge attribute holding its Uses
 
 # Ops whose kernel needs strides a device may not give: run as the stride-free op of the same
 # values. Capture drops `contiguous` (its presence depends on the capture device's strides), so
@@ -119,23 +152,59 @@ class OpGraph:
     unknown_ops: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def nodes(self, role: Role | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
-        for name in self.order:
-            attrs = self.graph.nodes[name]
-            if role is None or attrs["role"] is role:
-                yield name, attrs
+    def node(self, name: str) -> OpNode:
+        """The data of node `name`."""
+        node: OpNode = self.graph.nodes[name][_NODE]
+        return node
 
-    def parameters(self) -> Iterator[tuple[str, dict[str, Any]]]:
+    def nodes(self, role: Role | None = None) -> Iterator[tuple[str, OpNode]]:
+        """(name, node) in `order`, those of `role` only when given."""
+        for name in self.order:
+            node = self.node(name)
+            if role is None or node.role is role:
+                yield name, node
+
+    def parameters(self) -> Iterator[tuple[str, OpNode]]:
         return self.nodes(Role.PARAMETER)
+
+    def uses(self, src: str, dst: str) -> Uses:
+        """The uses of edge `src` -> `dst`: (output index of src, input index of dst) pairs."""
+        uses: Uses = self.graph.edges[src, dst][_USES]
+        return uses
+
+    def edges(self) -> Iterator[tuple[str, str, Uses]]:
+        """Every edge as (src, dst, uses), in networkx's order (by src insertion)."""
+        for src, dst in self.graph.edges:
+            yield src, dst, self.uses(src, dst)
 
     def producers(self, name: str) -> list[tuple[str, int] | None]:
         """For each tensor input of `name`, (producer node, its output index)."""
-        attrs = self.graph.nodes[name]
-        out: list[tuple[str, int] | None] = [None] * len(attrs["inputs"])
+        out: list[tuple[str, int] | None] = [None] * len(self.node(name).inputs)
         for src in self.graph.predecessors(name):
-            for out_idx, in_idx in self.graph.edges[src, name]["uses"]:
+            for out_idx, in_idx in self.uses(src, name):
                 out[in_idx] = (src, out_idx)
         return out
+
+    # ---------------------------------------------------- building (capture's passes only)
+    def add_node(self, name: str, node: OpNode, sources: Sequence[tuple[str, int]] = ()) -> None:
+        """Append node `name` (to `order` too), its input k read from `sources[k]` (producer,
+        output index): one edge per producer, its uses in input order."""
+        self.graph.add_node(name, **{_NODE: node})
+        self.order.append(name)
+        for in_index, (src, out_index) in enumerate(sources):
+            if self.graph.has_edge(src, name):
+                self.graph.edges[src, name][_USES] += ((out_index, in_index),)
+            else:
+                self.graph.add_edge(src, name, **{_USES: ((out_index, in_index),)})
+
+    def set_node(self, name: str, node: OpNode) -> None:
+        """Replace the data of node `name` (its edges stay)."""
+        self.graph.nodes[name][_NODE] = node
+
+    def remove_node(self, name: str) -> None:
+        """Drop node `name` and its edges (and from `order`)."""
+        self.graph.remove_node(name)
+        self.order.remove(name)
 
     @functools.cached_property
     def weight_only(self) -> frozenset[str]:
@@ -143,11 +212,10 @@ class OpGraph:
         weights themselves and what is computed from them only (a transpose, a cast, a view).
         Read after capture has built the graph (the set is computed once)."""
         found: set[str] = set()
-        for name in self.order:
-            attrs = self.graph.nodes[name]
-            if attrs["role"] in (Role.PARAMETER, Role.BUFFER):
+        for name, node in self.nodes():
+            if node.role in (Role.PARAMETER, Role.BUFFER):
                 found.add(name)
-            elif attrs["role"] is Role.COMPUTE:
+            elif node.role is Role.COMPUTE:
                 producers = [p for p in self.producers(name) if p is not None]
                 if producers and all(src in found for src, _ in producers):
                     found.add(name)
@@ -156,19 +224,16 @@ class OpGraph:
     def fingerprint(self) -> str:
         """A hash of ops, shapes, dtypes and edges: equal for the same model and input shapes."""
         digest = hashlib.sha256()
-        for name in self.order:
-            a = self.graph.nodes[name]
+        for name, node in self.nodes():
             row = [
                 name,
-                a["op"],
-                a["role"].value,
-                [repr(t) for t in a["inputs"]],
-                [repr(t) for t in a["outputs"]],
-                a.get("name", ""),
+                node.op,
+                node.role.value,
+                [repr(t) for t in node.inputs],
+                [repr(t) for t in node.outputs],
+                node.name,
             ]
             digest.update(json.dumps(row).encode())
             for src in sorted(self.graph.predecessors(name)):
-                digest.update(
-                    json.dumps([src, name, list(self.graph.edges[src, name]["uses"])]).encode()
-                )
+                digest.update(json.dumps([src, name, list(self.uses(src, name))]).encode())
         return digest.hexdigest()[:16]

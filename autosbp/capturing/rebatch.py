@@ -3,7 +3,7 @@
 Lives here: `BatchFamily` (fitted from two captures of one model at batches b1 != b2, both >= 2;
 `graph_at(b)` is the graph at batch b) and `micro_batch_graphs` (one micro-batch graph per
 micro-batch count, exporting at most twice when the model rebatches). Lives elsewhere: capture
-itself and its node attributes (`export`, `graph`), flop formulas (`flops`), cutting a batch
+itself and its nodes (`export`, `graph.OpNode`), flop formulas (`flops`), cutting a batch
 into micro-batches (`capturing.batches`).
 
 Why: an export of GPT-3 (96 layers) takes ~11 s, and the planner wants the micro-batch graph for
@@ -12,7 +12,7 @@ dim, a `view` size) is a*batch + c for the models this project captures, so two 
 
 Invariants:
 - A family is rebatchable only if the two captures have the same structure: node order and names,
-  every node attribute except the shape-derived ones (op, role, target, module_path, block, name),
+  every node field except the shape-derived ones (op, role, target, module_path, block, name),
   the types and nesting of args/kwargs, tensor ranks and dtypes, edges and their `uses`, and the
   graph's `meta` (constants by name, shape and dtype; tied, block_container, buffer_mutations).
   Otherwise `reason` says which node differs and `graph_at` raises `CaptureError` with it.
@@ -21,7 +21,7 @@ Invariants:
   are sizes), or a float or bool that differs, makes the family not rebatchable.
 - `graph_at(b)` evaluates every such int at b (a result <= 0 raises `CaptureError` naming the
   node), recomputes `flops` and `transcendentals` (`flops`, compute nodes only) and `bytes`
-  (capture's own formula, `builder.node_attrs`) from the new shapes, and copies everything else
+  (capture's own formula, `builder.node_bytes`) from the new shapes, and copies everything else
   from the b1 capture. Its `fingerprint()` equals that of a real capture at b
   (tests/capturing/test_rebatch.py).
 - A rebatched graph has `program = None`: the b1 ExportedProgram has b1 shapes and would lie.
@@ -37,6 +37,7 @@ can differ in ways a family fitted at >= 2 cannot see; capture it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -44,23 +45,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import nn
 
 from autosbp.capturing.batches import split_micro_batches
-from autosbp.capturing.builder import node_attrs
+from autosbp.capturing.builder import node_bytes
 from autosbp.capturing.export import capture_micro_batch
 from autosbp.capturing.flops import count_flops, count_transcendentals
-from autosbp.capturing.graph import OpGraph, Role, TensorMeta
+from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta
 from autosbp.errors import CaptureError
 
 __all__ = ["BatchFamily", "micro_batch_graphs"]
 
 _log = logging.getLogger(__name__)
 
-_FITTED = ("inputs", "outputs", "args", "kwargs")  # node attrs that may hold batch-dependent ints
-_DERIVED = ("flops", "transcendentals", "bytes")  # node attrs recomputed from the fitted ones
+_FITTED = (
+    "inputs",
+    "outputs",
+    "args",
+    "kwargs",
+)  # OpNode fields that may hold batch-dependent ints
+_DERIVED = ("flops", "transcendentals", "bytes")  # OpNode fields recomputed from the fitted ones
+_COPIED = tuple(f.name for f in dataclasses.fields(OpNode) if f.name not in {*_FITTED, *_DERIVED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +110,7 @@ class BatchFamily:
     base: OpGraph  # the capture at `batches[0]`: structure and every non-fitted attribute
     batches: tuple[int, int]
     reason: str | None  # why the family is not rebatchable; None when it is
-    templates: dict[str, tuple[Any, ...]]  # node -> its _FITTED attrs with _Affine leaves
+    templates: dict[str, tuple[Any, ...]]  # node -> its _FITTED fields with _Affine leaves
 
     @classmethod
     def fit(
@@ -148,18 +154,16 @@ class BatchFamily:
                 "rebatch (size-1 dims broadcast and squeeze); capture this batch instead."
             )
         start = time.perf_counter()
-        graph = nx.DiGraph(**self.base.graph.graph)
-        base_nodes = self.base.graph.nodes
-        for name in self.base.graph:  # the base's node order, so iteration matches a capture
-            graph.add_node(name, **_node_at(base_nodes[name], self.templates[name], batch))
-        graph.add_edges_from(self.base.graph.edges(data=True))
-        meta = {
-            **self.base.meta,
-            "capture_s": time.perf_counter() - start,
-            "rebatched_from": self.batches,
-        }
         base = self.base
-        return OpGraph(graph, list(base.order), base.model_name, None, base.unknown_ops, meta)
+        # the base's nodes in their order and its edges, so iteration matches a capture
+        graph = OpGraph(
+            base.graph.copy(), list(base.order), base.model_name, None, base.unknown_ops
+        )
+        for name, node in base.nodes():
+            graph.set_node(name, _node_at(node, self.templates[name], batch))
+        capture_s = time.perf_counter() - start
+        graph.meta = {**base.meta, "capture_s": capture_s, "rebatched_from": self.batches}
+        return graph
 
 
 def micro_batch_graphs(
@@ -255,22 +259,23 @@ def _check_constants(first: dict[str, Any], second: dict[str, Any]) -> None:
 def _check_edges(first: OpGraph, second: OpGraph) -> None:
     if first.graph.number_of_edges() != second.graph.number_of_edges():
         raise _MismatchError("the two captures have different numbers of edges")
-    for u, v, data in first.graph.edges(data=True):
-        if not second.graph.has_edge(u, v) or second.graph.edges[u, v] != data:
+    for u, v, uses in first.edges():
+        if not second.graph.has_edge(u, v) or second.uses(u, v) != uses:
             raise _MismatchError(f"edge {u} -> {v} differs between the two captures")
 
 
 def _fit_node(
     first: OpGraph, second: OpGraph, name: str, batches: tuple[int, int]
 ) -> tuple[Any, ...]:
-    a1, a2 = first.graph.nodes[name], second.graph.nodes[name]
-    label = f"node `{name}` ({a1['op']}, module `{a1['module_path']}`)"
-    if set(a1) != set(a2):
-        raise _MismatchError(f"{label} has different attributes in the two captures")
-    for key in set(a1) - {*_FITTED, *_DERIVED}:
-        if not _same(a1[key], a2[key]):
-            raise _MismatchError(f"{label} differs in `{key}`: {a1[key]!r} and {a2[key]!r}")
-    return tuple(_fit_value(a1[k], a2[k], batches, f"{label} {k}") for k in _FITTED)
+    n1, n2 = first.node(name), second.node(name)
+    label = f"node `{name}` ({n1.op}, module `{n1.module_path}`)"
+    for key in _COPIED:
+        v1, v2 = getattr(n1, key), getattr(n2, key)
+        if not _same(v1, v2):
+            raise _MismatchError(f"{label} differs in `{key}`: {v1!r} and {v2!r}")
+    return tuple(
+        _fit_value(getattr(n1, k), getattr(n2, k), batches, f"{label} {k}") for k in _FITTED
+    )
 
 
 def _fit_value(x1: Any, x2: Any, batches: tuple[int, int], where: str) -> Any:
@@ -328,23 +333,16 @@ def _same(x: Any, y: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------- evaluating
-def _node_at(base: dict[str, Any], template: tuple[Any, ...], batch: int) -> dict[str, Any]:
-    """A node's attributes at `batch`: fitted ones evaluated, derived ones recomputed."""
+def _node_at(base: OpNode, template: tuple[Any, ...], batch: int) -> OpNode:
+    """A node at `batch`: fitted fields evaluated, derived ones recomputed."""
     inputs, outputs, args, kwargs = (_value_at(t, batch) for t in template)
-    fresh = node_attrs(base["op"], base["role"], inputs=inputs, outputs=outputs)  # capture's bytes
-    compute = base["role"] is Role.COMPUTE
-    flops = count_flops(base["op"], inputs, outputs) if compute else base["flops"]
-    transcendentals = count_transcendentals(base["op"], inputs, outputs) if compute else 0.0
-    return {
-        **base,
-        "inputs": inputs,
-        "outputs": outputs,
-        "args": args,
-        "kwargs": kwargs,
-        "flops": flops,
-        "transcendentals": transcendentals,
-        "bytes": fresh["bytes"],
-    }
+    compute = base.role is Role.COMPUTE
+    flops = count_flops(base.op, inputs, outputs) if compute else base.flops
+    transcendentals = count_transcendentals(base.op, inputs, outputs) if compute else 0.0
+    return dataclasses.replace(
+        base, inputs=inputs, outputs=outputs, args=args, kwargs=kwargs, flops=flops,
+        transcendentals=transcendentals, bytes=node_bytes(inputs, outputs),
+    )  # fmt: skip
 
 
 def _value_at(template: Any, batch: int) -> Any:

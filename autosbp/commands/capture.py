@@ -21,7 +21,7 @@ from terminal.progress import activity
 from terminal.text import printable
 
 if TYPE_CHECKING:
-    from autosbp.capturing.graph import OpGraph
+    from autosbp.capturing.graph import OpGraph, OpNode
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
@@ -90,7 +90,7 @@ def print_summary(opgraph: OpGraph, console: Console) -> None:
     """The totals, a table of op families, the repeated blocks and the ops without a rule."""
     from autosbp.capturing.graph import Role
 
-    params = [a["outputs"][0] for _, a in opgraph.parameters()]
+    params = [a.outputs[0] for _, a in opgraph.parameters()]
     compute = [a for _, a in opgraph.nodes(Role.COMPUTE)]
     console.print(f"[bold]model[/]       {opgraph.model_name}")
     console.print(f"nodes       {opgraph.graph.number_of_nodes()} ({len(compute)} compute)")
@@ -98,7 +98,7 @@ def print_summary(opgraph: OpGraph, console: Console) -> None:
         f"parameters  {len(params)} tensors, {_count(sum(t.numel for t in params))} values, "
         f"{_bytes(sum(t.nbytes for t in params))}"
     )
-    console.print(f"forward     {_count(sum(a['flops'] for a in compute))}FLOP")
+    console.print(f"forward     {_count(sum(a.flops for a in compute))}FLOP")
     console.print(f"captured in {opgraph.meta.get('capture_s', 0.0):.1f} s")
     console.print(_family_table(compute))
     console.print(_blocks_line(opgraph, compute))
@@ -106,17 +106,17 @@ def print_summary(opgraph: OpGraph, console: Console) -> None:
     console.print(f"ops without an SBP rule (all-B fallback): {unknown}")
 
 
-def _family_table(compute: list[dict[str, Any]]) -> Table:
+def _family_table(compute: list[OpNode]) -> Table:
     from autosbp.capturing.flops import op_family
 
     nodes: Counter[str] = Counter()
-    flops: Counter[str] = Counter()
+    flops: dict[str, float] = defaultdict(float)
     ops: dict[str, set[str]] = defaultdict(set)
     for attrs in compute:
-        family = op_family(attrs["op"])
+        family = op_family(attrs.op)
         nodes[family] += 1
-        flops[family] += attrs["flops"]
-        ops[family].add(attrs["op"].removeprefix("aten.").split(".")[0])
+        flops[family] += attrs.flops
+        ops[family].add(attrs.op.removeprefix("aten.").split(".")[0])
     table = Table(title="nodes by op family")
     for column, justify in (
         ("family", "left"),
@@ -138,8 +138,8 @@ def _family_table(compute: list[dict[str, Any]]) -> Table:
     return table
 
 
-def _blocks_line(opgraph: OpGraph, compute: list[dict[str, Any]]) -> str:
-    sizes = Counter(a["block"] for a in compute if a["block"] is not None)
+def _blocks_line(opgraph: OpGraph, compute: list[OpNode]) -> str:
+    sizes = Counter(a.block for a in compute if a.block is not None)
     if not sizes:
         return "repeated blocks: none found"
     container = opgraph.meta.get("block_container") or "<top>"

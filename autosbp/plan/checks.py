@@ -217,8 +217,8 @@ def _coverage(plan: Plan, graph: OpGraph) -> list[str]:
         node = plan.nodes.get(name)
         if node is None or any(_layout_problem(t, ndim) for t in (*node.inputs, *node.outputs)):
             continue  # reported above
-        if node.op != attrs["op"]:
-            out.append(f"node {name} is {attrs['op']} in the model but {node.op} in the plan")
+        if node.op != attrs.op:
+            out.append(f"node {name} is {attrs.op} in the model but {node.op} in the plan")
             continue
         signature = NdSignature(
             tuple(parse_nd_sbp(s) for s in node.inputs),
@@ -239,7 +239,7 @@ def _data_flow(plan: Plan, graph: OpGraph) -> list[str]:
 
     back = []
     for src, dst in graph.graph.edges:
-        if graph.graph.nodes[src]["role"] is Role.INPUT:
+        if graph.node(src).role is Role.INPUT:
             continue  # each stage reads the user's inputs itself
         if (
             src in plan.nodes
@@ -262,12 +262,12 @@ def _params(plan: Plan, graph: OpGraph) -> list[str]:
 
     out, seen = [], set()
     for node, attrs in graph.nodes(Role.PARAMETER):
-        name, entry, at = attrs["name"], plan.params.get(attrs["name"]), plan.nodes.get(node)
+        name, entry, at = attrs.name, plan.params.get(attrs.name), plan.nodes.get(node)
         seen.add(name)
         if entry is None:
             out.append(f"parameter {name!r} is missing from the parameter table")
             continue
-        shape = tuple(attrs["outputs"][0].shape)
+        shape = tuple(attrs.outputs[0].shape)
         if entry.shape != shape:
             out.append(
                 f"parameter {name!r} has shape {list(entry.shape)} in the plan, {list(shape)} in the model"
@@ -295,7 +295,7 @@ def _batch(plan: Plan, graph: OpGraph) -> list[str]:
     the runtime trains (models without a batched input are not checked)."""
     from autosbp.capturing.graph import Role
 
-    sizes = [a["outputs"][0].shape[0] for _, a in graph.nodes(Role.INPUT) if a["outputs"][0].shape]
+    sizes = [a.outputs[0].shape[0] for _, a in graph.nodes(Role.INPUT) if a.outputs[0].shape]
     if not sizes:
         return []
     batch = sizes[0] * plan.micro_batches
@@ -318,9 +318,7 @@ def _recomputation(plan: Plan, graph: OpGraph) -> list[str]:
         for name, attrs in graph.nodes()
         if name in plan.nodes
         and plan.nodes[name].recomputed
-        and (
-            attrs["role"] is not Role.COMPUTE or attrs.get("block") is None or mutated_inputs(attrs)
-        )
+        and (attrs.role is not Role.COMPUTE or attrs.block is None or mutated_inputs(attrs))
     ]
     if not wrong:
         return []

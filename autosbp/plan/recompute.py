@@ -16,7 +16,7 @@ inputs is never recomputed (running it again would write twice).
 from __future__ import annotations
 
 from autosbp.capturing.flops import op_family
-from autosbp.capturing.graph import OpGraph, Role
+from autosbp.capturing.graph import OpGraph, OpNode, Role
 from autosbp.plan.values import Plan
 from autosbp.rules import mutated_inputs
 
@@ -34,9 +34,9 @@ def recomputed_nodes(plan: Plan, graph: OpGraph) -> frozenset[str]:
     )
 
 
-def _format1_recomputed(attrs: dict, mode: str) -> bool:
-    if mode == "none" or attrs["role"] is not Role.COMPUTE or attrs.get("block") is None:
+def _format1_recomputed(attrs: OpNode, mode: str) -> bool:
+    if mode == "none" or attrs.role is not Role.COMPUTE or attrs.block is None:
         return False
     if mutated_inputs(attrs):
         return False
-    return mode == "full" or op_family(attrs["op"]) not in _FORMAT1_KEPT_UNDER_SELECTIVE
+    return mode == "full" or op_family(attrs.op) not in _FORMAT1_KEPT_UNDER_SELECTIVE

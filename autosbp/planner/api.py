@@ -291,7 +291,7 @@ def _plan(
         else int(cluster.memory_bytes * (1 - MEMORY_RESERVE_FRACTION))
     )
     first = graph_for(counts[0])
-    blocks = len({a["block"] for _, a in first.nodes() if a.get("block") is not None})
+    blocks = len({a.block for _, a in first.nodes() if a.block is not None})
 
     def link_of(shape: tuple[int, ...], mesh_dim: int) -> str:
         return cluster.link_class_for_mesh_dim(shape, mesh_dim).value
@@ -356,6 +356,6 @@ def _batch_of(graph: OpGraph) -> int:
     from autosbp.capturing.graph import Role
 
     for _, attrs in graph.nodes(Role.INPUT):
-        if attrs["outputs"] and attrs["outputs"][0].shape:
-            return int(attrs["outputs"][0].shape[0])
+        if attrs.outputs and attrs.outputs[0].shape:
+            return int(attrs.outputs[0].shape[0])
     return 1

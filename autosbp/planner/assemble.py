@@ -42,23 +42,23 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
     nodes: dict[str, NodePlan] = {}
     params: dict[str, ParamPlan] = {}
     for name in graph.order:
-        attrs = graph.graph.nodes[name]
+        attrs = graph.node(name)
         sig = solved.choice_of(solution, name)
         rep = solved.representative[name]
         stage = split.stage_of[name]
         nodes[name] = NodePlan(
-            attrs["op"],
+            attrs.op,
             tuple(format_nd_sbp(nd) for nd in sig.inputs),
             tuple(format_nd_sbp(nd) for nd in sig.outputs),
             stage,
             tied_to="" if rep == name else rep,
             recomputed=recomputed(attrs, solved.recompute),
         )
-        if attrs["role"] is Role.PARAMETER:
+        if attrs.role is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])
             again = _reshards(solved, solution, name, sig.outputs[0])
-            shape = tuple(attrs["outputs"][0].shape)
-            params[attrs["name"]] = ParamPlan(sbp, stage, sbp, shape, reshard_after_forward=again)
+            shape = tuple(attrs.outputs[0].shape)
+            params[attrs.name] = ParamPlan(sbp, stage, sbp, shape, reshard_after_forward=again)
     per_stage = mesh.size
     m = solved.micro_batches
     stages = tuple(
@@ -120,7 +120,7 @@ def _reshards(solved: MeshProblem, solution: Solution, name: str, layout: NdSbp)
     assert graph is not None, "a solved problem keeps its graph"
     for v in graph.graph.successors(name):
         inputs = solved.choice_of(solution, v).inputs
-        for _, in_idx in graph.graph.edges[name, v]["uses"]:
+        for _, in_idx in graph.uses(name, v):
             if not is_view_conversion(layout, inputs[in_idx]):
                 return True
     return False

@@ -30,7 +30,6 @@ each op's `grad_fn._saved_*` attributes on real tensors).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +37,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 
-from autosbp.capturing.graph import STRIDE_FREE, InputRef, OpGraph, Role, TensorMeta, run_device
+from autosbp.capturing.graph import (
+    STRIDE_FREE,
+    InputRef,
+    OpGraph,
+    OpNode,
+    Role,
+    TensorMeta,
+    run_device,
+)
 
 __all__ = ["Saved", "requires_grad_of", "saved_by"]
 
@@ -59,11 +66,11 @@ class Saved:
     known: bool = True
 
 
-def saved_by(attrs: Mapping[str, Any], requires_grad: tuple[bool, ...]) -> Saved:
+def saved_by(attrs: OpNode, requires_grad: tuple[bool, ...]) -> Saved:
     """What autograd keeps for the compute node `attrs` when its inputs require grad as
     `requires_grad` says (one flag per tensor input)."""
     key = (
-        attrs["op"], repr(attrs["args"]), repr(attrs["kwargs"]), tuple(attrs["inputs"]),
+        attrs.op, repr(attrs.args), repr(attrs.kwargs), tuple(attrs.inputs),
         requires_grad,
     )  # fmt: skip
     found = _CACHE.get(key)
@@ -75,14 +82,15 @@ def saved_by(attrs: Mapping[str, Any], requires_grad: tuple[bool, ...]) -> Saved
 _CACHE: dict[tuple, Saved] = {}  # per op, arguments, input tensors and flags (shape-exact)
 
 
-def _probe(attrs: Mapping[str, Any], requires_grad: tuple[bool, ...]) -> Saved:
-    metas: tuple[TensorMeta, ...] = tuple(attrs["inputs"])
-    kernel = STRIDE_FREE.get(attrs["target"], attrs["target"])
+def _probe(attrs: OpNode, requires_grad: tuple[bool, ...]) -> Saved:
+    metas: tuple[TensorMeta, ...] = tuple(attrs.inputs)
+    assert attrs.target is not None, f"{attrs.op}: a compute node without a target"
+    kernel = STRIDE_FREE.get(attrs.target, attrs.target)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             inputs = [_fake(meta, flag) for meta, flag in zip(metas, requires_grad, strict=True)]
-            args = run_device(_resolve(attrs["args"], inputs), PROBE_DEVICE)
-            kwargs = run_device(_resolve(attrs["kwargs"], inputs), PROBE_DEVICE)
+            args = run_device(_resolve(attrs.args, inputs), PROBE_DEVICE)
+            kwargs = run_device(_resolve(attrs.kwargs, inputs), PROBE_DEVICE)
             packed: list[torch.Tensor] = []
 
             def pack(t: torch.Tensor) -> torch.Tensor:
@@ -97,7 +105,7 @@ def _probe(attrs: Mapping[str, Any], requires_grad: tuple[bool, ...]) -> Saved:
         # the most (an upper bound), and say so
         _LOG.info(
             "%s: autograd's saves not probed (%s); counting every input and output",
-            attrs["op"],
+            attrs.op,
             exc,
         )
         return _everything(attrs, requires_grad)
@@ -122,11 +130,11 @@ def _matched(
     return Saved(frozenset(kept_inputs), frozenset(kept_outputs), sum(extras.values()), flags)
 
 
-def _everything(attrs: Mapping[str, Any], requires_grad: tuple[bool, ...]) -> Saved:
+def _everything(attrs: OpNode, requires_grad: tuple[bool, ...]) -> Saved:
     flag = any(requires_grad)
-    outputs: tuple[TensorMeta, ...] = tuple(attrs["outputs"])
+    outputs: tuple[TensorMeta, ...] = tuple(attrs.outputs)
     return Saved(
-        frozenset(range(len(attrs["inputs"]))), frozenset(range(len(outputs))), 0,
+        frozenset(range(len(attrs.inputs))), frozenset(range(len(outputs))), 0,
         tuple(flag and _differentiable(meta.dtype) for meta in outputs), known=False,
     )  # fmt: skip
 
@@ -170,12 +178,11 @@ def requires_grad_of(graph: OpGraph) -> dict[tuple[str, int], bool]:
     """Per value (producer, output index): does it require grad? Floating parameters do, user
     inputs, buffers and constants do not, and an op's outputs as autograd says (`saved_by`)."""
     flags: dict[tuple[str, int], bool] = {}
-    nodes = graph.graph.nodes
     for name in graph.order:
-        attrs = nodes[name]
-        role = attrs["role"]
+        attrs = graph.node(name)
+        role = attrs.role
         if role is Role.PARAMETER:
-            flags[(name, 0)] = _differentiable(attrs["outputs"][0].dtype)
+            flags[(name, 0)] = _differentiable(attrs.outputs[0].dtype)
         elif role in (Role.INPUT, Role.BUFFER):
             flags[(name, 0)] = False
         elif role is Role.COMPUTE:

@@ -34,11 +34,11 @@ def compute_floors(
     bytes)."""
     floors: dict[str, np.ndarray] = {}
     for name, attrs in graph.nodes(Role.COMPUTE):
-        if (attrs["flops"] or attrs["bytes"]) and (only is None or name in only):
-            dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
-            moved = 0.0 if returns_view(attrs["target"]) else attrs["bytes"] / devices
-            special = attrs["transcendentals"] / devices
-            forward = prices.op_time_s(attrs["flops"] / devices, moved, dtype, special)
+        if (attrs.flops or attrs.bytes) and (only is None or name in only):
+            dtype = attrs.outputs[0].dtype if attrs.outputs else torch.float32
+            moved = 0.0 if returns_view(attrs.target) else attrs.bytes / devices
+            special = attrs.transcendentals / devices
+            forward = prices.op_time_s(attrs.flops / devices, moved, dtype, special)
             floors[name] = np.array([forward * (1.0 + BACKWARD_FACTOR)])
     return floors
 
@@ -65,10 +65,10 @@ def step_bound(
         values = times.get(name)
         if values is None or not len(values):
             continue
-        attrs, least = graph.graph.nodes[name], n * float(np.min(values))
-        if attrs["role"] is Role.PARAMETER:
+        attrs, least = graph.node(name), n * float(np.min(values))
+        if attrs.role is Role.PARAMETER:
             update[s] += least
-        elif attrs["role"] is Role.COMPUTE:
+        elif attrs.role is Role.COMPUTE:
             forward = least / (1.0 + BACKWARD_FACTOR)
             busy[s] += least + (forward if recomputed(attrs, recompute) else 0.0)
             first[s] += forward

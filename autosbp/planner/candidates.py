@@ -53,7 +53,7 @@ import torch
 from autosbp import schedule
 from autosbp.boxing import StepPrice, canonical_shape, price_boxing
 from autosbp.boxing.steps import BoxingStep, StepKind, dual_nd_sbp
-from autosbp.capturing.graph import OpGraph, Role, TensorMeta
+from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta
 from autosbp.errors import SbpError
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs
 from autosbp.sbp import Broadcast, Mesh, NdSbp, local_shape
@@ -272,7 +272,7 @@ def sync_bucket_bytes(graph: OpGraph) -> int:
     all the graph's parameters where they fill less (the runtime fuses them into one; where a
     plan splits some of them, or stages divide them, the real bucket is smaller and slower per
     byte: an estimate)."""
-    total = sum(attrs["outputs"][0].nbytes for _, attrs in graph.nodes(Role.PARAMETER))
+    total = sum(attrs.outputs[0].nbytes for _, attrs in graph.nodes(Role.PARAMETER))
     return max(1, min(schedule.GRAD_BUCKET_BYTES, total))
 
 
@@ -283,10 +283,10 @@ def node_strategies(
     (their gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`).
     `regatherable` (a parameter some consumer keeps, `kept.Kept.regatherable`): each layout that
     is not B on every mesh dim comes twice, kept and re-gathered (the module header)."""
-    attrs = graph.graph.nodes[name]
+    attrs = graph.node(name)
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
-    if attrs["role"] is Role.PARAMETER:
+    if attrs.role is Role.PARAMETER:
         again = tuple(
             s
             for s in candidates
@@ -294,7 +294,7 @@ def node_strategies(
         )
         regather = np.array([False] * len(candidates) + [True] * len(again))
         candidates += again
-        meta = attrs["outputs"][0]
+        meta = attrs.outputs[0]
         sync = np.array(
             [
                 pricer.bucketed_time_s(dual_nd_sbp(s.outputs[0]), s.outputs[0], meta, bucket_bytes)
@@ -323,20 +323,20 @@ def _accumulate_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> floa
     return pricer.prices.op_time_s(local, 3 * local * meta.dtype.itemsize, meta.dtype)
 
 
-def _candidates(attrs: dict[str, Any], mesh_shape: tuple[int, ...]) -> list[NdSignature]:
+def _candidates(attrs: OpNode, mesh_shape: tuple[int, ...]) -> list[NdSignature]:
     sigs = nd_signatures(attrs, mesh_shape)
-    if attrs["role"] is Role.BUFFER:
+    if attrs.role is Role.BUFFER:
         # A buffer is state, not trained: keep it replicated (the runtime materializes it whole).
         sigs = [s for s in sigs if all(isinstance(x, Broadcast) for x in s.outputs[0])]
     return sigs
 
 
 def _compute_s(
-    attrs: dict[str, Any], sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
+    attrs: OpNode, sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
 ) -> float:
-    if attrs["role"] is not Role.COMPUTE or (not attrs["flops"] and not attrs["bytes"]):
+    if attrs.role is not Role.COMPUTE or (not attrs.flops and not attrs.bytes):
         return 0.0
-    metas = (*attrs["inputs"], *attrs["outputs"])
+    metas = (*attrs.inputs, *attrs.outputs)
     layouts = (*sig.inputs, *sig.outputs)
     share = 1.0
     local_bytes = 0.0
@@ -345,11 +345,11 @@ def _compute_s(
         if meta.numel:  # an empty tensor tells nothing of the share of the work
             share = min(share, local / meta.numel)
         local_bytes += local * meta.dtype.itemsize
-    dtype = attrs["outputs"][0].dtype if attrs["outputs"] else torch.float32
-    if returns_view(attrs["target"]):
+    dtype = attrs.outputs[0].dtype if attrs.outputs else torch.float32
+    if returns_view(attrs.target):
         local_bytes = 0.0  # metadata only: the overhead floor prices it
-    special = attrs["transcendentals"] * share
-    forward = prices.op_time_s(attrs["flops"] * share, local_bytes, dtype, special)
+    special = attrs.transcendentals * share
+    forward = prices.op_time_s(attrs.flops * share, local_bytes, dtype, special)
     return forward * (1.0 + BACKWARD_FACTOR)
 
 

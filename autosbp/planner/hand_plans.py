@@ -173,7 +173,7 @@ def _fully_sharded() -> Allow:
     stored = _allow(param=lambda nd, shape: nd[0] == Split(0))
 
     def allow(graph: OpGraph, name: str, sig: NdSignature) -> bool:
-        if graph.graph.nodes[name]["role"] is not Role.COMPUTE:
+        if graph.node(name).role is not Role.COMPUTE:
             return stored(graph, name, sig)
         weights = graph.weight_only
         return all(
@@ -193,10 +193,10 @@ def _allow(param: Callable | None = None, data: Callable | None = None) -> Allow
     (default: the batch split on every mesh dim)."""
 
     def allow(graph: OpGraph, name: str, sig: NdSignature) -> bool:
-        attrs = graph.graph.nodes[name]
-        if attrs["role"] is Role.PARAMETER and param is not None:
-            return bool(param(sig.outputs[0], attrs["outputs"][0].shape))
-        if attrs["role"] is Role.INPUT:
+        attrs = graph.node(name)
+        if attrs.role is Role.PARAMETER and param is not None:
+            return bool(param(sig.outputs[0], attrs.outputs[0].shape))
+        if attrs.role is Role.INPUT:
             nd = sig.outputs[0]
             if data is not None:
                 return bool(data(nd))

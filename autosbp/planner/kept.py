@@ -38,7 +38,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 from autosbp.capturing.flops import op_family
-from autosbp.capturing.graph import OpGraph, Role
+from autosbp.capturing.graph import OpGraph, OpNode, Role
 from autosbp.planner.autograd_probe import requires_grad_of, saved_by
 from autosbp.planner.pipeline import recomputed
 from autosbp.planner.reduce import twin_key
@@ -81,26 +81,25 @@ _SELF = ("self",)  # a value's producer (or a checkpoint of its consumer's run) 
 def kept_for_backward(graph: OpGraph, representative: Mapping[str, str], recompute: str) -> Kept:
     """What `graph` keeps under `recompute` (the module docstring), merged per representative."""
     flags = requires_grad_of(graph)
-    nodes = graph.graph.nodes
     holders: dict[tuple[str, int], list[tuple]] = defaultdict(list)
     rematerialized: dict[str, tuple[int, ...]] = {}
     recomputed_uses: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
     extras: dict[str, int] = {}
     for v in reversed(graph.order):  # a view's consumers come first: they decide what it keeps
-        attrs = nodes[v]
-        if attrs["role"] is not Role.COMPUTE:
+        attrs = graph.node(v)
+        if attrs.role is not Role.COMPUTE:
             continue
         producers = graph.producers(v)
         again = recomputed(attrs, recompute)
-        if op_family(attrs["op"]) == "view":
-            held = any(holders.get((v, o)) for o in range(len(attrs["outputs"])))
+        if op_family(attrs.op) == "view":
+            held = any(holders.get((v, o)) for o in range(len(attrs.outputs)))
             keeps = frozenset({0} if held else ())
         else:
             saved = saved_by(attrs, tuple(flags[p] if p else False for p in producers))
             keeps = saved.inputs
             extras[v] = saved.extra_bytes
             if again:
-                rematerialized[v] = tuple(range(len(attrs["outputs"])))
+                rematerialized[v] = tuple(range(len(attrs.outputs)))
             else:
                 for o in saved.outputs:
                     holders[(v, o)].append(_SELF)
@@ -108,23 +107,23 @@ def kept_for_backward(graph: OpGraph, representative: Mapping[str, str], recompu
             if found is None:
                 continue
             u, o = found
-            if again and _checkpoint_input(nodes[u], attrs, recompute):
+            if again and _checkpoint_input(graph.node(u), attrs, recompute):
                 holders[(u, o)].append(_SELF)
             if i in keeps:
-                if again and op_family(attrs["op"]) != "view":
+                if again and op_family(attrs.op) != "view":
                     recomputed_uses[(u, v)].append((o, i))
                 else:
                     holders[(u, o)].append((v, o, i))
     return _merged(graph, representative, holders, extras, rematerialized, recomputed_uses)
 
 
-def _checkpoint_input(producer: Mapping, consumer: Mapping, recompute: str) -> bool:
+def _checkpoint_input(producer: OpNode, consumer: OpNode, recompute: str) -> bool:
     """Does the checkpointed run of a recomputed `consumer` save this producer's value? It
     saves what it reads from outside the run, except parameters and buffers (the runtime holds
     them anyway)."""
-    if producer["role"] in _STATE:
+    if producer.role in _STATE:
         return False
-    inside = recomputed(producer, recompute) and producer.get("block") == consumer.get("block")
+    inside = recomputed(producer, recompute) and producer.block == consumer.block
     return not inside
 
 
@@ -136,14 +135,13 @@ def _merged(
     rematerialized: Mapping[str, tuple[int, ...]],
     recomputed_uses: Mapping[tuple[str, str], list[tuple[int, int]]],
 ) -> Kept:
-    nodes = graph.graph.nodes
     outputs: dict[str, set[int]] = defaultdict(set)
     uses: dict[Hashable, dict[tuple[int, int], bool]] = defaultdict(dict)
     regatherable: set[str] = set()
     for (u, o), found in holders.items():
-        attrs = nodes[u]
+        attrs = graph.node(u)
         edges = [h for h in found if h is not _SELF]
-        apart = attrs["role"] in _STATE or op_family(attrs["op"]) == "view"
+        apart = attrs.role in _STATE or op_family(attrs.op) == "view"
         at_node = not apart and (len(edges) != len(found) or len(edges) > 1)
         if at_node:
             outputs[rep[u]].add(o)
@@ -151,7 +149,7 @@ def _merged(
             key = twin_key(graph, rep, u, v)
             sole = not apart and not at_node
             uses[key][(o, i)] = uses[key].get((o, i), False) or sole
-            if attrs["role"] is Role.PARAMETER:
+            if attrs.role is Role.PARAMETER:
                 regatherable.add(rep[u])
     remat: dict[str, set[int]] = defaultdict(set)
     for v, outs in rematerialized.items():

@@ -25,13 +25,12 @@ All of it is per device: a device holds its local shard only.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from autosbp.capturing.graph import Role, TensorMeta
+from autosbp.capturing.graph import OpNode, Role, TensorMeta
 from autosbp.planner.kept import KeptUse
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, NdSbp, Split, local_shape
@@ -47,7 +46,7 @@ def parameter_bytes_per_element(dtype: torch.dtype, optimizer: str) -> int:
 
 
 def candidate_bytes(
-    attrs: Mapping[str, Any],
+    attrs: OpNode,
     signature: NdSignature,
     mesh_shape: tuple[int, ...],
     *,
@@ -58,16 +57,16 @@ def candidate_bytes(
     """Bytes one device keeps for this node under `signature` with one micro-batch in flight:
     a parameter's states, a buffer's or input's tensor, or a compute node's kept `outputs` and
     intermediates (`extra_bytes`, whole; `kept.Kept` says which)."""
-    role = attrs["role"]
+    role = attrs.role
     if role is Role.PARAMETER:
-        meta = attrs["outputs"][0]
+        meta = attrs.outputs[0]
         local = math.prod(local_shape(meta.shape, signature.outputs[0], mesh_shape))
         return float(local * parameter_bytes_per_element(meta.dtype, optimizer))
     if role is Role.BUFFER or role is Role.INPUT:
-        return local_bytes(attrs["outputs"][0], signature.outputs[0], mesh_shape)
+        return local_bytes(attrs.outputs[0], signature.outputs[0], mesh_shape)
     if role is not Role.COMPUTE:
         return 0.0
-    kept = sum(local_bytes(attrs["outputs"][o], signature.outputs[o], mesh_shape) for o in outputs)
+    kept = sum(local_bytes(attrs.outputs[o], signature.outputs[o], mesh_shape) for o in outputs)
     return kept + extra_bytes * work_share(attrs, signature, mesh_shape)
 
 
@@ -75,13 +74,11 @@ def local_bytes(meta: TensorMeta, layout: NdSbp, mesh_shape: tuple[int, ...]) ->
     return float(math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.dtype.itemsize)
 
 
-def work_share(
-    attrs: Mapping[str, Any], signature: NdSignature, mesh_shape: tuple[int, ...]
-) -> float:
+def work_share(attrs: OpNode, signature: NdSignature, mesh_shape: tuple[int, ...]) -> float:
     """The share of a node's work one device does: the smallest local/global size ratio among
     its tensors (empty tensors tell nothing)."""
     share = 1.0
-    metas = (*attrs["inputs"], *attrs["outputs"])
+    metas = (*attrs.inputs, *attrs.outputs)
     for meta, layout in zip(metas, (*signature.inputs, *signature.outputs), strict=True):
         if meta.numel:
             share = min(share, math.prod(local_shape(meta.shape, layout, mesh_shape)) / meta.numel)

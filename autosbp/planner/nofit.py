@@ -37,7 +37,7 @@ class Refusals:
         """Nodes that could take no signature in some configuration (the first three)."""
         for name in names:
             if len(self.stuck) < 3:
-                shape = graph.graph.nodes[name]["outputs"][0].shape
+                shape = graph.node(name).outputs[0].shape
                 self.stuck.setdefault(_label(graph, name), "x".join(map(str, shape)))
 
     def overflows(self, mp: MeshProblem) -> bool:
@@ -103,5 +103,5 @@ def _floor_bytes(mem) -> float:
 def _label(graph: OpGraph | None, node: str) -> str:
     if graph is None:
         return node
-    attrs = graph.graph.nodes[node]
-    return attrs.get("name") or attrs.get("module_path") or node
+    attrs = graph.node(node)
+    return attrs.name or attrs.module_path or node

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from autosbp.capturing.flops import op_family
-from autosbp.capturing.graph import OpGraph, Role
+from autosbp.capturing.graph import OpGraph, OpNode, Role
 from autosbp.errors import PlanError
 from autosbp.rules import mutated_inputs
 
@@ -48,7 +47,7 @@ class StageSplit:
 
 def split_stages(graph: OpGraph, num_stages: int) -> StageSplit:
     """Deal the blocks of `graph` to `num_stages` stages (see the module header)."""
-    blocks = sorted({a["block"] for _, a in graph.nodes() if a.get("block") is not None})
+    blocks = sorted({a.block for _, a in graph.nodes() if a.block is not None})
     if num_stages < 1 or (num_stages > 1 and len(blocks) < num_stages):
         raise PlanError(
             f"{num_stages} pipeline stages need at least {num_stages} repeated blocks, but "
@@ -57,12 +56,11 @@ def split_stages(graph: OpGraph, num_stages: int) -> StageSplit:
     per_stage = _deal(blocks, num_stages)
     stage_of_block = {b: s for s, members in enumerate(per_stage) for b in members}
     stage: dict[str, int] = {}
-    nodes = graph.graph.nodes
     for name in graph.order:  # forward: blocks, then what follows data
-        attrs = nodes[name]
-        if attrs.get("block") is not None and attrs["role"] is Role.COMPUTE:
-            stage[name] = stage_of_block[attrs["block"]]
-        elif attrs["role"] in (Role.COMPUTE, Role.OUTPUT):
+        attrs = graph.node(name)
+        if attrs.block is not None and attrs.role is Role.COMPUTE:
+            stage[name] = stage_of_block[attrs.block]
+        elif attrs.role in (Role.COMPUTE, Role.OUTPUT):
             fed = [stage[u] for u in graph.graph.predecessors(name) if u in stage]
             if fed:
                 stage[name] = max(fed)
@@ -86,17 +84,17 @@ def _deal(blocks: list[int], num_stages: int) -> list[list[int]]:
 
 def _check_forward(graph: OpGraph, stage: Mapping[str, int]) -> None:
     for u, v in graph.graph.edges:
-        if graph.graph.nodes[u]["role"] is Role.INPUT:
+        if graph.node(u).role is Role.INPUT:
             continue  # every stage reads user inputs itself
         if stage[u] > stage[v]:
             raise PlanError(
                 f"cannot cut `{graph.model_name}` into stages: {v!r} (stage {stage[v]}) reads "
                 f"{u!r} from the later stage {stage[u]}; plan it with one stage (pp=1)."
             )
-        if graph.graph.nodes[u]["role"] is Role.BUFFER and stage[u] != stage[v]:
+        if graph.node(u).role is Role.BUFFER and stage[u] != stage[v]:
             raise PlanError(
                 f"cannot cut `{graph.model_name}` into stages: buffer "
-                f"{graph.graph.nodes[u]['name']!r} is read on stages {stage[u]} and {stage[v]} "
+                f"{graph.node(u).name!r} is read on stages {stage[u]} and {stage[v]} "
                 "(a buffer's updates must stay on one stage); plan it with one stage (pp=1)."
             )
 
@@ -106,22 +104,22 @@ def in_flight(stage: int, num_stages: int) -> int:
     return num_stages - stage
 
 
-def recomputed(attrs: Mapping[str, Any], mode: str) -> bool:
+def recomputed(attrs: OpNode, mode: str) -> bool:
     """Is this node's output recomputed in backward (not kept) under `mode`? Never for an op
     that writes into an input (running it again would write twice). The plan states the
     answer per node (`NodePlan.recomputed`), and the runtime recomputes what it states."""
-    if mode == "none" or attrs["role"] is not Role.COMPUTE or attrs.get("block") is None:
+    if mode == "none" or attrs.role is not Role.COMPUTE or attrs.block is None:
         return False
     if mutated_inputs(attrs):
         return False
     if mode == "full":
         return True
     if mode == "selective":
-        return op_family(attrs["op"]) not in KEPT_UNDER_SELECTIVE
+        return op_family(attrs.op) not in KEPT_UNDER_SELECTIVE
     raise PlanError(f"recompute {mode!r} is not known; use one of {', '.join(RECOMPUTE_MODES)}.")
 
 
 def read_outside_block(graph: OpGraph, name: str) -> bool:
     """Does a node outside `name`'s block read its output (the block's output)?"""
-    block = graph.graph.nodes[name].get("block")
-    return any(graph.graph.nodes[v].get("block") != block for v in graph.graph.successors(name))
+    block = graph.node(name).block
+    return any(graph.node(v).block != block for v in graph.graph.successors(name))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autosbp.capturing.graph import OpGraph, Role
+from autosbp.capturing.graph import OpGraph, OpNode, Role
 from autosbp.errors import NoFitError
 from autosbp.planner.candidates import (
     BoxingPricer,
@@ -125,7 +125,7 @@ class Priced:
         micro-batch in flight: model states, or what its backward keeps (`kept`)."""
         key = (name, optimizer, recompute)
         if key not in self.saved:
-            kept, attrs = self.kept(recompute), self.graph.graph.nodes[name]
+            kept, attrs = self.kept(recompute), self.graph.node(name)
             extra = 0 if recomputed(attrs, recompute) else kept.extra_bytes.get(name, 0)
             self.saved[key] = self._bytes(name, optimizer, kept.outputs_of(name), extra)
         return self.saved[key]
@@ -141,7 +141,7 @@ class Priced:
         return self.saved[key]
 
     def _bytes(self, name: str, optimizer: str, outputs: frozenset[int], extra: int) -> np.ndarray:
-        attrs, found = self.graph.graph.nodes[name], self.strategies[name]
+        attrs, found = self.graph.node(name), self.strategies[name]
         return np.array(
             [
                 candidate_bytes(
@@ -175,7 +175,7 @@ class Priced:
         twin = twin_key(self.graph, self.representative, u, v)
         found = self.edges_kept.get((twin, recompute))
         if found is None:
-            kept, outputs = self.kept(recompute), self.graph.graph.nodes[u]["outputs"]
+            kept, outputs = self.kept(recompute), self.graph.node(u).outputs
             su, sv = self.strategies[u], self.strategies[v]
             layouts = (
                 [sig.outputs for sig in su.candidates],
@@ -223,7 +223,7 @@ def price_graph(
     bucket_bytes = sync_bucket_bytes(graph)
     strategies: dict[str, NodeStrategies] = {}
     for name in dict.fromkeys(rep.values()):
-        attrs = graph.graph.nodes[name]
+        attrs = graph.node(name)
         again = name in regatherable
         key = _parameter_key(attrs, mesh, bucket_bytes, again) if memo is not None else None
         found = memo.get(key) if memo is not None and key is not None else None
@@ -238,14 +238,14 @@ def price_graph(
 
 
 def _parameter_key(
-    attrs: dict, mesh: Mesh, bucket_bytes: int, regatherable: bool
+    attrs: OpNode, mesh: Mesh, bucket_bytes: int, regatherable: bool
 ) -> Hashable | None:
     """What a parameter's candidates and prices (`costs.node_strategies`) read, or None for
     other nodes (their candidates read their inputs and the graph around them)."""
-    if attrs["role"] is not Role.PARAMETER:
+    if attrs.role is not Role.PARAMETER:
         return None
-    metas = (tuple(attrs["inputs"]), tuple(attrs["outputs"]))
-    return (mesh, bucket_bytes, attrs["op"], *metas, regatherable)
+    metas = (tuple(attrs.inputs), tuple(attrs.outputs))
+    return (mesh, bucket_bytes, attrs.op, *metas, regatherable)
 
 
 def build_problem(
@@ -312,7 +312,7 @@ def _restricted(
     if allow is None:
         return found
     keep = [i for i, sig in enumerate(found.candidates) if allow(graph, name, sig)]
-    if not keep and graph.graph.nodes[name]["role"] is Role.PARAMETER:
+    if not keep and graph.node(name).role is Role.PARAMETER:
         keep = [
             i
             for i, sig in enumerate(found.candidates)

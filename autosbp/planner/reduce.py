@@ -28,8 +28,8 @@ def tie_blocks(graph: OpGraph) -> dict[str, str]:
     """node name -> its representative (itself when not tied)."""
     members: dict[int, list[str]] = defaultdict(list)
     for name, attrs in graph.nodes():
-        if attrs.get("block") is not None:
-            members[attrs["block"]].append(name)
+        if attrs.block is not None:
+            members[attrs.block].append(name)
     representative = {name: name for name in graph.order}
     if len(members) < 2:
         return representative
@@ -91,8 +91,8 @@ def tie_stages(tied: TiedGraph, split: StageSplit) -> TiedStages:
     nodes = Counter((rep[name], stage_of[name], tied.read_outside[name]) for name in graph.order)
     edges = Counter((member, stage_of[v]) for (_, v), member in tied.member.items())
     sends: dict[tuple[str, int, int], None] = {}
-    for u, v, uses in graph.graph.edges(data="uses"):
-        if stage_of[u] != stage_of[v] and graph.graph.nodes[u]["role"] is not Role.INPUT:
+    for u, v, uses in graph.edges():
+        if stage_of[u] != stage_of[v] and graph.node(u).role is not Role.INPUT:
             for out_idx, _ in uses:
                 sends[(u, out_idx, stage_of[v])] = None
     return TiedStages(rep, nodes, edges, tuple(sends))
@@ -101,8 +101,8 @@ def tie_stages(tied: TiedGraph, split: StageSplit) -> TiedStages:
 def twin_key(graph: OpGraph, rep: Mapping[str, str], u: str, v: str) -> tuple:
     """Equal for edges that boxing prices alike: between the same representatives, with the
     same uses (output index -> input index) of the same tensors."""
-    uses = tuple(graph.graph.edges[u, v]["uses"])
-    metas = tuple(graph.graph.nodes[u]["outputs"][out_idx] for out_idx, _ in uses)
+    uses = tuple(graph.uses(u, v))
+    metas = tuple(graph.node(u).outputs[out_idx] for out_idx, _ in uses)
     return (rep[u], rep[v], uses, metas)
 
 
@@ -111,14 +111,13 @@ def _same_shape(graph: OpGraph, a: list[str], b: list[str]) -> bool:
     (so the same candidates and prices: the planner computes them once per representative)."""
     if len(a) != len(b):
         return False
-    nodes = graph.graph.nodes
     for x, y in zip(a, b, strict=True):
-        ax, ay = nodes[x], nodes[y]
-        if (ax["op"], ax["role"], ax["inputs"], ax["outputs"]) != (
-            ay["op"],
-            ay["role"],
-            ay["inputs"],
-            ay["outputs"],
+        ax, ay = graph.node(x), graph.node(y)
+        if (ax.op, ax.role, ax.inputs, ax.outputs) != (
+            ay.op,
+            ay.role,
+            ay.inputs,
+            ay.outputs,
         ):
             return False
     return True

@@ -75,10 +75,9 @@ class Config:
 def structure(tied: TiedGraph) -> Hashable:
     """What cutting a graph into stages and counting its ties reads: node order, roles and
     blocks, edges, and the ties (equal for graphs that cut and tie alike)."""
-    nodes = tied.graph.graph.nodes
     return (
-        tuple((n, nodes[n]["role"], nodes[n].get("block")) for n in tied.graph.order),
-        tuple(tied.graph.graph.edges(data="uses")),
+        tuple((n, tied.graph.node(n).role, tied.graph.node(n).block) for n in tied.graph.order),
+        tuple(tied.graph.edges()),
         tuple(tied.member.items()),
         tuple(tied.representative.items()),
         tuple(tied.read_outside.items()),

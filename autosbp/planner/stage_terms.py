@@ -26,7 +26,7 @@ from collections import Counter
 
 import numpy as np
 
-from autosbp.capturing.graph import Role
+from autosbp.capturing.graph import OpNode, Role
 from autosbp.planner.candidates import BACKWARD_FACTOR, NodeStrategies, Prices
 from autosbp.planner.ilp_problem import Costs, MemoryConstraint
 from autosbp.planner.objective import StageCosts
@@ -55,32 +55,31 @@ class StageTerms:
         # Per stage, what its time costs are made of: equal for stages whose costs are equal.
         self.kinds: list[Counter[tuple]] = [Counter() for _ in blocks]
 
-    def per_block(self, attrs: dict, s: int) -> float:
+    def per_block(self, attrs: OpNode, s: int) -> float:
         """The weight that turns a copy of a node of a block on stage s into one block's worth
         (the module docstring): 1 / blocks where they are identical, 1 otherwise."""
-        if attrs.get("block") is None or not self.identical or not self.blocks[s]:
+        if attrs.block is None or not self.identical or not self.blocks[s]:
             return 1.0
         return 1.0 / self.blocks[s]
 
     def add_nodes(self, tied, priced, optimizer: str, micro_batches: int, recompute: str) -> None:
-        nodes = priced.graph.graph.nodes
         for (r, s, read_outside), n in tied.nodes.items():
-            attrs, found = nodes[r], priced.strategies[r]
+            attrs, found = priced.graph.node(r), priced.strategies[r]
             k = in_flight(s, self.num_stages)
             self.kinds[s][("node", r, read_outside)] += n
-            if attrs["role"] is Role.PARAMETER:
+            if attrs.role is Role.PARAMETER:
                 self._add_parameter(r, s, n, found, micro_batches)
-                self.param_bytes[s] += n * attrs["outputs"][0].nbytes
-            elif attrs["role"] is Role.COMPUTE:
+                self.param_bytes[s] += n * attrs.outputs[0].nbytes
+            elif attrs.role is Role.COMPUTE:
                 fwd = found.compute_s / (1.0 + BACKWARD_FACTOR)
                 again = fwd if recomputed(attrs, recompute) else 0.0
                 self.busy[s].node(r, n * (found.compute_s + again))
                 self.forward[s].node(r, n * fwd)
-                if attrs.get("block") is not None and self.identical:
+                if attrs.block is not None and self.identical:
                     w = n * self.per_block(attrs, s)
                     self.compute_forward[s].node(r, w * fwd)
                     self.compute_backward[s].node(r, w * (found.compute_s - fwd + again))
-            if attrs["role"] is Role.COMPUTE:
+            if attrs.role is Role.COMPUTE:
                 self.memory[s].node(r, n * k * priced.kept_bytes(r, optimizer, recompute))
                 if recomputed(attrs, recompute):  # one block rematerialized at a time
                     self.memory[s].transient(r, priced.rematerialized_bytes(r, recompute))
@@ -101,10 +100,10 @@ class StageTerms:
     def add_edges(self, tied, priced, recompute: str, p2p: P2P) -> None:
         """Boxing on every edge (time, and the copies kept for backward), and each tensor sent
         to a later stage (time and memory)."""
-        rep, nodes = priced.representative, priced.graph.graph.nodes
+        rep, graph = priced.representative, priced.graph
         for ((u, v), sv), n in tied.edges.items():
             self.kinds[sv][("edge", u, v)] += n
-            key, consumer = (rep[u], rep[v]), nodes[rep[v]]
+            key, consumer = (rep[u], rep[v]), graph.node(rep[v])
             both, fwd_only = priced.edge_prices(u, v)
             again = recomputed(consumer, recompute)  # tied nodes are recomputed alike
             self.busy[sv].edge(key, n * (both + fwd_only) if again else n * both)
@@ -126,13 +125,13 @@ class StageTerms:
             else:
                 self.memory[sv].edge(key, n * in_flight(sv, self.num_stages) * kept.bytes)
                 extra = np.zeros_like(both)
-            in_block = consumer.get("block") is not None and self.identical
-            if nodes[u]["role"] is Role.PARAMETER and in_block:
+            in_block = consumer.block is not None and self.identical
+            if graph.node(u).role is Role.PARAMETER and in_block:
                 self.gather_forward[sv].edge(key, w * fwd_only)
                 self.gather_backward[sv].edge(key, w * (both - fwd_only + extra))
         for u, out_idx, sv in tied.sends:
-            self.kinds[sv - 1][("send", rep[u], out_idx, nodes[u]["outputs"][out_idx])] += 1
-            local = p2p.local_bytes(priced.strategies[u], out_idx, nodes[u]["outputs"][out_idx])
+            self.kinds[sv - 1][("send", rep[u], out_idx, graph.node(u).outputs[out_idx])] += 1
+            local = p2p.local_bytes(priced.strategies[u], out_idx, graph.node(u).outputs[out_idx])
             self.send[sv - 1].node(rep[u], p2p.time_s(local))
             self.memory[sv].node(rep[u], local * in_flight(sv, self.num_stages))
 

@@ -78,7 +78,7 @@ def has_rule(op: str) -> bool:
 
 def signatures_1d(node: Node, mesh_dim_size: int) -> list[Signature]:
     """The op's signatures on one mesh dim of `mesh_dim_size` devices (all-B first)."""
-    rule = RULES.get(node["op"])
+    rule = RULES.get(node.op)
     if rule is None:
         return [all_broadcast(node)]
     out: dict[Signature, None] = {}
@@ -125,8 +125,8 @@ _ND_MEMO_LIMIT = 100_000
 
 
 def _memo_key(node: Node, mesh_shape: tuple[int, ...]) -> Hashable | None:
-    parts = (node.get("args", ()), node.get("kwargs", {}))
-    key = (node["op"], _freeze(parts), tuple(node["inputs"]), tuple(node["outputs"]), mesh_shape)
+    parts = (node.args, node.kwargs)
+    key = (node.op, _freeze(parts), tuple(node.inputs), tuple(node.outputs), mesh_shape)
     try:
         hash(key)
     except TypeError:  # an unhashable argument (e.g. a tensor constant): compute every time
@@ -150,10 +150,10 @@ def local_op(
     Build it once per (node, signature, mesh, device) and call it every step: all argument
     rewriting (local sizes, shard offsets, rescale factors) happens here, not in the call.
     """
-    rule = RULES.get(node["op"])
+    rule = RULES.get(node.op)
     if rule is None:
         assert all(not _is_distributed(nd) for nd in nd_signature.inputs), (
-            f"{node['op']} has no rule: only its all-B signature can run"
+            f"{node.op} has no rule: only its all-B signature can run"
         )
         return default_local_op(node)
     return rule.build_local(node, nd_signature, tuple(mesh_shape), tuple(coords))
@@ -188,23 +188,23 @@ def pinned_inputs(graph: OpGraph, name: str) -> frozenset[int]:
     writes in place (unless a buffer: the runtime writes a buffer's boxed copy back), and the
     input a view op aliases when its output is written in place, directly or through more views
     (a boxed copy would take the write away from the tensor the model reads afterwards)."""
-    attrs = graph.graph.nodes[name]
+    attrs = graph.node(name)
     pinned = set()
     producers = graph.producers(name)
     for index in mutated_inputs(attrs):
         found = producers[index]
-        if found is not None and graph.graph.nodes[found[0]]["role"] is not Role.BUFFER:
+        if found is not None and graph.node(found[0]).role is not Role.BUFFER:
             pinned.add(index)
     aliased = _aliased_inputs(attrs)
-    if aliased and any(_written_through(graph, name, out) for out in range(len(attrs["outputs"]))):
+    if aliased and any(_written_through(graph, name, out) for out in range(len(attrs.outputs))):
         pinned |= aliased
     return frozenset(pinned)
 
 
-def _aliased_inputs(attrs: Any) -> set[int]:
+def _aliased_inputs(attrs: Node) -> set[int]:
     """InputRef indices of the inputs a view op's output aliases (schema `Tensor(a)`, not a
     write); empty for other ops."""
-    schema = getattr(attrs.get("target"), "_schema", None)
+    schema = attrs.schema
     if schema is None or not any(r.alias_info is not None for r in schema.returns):
         return set()
     names = {a.name for a in schema.arguments if a.alias_info and not a.alias_info.is_write}
@@ -215,12 +215,12 @@ def _aliased_inputs(attrs: Any) -> set[int]:
 def _written_through(graph: OpGraph, name: str, out: int) -> bool:
     """Is output `out` of `name` written in place by a reader, or by one through views of it?"""
     for reader in graph.graph.successors(name):
-        uses = [i for o, i in graph.graph.edges[name, reader]["uses"] if o == out]
-        attrs = graph.graph.nodes[reader]
+        uses = [i for o, i in graph.uses(name, reader) if o == out]
+        attrs = graph.node(reader)
         if set(uses) & set(mutated_inputs(attrs)):
             return True
         if set(uses) & _aliased_inputs(attrs) and any(
-            _written_through(graph, reader, k) for k in range(len(attrs["outputs"]))
+            _written_through(graph, reader, k) for k in range(len(attrs.outputs))
         ):
             return True
     return False
@@ -234,7 +234,7 @@ def _admissible(
     node: Node, inputs: Sequence[NdSbp], outputs: Sequence[NdSbp], mesh_shape: tuple[int, ...]
 ) -> bool:
     """Every split divides its dim; no P on a tensor that is not floating point."""
-    pairs = zip((*node["inputs"], *node["outputs"]), (*inputs, *outputs), strict=True)
+    pairs = zip((*node.inputs, *node.outputs), (*inputs, *outputs), strict=True)
     for meta, nd_sbp in pairs:
         if any(isinstance(s, Partial) for s in nd_sbp) and not meta.dtype.is_floating_point:
             return False

@@ -19,20 +19,20 @@ from autosbp.sbp import B, P, S
 
 
 def _placeholder_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
-    rank = len(node["outputs"][0].shape)
+    rank = len(node.outputs[0].shape)
     return [Signature((), (B,)), *(Signature((), (S(d),)) for d in range(rank))]
 
 
 def _placeholder_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shape) -> LocalOp:
     raise SbpError(
-        f"placeholder {node.get('name') or node.get('op')!r} has no local kernel: its value comes "
+        f"placeholder {node.name or node.op!r} has no local kernel: its value comes "
         "from outside the graph; materialize its shard with autosbp.layout.shard_tensor."
     )
 
 
 def _output_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     # The loss may stay P: summing the partial losses (one all-reduce of a scalar) gives it.
-    n_in = len(node["inputs"])
+    n_in = len(node.inputs)
     return [Signature((B,) * n_in, ()), Signature((P,) * n_in, ())]
 
 

@@ -10,7 +10,8 @@ nD product (`autosbp.rules`), the simulation oracle (`autosbp.rules.oracle`).
 Invariants: a Signature has one SBP per tensor input (InputRef order) and one per tensor output;
 rules never emit P on a tensor that is not floating point (the registry filters it anyway);
 a LocalOp returns exactly one tensor per node output, whatever the op returns.
-References: docs/architecture.md ("Contracts": rules); graph.py for the node attribute contract; OneFlow `GetSbp` functions.
+References: docs/architecture.md ("Contracts": rules); `OpNode` (graph.py) for the node contract;
+OneFlow `GetSbp` functions.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import Any, TypeAlias
 
 import torch
 
-from autosbp.capturing.graph import InputRef, RunDevice
+from autosbp.capturing.graph import InputRef, OpNode, RunDevice
 from autosbp.sbp import B, Broadcast, NdSbp, P, Partial, Sbp, Split, format_nd_sbp, local_shape
 
-Node: TypeAlias = Mapping[str, Any]
+Node: TypeAlias = OpNode
 Shape: TypeAlias = tuple[int, ...]
 
 
@@ -99,8 +100,9 @@ class LocalOp:
 
 def bound_args(node: Node) -> dict[str, Any]:
     """The call's arguments by schema name, defaults filled in (InputRefs left in place)."""
-    schema = node["target"]._schema
-    args, kwargs = tuple(node.get("args", ())), dict(node.get("kwargs", {}))
+    schema = node.schema
+    assert schema is not None, f"{node.op}: arguments by name need an ATen schema"
+    args, kwargs = tuple(node.args), dict(node.kwargs)
     out: dict[str, Any] = {}
     for i, arg in enumerate(schema.arguments):
         if i < len(args) and not arg.kwarg_only:
@@ -126,11 +128,11 @@ def tensor_slots(node: Node) -> dict[str, int | tuple[int, ...]]:
 
 
 def in_shapes(node: Node) -> list[Shape]:
-    return [tuple(meta.shape) for meta in node["inputs"]]
+    return [tuple(meta.shape) for meta in node.inputs]
 
 
 def out_shapes(node: Node) -> list[Shape]:
-    return [tuple(meta.shape) for meta in node["outputs"]]
+    return [tuple(meta.shape) for meta in node.outputs]
 
 
 def norm_dim(dim: int, rank: int) -> int:
@@ -154,7 +156,7 @@ def make_signature(
         else:
             members = [sbp] * len(slot) if isinstance(sbp, Split | Broadcast | Partial) else sbp
             inputs.update(zip(slot, members, strict=True))
-    assert len(inputs) == len(node["inputs"]), f"{node['op']}: an input got no SBP"
+    assert len(inputs) == len(node.inputs), f"{node.op}: an input got no SBP"
     return Signature(tuple(inputs[i] for i in range(len(inputs))), tuple(outputs))
 
 
@@ -167,7 +169,7 @@ def slot_of(node: Node, name: str) -> int | None:
 def arg_shape(node: Node, name: str) -> Shape:
     """The global shape of the tensor argument `name` (() if the argument holds no tensor)."""
     slot = slot_of(node, name)
-    return () if slot is None else tuple(node["inputs"][slot].shape)
+    return () if slot is None else tuple(node.inputs[slot].shape)
 
 
 # Ops that update inputs in place without saying so in their schema (training-mode batch norm
@@ -180,23 +182,23 @@ HIDDEN_WRITES: dict[str, tuple[str, ...]] = {
 
 def mutated_inputs(node: Node) -> tuple[int, ...]:
     """InputRef indices of the inputs the op writes in place (schema `(a!)`, or HIDDEN_WRITES)."""
-    schema = getattr(node.get("target"), "_schema", None)
+    schema = node.schema
     if schema is None:  # placeholder, output
         return ()
     args = bound_args(node)
     names = {a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write}
     if args.get("training"):
-        names |= set(HIDDEN_WRITES.get(node["op"], ()))
+        names |= set(HIDDEN_WRITES.get(node.op, ()))
     return tuple(sorted(v.index for k, v in args.items() if k in names and isinstance(v, InputRef)))
 
 
 def all_broadcast(node: Node) -> Signature:
-    return Signature((B,) * len(node["inputs"]), (B,) * len(node["outputs"]))
+    return Signature((B,) * len(node.inputs), (B,) * len(node.outputs))
 
 
 def uniform(node: Node, sbp: Sbp) -> Signature:
     """Every input and output gets the same SBP (S(i) on all, or P -> P)."""
-    return Signature((sbp,) * len(node["inputs"]), (sbp,) * len(node["outputs"]))
+    return Signature((sbp,) * len(node.inputs), (sbp,) * len(node.outputs))
 
 
 def one_partial(n_inputs: int, index: int) -> tuple[Sbp, ...]:
@@ -229,29 +231,31 @@ def default_local_op(
     node: Node, overrides: Mapping[str, Any] | None = None, scale: float | None = None
 ) -> LocalOp:
     """The node's own target, with schema arguments in `overrides` replaced (e.g. local sizes)."""
-    return local_op_with(node, node["target"], overrides or {}, scale)
+    assert node.target is not None, f"{node.op}: no target to call"
+    return local_op_with(node, node.target, overrides or {}, scale)
 
 
 def local_op_with(
     node: Node, fn: Callable[..., Any], overrides: Mapping[str, Any], scale: float | None = None
 ) -> LocalOp:
     """`fn` called with the node's args, schema arguments in `overrides` replaced."""
-    args = list(node.get("args", ()))
-    kwargs = dict(node.get("kwargs", {}))
+    args = list(node.args)
+    kwargs = dict(node.kwargs)
     if overrides:
-        names = [a.name for a in node["target"]._schema.arguments]
+        assert node.schema is not None, f"{node.op}: overrides by name need an ATen schema"
+        names = [a.name for a in node.schema.arguments]
         for name, value in overrides.items():
             pos = names.index(name)
             if pos < len(args) and name not in kwargs:
                 args[pos] = value
             else:
                 kwargs[name] = value
-    return LocalOp(fn, tuple(args), kwargs, len(node["outputs"]), scale)
+    return LocalOp(fn, tuple(args), kwargs, len(node.outputs), scale)
 
 
 def local_out_shape(node: Node, sig: NdSignature, mesh_shape: Shape, index: int = 0) -> list[int]:
     """The local shape of output `index` under `sig` (for size arguments)."""
-    return list(local_shape(node["outputs"][index].shape, sig.outputs[index], mesh_shape))
+    return list(local_shape(node.outputs[index].shape, sig.outputs[index], mesh_shape))
 
 
 def shard_range(length: int, dim: int, nd_sbp: NdSbp, mesh_shape: Shape, coords: Shape) -> range:

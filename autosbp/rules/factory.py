@@ -42,8 +42,8 @@ from autosbp.sbp import B, P, S, Sbp
 
 def generated_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     """Output B or S(d): the op reads no tensor values (an input, if any, gives dtype/device)."""
-    n_in = len(node["inputs"])
-    out_rank = len(node["outputs"][0].shape)
+    n_in = len(node.inputs)
+    out_rank = len(node.outputs[0].shape)
     sigs = [
         Signature((B,) * n_in, (B,)),
         *(Signature((B,) * n_in, (S(d),)) for d in range(out_rank)),
@@ -60,13 +60,13 @@ def _sized_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shape)
 
 
 def _arange_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shape) -> LocalOp:
-    length = node["outputs"][0].shape[0]
+    length = node.outputs[0].shape[0]
     block = shard_range(length, 0, sig.outputs[0], mesh_shape, coords)
     if len(block) == length:
         return default_local_op(node)
     args = bound_args(node)
     kernel = ArangeBlock(
-        args.get("start", 0), args.get("step", 1), block.start, block.stop, node["outputs"][0].dtype
+        args.get("start", 0), args.get("step", 1), block.start, block.stop, node.outputs[0].dtype
     )
     return LocalOp(kernel, (), {"device": args.get("device")}, 1)  # a runtime may move it
 

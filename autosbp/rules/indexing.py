@@ -82,7 +82,7 @@ def dropping_dim_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     """select / unbind: `dim` disappears from the outputs."""
     rank = len(in_shapes(node)[0])
     dim = _dim(node, rank)
-    n_out = len(node["outputs"])
+    n_out = len(node.outputs)
     splits = [Signature((S(i),), (S(i - (i > dim)),) * n_out) for i in range(rank) if i != dim]
     return [all_broadcast(node), *splits, uniform(node, P)]
 
@@ -91,9 +91,7 @@ def stack_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     rank = len(out_shapes(node)[0])
     dim = _dim(node, rank)
     splits = [
-        Signature((S(i - (i > dim)),) * len(node["inputs"]), (S(i),))
-        for i in range(rank)
-        if i != dim
+        Signature((S(i - (i > dim)),) * len(node.inputs), (S(i),)) for i in range(rank) if i != dim
     ]
     return [all_broadcast(node), *splits, uniform(node, P)]
 
@@ -139,7 +137,7 @@ def index_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     index_rank = len(torch.broadcast_shapes(*(in_shapes(node)[slot] for slot in slots)))
     adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
     first = indexed[0] if adjacent else 0
-    n_in = len(node["inputs"])
+    n_in = len(node.inputs)
     self_slot = slot_of(node, "self")
     assert self_slot is not None
 
@@ -158,7 +156,7 @@ def index_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
 
 
 def broadcast_tensors_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
-    n = len(node["inputs"])
+    n = len(node.inputs)
     partial = [Signature(one_partial(n, k), one_partial(n, k)) for k in range(n)]
     return [all_broadcast(node), *broadcast_split_signatures(node), *partial, uniform(node, P)]
 

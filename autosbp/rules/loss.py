@@ -59,7 +59,7 @@ def cross_entropy_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     logits_shape = in_shapes(node)[0]
     if len(logits_shape) < 2:
         return [all_broadcast(node)]
-    index_target = not node["inputs"][1].dtype.is_floating_point
+    index_target = not node.inputs[1].dtype.is_floating_point
     sigs = [all_broadcast(node)]
     for dim in (d for d in range(len(logits_shape)) if d != 1):
         out_dim = dim - 1 if dim > 1 else dim  # the loss per element has no class dim
@@ -78,7 +78,7 @@ def cross_entropy_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords:
     local = local_shape(logits, sig.inputs[0], mesh_shape)
     if args["reduction"] != MEAN or local == logits:
         return default_local_op(node)
-    if node["inputs"][1].dtype.is_floating_point:  # probabilities: a mean over elements
+    if node.inputs[1].dtype.is_floating_point:  # probabilities: a mean over elements
         fraction = reduced_fraction(logits, local, [d for d in range(len(logits)) if d != 1])
         return default_local_op(node, scale=fraction)
     block = tuple(

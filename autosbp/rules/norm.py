@@ -58,7 +58,7 @@ def layer_norm_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     for dim in range(leading):
         by_name: dict[str, Sbp] = {"input": S(dim), "weight": B, "bias": B}
         # native_layer_norm's mean and rstd keep the leading dims (trailing dims become 1)
-        sigs.append(make_signature(node, by_name, (S(dim),) * len(node["outputs"])))
+        sigs.append(make_signature(node, by_name, (S(dim),) * len(node.outputs)))
     return sigs
 
 

@@ -1,6 +1,6 @@
 """The execution oracle of the rules: run a signature on simulated devices and assemble the result.
 
-Lives here: `node_from_call` (a node attrs dict, as capture would write it, from a plain call),
+Lives here: `node_from_call` (an `OpNode`, as capture would build it, from a plain call),
 `run_global` (the op on whole tensors), `shard_inputs` (every device's pieces, P as random addends)
 and `simulate` (shard, run `local_op` per device, check B copies agree, assemble). Used by the
 tests and by anyone adding a rule. Lives elsewhere: real multi-process execution (runtime), the
@@ -13,6 +13,7 @@ be equal on all devices of its mesh dim (assembly alone would read just one of t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from autosbp.capturing.graph import InputRef, Role, TensorMeta
+from autosbp.capturing.graph import InputRef, OpNode, Role, TensorMeta
 from autosbp.layout import assemble_tensor
 from autosbp.rules import local_op
 from autosbp.rules.core import NdSignature, Node, as_tuple, default_local_op, resolve_refs
@@ -29,8 +30,8 @@ from autosbp.sbp import Broadcast, Mesh, NdSbp, Partial, Split
 
 def node_from_call(
     target: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
-) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
-    """The node attrs dict for `target(*args, **kwargs)` and its tensor inputs in InputRef order.
+) -> tuple[OpNode, tuple[torch.Tensor, ...]]:
+    """The node of `target(*args, **kwargs)` and its tensor inputs in InputRef order.
 
     Tensors (also inside lists) become InputRef(i) in order of appearance; outputs are measured by
     running the call once on clones (so in-place ops leave the given tensors alone).
@@ -47,18 +48,13 @@ def node_from_call(
 
     node_args = tuple(ref(a) for a in args)
     node_kwargs = {k: ref(v) for k, v in (kwargs or {}).items()}
-    node: dict[str, Any] = {
-        "op": str(target),
-        "role": Role.COMPUTE,
-        "target": target,
-        "args": node_args,
-        "kwargs": node_kwargs,
-        "inputs": tuple(TensorMeta(tuple(t.shape), t.dtype) for t in inputs),
-        "outputs": (),
-    }
+    node = OpNode(
+        str(target), Role.COMPUTE, target=target, args=node_args, kwargs=node_kwargs,
+        inputs=tuple(TensorMeta(tuple(t.shape), t.dtype) for t in inputs),
+    )  # fmt: skip
     outs = _call_raw(node, [t.clone() for t in inputs])
-    node["outputs"] = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in outs)
-    return node, tuple(inputs)
+    outputs = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in outs)
+    return dataclasses.replace(node, outputs=outputs), tuple(inputs)
 
 
 def run_global(node: Node, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -148,7 +144,7 @@ def _check_broadcast_copies(
                 other = pieces[mesh.index(first)]
                 if not _same(pieces[index], other):
                     raise AssertionError(
-                        f"{node['op']}: B output differs on devices {tuple(first)} and {coords}"
+                        f"{node.op}: B output differs on devices {tuple(first)} and {coords}"
                     )
 
 
@@ -161,6 +157,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _call_raw(node: Node, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    args = resolve_refs(node["args"], inputs)
-    kwargs = {k: resolve_refs(v, inputs) for k, v in node["kwargs"].items()}
-    return as_tuple(node["target"](*args, **kwargs))
+    args = resolve_refs(node.args, inputs)
+    kwargs = {k: resolve_refs(v, inputs) for k, v in node.kwargs.items()}
+    assert node.target is not None, f"{node.op}: no target to call"
+    return as_tuple(node.target(*args, **kwargs))

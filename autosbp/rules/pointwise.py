@@ -66,7 +66,7 @@ def aligned_sbp(shape: Shape, out_shape: Shape, out_dim: int) -> Sbp:
 def broadcast_split_signatures(node: Node) -> list[Signature]:
     """Split any output dim; inputs follow by broadcasting. At least one input must be split."""
     out_shape = out_shapes(node)[0]
-    n_out = len(node["outputs"])
+    n_out = len(node.outputs)
     sigs = []
     for dim in range(len(out_shape)):
         ins = tuple(aligned_sbp(shape, out_shape, dim) for shape in in_shapes(node))
@@ -76,7 +76,7 @@ def broadcast_split_signatures(node: Node) -> list[Signature]:
 
 
 def _partial_rows(node: Node, linearity: Linearity) -> list[Signature]:
-    n_in, n_out = len(node["inputs"]), len(node["outputs"])
+    n_in, n_out = len(node.inputs), len(node.outputs)
     outs = (P,) * n_out
     slots = tensor_slots(node)
     if linearity is Linearity.LINEAR or (linearity is Linearity.MUL and n_in == 1):
@@ -93,9 +93,7 @@ def _partial_rows(node: Node, linearity: Linearity) -> list[Signature]:
     if linearity is Linearity.FILL_ZERO and bound_args(node).get("value") == 0:
         return [make_signature(node, {"self": P, "mask": B}, outs)]
     if linearity is Linearity.CAST:
-        floats = (
-            node["inputs"][0].dtype.is_floating_point and node["outputs"][0].dtype.is_floating_point
-        )
+        floats = node.inputs[0].dtype.is_floating_point and node.outputs[0].dtype.is_floating_point
         return [Signature((P,), outs)] if floats else []
     if linearity is Linearity.DROPOUT:
         args = bound_args(node)

@@ -109,10 +109,10 @@ SCATTERS: dict[str, tuple[str | None, bool]] = {
 def scatter_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     """See the module header. scatter's index has self's rank and splits with it; index_add's
     is 1-D along `dim` and stays whole (B)."""
-    source, linear = SCATTERS[node["op"]]
+    source, linear = SCATTERS[node.op]
     self_shape = arg_shape(node, "self")
     dim = norm_dim(bound_args(node)["dim"], len(self_shape))
-    per_position = node["op"] != "aten.index_add.default"
+    per_position = node.op != "aten.index_add.default"
     aligned = [self_shape, *([arg_shape(node, source)] if source else [])]
     aligned += [arg_shape(node, "index")] if per_position else []
 
@@ -135,7 +135,7 @@ def index_put_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     indices = list(args["indices"])
     sigs = [all_broadcast(node)]
     if all(index is not None for index in indices):  # indexed dims 0..k-1, the rest kept
-        index_shapes = [node["inputs"][index.index].shape for index in indices]
+        index_shapes = [node.inputs[index.index].shape for index in indices]
         indexed = tuple(torch.broadcast_shapes(*index_shapes)) + tuple(self_shape[len(indices) :])
         for d in range(len(indices), len(self_shape)):
             into = len(indexed) - len(self_shape) + d  # the dim of the indexed result
@@ -178,14 +178,14 @@ def _keeps_strides(node: Node, dim_size: int, mesh_dim_size: int) -> bool:
     split here, and again on another mesh dim of the same size or smaller? (Splits on two mesh
     dims of sizes n1, n2 keep them when the 16-byte count divides by n1**2 and by n2**2: then
     by lcm(n1, n2)**2, a multiple of n1 * n2.)"""
-    if node["op"] != "aten._grouped_mm.default":
+    if node.op != "aten._grouped_mm.default":
         return True
-    chunks, extra = divmod(dim_size * node["outputs"][0].dtype.itemsize, 16)
+    chunks, extra = divmod(dim_size * node.outputs[0].dtype.itemsize, 16)
     return not extra and chunks % mesh_dim_size**2 == 0
 
 
 def grouped_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
-    names = GROUPED[node["op"]]
+    names = GROUPED[node.op]
     if not _is_expert_rows(node, names):
         return [all_broadcast(node)]
     _, k, n = arg_shape(node, names.weight)
@@ -206,13 +206,14 @@ def grouped_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
 
 
 def _grouped_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shape) -> LocalOp:
-    slot = slot_of(node, GROUPED[node["op"]].weight)
+    slot = slot_of(node, GROUPED[node.op].weight)
     assert slot is not None
     weight_sbp = sig.inputs[slot]
     if not any(is_split(s, 0) for s in weight_sbp):
         return default_local_op(node)
-    experts = shard_range(node["inputs"][slot].shape[0], 0, weight_sbp, mesh_shape, coords)
-    return local_op_with(node, ExpertRows(node["target"], experts.start, len(experts)), {})
+    experts = shard_range(node.inputs[slot].shape[0], 0, weight_sbp, mesh_shape, coords)
+    assert node.target is not None, f"{node.op}: no target to call"
+    return local_op_with(node, ExpertRows(node.target, experts.start, len(experts)), {})
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,7 +84,8 @@ def _sized_local(size_arg: str) -> OpRule:
     A view runs as `STRIDE_FREE` says: a local shard's strides are not the global tensor's."""
 
     def build(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shape) -> LocalOp:
-        kernel: Callable[..., Any] = STRIDE_FREE.get(node["target"]) or node["target"]
+        assert node.target is not None, f"{node.op}: no target to call"
+        kernel: Callable[..., Any] = STRIDE_FREE.get(node.target) or node.target
         return local_op_with(node, kernel, {size_arg: local_out_shape(node, sig, mesh_shape)})
 
     return OpRule(reshape_signatures, build)
@@ -102,7 +103,7 @@ def _squeeze_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shap
     dims = bound_args(node).get("dim")
     wanted = range(len(shape)) if dims is None else [dims] if isinstance(dims, int) else dims
     ones = [norm_dim(d, len(shape)) for d in wanted if shape[norm_dim(d, len(shape))] == 1]
-    return LocalOp(torch.ops.aten.squeeze.dims, (node["args"][0], ones), {}, 1)
+    return LocalOp(torch.ops.aten.squeeze.dims, (node.args[0], ones), {}, 1)
 
 
 def permutation(node: Node) -> list[int]:

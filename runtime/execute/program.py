@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from autosbp.boxing.steps import local_box
-from autosbp.capturing.graph import OpGraph, Role, TensorMeta, run_device
+from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta, run_device
 from autosbp.errors import PlanError
 from autosbp.plan import Plan
 from autosbp.rules import NdSignature, local_op, mutated_inputs, nd_signatures, pinned_inputs
@@ -154,10 +154,10 @@ def read_signatures(
             tuple(parse_nd_sbp(s) for s in node_plan.inputs),
             tuple(parse_nd_sbp(s) for s in node_plan.outputs),
         )
-        if node_plan.op != attrs["op"] or sig not in nd_signatures(attrs, mesh_shape):
+        if node_plan.op != attrs.op or sig not in nd_signatures(attrs, mesh_shape):
             raise PlanError(
-                f"the plan gives node {name!r} ({attrs['op']}, module "
-                f"`{attrs['module_path'] or '<top>'}`) the signature {sig!r} for op "
+                f"the plan gives node {name!r} ({attrs.op}, module "
+                f"`{attrs.module_path or '<top>'}`) the signature {sig!r} for op "
                 f"{node_plan.op}, which its rule does not offer on mesh {mesh_shape}; the plan "
                 "was edited or made by another autosbp version: make it again."
             )
@@ -205,22 +205,22 @@ class _Builder:
         if index in pinned:
             raise PlanError(
                 f"the plan boxes input {index} of node {consumer!r} "
-                f"({self.graph.graph.nodes[consumer]['op']}) from {format_nd_sbp(have)} to "
+                f"({self.graph.node(consumer).op}) from {format_nd_sbp(have)} to "
                 f"{format_nd_sbp(want)}, but that input leads to an in-place write: a boxed copy "
                 "would take the write away from the tensor read afterwards. The planner never "
                 "does this; the plan was edited or made by another autosbp version: make it again."
             )
         key = (node, out, want)
         if key not in self.boxed:
-            attrs = self.graph.graph.nodes[node]
-            meta = attrs["outputs"][out]
+            attrs = self.graph.node(node)
+            meta = attrs.outputs[out]
             box = self.boxer.chain(have, want, meta.shape, meta.dtype)
             src, dst = self.slots[(node, out)], self.new_slot()
             steps = self.boxer.steps(have, want, meta.shape, meta.dtype)
-            if attrs["role"] is Role.PARAMETER and has_collective(steps):
-                block = self.graph.graph.nodes[consumer]["block"]
+            if attrs.role is Role.PARAMETER and has_collective(steps):
+                block = self.graph.node(consumer).block
                 self.param_boxes.append(
-                    ParamBox(len(self.steps), attrs["name"], src, dst, block, steps)
+                    ParamBox(len(self.steps), attrs.name, src, dst, block, steps)
                 )
             self.emit(box_instruction(box, src, dst), (src,), (dst,))
             self.boxed[key] = dst
@@ -232,7 +232,7 @@ class _Builder:
         self.reads.append(reads)
         self.writes.append(writes)
 
-    def add_compute(self, name: str, attrs: Mapping[str, Any]) -> None:
+    def add_compute(self, name: str, attrs: OpNode) -> None:
         self.current = name
         sig = self.signatures[name]
         pinned = pinned_inputs(self.graph, name)
@@ -243,7 +243,7 @@ class _Builder:
             else slot
             for i, slot in enumerate(ins)
         )
-        outs = tuple(self.new_slot() for _ in attrs["outputs"])
+        outs = tuple(self.new_slot() for _ in attrs.outputs)
         for index, slot in enumerate(outs):
             self.slots[(name, index)] = slot
         op = local_op(attrs, sig, self.mesh.shape, self.coords)
@@ -275,11 +275,9 @@ class _Builder:
         target = self.slots[(node, out)]
         if copy == target:
             return  # the op wrote into the buffer itself
-        attrs = self.graph.graph.nodes[node]
-        assert attrs["role"] is Role.BUFFER, (
-            f"{consumer}: a boxed write into {node} (pinned_inputs)"
-        )
-        meta = attrs["outputs"][0]
+        attrs = self.graph.node(node)
+        assert attrs.role is Role.BUFFER, f"{consumer}: a boxed write into {node} (pinned_inputs)"
+        meta = attrs.outputs[0]
         want = self.signatures[consumer].inputs[index]
         box = self.boxer.chain(want, self.layout(node, out), meta.shape, meta.dtype)
         self.emit(write_back_instruction(box, copy, target), (copy,), ())
@@ -294,12 +292,12 @@ def stage_boundaries(
     if stage_of is None:
         return out
     for name in graph.order:
-        if graph.graph.nodes[name]["role"] is Role.INPUT:
+        if graph.node(name).role is Role.INPUT:
             continue
         readers: dict[tuple[int, int], None] = {}
         for v in graph.graph.successors(name):
             if stage_of[v] != stage_of[name]:
-                for out_idx, _ in graph.graph.edges[name, v]["uses"]:
+                for out_idx, _ in graph.uses(name, v):
                     readers[(stage_of[v], out_idx)] = None
         for reader, out_idx in sorted(readers):
             out.setdefault((stage_of[name], reader), []).append((name, out_idx))
@@ -340,16 +338,16 @@ def build_program(
         if name in here:
             slot = builder.new_slot()
             builder.slots[(name, 0)] = slot
-            meta, layout = attrs["outputs"][0], builder.layout(name, 0)
+            meta, layout = attrs.outputs[0], builder.layout(name, 0)
             inputs.append(
                 InputLoader(position, slot, meta, _input_index(meta, layout, mesh, coords))
             )
     for name, attrs in graph.nodes():
-        role = attrs["role"]
+        role = attrs.role
         if name not in here or role is Role.INPUT:
             continue
         if role in (Role.PARAMETER, Role.BUFFER):
-            builder.slots[(name, 0)] = builder.new_slot(state[attrs["name"]])
+            builder.slots[(name, 0)] = builder.new_slot(state[attrs.name])
         elif role is Role.OUTPUT:
             node, out = graph.producers(name)[0]  # type: ignore[misc]
             loss = (builder.slots[(node, out)], builder.layout(node, out))
@@ -413,11 +411,10 @@ def _schedule_gathers(
 def _recompute_runs(builder: _Builder, recomputed: frozenset[str]) -> list[tuple[int, int]]:
     """The maximal runs [start, end) of steps that serve recomputed nodes of one block (the
     plan names the nodes; a node's steps are its input boxings and its kernel)."""
-    nodes = builder.graph.graph.nodes
 
     def group(k: int) -> int | None:
         owner = builder.owners[k]
-        return nodes[owner]["block"] if owner in recomputed else None
+        return builder.graph.node(owner).block if owner in recomputed else None
 
     runs = []
     k, n = 0, len(builder.steps)

@@ -308,7 +308,7 @@ def _check_state(engine: Engine, manifest: Manifest, path: Path, micro_batch_siz
     """The checkpoint holds exactly the model's parameters and buffers (every stage's), each
     with its shape and dtype."""
     want = {
-        attrs["name"]: (tuple(attrs["outputs"][0].shape), _dtype_name(attrs["outputs"][0].dtype))
+        attrs.name: (tuple(attrs.outputs[0].shape), _dtype_name(attrs.outputs[0].dtype))
         for role in (Role.PARAMETER, Role.BUFFER)
         for _, attrs in engine.graph.nodes(role)
     }

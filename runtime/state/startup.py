@@ -59,9 +59,9 @@ def broadcast_initial_state(model: nn.Module, graph: OpGraph) -> dict[str, torch
     sent: set[int] = set()
     with torch.no_grad():
         for _, attrs in graph.nodes():
-            if attrs["role"] not in (Role.PARAMETER, Role.BUFFER):
+            if attrs.role not in (Role.PARAMETER, Role.BUFFER):
                 continue
-            tensor = sources[attrs["name"]]
+            tensor = sources[attrs.name]
             if id(tensor) in sent or tensor.is_meta:
                 continue
             sent.add(id(tensor))

@@ -63,21 +63,21 @@ _ATTR_TYPES = {
 @pytest.mark.parametrize("name", ZOO_MODELS)
 def test_node_attributes_follow_the_contract(name: str) -> None:
     _, _, g = captured(name)
-    for node, a in g.graph.nodes(data=True):
+    for node, a in g.nodes():
         for attr, kind in _ATTR_TYPES.items():
-            assert isinstance(a[attr], kind), (node, attr, a[attr])
-        assert a["block"] is None or isinstance(a["block"], int)
-        assert all(isinstance(t, TensorMeta) for t in (*a["inputs"], *a["outputs"]))
-        assert a["bytes"] == sum(t.nbytes for t in (*a["inputs"], *a["outputs"]))
-        assert a["flops"] >= 0
-        if a["role"] is Role.COMPUTE:
-            assert isinstance(a["target"], torch._ops.OpOverload) and a["op"] == str(a["target"])
-            assert a["outputs"], f"{node}: a kept compute node must produce a tensor"
+            assert isinstance(getattr(a, attr), kind), (node, attr, getattr(a, attr))
+        assert a.block is None or isinstance(a.block, int)
+        assert all(isinstance(t, TensorMeta) for t in (*a.inputs, *a.outputs))
+        assert a.bytes == sum(t.nbytes for t in (*a.inputs, *a.outputs))
+        assert a.flops >= 0
+        if a.role is Role.COMPUTE:
+            assert isinstance(a.target, torch._ops.OpOverload) and a.op == str(a.target)
+            assert a.outputs, f"{node}: a kept compute node must produce a tensor"
         else:
-            assert a["target"] is None and a["flops"] == 0
-            assert a["op"] == ("output" if a["role"] is Role.OUTPUT else "placeholder")
+            assert a.target is None and a.flops == 0
+            assert a.op == ("output" if a.role is Role.OUTPUT else "placeholder")
     assert [n for n, a in g.nodes(Role.OUTPUT)] == ["output"]
-    assert not any("_assert" in a["op"] for _, a in g.nodes()), "bookkeeping nodes dropped"
+    assert not any("_assert" in a.op for _, a in g.nodes()), "bookkeeping nodes dropped"
 
 
 @pytest.mark.parametrize("name", ZOO_MODELS)
@@ -93,12 +93,12 @@ def test_graph_is_a_dag_in_topological_order(name: str) -> None:
 def test_edges_feed_every_input_ref_once_with_matching_meta(name: str) -> None:
     _, _, g = captured(name)
     for node, a in g.nodes():
-        refs = _input_refs((a["args"], a["kwargs"]))
-        assert sorted(refs) == list(range(len(a["inputs"]))), node
+        refs = _input_refs((a.args, a.kwargs))
+        assert sorted(refs) == list(range(len(a.inputs))), node
         for i, producer in enumerate(g.producers(node)):
             assert producer is not None, (node, i)
             src, out = producer
-            assert g.graph.nodes[src]["outputs"][out] == a["inputs"][i]
+            assert g.node(src).outputs[out] == a.inputs[i]
 
 
 def _input_refs(value: object) -> list[int]:
@@ -114,11 +114,11 @@ def _input_refs(value: object) -> list[int]:
 @pytest.mark.parametrize("name", ZOO_MODELS)
 def test_parameters_and_buffers_found_by_name(name: str) -> None:
     model, inputs, g = captured(name)
-    params = {a["name"]: a["outputs"][0] for _, a in g.nodes(Role.PARAMETER)}
-    buffers = {a["name"] for _, a in g.nodes(Role.BUFFER)}
+    params = {a.name: a.outputs[0] for _, a in g.nodes(Role.PARAMETER)}
+    buffers = {a.name for _, a in g.nodes(Role.BUFFER)}
     assert params == {k: TensorMeta(tuple(p.shape), p.dtype) for k, p in model.named_parameters()}
     assert buffers == {k for k, _ in model.named_buffers()}
-    assert [a["outputs"][0].shape for _, a in g.nodes(Role.INPUT)] == [t.shape for t in inputs]
+    assert [a.outputs[0].shape for _, a in g.nodes(Role.INPUT)] == [t.shape for t in inputs]
 
 
 @pytest.mark.parametrize("name", ZOO_MODELS)
@@ -141,22 +141,22 @@ def test_capture_on_meta_then_run_on_cpu() -> None:
 
 def test_tied_parameter_is_one_node() -> None:
     model, inputs, g = captured("gpt", tied=True)
-    params = {a["name"]: node for node, a in g.parameters()}
+    params = {a.name: node for node, a in g.parameters()}
     (kept,) = {"wte.weight", "head.weight"} & set(params)
     dropped = ({"wte.weight", "head.weight"} - {kept}).pop()
     assert g.meta["tied"] == {dropped: kept}
-    ops = {g.graph.nodes[v]["op"] for v in g.graph.successors(params[kept])}
+    ops = {g.node(v).op for v in g.graph.successors(params[kept])}
     assert ops == {"aten.embedding.default", "aten.linear.default"}
     assert torch.equal(run_graph(g, state_of(model), inputs), model(*inputs))
 
 
 def test_multi_output_split_is_folded_into_edges() -> None:
     _, _, g = captured("gpt")
-    split = next(n for n, a in g.nodes() if a["op"] == "aten.split.Tensor")
-    assert len(g.graph.nodes[split]["outputs"]) == 3
-    used = sorted(o for v in g.graph.successors(split) for o, _ in g.graph.edges[split, v]["uses"])
+    split = next(n for n, a in g.nodes() if a.op == "aten.split.Tensor")
+    assert len(g.node(split).outputs) == 3
+    used = sorted(o for v in g.graph.successors(split) for o, _ in g.uses(split, v))
     assert used == [0, 1, 2]
-    assert not any("getitem" in a["op"] for _, a in g.nodes())
+    assert not any("getitem" in a.op for _, a in g.nodes())
 
 
 # ---------------------------------------------------------------------------- blocks, flops
@@ -177,14 +177,14 @@ def test_repeated_blocks_have_identical_op_sequences(
     assert g.meta["block_container"] == container
     sequences: dict[int, list[tuple]] = {}
     for _, a in g.nodes(Role.COMPUTE):
-        if a["block"] is not None:
-            sequences.setdefault(a["block"], []).append((a["op"], a["inputs"], a["outputs"]))
+        if a.block is not None:
+            sequences.setdefault(a.block, []).append((a.op, a.inputs, a.outputs))
     assert sorted(sequences) == list(range(count))
     assert len({tuple(s) for s in sequences.values()}) == 1
     for _, a in g.parameters():
-        in_block = a["name"].startswith(f"{container}.")
-        assert (a["block"] is not None) == in_block, a["name"]
-        assert not in_block or a["name"].split(".")[1] == str(a["block"])
+        in_block = a.name.startswith(f"{container}.")
+        assert (a.block is not None) == in_block, a.name
+        assert not in_block or a.name.split(".")[1] == str(a.block)
 
 
 def test_flops_follow_the_documented_formulas() -> None:
@@ -192,7 +192,7 @@ def test_flops_follow_the_documented_formulas() -> None:
     b, s, h, heads = 4, 16, 64, 4
     by_op: dict[str, list[float]] = {}
     for _, a in g.nodes(Role.COMPUTE):
-        by_op.setdefault(a["op"], []).append(a["flops"])
+        by_op.setdefault(a.op, []).append(a.flops)
     assert by_op["aten.linear.default"][0] == 2 * b * s * h * 3 * h  # qkv
     assert by_op["aten.scaled_dot_product_attention.default"][0] == 4 * b * heads * s * s * (
         h // heads
@@ -208,7 +208,7 @@ def test_transcendentals_follow_the_documented_formulas() -> None:
     b, s, h, heads, vocab = 4, 16, 64, 4, 128
     by_op: dict[str, list[float]] = {}
     for _, a in g.nodes(Role.COMPUTE):
-        by_op.setdefault(a["op"], []).append(a["transcendentals"])
+        by_op.setdefault(a.op, []).append(a.transcendentals)
     assert by_op["aten.scaled_dot_product_attention.default"][0] == b * heads * s * s
     assert by_op["aten.gelu.default"][0] == b * s * 4 * h
     assert set(by_op["aten.linear.default"]) == {0.0}
@@ -220,8 +220,8 @@ def test_transcendentals_follow_the_documented_formulas() -> None:
     assert count_transcendentals("aten.exp_.default", [logits], [logits]) == b * s * vocab
     small = micro_batch_graphs(*build_model("gpt", device="meta"), (2,), name="gpt")[2]
     for name, a in small.nodes(Role.COMPUTE):
-        want = count_transcendentals(a["op"], a["inputs"], a["outputs"])
-        assert a["transcendentals"] == want, name
+        want = count_transcendentals(a.op, a.inputs, a.outputs)
+        assert a.transcendentals == want, name
 
 
 @pytest.mark.parametrize(
@@ -251,7 +251,7 @@ def test_count_flops_table(op: str, inputs: list, outputs: list, flops: float, f
 
 def test_unknown_ops_lists_ops_of_the_graph() -> None:
     _, _, g = captured("gpt")
-    ops = {a["op"] for _, a in g.nodes(Role.COMPUTE)}
+    ops = {a.op for _, a in g.nodes(Role.COMPUTE)}
     assert isinstance(g.unknown_ops, tuple) and set(g.unknown_ops) <= ops
 
 
@@ -267,11 +267,11 @@ def test_gpt3_175b_captures_on_meta_within_a_minute() -> None:
     assert elapsed_s < 60, f"capture took {elapsed_s:.1f} s"
     assert all(p.is_meta for p in model.parameters())
     per_block = 12 * hidden * hidden + 13 * hidden  # qkv, proj, fc, fc2 weights+biases, 2 LNs
-    numel = sum(a["outputs"][0].numel for _, a in g.parameters())
+    numel = sum(a.outputs[0].numel for _, a in g.parameters())
     assert numel == layers * per_block + (vocab + seq) * hidden + 2 * hidden + vocab * hidden
     assert len(list(g.parameters())) == 12 * layers + 5
     assert len(list(g.nodes(Role.COMPUTE))) == 19 * layers + 9  # 19 ops per block, 9 outside
-    assert len({a["block"] for _, a in g.nodes(Role.COMPUTE)} - {None}) == layers
+    assert len({a.block for _, a in g.nodes(Role.COMPUTE)} - {None}) == layers
 
 
 # ------------------------------------------------------------------------------------ errors

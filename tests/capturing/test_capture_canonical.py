@@ -28,7 +28,7 @@ from tests.support.canonical_models import BATCH, CASES, build
 
 def _rows(graph: OpGraph) -> list[str]:
     return [
-        f"{name} {a['op']} {a['inputs']} {a['outputs']} {a['args']!r} {a['kwargs']!r} {a['name']}"
+        f"{name} {a.op} {a.inputs} {a.outputs} {a.args!r} {a.kwargs!r} {a.name}"
         for name, a in graph.nodes()
     ]
 
@@ -55,7 +55,7 @@ def test_graph_and_fingerprint_do_not_depend_on_the_capture_device(case: str) ->
     assert _rows(on_meta) == _rows(on_cpu)
     assert on_meta.fingerprint() == on_cpu.fingerprint()
     devices = [
-        v for _, a in on_cpu.nodes() for v in (*a["args"], *a["kwargs"].values())
+        v for _, a in on_cpu.nodes() for v in (*a.args, *a.kwargs.values())
         if isinstance(v, torch.device)
     ]  # fmt: skip
     assert devices == [], "devices are recorded as RUN_DEVICE"
@@ -87,23 +87,23 @@ def test_non_persistent_buffers_keep_the_models_values() -> None:
 def test_device_arguments_become_run_device() -> None:
     graph = capture(*build("device-moves", "meta"))
     recorded = [
-        v for _, a in graph.nodes() for v in (*a["args"], *a["kwargs"].values()) if v is RUN_DEVICE
+        v for _, a in graph.nodes() for v in (*a.args, *a.kwargs.values()) if v is RUN_DEVICE
     ]
     assert len(recorded) >= 3  # arange(device=), to(device, dtype), x.to(weight.device)
 
 
 def _ops(graph: OpGraph) -> list[str]:
-    return [a["op"] for _, a in graph.nodes(Role.COMPUTE)]
+    return [a.op for _, a in graph.nodes(Role.COMPUTE)]
 
 
 def test_inplace_activations_become_their_functional_twins() -> None:
     graph = capture(*build("inplace-cnn", "cpu"))
     writes = [
-        (a["op"], graph.producers(n)[i])
+        (a.op, graph.producers(n)[i])
         for n, a in graph.nodes(Role.COMPUTE)
         for i in mutated_inputs(a)
     ]
-    roles = {graph.graph.nodes[p[0]]["role"] for _, p in writes if p is not None}
+    roles = {graph.node(p[0]).role for _, p in writes if p is not None}
     assert roles == {Role.BUFFER}, f"only buffer updates stay in place: {writes}"
     ops = _ops(graph)
     assert ops.count("aten.relu.default") == 2 and "aten.hardswish.default" in ops
@@ -113,7 +113,7 @@ def test_inplace_activations_become_their_functional_twins() -> None:
 def test_write_through_a_view_stays_in_place_and_pins_its_alias_chain() -> None:
     graph = capture(*build("shift-right", "cpu"))
     pinned = {n: pinned_inputs(graph, n) for n in graph.order}
-    ops = {n: graph.graph.nodes[n]["op"] for n in graph.order}
+    ops = {n: graph.node(n).op for n in graph.order}
     assert any(ops[n] == "aten.copy_.default" and p == {0} for n, p in pinned.items())
     assert any(ops[n] == "aten.slice.Tensor" and p == {0} for n, p in pinned.items())
     assert not any(p for n, p in pinned.items() if ops[n] == "aten.embedding.default")
@@ -121,7 +121,7 @@ def test_write_through_a_view_stays_in_place_and_pins_its_alias_chain() -> None:
 
 def test_no_grad_region_is_inlined_behind_a_detach() -> None:
     graph = capture(*build("no-grad", "cpu"))
-    detached = [n for n, a in graph.nodes() if a["op"] == "aten.detach.default"]
+    detached = [n for n, a in graph.nodes() if a.op == "aten.detach.default"]
     assert len(detached) == 1  # the region's one output
     model, inputs = build("no-grad", "cpu")
     _, grads = _loss_and_grads(model, inputs, graph)

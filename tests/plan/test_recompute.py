@@ -34,7 +34,7 @@ def _graph(micro_batches: int) -> OpGraph:
 
 
 def _in_blocks(graph: OpGraph) -> set[str]:
-    return {n for n, a in graph.nodes(Role.COMPUTE) if a.get("block") is not None}
+    return {n for n, a in graph.nodes(Role.COMPUTE) if a.block is not None}
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -47,7 +47,7 @@ def test_a_format1_plan_recomputes_what_format1_priced(mode: str) -> None:
     expected = {
         n
         for n in _in_blocks(graph)
-        if mode == "full" or op_family(graph.graph.nodes[n]["op"]) not in kept_families
+        if mode == "full" or op_family(graph.node(n).op) not in kept_families
     }
     assert expected and recomputed_nodes(plan, graph) == expected
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from autosbp import capture
 from autosbp.boxing import StepKind, plan_boxing
-from autosbp.capturing.graph import OpGraph, Role, TensorMeta
+from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import PlanError
 from autosbp.planner.api import auto_parallelize, plan_graphs
@@ -117,12 +117,12 @@ def test_groups_route_alone_so_a_split_batch_routes_as_one_device() -> None:
 def expert_reads(plan: dict[str, Any], graph: OpGraph) -> dict[str, list[NdSbp]]:
     """Per expert weight (a parameter of 3 dims), the layouts its readers take it in."""
     out: dict[str, list[NdSbp]] = {}
-    for name, attrs in graph.graph.nodes(data=True):
-        if attrs["role"] is Role.PARAMETER and len(attrs["outputs"][0].shape) == 3:
-            out[attrs["name"]] = [
+    for name, attrs in graph.nodes():
+        if attrs.role is Role.PARAMETER and len(attrs.outputs[0].shape) == 3:
+            out[attrs.name] = [
                 parse_nd_sbp(plan["nodes"][reader]["inputs"][i])
                 for reader in graph.graph.successors(name)
-                for _, i in graph.graph.edges[name, reader]["uses"]
+                for _, i in graph.uses(name, reader)
             ]
     return out
 
@@ -131,13 +131,13 @@ def all_to_alls(plan: dict[str, Any], graph: OpGraph) -> int:
     """The edges of the plan that carry an activation (not a weight) through an all-to-all."""
     mesh = tuple(plan["mesh"]["shape"])
     count = 0
-    for u, v, uses in graph.graph.edges(data="uses"):
-        if graph.graph.nodes[u]["role"] is not Role.COMPUTE:
+    for u, v, uses in graph.edges():
+        if graph.node(u).role is not Role.COMPUTE:
             continue
         for o, i in uses:
             src = plan["nodes"][u]["outputs"][o]
             dst = plan["nodes"][v]["inputs"][i]
-            shape = graph.graph.nodes[u]["outputs"][o].shape
+            shape = graph.node(u).outputs[o].shape
             steps = plan_boxing(src, dst, shape, mesh) if src != dst else []
             count += any(step.kind is StepKind.ALL_TO_ALL for step in steps)
     return count
@@ -218,10 +218,10 @@ def with_expert_rows(plan: dict[str, Any], graph: OpGraph) -> dict[str, Any]:
         }  # fmt: skip
 
     for name in graph.order:
-        if graph.graph.nodes[name]["op"] == "transformers.grouped_mm_fallback.default":
+        if graph.node(name).op == "transformers.grouped_mm_fallback.default":
             relayout(name, ["B", "S(0)", "B"], ["P"])
             weight = graph.producers(name)[1]
-            while weight is not None and graph.graph.nodes[weight[0]]["role"] is Role.COMPUTE:
+            while weight is not None and graph.node(weight[0]).role is Role.COMPUTE:
                 relayout(weight[0], ["S(0)"], ["S(0)"])  # a transpose of the last two dims
                 weight = graph.producers(weight[0])[0]
     return {**plan, "nodes": nodes}
@@ -246,7 +246,7 @@ def test_expert_parallel_plans_train_like_one_device(devices: int) -> None:
         if model == MIXTRAL:  # dropless routing: tokens stay whole, expert outputs are summed
             plan = with_expert_rows(plan, graph)
         else:  # capacity: tokens go to their experts' devices and back, by all-to-all
-            layers = len({a["block"] for _, a in graph.graph.nodes(data=True)} - {None})
+            layers = len({a.block for _, a in graph.nodes()} - {None})
             assert all_to_alls(plan, graph) >= 2 * layers
         reads = expert_reads(plan, graph)
         assert reads and all(is_expert_split(nd) for nds in reads.values() for nd in nds), reads
@@ -276,9 +276,11 @@ def test_ep_splits_expert_weights_on_their_expert_dim(
     assert not any(space.mesh_ok(Mesh.of(other)) for other in ((4,), (2, 2)) if other != mesh)
 
     def allowed(shape: tuple[int, ...], nd: NdSbp) -> bool:
-        weight = nx.DiGraph()
-        weight.add_node("w", role=Role.PARAMETER, outputs=(TensorMeta(shape, torch.float32),))
-        return space.allow(OpGraph(weight, ["w"]), "w", NdSignature((), (nd,)))
+        weight = OpGraph(nx.DiGraph(), [])
+        weight.add_node(
+            "w", OpNode("placeholder", Role.PARAMETER, outputs=(TensorMeta(shape, torch.float32),))
+        )
+        return space.allow(weight, "w", NdSignature((), (nd,)))
 
     assert allowed((4, 8, 16), expert) and allowed((16, 8), dense)
     assert not allowed((4, 8, 16), (B,) * len(mesh))  # experts are never replicated whole

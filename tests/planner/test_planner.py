@@ -172,7 +172,7 @@ def test_fsdp_gathers_every_weight_whole_and_splits_the_batch(name: str) -> None
         for producer, layout in zip(graph.producers(node), layouts, strict=True):
             if producer is not None and producer[0] in graph.weight_only:
                 assert layout == "B", (node, producer, layout)
-                fed += attrs["op"] in MATMULS
+                fed += attrs.op in MATMULS
     assert fed >= 2, "the matmuls take their weights gathered"
     assert all(p.sbp == "S(0)" for p in fsdp.params.values()), "stored split on dim 0, as FSDP2"
     data = [n for n, _ in graph.nodes(Role.INPUT)]
@@ -300,8 +300,8 @@ def test_tied_blocks_price_like_the_whole_graph(stages: int, recompute: str) -> 
     assert len(set(rep.values())) < len(rep) / 2, "the blocks were not tied"
     crossing = {
         (u, out_idx, split.stage_of[v])
-        for u, v, uses in graph.graph.edges(data="uses")
-        if split.stage_of[u] < split.stage_of[v] and graph.graph.nodes[u]["role"] is not Role.INPUT
+        for u, v, uses in graph.edges()
+        if split.stage_of[u] < split.stage_of[v] and graph.node(u).role is not Role.INPUT
         for out_idx, _ in uses
     }
     assert set(tie_stages(tie_graph(graph), split).sends) == crossing and (stages == 1) == (
@@ -513,17 +513,17 @@ def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> No
     graph = capture(model, inputs)
 
     def allow(graph: OpGraph, name: str, sig) -> bool:
-        attrs = graph.graph.nodes[name]
-        role = attrs["role"]
+        attrs = graph.node(name)
+        role = attrs.role
         if role is Role.PARAMETER:
             first, second = sig.outputs[0]
-            free = attrs["name"] == "head.weight"
+            free = attrs.name == "head.weight"
             return isinstance(first, Broadcast) and (free or isinstance(second, Broadcast))
         if role is Role.INPUT:
             return sig.outputs[0] == (Split(0), Split(0))
         if role is Role.OUTPUT:
             return all(isinstance(s, Broadcast) for nd in sig.inputs for s in nd)
-        if not attrs["inputs"] or not attrs["inputs"][0].shape:
+        if not attrs.inputs or not attrs.inputs[0].shape:
             return True  # a scalar (the loss)
         return sig.inputs[0][0] == Split(0)
 
@@ -563,7 +563,7 @@ def test_every_micro_batch_after_the_first_adds_into_the_gradients() -> None:
         assert found.accumulate_s is not None
         for i, sig in enumerate(found.candidates):
             split = any(isinstance(s, Split) for s in sig.outputs[0])
-            numel = graph.graph.nodes[name]["outputs"][0].numel // (2 if split else 1)
+            numel = graph.node(name).outputs[0].numel // (2 if split else 1)
             add_s = prices.op_time_s(numel, 3 * 4 * numel, torch.float32)
             assert found.accumulate_s[i] == pytest.approx(add_s)
         extra = four.problem.node_costs[name] - one.problem.node_costs[name]

@@ -78,11 +78,11 @@ def test_edge_tables_shared_across_edges_and_micro_batches_equal_fresh_prices() 
         priced = price_graph(graph, MESH, prices, pricer=shared)
         for u, v in graph.graph.edges:
             both, forward = priced.edge_prices(u, v)
-            uses = graph.graph.edges[u, v]["uses"]
+            uses = graph.uses(u, v)
             producer, consumer = priced.strategies[u], priced.strategies[v]
             expected_both, expected_forward = np.zeros(both.shape), np.zeros(both.shape)
             for out_idx, in_idx in uses:
-                meta = graph.graph.nodes[u]["outputs"][out_idx]
+                meta = graph.node(u).outputs[out_idx]
                 for (i, p), (j, c) in itertools.product(
                     enumerate(producer.candidates), enumerate(consumer.candidates)
                 ):

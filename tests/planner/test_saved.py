@@ -21,7 +21,15 @@ import pytest
 import torch
 
 from autosbp.capturing.export import capture
-from autosbp.capturing.graph import STRIDE_FREE, InputRef, OpGraph, Role, TensorMeta, run_device
+from autosbp.capturing.graph import (
+    STRIDE_FREE,
+    InputRef,
+    OpGraph,
+    OpNode,
+    Role,
+    TensorMeta,
+    run_device,
+)
 from autosbp.planner.autograd_probe import PROBE_DEVICE, Saved, requires_grad_of, saved_by
 from autosbp.rules.core import resolve_refs
 from autosbp.zoo import build_model
@@ -74,7 +82,7 @@ def _flat(result: Any) -> list[torch.Tensor]:
     return []
 
 
-def saved_by_autograd(attrs: dict, inputs: list[torch.Tensor], flags: tuple[bool, ...]) -> Saved:
+def saved_by_autograd(attrs: OpNode, inputs: list[torch.Tensor], flags: tuple[bool, ...]) -> Saved:
     """The oracle: the op on real `inputs` (requiring grad as `flags` say), read through its
     autograd nodes' saved attributes."""
     tensors = []
@@ -83,10 +91,10 @@ def saved_by_autograd(attrs: dict, inputs: list[torch.Tensor], flags: tuple[bool
         differentiable = t.is_floating_point() or t.is_complex()
         tensors.append(t.requires_grad_().clone() if flag and differentiable else t)
     stop = {t.grad_fn for t in tensors if t.grad_fn is not None}
-    kernel = STRIDE_FREE.get(attrs["target"], attrs["target"])
-    args = resolve_refs(run_device(attrs["args"], PROBE_DEVICE), tensors)
+    kernel = STRIDE_FREE.get(attrs.target, attrs.target)
+    args = resolve_refs(run_device(attrs.args, PROBE_DEVICE), tensors)
     kwargs = {
-        k: resolve_refs(v, tensors) for k, v in run_device(attrs["kwargs"], PROBE_DEVICE).items()
+        k: resolve_refs(v, tensors) for k, v in run_device(attrs.kwargs, PROBE_DEVICE).items()
     }
     outputs = _flat(kernel(*args, **kwargs))
     of_input = {_storage_key(t): i for i, t in enumerate(tensors)}
@@ -118,21 +126,21 @@ def check_graph(graph: OpGraph, values: dict[str, list[Any]]) -> int:
     checked: set[tuple] = set()
     for name, attrs in graph.nodes(Role.COMPUTE):
         ins = tuple(flags[p] if p is not None else False for p in graph.producers(name))
-        if (attrs["op"], ins) in checked:
+        if (attrs.op, ins) in checked:
             continue
         got = saved_by(attrs, ins)
-        assert got.known, f"{name} ({attrs['op']}): the probe could not ask autograd"
+        assert got.known, f"{name} ({attrs.op}): the probe could not ask autograd"
         want = saved_by_autograd(attrs, node_inputs(graph, name, values), ins)
-        assert_same(got, want, attrs, f"{name} ({attrs['op']}, inputs requiring grad {ins})")
-        checked.add((attrs["op"], ins))
+        assert_same(got, want, attrs, f"{name} ({attrs.op}, inputs requiring grad {ins})")
+        checked.add((attrs.op, ins))
     return len(checked)
 
 
-def assert_same(got: Saved, want: Saved, attrs: dict, where: str) -> None:
+def assert_same(got: Saved, want: Saved, attrs: OpNode, where: str) -> None:
     """Equal, but for the Python numbers among the op's arguments: autograd saves each it
     needs as a 0-dim tensor (8 bytes) without calling the hooks the probe reads (mul by 0.5),
     so the oracle may see up to 8 bytes per such argument more."""
-    numbers = sum(isinstance(a, int | float) and not isinstance(a, bool) for a in attrs["args"])
+    numbers = sum(isinstance(a, int | float) and not isinstance(a, bool) for a in attrs.args)
     assert replace(got, extra_bytes=0) == replace(want, extra_bytes=0), where
     assert 0 <= want.extra_bytes - got.extra_bytes <= 8 * numbers, where
 
@@ -171,7 +179,7 @@ def test_well_known_rows(
     refs = [InputRef(i) for i in range(len(shapes))]
     args = (refs[0], *EXTRA_ARGS.get(name, ()), *refs[1:])
     metas = tuple(TensorMeta(s, torch.float32) for s in shapes)
-    attrs = {"op": name, "target": target, "args": args, "kwargs": {}, "inputs": metas}
+    attrs = OpNode(name, Role.COMPUTE, target=target, args=args, inputs=metas)
     got = saved_by(attrs, flags)
     assert got.known
     assert (set(got.inputs), set(got.outputs), got.extra_bytes) == (inputs, outputs, extra)
@@ -183,10 +191,10 @@ def test_an_op_the_probe_cannot_run_keeps_everything(caplog: pytest.LogCaptureFi
     # nonzero's output shape depends on the data, which fake tensors do not hold: the probe
     # falls back to the upper bound (every input and output kept) and says so.
     x = TensorMeta((4, 3), torch.float32)
-    attrs = {
-        "op": "nonzero", "target": ATEN.nonzero.default, "args": (InputRef(0),), "kwargs": {},
-        "inputs": (x,), "outputs": (TensorMeta((5, 2), torch.int64),),
-    }  # fmt: skip
+    attrs = OpNode(
+        "nonzero", Role.COMPUTE, target=ATEN.nonzero.default, args=(InputRef(0),), inputs=(x,),
+        outputs=(TensorMeta((5, 2), torch.int64),),
+    )  # fmt: skip
     with caplog.at_level("INFO", logger="autosbp.planner.autograd_probe"):
         got = saved_by(attrs, (True,))
     assert got == Saved(frozenset({0}), frozenset({0}), 0, (False,), known=False)

@@ -123,7 +123,7 @@ def enumerate_space(
     choice has an ILP objective below it, and the objective never exceeds the prediction), so
     the least is exact (to MIP_GAP) and the others need no MIP."""
     best, solved = math.inf, []
-    blocks = len({a["block"] for _, a in graphs[1].nodes() if a.get("block") is not None})
+    blocks = len({a.block for _, a in graphs[1].nodes() if a.block is not None})
     for stages in (s for s in range(1, blocks + 1) if DEVICES % s == 0):
         meshes = mesh_shapes(
             DEVICES // stages, lambda shape, d, p=stages: link_of((p, *shape), d + 1), PER_NODE
@@ -146,7 +146,7 @@ def enumerate_space(
 
 
 def search_space(graphs: dict[int, OpGraph], prices: RandomPrices, limit: float | None):
-    blocks = len({a["block"] for _, a in graphs[1].nodes() if a.get("block") is not None})
+    blocks = len({a.block for _, a in graphs[1].nodes() if a.block is not None})
     return search(
         graphs.__getitem__, 8, DEVICES, prices, link_of, strategy_space("auto", "auto", blocks),
         optimizer="adam", memory_limit_bytes=limit, time_limit_s=120, devices_per_node=PER_NODE,

@@ -38,7 +38,7 @@ def _pinned_edges(graph: OpGraph) -> list[tuple[str, str]]:
     for v in graph.order:
         pinned = pinned_inputs(graph, v)
         for u in graph.graph.predecessors(v):
-            if any(i in pinned for _, i in graph.graph.edges[u, v]["uses"]):
+            if any(i in pinned for _, i in graph.uses(u, v)):
                 edges.append((u, v))
     return edges
 
@@ -53,8 +53,8 @@ def test_the_planner_prices_boxing_into_an_in_place_write_as_forbidden(mesh_shap
     forbidden = 0
     for u, v in edges:
         su, sv = (node_strategies(graph, n, pricer, bucket) for n in (u, v))
-        uses = graph.graph.edges[u, v]["uses"]
-        metas = [graph.graph.nodes[u]["outputs"][o] for o, _ in uses]
+        uses = graph.uses(u, v)
+        metas = [graph.node(u).outputs[o] for o, _ in uses]
         matrix = edge_matrix(su, sv, uses, metas, pricer)
         for i, j in zip(*np.nonzero(np.isfinite(matrix)), strict=True):
             for o, k in uses:
@@ -69,8 +69,8 @@ def test_the_runtime_refuses_a_plan_that_boxes_into_an_in_place_write() -> None:
     mesh = Mesh.of((1,))
     sigs = {name: nd_signatures(attrs, (1,))[0] for name, attrs in graph.nodes()}
     u, v = _pinned_edges(graph)[0]
-    index = next(i for _, i in graph.graph.edges[u, v]["uses"] if i in pinned_inputs(graph, v))
-    boxed = next(s for s in nd_signatures(graph.graph.nodes[v], (1,)) if s.inputs[index] == (S(0),))
+    index = next(i for _, i in graph.uses(u, v) if i in pinned_inputs(graph, v))
+    boxed = next(s for s in nd_signatures(graph.node(v), (1,)) if s.inputs[index] == (S(0),))
     assert sigs[u].outputs[0] == (B,)
     sigs[v] = NdSignature(boxed.inputs, boxed.outputs)
     model, _ = build("shift-right", "cpu")

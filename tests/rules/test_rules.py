@@ -8,6 +8,7 @@ divisibility filter, P only on floating tensors, placeholders and output, unknow
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -16,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autosbp.capturing.graph import Role, TensorMeta
+from autosbp.capturing.graph import OpNode, Role, TensorMeta
 from autosbp.rules import (
     NdSignature,
     Signature,
@@ -147,7 +148,7 @@ def test_non_divisible_dims_are_never_split() -> None:
     for mesh in [(2,), (4,), (2, 2)]:
         for sig in nd_signatures(node, mesh):
             for meta, nd in zip(
-                (*node["inputs"], *node["outputs"]), (*sig.inputs, *sig.outputs), strict=True
+                (*node.inputs, *node.outputs), (*sig.inputs, *sig.outputs), strict=True
             ):
                 for dim, parts in split_factors(nd, mesh).items():
                     assert meta.shape[dim] % parts == 0, f"{mesh} {sig}"
@@ -207,18 +208,8 @@ def test_broadcasting_add_on_random_shapes(a: list[int], b: list[int]) -> None:
             assert_same(simulate(node, sig, mesh, inputs).outputs[0], want[0], f"{a}+{b} {sig}")
 
 
-def _placeholder(shape: tuple[int, ...], role: Role = Role.PARAMETER) -> dict[str, object]:
-    meta = TensorMeta(shape, torch.float32)
-    return {
-        "op": "placeholder",
-        "role": role,
-        "target": None,
-        "args": (),
-        "kwargs": {},
-        "inputs": (),
-        "outputs": (meta,),
-        "name": "w",
-    }
+def _placeholder(shape: tuple[int, ...], role: Role = Role.PARAMETER) -> OpNode:
+    return OpNode("placeholder", role, outputs=(TensorMeta(shape, torch.float32),), name="w")
 
 
 @pytest.mark.parametrize("role", [Role.PARAMETER, Role.BUFFER, Role.INPUT], ids=lambda r: r.value)
@@ -234,15 +225,7 @@ def test_placeholders_choose_any_divisible_split_or_b_never_p(role: Role) -> Non
 
 
 def test_output_accepts_b_or_p() -> None:
-    node = {
-        "op": "output",
-        "role": Role.OUTPUT,
-        "target": None,
-        "args": (),
-        "kwargs": {},
-        "inputs": (TensorMeta((), torch.float32),),
-        "outputs": (),
-    }
+    node = OpNode("output", Role.OUTPUT, inputs=(TensorMeta((), torch.float32),))
     assert signatures_1d(node, 2) == [Signature((B,), ()), Signature((P,), ())]
     assert len(nd_signatures(node, (2, 2))) == 4
 
@@ -250,7 +233,7 @@ def test_output_accepts_b_or_p() -> None:
 def test_unknown_op_gets_all_b_and_one_warning_listing_it(caplog: pytest.LogCaptureFixture) -> None:
     x = torch.randn(4, 8)
     node, inputs = node_from_call(aten.relu.default, (x,))
-    node["op"] = "aten.foo.default"
+    node = dataclasses.replace(node, op="aten.foo.default")
     assert not has_rule("aten.foo.default")
     assert signatures_1d(node, 2) == [Signature((B,), (B,))]
     assert [repr(s) for s in nd_signatures(node, (2, 2))] == ["(BB -> BB)"]

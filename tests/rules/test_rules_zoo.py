@@ -50,11 +50,11 @@ def node_values(
     user = iter(inputs)
     values: dict[str, list[torch.Tensor]] = {}
     for name, attrs in graph.nodes():
-        if attrs["role"] is Role.INPUT:
+        if attrs.role is Role.INPUT:
             values[name] = [next(user)]
-        elif attrs["role"] in (Role.PARAMETER, Role.BUFFER):
-            values[name] = [state[attrs["name"]]]
-        elif attrs["role"] is Role.OUTPUT:
+        elif attrs.role in (Role.PARAMETER, Role.BUFFER):
+            values[name] = [state[attrs.name]]
+        elif attrs.role is Role.OUTPUT:
             values[name] = []
         else:
             values[name] = list(run_global(attrs, node_inputs(graph, name, values)))
@@ -84,7 +84,7 @@ def zoo_graph(request: pytest.FixtureRequest) -> tuple[str, OpGraph, dict[str, l
 
 def test_every_zoo_op_has_a_rule(zoo_graph: tuple[str, OpGraph, Any]) -> None:
     name, graph, _ = zoo_graph
-    missing = sorted({a["op"] for _, a in graph.nodes() if not has_rule(a["op"])})
+    missing = sorted({a.op for _, a in graph.nodes() if not has_rule(a.op)})
     assert not missing, f"{name}: ops without a rule: {missing}"
     assert graph.unknown_ops == ()
 
@@ -96,13 +96,13 @@ def test_sampled_signatures_of_every_node_execute(
     name, graph, values = zoo_graph
     checked = 0
     for node_name, attrs in graph.nodes():
-        if attrs["role"] not in (Role.COMPUTE, Role.OUTPUT):
+        if attrs.role not in (Role.COMPUTE, Role.OUTPUT):
             continue  # placeholders have no kernel: the runtime shards their values
         inputs = node_inputs(graph, node_name, values)
         want = values[node_name]
         sigs = nd_signatures(attrs, mesh)
-        scalars_only = all(m.shape == () for m in (*attrs["inputs"], *attrs["outputs"]))
-        assert len(sigs) > 1 or scalars_only, f"{name}: {node_name} ({attrs['op']}) is all-B only"
+        scalars_only = all(m.shape == () for m in (*attrs.inputs, *attrs.outputs))
+        assert len(sigs) > 1 or scalars_only, f"{name}: {node_name} ({attrs.op}) is all-B only"
         rng = random.Random(f"{name}/{node_name}/{mesh}")
         sample = [sigs[0], *rng.sample(sigs[1:], min(SAMPLES_PER_NODE - 1, len(sigs) - 1))]
         for sig in sample:
@@ -113,7 +113,7 @@ def test_sampled_signatures_of_every_node_execute(
                     w,
                     rtol=1e-9,
                     atol=1e-9,
-                    msg=lambda m, where=f"{node_name} {attrs['op']} {sig}": f"{where}: {m}",
+                    msg=lambda m, where=f"{node_name} {attrs.op} {sig}": f"{where}: {m}",
                 )
             checked += 1
     assert checked > 0

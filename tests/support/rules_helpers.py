@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from autosbp.capturing.graph import OpNode
 from autosbp.rules import NdSignature, signatures_1d
 from autosbp.rules.core import as_tuple, resolve_refs
 from autosbp.rules.oracle import node_from_call, run_global, shard_inputs
@@ -408,8 +409,8 @@ CASES_BY_ID = {case.id: case for case in CASES}
 assert len(CASES_BY_ID) == len(CASES), "case ids must be unique"
 
 
-def build_case(case: Case, seed: int = 0) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
-    """The case's node attrs dict and global tensor inputs, drawn from `seed`."""
+def build_case(case: Case, seed: int = 0) -> tuple[OpNode, tuple[torch.Tensor, ...]]:
+    """The case's node and global tensor inputs, drawn from `seed`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return node_from_call(case.target, case.make_args(), case.kwargs)
@@ -474,8 +475,8 @@ def _dtensor_record(
     try:
         with CommDebugMode() as comm:
             outs = as_tuple(
-                node["target"](
-                    *resolve_refs(node["args"], dtensors), **resolve_refs(node["kwargs"], dtensors)
+                node.target(
+                    *resolve_refs(node.args, dtensors), **resolve_refs(node.kwargs, dtensors)
                 )
             )
     except Exception as exc:  # DTensor lacks a strategy: reported, judged by the test

@@ -56,7 +56,7 @@ from runtime.execute.instructions import (
 from runtime.parallel.gathers import ParamBox, has_collective, plan_gathers
 from runtime.parallel.prefetch import GatherSchedule, GatherSetup
 
-__all__ = ["Program", "build_program", "read_signatures"]
+__all__ = ["Program", "Value", "build_program", "read_signatures"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ class Program:
     `template` holds the persistent tensors (parameters, buffers, constants) at their slots;
     `steps[k]` runs, then the slots in `frees[k]` are cleared. The loss sits at `loss_slot` in
     layout `loss_layout`; `imports[k]` is the slot of the k-th received value, `exports[k]` of
-    the k-th sent one (`stage_boundaries` orders both). `gathers` runs the parameter gathers
+    the k-th sent one (`runtime.parallel.pipeline.stage_boundaries` orders both). `gathers` runs the parameter gathers
     the program takes from it (`micro_batch` names the forward they belong to); after each
     micro-batch's backward, call `gathers.finish_backward(micro_batch)`.
     """
@@ -285,27 +285,6 @@ class _Builder:
         self.emit(write_back_instruction(box, copy, target), (copy,), ())
 
 
-def stage_boundaries(
-    graph: OpGraph, stage_of: Mapping[str, int] | None
-) -> dict[tuple[int, int], list[Value]]:
-    """(sending stage, receiving stage) -> the values it carries, in graph order: every output
-    of a non-input node read on a later stage (user inputs are read by each stage itself)."""
-    out: dict[tuple[int, int], list[Value]] = {}
-    if stage_of is None:
-        return out
-    for name in graph.order:
-        if graph.graph.nodes[name]["role"] is Role.INPUT:
-            continue
-        readers: dict[tuple[int, int], None] = {}
-        for v in graph.graph.successors(name):
-            if stage_of[v] != stage_of[name]:
-                for out_idx, _ in graph.graph.edges[name, v]["uses"]:
-                    readers[(stage_of[v], out_idx)] = None
-        for reader, out_idx in sorted(readers):
-            out.setdefault((stage_of[name], reader), []).append((name, out_idx))
-    return out
-
-
 def build_program(
     graph: OpGraph,
     signatures: Mapping[str, NdSignature],
@@ -315,11 +294,15 @@ def build_program(
     *,
     stage_of: Mapping[str, int] | None = None,
     stage: int = 0,
+    received: Sequence[Value] = (),
+    sent: Sequence[Value] = (),
     recomputed: frozenset[str] = frozenset(),
     gathering: GatherSetup | None = None,
 ) -> Program:
     """This rank's program for `stage` (every node when `stage_of` is None). `state` maps every
     parameter/buffer/constant name of the stage to this rank's local tensor in its plan layout.
+    `received` and `sent` are the values the stage imports from earlier stages and exports to
+    later ones, in exchange order (`runtime.parallel.pipeline.stage_values`).
     `recomputed` (the nodes the plan recomputes: `autosbp.plan.recomputed_nodes`) wraps each
     run of their steps in activation checkpointing.
     With `gathering`, parameter gathers run through a `GatherSchedule` (`runtime.parallel.prefetch`)."""
@@ -327,13 +310,7 @@ def build_program(
     mesh = boxer.mesh
     builder = _Builder(graph, signatures, mesh, coords, boxer, device)
     here = _stage_nodes(graph, stage_of, stage)
-    boundaries = stage_boundaries(graph, stage_of)
-    imports = [
-        builder.slots.setdefault(value, builder.new_slot())
-        for (src, dst), values in sorted(boundaries.items())
-        if dst == stage
-        for value in values
-    ]
+    imports = [builder.slots.setdefault(value, builder.new_slot()) for value in received]
     inputs: list[InputLoader] = []
     loss: tuple[int, NdSbp] | None = None
     for position, (name, attrs) in enumerate(graph.nodes(Role.INPUT)):
@@ -355,12 +332,7 @@ def build_program(
             loss = (builder.slots[(node, out)], builder.layout(node, out))
         else:
             builder.add_compute(name, attrs)
-    exports = [
-        builder.slots[value]
-        for (src, dst), values in sorted(boundaries.items())
-        if src == stage
-        for value in values
-    ]
+    exports = [builder.slots[value] for value in sent]
     keep = {*exports, *_persistent(builder.template)} | ({loss[0]} if loss else set())
     frees = _last_uses(builder.reads, builder.writes, keep)
     runs = _recompute_runs(builder, recomputed)

@@ -3,9 +3,9 @@
 Lives here: `GradSync` (the buckets of one rank, hooks that launch a bucket's all-reduce as soon
 as the last micro-batch's backward has finished every gradient in it, and `finish`, which
 launches what is left, waits, and puts the synced gradients back), `sync_patterns` and
-`build_sync_groups` (the process groups it runs on). Lives elsewhere: the step that arms it
-(`runtime.engine`), the layouts (the plan), the price of the overlap (`autosbp.schedule.
-exposed_sync_s`).
+`build_sync_groups` (the process groups it runs on), `build_grad_sync` (both, for one rank).
+Lives elsewhere: the step that arms it (`runtime.parallel.pipeline`), the layouts (the plan),
+the price of the overlap (`autosbp.schedule.exposed_sync_s`).
 
 Invariants:
 - A parameter in layout p ends backward with its gradient in dual(p); the sync boxes it to p: a
@@ -46,7 +46,7 @@ from autosbp.sbp import Broadcast, Mesh, NdSbp
 from autosbp.schedule import GRAD_BUCKET_BYTES
 from runtime.execute.groups import ProcessGroups
 
-__all__ = ["GradSync", "build_sync_groups", "summed_dims", "sync_patterns"]
+__all__ = ["GradSync", "build_grad_sync", "build_sync_groups", "summed_dims", "sync_patterns"]
 
 Pattern = tuple[int, ...]  # the mesh dims a gradient is summed over
 
@@ -75,6 +75,22 @@ def build_sync_groups(meshes: Sequence[Mesh], patterns: Sequence[Pattern]) -> Pr
         for pattern in patterns:
             groups.add_groups(mesh, mesh.groups_over(pattern))
     return groups
+
+
+def build_grad_sync(
+    params: Mapping[str, torch.Tensor],
+    layouts: Mapping[str, NdSbp],
+    trained: Iterable[str],
+    meshes: Sequence[Mesh],
+    mesh: Mesh,
+    timeout: datetime.timedelta,
+    deferred: Collection[str] = (),
+) -> GradSync:
+    """This rank's `GradSync` for `params` (its stage's, on `mesh`), on groups of every pattern
+    of the plan's parameters `trained` (of every stage: a collective over the world)."""
+    patterns = sync_patterns([layouts[name] for name in trained], mesh.shape)
+    groups = build_sync_groups(meshes, patterns)
+    return GradSync(params, layouts, mesh, groups, timeout, deferred=deferred)
 
 
 @dataclass(slots=True)

@@ -49,7 +49,8 @@ from autosbp.schedule import stage_orders
 from autosbp.timeline import SpanHook
 from runtime.execute.groups import build_groups, world_timeout
 from runtime.execute.instructions import Boxer
-from runtime.execute.program import Program, Value, build_program, read_signatures
+from runtime.execute.program import Program, Value, build_program
+from runtime.execute.signatures import read_signatures
 from runtime.parallel.gathers import GatherPolicy, plan_gather_policy
 from runtime.parallel.grad_sync import GradSync, build_grad_sync
 from runtime.parallel.pipeline import (

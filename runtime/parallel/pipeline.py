@@ -280,10 +280,10 @@ class Pipeline:
         grads = self.transfers.receive(mb, backward=True)
         if last:
             self.arm()  # gradients are final in this backward: sync them
-        seed = None
-        if loss is not None and self.loss is not None:
-            seed = self.loss.seed(loss) * (1.0 / self.micro_batches)
         with self.span("backward", mb):
+            seed = None
+            if loss is not None and self.loss is not None:
+                seed = self.loss.seed(loss) * (1.0 / self.micro_batches)
             _backward(seed, exports, grads)
             if self.program.gathers is not None:
                 self.program.gathers.finish_backward(mb)

@@ -153,7 +153,7 @@ class Engine:
         gradients it reduce-scatters itself: `deferred`)."""
         return build_grad_sync(
             self.parameters, self.layouts, self.shards.trained, meshes, self.mesh, self._timeout,
-            deferred=scheduled.deferred if scheduled else (),
+            self.plan.grad_bucket_bytes, deferred=scheduled.deferred if scheduled else (),
         )  # fmt: skip
 
     def _build_pipeline(

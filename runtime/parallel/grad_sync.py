@@ -4,8 +4,9 @@ Lives here: `GradSync` (the buckets of one rank, hooks that launch a bucket's al
 as the last micro-batch's backward has finished every gradient in it, and `finish`, which
 launches what is left, waits, and puts the synced gradients back), `sync_patterns` and
 `build_sync_groups` (the process groups it runs on), `build_grad_sync` (both, for one rank).
-Lives elsewhere: the step that arms it (`runtime.parallel.pipeline`), the layouts (the plan),
-the price of the overlap (`autosbp.schedule.exposed_sync_s`).
+Lives elsewhere: the step that arms it (`runtime.parallel.pipeline`), the layouts and the bucket
+cap (the plan: its `grad_bucket_bytes`, what the planner priced), the price of the overlap
+(`autosbp.schedule.exposed_sync_s`).
 
 Invariants:
 - A parameter in layout p ends backward with its gradient in dual(p); the sync boxes it to p: a
@@ -43,7 +44,6 @@ import torch
 import torch.distributed as dist
 
 from autosbp.sbp import Broadcast, Mesh, NdSbp
-from autosbp.schedule import GRAD_BUCKET_BYTES
 from runtime.execute.groups import ProcessGroups
 
 __all__ = ["GradSync", "build_grad_sync", "build_sync_groups", "summed_dims", "sync_patterns"]
@@ -84,13 +84,15 @@ def build_grad_sync(
     meshes: Sequence[Mesh],
     mesh: Mesh,
     timeout: datetime.timedelta,
+    bucket_bytes: int,
     deferred: Collection[str] = (),
 ) -> GradSync:
     """This rank's `GradSync` for `params` (its stage's, on `mesh`), on groups of every pattern
-    of the plan's parameters `trained` (of every stage: a collective over the world)."""
+    of the plan's parameters `trained` (of every stage: a collective over the world), in
+    buckets of at most `bucket_bytes` (the plan's `grad_bucket_bytes`)."""
     patterns = sync_patterns([layouts[name] for name in trained], mesh.shape)
     groups = build_sync_groups(meshes, patterns)
-    return GradSync(params, layouts, mesh, groups, timeout, deferred=deferred)
+    return GradSync(params, layouts, mesh, groups, timeout, bucket_bytes, deferred=deferred)
 
 
 @dataclass(slots=True)
@@ -117,7 +119,7 @@ class GradSync:
         mesh: Mesh,
         groups: ProcessGroups,
         timeout: datetime.timedelta,
-        bucket_bytes: int = GRAD_BUCKET_BYTES,
+        bucket_bytes: int,
         deferred: Collection[str] = (),
     ) -> None:
         self.timeout = timeout

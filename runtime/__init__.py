@@ -1,4 +1,6 @@
-"""runtime: executes a Plan on torch.distributed (docs/architecture.md, "Runtime"). Decides nothing.
+"""runtime: executes a Plan on torch.distributed (docs/architecture.md, "The rooms in detail").
+
+Decides nothing: every choice it runs is the plan's.
 
 The public name is `Engine` (runtime.engine); it loads on first use, so importing a submodule
 such as `runtime.execute.collectives` does not pull in the whole runtime.

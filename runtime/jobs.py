@@ -8,8 +8,9 @@ be this rank of torchrun's world; collect one row per step; hand each finished s
 `on_step` as it happens), `torchrun_job` and `made_on_rank0` (the CLI's torchrun path: join
 the world, make the plan once). Used by `autosbp train` and `autosbp demo`. Lives elsewhere: the
 engine (`runtime.engine`), the launcher and its watchdog (`launching.workers`), torchrun's
-environment (`launching.torchrun`), model loading (`autosbp.zoo`), the check (`runtime.verify.step_check`),
-checkpoints (`runtime.state.checkpoint`).
+environment (`launching.torchrun`), model loading (`autosbp.zoo`), the check
+(`runtime.verify.step_check`, dropout off: `runtime.verify.one_device`), checkpoints
+(`runtime.state.checkpoint`).
 
 A measured step's time (one definition, here and in `autosbp.timeline.measured_step_s`): its
 slowest rank's, from entering the step to leaving it. Each rank times its `Engine.step`; the
@@ -47,7 +48,8 @@ from autosbp.timeline import Event, Recorder
 from launching.torchrun import TorchrunWorld, join_torchrun_world, torchrun_world
 from launching.workers import COLLECTIVE_MARGIN_S, STARTUP_S, report_progress, run_workers
 from runtime.defaults import CHECKPOINT_EVERY, STALL_TIMEOUT_S
-from runtime.verify.step_check import StepChecker, disable_dropout
+from runtime.verify.one_device import disable_dropout
+from runtime.verify.step_check import StepChecker
 from runtime.verify.verdict import StepCheck, Verdict, judge
 
 T = TypeVar("T")

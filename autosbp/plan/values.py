@@ -22,6 +22,11 @@ from autosbp.errors import PlanError
 from autosbp.plan.schema import FORMAT, VERSION, validate_plan_json
 from autosbp.sbp import dtensor_names, parse_nd_sbp
 
+# The gradient-sync bucket cap priced by plans written before they stated theirs: DDP's default
+# bucket_cap_mb (25 MB, torch docs), what `autosbp.schedule.GRAD_BUCKET_BYTES` held then. Frozen
+# here: a later change of the planner's cap cannot change what an old plan runs.
+PRICED_GRAD_BUCKET_BYTES = 25 * 2**20
+
 
 @dataclass(frozen=True)
 class NodePlan:
@@ -164,6 +169,9 @@ class Plan:
     solver: SolverReport
     alternatives: dict[str, tuple[Alternative, ...]] = field(default_factory=dict)
     hand_plans: tuple[HandPlan, ...] = ()
+    # The most gradient bytes one sync collective fuses (DDP's bucket_cap_mb), as priced; the
+    # runtime buckets with it. Plans written before it was recorded: PRICED_GRAD_BUCKET_BYTES.
+    grad_bucket_bytes: int = PRICED_GRAD_BUCKET_BYTES
     # The format this plan was written in: VERSION for new plans; a loaded plan keeps its own,
     # so that saving it again keeps what it meant (`plan.recompute.recomputed_nodes`).
     version: int = VERSION
@@ -193,6 +201,7 @@ class Plan:
             },
             "stages": [asdict(stage) for stage in self.stages],
             "micro_batches": self.micro_batches,
+            "grad_bucket_bytes": self.grad_bucket_bytes,
             "recompute": self.recompute,
             "global_batch": self.global_batch,
             "dtype": self.dtype,
@@ -225,6 +234,7 @@ class Plan:
                 for s in data["stages"]
             ),
             micro_batches=data["micro_batches"],
+            grad_bucket_bytes=data.get("grad_bucket_bytes", PRICED_GRAD_BUCKET_BYTES),
             recompute=data["recompute"],
             global_batch=data["global_batch"],
             dtype=data["dtype"],

@@ -19,7 +19,7 @@ from autosbp.planner.pipeline import recomputed
 from autosbp.planner.problem import MeshProblem
 from autosbp.planner.search import Found
 from autosbp.sbp import NdSbp, format_nd_sbp
-from autosbp.schedule import PREFETCH_BLOCKS
+from autosbp.schedule import GRAD_BUCKET_BYTES, PREFETCH_BLOCKS
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -92,6 +92,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         link_classes=mesh.link_classes,
         stages=stages,
         micro_batches=m,
+        grad_bucket_bytes=GRAD_BUCKET_BYTES,  # what `sync_bucket_bytes` priced the sync with
         recompute=solved.recompute,
         global_batch=ctx.global_batch,
         dtype=DTYPE_NAMES[ctx.dtype],

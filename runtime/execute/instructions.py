@@ -2,10 +2,11 @@
 
 Lives here: `Boxer` (plans a boxing chain once and returns the closure that runs it, dropping
 relabels) and the instruction makers (`compute_instruction`, `box_instruction`,
-`take_instruction`, `clone_instruction`, `write_back_instruction`) that read and write a step's
-slot list. Lives elsewhere: which closures a program holds and in what order
-(`runtime.execute.program`), the collectives (`runtime.execute.collectives`), parameter gathers run ahead
-(`runtime.parallel.prefetch`), the local kernels (`autosbp.rules.local_op`).
+`take_instruction`, `clone_instruction`, `write_back_instruction`, `checkpoint_instruction`)
+that read and write a step's slot list. Lives elsewhere: which closures a program holds and in
+what order (`runtime.execute.program`, `runtime.execute.builder`), the collectives
+(`runtime.execute.collectives`), parameter gathers run ahead (`runtime.parallel.prefetch`), the
+local kernels (`autosbp.rules.local_op`).
 
 Invariants:
 - Everything that does not depend on the step's tensors is computed when a closure is made:
@@ -14,7 +15,8 @@ Invariants:
   is dropped; a chain of only relabels is the identity. So a one-process plan runs no boxing.
 - A kernel gives the same results as `LocalOp.__call__`; the fast path only precomputes where
   the tensor arguments go (ops with tensors inside lists or keywords keep `LocalOp.__call__`).
-Reference: docs/architecture.md ("Runtime") (boxing steps as autograd-aware collectives).
+Reference: docs/architecture.md ("Contracts between the parts": boxing steps as autograd-aware
+collectives).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 Lives here: `GradSync` (the buckets of one rank, hooks that launch a bucket's all-reduce as soon
 as the last micro-batch's backward has finished every gradient in it, and `finish`, which
 launches what is left, waits, and puts the synced gradients back), `sync_patterns` and
-`build_sync_groups` (the process groups it runs on). Lives elsewhere: the step that arms it
-(`runtime.engine`), the layouts (the plan), the price of the overlap (`autosbp.schedule.
-exposed_sync_s`).
+`build_sync_groups` (the process groups it runs on), `build_grad_sync` (both, for one rank).
+Lives elsewhere: the step that arms it (`runtime.parallel.pipeline`), the layouts and the bucket
+cap (the plan: its `grad_bucket_bytes`, what the planner priced), the price of the overlap
+(`autosbp.schedule.exposed_sync_s`).
 
 Invariants:
 - A parameter in layout p ends backward with its gradient in dual(p); the sync boxes it to p: a
@@ -43,10 +44,9 @@ import torch
 import torch.distributed as dist
 
 from autosbp.sbp import Broadcast, Mesh, NdSbp
-from autosbp.schedule import GRAD_BUCKET_BYTES
 from runtime.execute.groups import ProcessGroups
 
-__all__ = ["GradSync", "build_sync_groups", "summed_dims", "sync_patterns"]
+__all__ = ["GradSync", "build_grad_sync", "build_sync_groups", "summed_dims", "sync_patterns"]
 
 Pattern = tuple[int, ...]  # the mesh dims a gradient is summed over
 
@@ -77,6 +77,24 @@ def build_sync_groups(meshes: Sequence[Mesh], patterns: Sequence[Pattern]) -> Pr
     return groups
 
 
+def build_grad_sync(
+    params: Mapping[str, torch.Tensor],
+    layouts: Mapping[str, NdSbp],
+    trained: Iterable[str],
+    meshes: Sequence[Mesh],
+    mesh: Mesh,
+    timeout: datetime.timedelta,
+    bucket_bytes: int,
+    deferred: Collection[str] = (),
+) -> GradSync:
+    """This rank's `GradSync` for `params` (its stage's, on `mesh`), on groups of every pattern
+    of the plan's parameters `trained` (of every stage: a collective over the world), in
+    buckets of at most `bucket_bytes` (the plan's `grad_bucket_bytes`)."""
+    patterns = sync_patterns([layouts[name] for name in trained], mesh.shape)
+    groups = build_sync_groups(meshes, patterns)
+    return GradSync(params, layouts, mesh, groups, timeout, bucket_bytes, deferred=deferred)
+
+
 @dataclass(slots=True)
 class _Bucket:
     """Gradients synced by one all-reduce: flattened into `flat` at launch, split back after."""
@@ -101,7 +119,7 @@ class GradSync:
         mesh: Mesh,
         groups: ProcessGroups,
         timeout: datetime.timedelta,
-        bucket_bytes: int = GRAD_BUCKET_BYTES,
+        bucket_bytes: int,
         deferred: Collection[str] = (),
     ) -> None:
         self.timeout = timeout

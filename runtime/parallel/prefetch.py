@@ -3,10 +3,12 @@
 Lives here: `GatherSchedule` (per rank: starts the gathers of the next blocks while this block
 computes, hands each gathered weight to autograd, frees the ones the plan re-gathers and
 gathers them again, ahead, in backward, and reduce-scatters gradients while backward goes on),
-`GatherSetup` (what a program needs to build one) and `GatherCounts`. Lives elsewhere: the
-policy and which boxings are parameter gathers, in which units (`runtime.parallel.gathers`), where the
-program waits for them (`runtime.execute.program`), the collectives (`runtime.execute.collectives`), the sync of what the
-reduce-scatter leaves summed (`runtime.parallel.grad_sync`), the engine that calls `finish_backward`.
+`GatherSetup` (what a program needs to build one; `gather_setup` builds it where the plan
+gathers a parameter) and `GatherCounts`. Lives elsewhere: the policy and which boxings are
+parameter gathers, in which units (`runtime.parallel.gathers`), where the program waits for
+them (`runtime.execute.program`), the collectives (`runtime.execute.collectives`), the sync of
+what the reduce-scatter leaves summed (`runtime.parallel.grad_sync`), the firing loop that
+calls `finish_backward` after each backward (`runtime.parallel.pipeline`).
 
 Invariants:
 - A unit is a run of parameter gathers whose consumers lie in one repeated block (or a run
@@ -49,12 +51,16 @@ from typing import Any
 import torch
 
 from autosbp.boxing.steps import BoxingStep, StepKind, dual_step
+from autosbp.capturing.graph import OpGraph
+from autosbp.rules import NdSignature
+from autosbp.sbp import Mesh
 from autosbp.timeline import SpanHook
 from runtime.execute.collectives import run_step, start_step
-from runtime.execute.groups import ProcessGroups
-from runtime.parallel.gathers import GatherPolicy, ParamGather
+from runtime.execute.groups import ProcessGroups, build_groups
+from runtime.execute.instructions import Boxer
+from runtime.parallel.gathers import GatherPolicy, ParamGather, gathers_parameters
 
-__all__ = ["GatherCounts", "GatherSchedule", "GatherSetup"]
+__all__ = ["GatherCounts", "GatherSchedule", "GatherSetup", "gather_setup"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +82,21 @@ class GatherSetup:
             gather_groups=self.gather_groups, grad_groups=self.grad_groups,
             timeout=self.timeout,
         )  # fmt: skip
+
+
+def gather_setup(
+    graph: OpGraph,
+    signatures: Mapping[str, NdSignature],
+    boxer: Boxer,
+    meshes: Sequence[Mesh],
+    policy: GatherPolicy,
+    timeout: datetime.timedelta,
+) -> GatherSetup | None:
+    """Process groups of the parameter gathers' own (a collective: every rank decides alike,
+    from the whole graph), or None where the plan gathers no parameter."""
+    if not gathers_parameters(graph, signatures, boxer):
+        return None
+    return GatherSetup(policy, build_groups(meshes), build_groups(meshes), timeout)
 
 
 class _Chain:

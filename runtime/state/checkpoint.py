@@ -1,9 +1,11 @@
 """Checkpoints of an Engine: sharded state saved under one plan, loaded under any other.
 
-Lives here: `save_checkpoint` / `load_checkpoint` (collectives: every rank of the world calls
-them). Lives elsewhere: the manifest's values and JSON (`runtime.state.checkpoint_format`, re-exported
-here), cutting and assembling pieces by an nd-SBP (`autosbp.layout`), the state being saved
-(`runtime.engine`).
+Lives here: the format and the invariants that saving and loading keep, and `save_checkpoint`
+(a collective: every rank of the world calls it). Lives elsewhere: `load_checkpoint`
+(`runtime.state.checkpoint_load`, re-exported here), the manifest's values and JSON
+(`runtime.state.checkpoint_format`, re-exported here), cutting and assembling pieces by an
+nd-SBP (`autosbp.layout`), the state being saved (`runtime.state.shards`, through the Engine),
+the agreement on failures (`runtime.state.startup.agree`).
 
 Format (`autosbp.checkpoint`, version 2): a directory with one `rank{r:05d}.pt` per rank that
 holds a piece (a flat dict key -> tensor, written by `torch.save`, read with `weights_only=True`;
@@ -31,17 +33,16 @@ Invariants:
 - Atomic: ranks write into `<path>.tmp`, rank 0 writes the manifest last and renames the
   directory to `<path>`. A directory without a manifest is never taken for a checkpoint. An
   existing checkpoint at `<path>` is replaced only after the new one is complete.
-- Saving and loading run each fallible part on every rank and then agree (`_agree`): a failure
+- Saving and loading run each fallible part on every rank and then agree (`agree`): a failure
   on one rank makes every rank raise, naming it (never a hang). Loading changes nothing until
   every tensor of this rank has been read and checked, and every rank has.
 - Loading restores the optimizer's hyperparameters (lr, betas ...) from the checkpoint, as
   `torch.optim.Optimizer.load_state_dict` does.
 
-Scope: every rank reads whole rank files and rebuilds each global tensor of its stage, then cuts
-its own piece (`_local_piece`); fine at the sizes tested. A production loader would read only
-the saved slices that overlap this rank's piece (a change local to `_local_piece` and
-`_RankFiles`). Ranks must see one shared filesystem.
-Reference: docs/architecture.md ("Runtime"); torch.distributed.checkpoint (per-rank files + a metadata file).
+Scope: ranks must see one shared filesystem; how much a rank reads when loading is
+`runtime.state.checkpoint_load`'s.
+Reference: docs/architecture.md ("The rooms in detail"); torch.distributed.checkpoint (per-rank
+files + a metadata file).
 """
 
 from __future__ import annotations
@@ -51,33 +52,33 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from autosbp.capturing.graph import Role
-from autosbp.errors import ExecutionError, PlanError
-from autosbp.layout import assemble_tensor, shard_tensor
-from autosbp.sbp import B, Broadcast, Mesh, NdSbp, format_nd_sbp, local_shape, parse_nd_sbp
+from autosbp.errors import ExecutionError
+from autosbp.sbp import B, Broadcast, Mesh, NdSbp, format_nd_sbp
 from runtime.engine import Engine
 from runtime.state.checkpoint_format import (
     MANIFEST,
     Manifest,
     RankFile,
     TensorEntry,
+    dtype_name,
     group_json,
-    hyperparameters,
     merge_stage_groups,
+    parameter_names,
     read_manifest,
 )
-
-T = TypeVar("T")
+from runtime.state.checkpoint_load import load_checkpoint
+from runtime.state.startup import agree
 
 __all__ = [
+    "MANIFEST",
     "Manifest",
     "RankFile",
     "TensorEntry",
@@ -87,7 +88,6 @@ __all__ = [
 ]
 
 
-# ------------------------------------------------------------------------------------ saving
 @dataclass(frozen=True, slots=True)
 class _StageReport:
     """What a stage tells rank 0 for the manifest (its first rank speaks for it; the others
@@ -112,8 +112,8 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Path:
             _fresh_dir(tmp, path)
         return report, mine
 
-    report, mine = _agree("save_checkpoint (prepare)", prepare)
-    record = _agree("save_checkpoint (write)", lambda: _write_rank_file(tmp, rank, mine))
+    report, mine = agree("save_checkpoint (prepare)", prepare)
+    record = agree("save_checkpoint (write)", lambda: _write_rank_file(tmp, rank, mine))
     told: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(told, (record, report if engine.index == 0 else None))
 
@@ -124,7 +124,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Path:
         _write_bytes(tmp / MANIFEST, (json.dumps(manifest.to_json(), indent=1) + "\n").encode())
         _publish(tmp, path)
 
-    _agree("save_checkpoint (publish)", publish if rank == 0 else lambda: None)
+    agree("save_checkpoint (publish)", publish if rank == 0 else lambda: None)
     return path
 
 
@@ -136,11 +136,11 @@ def _stage_report(engine: Engine, rank: int) -> tuple[_StageReport, dict[str, to
     mesh = engine.mesh
     for key, (local, shape, layout) in _saved_tensors(engine).items():
         holders = tuple(mesh.device_ids[_owner(layout, mesh, i)] for i in range(mesh.size))
-        dtype = _dtype_name(local.dtype)
+        dtype = dtype_name(local.dtype)
         entries[key] = TensorEntry(shape, dtype, format_nd_sbp(layout), engine.stage, holders)
         if holders[engine.index] == rank:
             mine[key] = local.detach().clone()
-    names = _names_by_id(engine)
+    names = parameter_names(engine.parameters)
     groups = tuple(group_json(g, names) for g in engine.optimizer.param_groups)
     steps = [int(s["step"]) for s in engine.optimizer.state.values() if "step" in s]
     return _StageReport(engine.stage, entries, groups, max(steps, default=0)), mine
@@ -251,222 +251,3 @@ def _manifest(
         files=files,
         tensors={key: entry for r in reports for key, entry in r.tensors.items()},
     )
-
-
-def _names_by_id(engine: Engine) -> dict[int, str]:
-    return {id(param): name for name, param in engine.parameters.items()}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-# ----------------------------------------------------------------------------------- loading
-def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Manifest:
-    """Load the checkpoint at `path` into `engine`, whatever plan, stages, mesh or world size it
-    was saved under. A collective: every rank calls it. Returns the manifest."""
-    path = Path(path)
-    manifest = _agree("load_checkpoint", lambda: _checked_manifest(engine, path))
-    state, optimizer_state = _agree("load_checkpoint", lambda: _read_local(engine, manifest, path))
-    with torch.no_grad():
-        for name, local in state.items():
-            engine.state[name].copy_(local)
-    engine.optimizer.load_state_dict(optimizer_state)
-    return manifest
-
-
-def _checked_manifest(engine: Engine, path: Path) -> Manifest:
-    manifest = read_manifest(path)
-    fingerprint = engine.graph.fingerprint()
-    plan = engine.plan
-    micro_batch_size = plan.global_batch // plan.micro_batches
-    if manifest.fingerprint != fingerprint and manifest.micro_batch_size == micro_batch_size:
-        raise PlanError(
-            f"checkpoint {path} was saved from a model with graph fingerprint "
-            f"{manifest.fingerprint} ({manifest.model_name}), but this engine's model "
-            f"`{engine.graph.model_name}` has fingerprint {fingerprint}: the model or its example "
-            "input shapes differ. Load a checkpoint of this model."
-        )
-    kind = type(engine.optimizer).__name__
-    if manifest.optimizer_kind != kind:
-        raise PlanError(
-            f"checkpoint {path} holds {manifest.optimizer_kind} state but this engine's optimizer "
-            f"is {kind}; their states do not convert. Build the Engine with a "
-            f"{manifest.optimizer_kind} optimizer_factory."
-        )
-    _check_state(engine, manifest, path, micro_batch_size)
-    missing = [f.name for f in manifest.files if not (path / f.name).is_file()]
-    if missing:
-        raise ExecutionError(
-            f"checkpoint {path}: the rank files {missing} listed in its manifest are missing "
-            "(copied partially?); every one is needed. Copy the whole checkpoint directory."
-        )
-    return manifest
-
-
-def _check_state(engine: Engine, manifest: Manifest, path: Path, micro_batch_size: int) -> None:
-    """The checkpoint holds exactly the model's parameters and buffers (every stage's), each
-    with its shape and dtype."""
-    want = {
-        attrs.name: (tuple(attrs.outputs[0].shape), _dtype_name(attrs.outputs[0].dtype))
-        for role in (Role.PARAMETER, Role.BUFFER)
-        for _, attrs in engine.graph.nodes(role)
-    }
-    saved = {
-        key.removeprefix("state/"): (entry.shape, entry.dtype)
-        for key, entry in manifest.tensors.items()
-        if key.startswith("state/")
-    }
-    differ = sorted(n for n in want.keys() | saved.keys() if want.get(n) != saved.get(n))
-    if not differ:
-        return
-    name = differ[0]
-    got, have = (
-        f"{d[1]}{list(d[0])}" if d else "nothing" for d in (saved.get(name), want.get(name))
-    )
-    why = (
-        ""
-        if manifest.micro_batch_size == micro_batch_size
-        else f" (saved at micro-batches of {manifest.micro_batch_size} samples, run here at "
-        f"{micro_batch_size}, so the graph fingerprints {manifest.fingerprint} and "
-        f"{engine.graph.fingerprint()} are not comparable and the state was compared instead)"
-    )
-    raise PlanError(
-        f"checkpoint {path} holds {got} for {name!r} ({len(differ)} parameter(s) or buffer(s) "
-        f"differ), but this engine's model `{engine.graph.model_name}` has {have}: it belongs "
-        f"to another model{why}. Load a checkpoint of this model."
-    )
-
-
-def _read_local(
-    engine: Engine, manifest: Manifest, path: Path
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's piece of every state tensor of its stage, and the optimizer's state dict with
-    its pieces: everything read and checked before the engine is changed."""
-    files = _RankFiles(path, manifest)
-    state = {
-        name: _local_piece(f"state/{name}", engine, engine.layouts[name], files)
-        for name in engine.state
-    }
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    replicated = (B,) * engine.mesh.ndim
-    for key, entry in manifest.tensors.items():
-        if not key.startswith("optim/"):
-            continue
-        name, field = key.removeprefix("optim/").rsplit("/", 1)
-        if name not in engine.owner or (
-            engine.owner[name] == engine.stage and name not in engine.parameters
-        ):
-            raise PlanError(
-                f"checkpoint {path} has optimizer state for {name!r}, which is not a parameter "
-                "of this model: it belongs to another model. Load a checkpoint of this model."
-            )
-        if name not in engine.parameters:
-            continue  # another stage's parameter: that stage loads it
-        layout = engine.layouts[name] if entry.shape else replicated
-        optim.setdefault(name, {})[field] = _local_piece(key, engine, layout, files)
-    return state, _optimizer_state_dict(engine, manifest, optim)
-
-
-def _local_piece(key: str, engine: Engine, layout: NdSbp, files: _RankFiles) -> torch.Tensor:
-    """This rank's piece under `layout`: the saved pieces assembled whole, then cut. (A
-    production loader would read only the saved slices that overlap this piece.)"""
-    manifest = files.manifest
-    entry = manifest.tensors[key]
-    saved_mesh = Mesh(manifest.mesh_shape, device_ids=manifest.stages[entry.stage])
-    saved_layout = parse_nd_sbp(entry.nd_sbp)
-    want = local_shape(entry.shape, saved_layout, saved_mesh.shape)
-    pieces = [files.piece(rank, key, want) for rank in entry.pieces]
-    whole = assemble_tensor(pieces, saved_layout, saved_mesh)
-    return shard_tensor(whole, layout, engine.mesh, engine.coords).clone()
-
-
-class _RankFiles:
-    """The checkpoint's rank files, each read once (when a piece in it is first asked for),
-    checked against its size and sha256."""
-
-    def __init__(self, path: Path, manifest: Manifest) -> None:
-        self.path, self.manifest = path, manifest
-        self.records = {f.rank: f for f in manifest.files}
-        self.loaded: dict[int, dict[str, torch.Tensor]] = {}
-
-    def piece(self, rank: int, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if rank not in self.loaded:
-            self.loaded[rank] = self._read(rank)
-        tensor = self.loaded[rank].get(key)
-        if tensor is None or tuple(tensor.shape) != shape:
-            got = "nothing" if tensor is None else list(tensor.shape)
-            raise ExecutionError(
-                f"checkpoint {self.path}: rank file of rank {rank} holds {got} for {key!r}, the "
-                f"manifest says a piece of shape {list(shape)}; the checkpoint is damaged."
-            )
-        return tensor
-
-    def _read(self, rank: int) -> dict[str, torch.Tensor]:
-        record = self.records.get(rank)
-        if record is None:
-            raise ExecutionError(
-                f"checkpoint {self.path}: the manifest names rank {rank} as holding pieces but "
-                "lists no file of it; the manifest is damaged. Save the checkpoint again."
-            )
-        file = self.path / record.name
-        data = file.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        if len(data) != record.size_bytes or digest != record.sha256:
-            raise ExecutionError(
-                f"checkpoint {self.path}: rank file {file.name} is damaged ({len(data)} bytes, "
-                f"sha256 {digest[:12]}...; the manifest says {record.size_bytes} bytes, sha256 "
-                f"{record.sha256[:12]}...). Use another checkpoint or copy this one again."
-            )
-        loaded = torch.load(io.BytesIO(data), weights_only=True)
-        assert isinstance(loaded, dict), f"{file}: a rank file holds a dict"
-        return loaded
-
-
-def _optimizer_state_dict(
-    engine: Engine, manifest: Manifest, optim: dict[str, dict[str, torch.Tensor]]
-) -> dict[str, Any]:
-    """The optimizer's own `state_dict` format: this stage's parameters by their index in its
-    groups; each group takes the hyperparameters of the checkpoint's group of that index, whose
-    parameters (of every stage) must include the group's here."""
-    names = _names_by_id(engine)
-    current = [[names[id(p)] for p in g["params"]] for g in engine.optimizer.param_groups]
-    saved = [set(g["params"]) for g in manifest.param_groups]
-    stray = [n for group, held in zip(current, saved, strict=False) for n in group if n not in held]
-    if len(saved) != len(current) or stray:
-        raise PlanError(
-            "load_checkpoint: the optimizer's parameter groups differ from the checkpoint's: "
-            f"{len(current)} group(s) here, {len(saved)} saved"
-            + (f"; {stray[:3]} are not in the saved group of that index" if stray else "")
-            + ". Build the optimizer with the same groups as when saving."
-        )
-    index = {name: i for i, name in enumerate(n for group in current for n in group)}
-    groups = [
-        {
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in hyperparameters(g).items()},
-            "params": [index[n] for n in group],
-        }
-        for g, group in zip(manifest.param_groups, current, strict=True)
-    ]
-    state = {index[name]: dict(fields) for name, fields in optim.items()}
-    return {"state": state, "param_groups": groups}
-
-
-# ------------------------------------------------------------------------------ agreement
-def _agree(what: str, fn: Callable[[], T]) -> T:
-    """Run `fn` on every rank, then tell every rank who failed: the failing rank re-raises its
-    error, the others raise one naming it. So no rank waits in a collective for one that quit."""
-    error: Exception | None = None
-    result: Any = None
-    try:
-        result = fn()
-    except Exception as exc:  # re-raised below, after the other ranks have been told
-        error = exc
-    messages: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    for rank, message in enumerate(messages):
-        if message is not None:
-            raise ExecutionError(f"{what}: rank {rank} failed, so every rank stops. {message}")
-    return result

@@ -1,10 +1,12 @@
 """The checkpoint manifest: what a checkpoint holds, as frozen values and as JSON.
 
-Lives here: `Manifest`, `TensorEntry`, `RankFile`, their JSON, the optimizer's parameter groups
-as JSON (`group_json`, merged over pipeline stages by `merge_stage_groups`), and `read_manifest`
+Lives here: `Manifest`, `TensorEntry`, `RankFile`, their JSON, how dtypes and parameters are
+named (`dtype_name`, `parameter_names`), the optimizer's parameter groups as JSON
+(`group_json`, merged over pipeline stages by `merge_stage_groups`), and `read_manifest`
 (checked reading, with a clear error for a missing, damaged or older-version manifest, and for
-rank file names that would lead out of the checkpoint's folder). Lives
-elsewhere: writing and reading the tensors, and the format's description (`runtime.state.checkpoint`).
+rank file names that would lead out of the checkpoint's folder). Lives elsewhere: writing the
+tensors and the format's description (`runtime.state.checkpoint`), reading them
+(`runtime.state.checkpoint_load`).
 
 Versions: 1 had one mesh (`plan.device_ids`) and no stages; 2 (this one) records the plan's
 pipeline stages, each tensor's stage, and the micro-batching (the graph fingerprint is that of
@@ -21,6 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from autosbp.errors import ExecutionError
 from terminal.text import printable
 
@@ -31,9 +35,11 @@ __all__ = [
     "Manifest",
     "RankFile",
     "TensorEntry",
+    "dtype_name",
     "group_json",
     "hyperparameters",
     "merge_stage_groups",
+    "parameter_names",
     "read_manifest",
 ]
 
@@ -119,7 +125,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: Any) -> Manifest:
-        """Raises KeyError, TypeError or ValueError on a malformed manifest (see `read_manifest`)."""
+        """Raises KeyError, TypeError or ValueError on a malformed manifest (`read_manifest`)."""
         if data.get("format") != FORMAT or data.get("version") != VERSION:
             raise ValueError(
                 f"format {data.get('format')!r} version {data.get('version')!r}, expected "
@@ -148,6 +154,16 @@ class Manifest:
 
 
 # ------------------------------------------------------------------- optimizer groups
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the manifest spells it ("float32")."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parameter_names(parameters: Mapping[str, torch.Tensor]) -> dict[int, str]:
+    """id(parameter) -> its name: how the optimizer's groups (which hold tensors) are named."""
+    return {id(param): name for name, param in parameters.items()}
+
+
 def group_json(group: Mapping[str, Any], names: Mapping[int, str]) -> dict[str, Any]:
     """One `torch.optim` parameter group as manifest JSON: its parameters by name (`names`: id
     of a parameter -> its name) and its hyperparameters (tuples as lists)."""

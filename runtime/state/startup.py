@@ -1,13 +1,15 @@
-"""What every rank agrees on before training: the same plan, and the same initial state.
+"""What every rank agrees on: the same plan, the same initial state, and who failed.
 
 Lives here: `agree_on_plan` (every rank's plan digest, all-gathered: ranks given different plans
 stop at once with an error naming them, instead of waiting in mismatched collectives until a
 timeout), `broadcast_initial_state` (every parameter, buffer and lifted constant takes rank 0's
 value, so a model whose initialization is not seeded, or differs between processes, still
-trains one set of weights) and `from_rank0` (one tensor: a training job's batch, likewise). Lives elsewhere: the Engine, which calls both before anything else
+trains one set of weights), `from_rank0` (one tensor: a training job's batch, likewise) and
+`agree` (a fallible part run on every rank, then every rank told who failed: the checkpoints'
+save and load). Lives elsewhere: the Engine, which calls the first two before any other
 collective (`runtime.engine`); the digest (`Plan.digest`).
 
-Invariants: both are collectives over the default group, called by every rank in the same
+Invariants: all are collectives over the default group, called by every rank in the same
 order; the broadcast walks the graph's state in graph order, the same on every rank (their
 plans agreed, and each rank's graph matched the plan's fingerprint before). A tensor tied to
 another (one object under two names) is sent once.
@@ -19,16 +21,20 @@ only its pieces would move less at start-up; the result is the same.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from autosbp.capturing.graph import OpGraph, Role
-from autosbp.errors import PlanError
+from autosbp.errors import ExecutionError, PlanError
 from autosbp.plan import Plan
 
-__all__ = ["agree_on_plan", "broadcast_initial_state", "from_rank0"]
+__all__ = ["agree", "agree_on_plan", "broadcast_initial_state", "from_rank0"]
+
+T = TypeVar("T")
 
 
 def agree_on_plan(plan: Plan) -> None:
@@ -77,3 +83,22 @@ def from_rank0(tensor: torch.Tensor) -> torch.Tensor:
         wire = wire.view(torch.uint8)
     dist.broadcast(wire, src=0)
     return wire.view(tensor.dtype)
+
+
+def agree(what: str, fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank, then tell every rank who failed: the failing rank re-raises its
+    error, the others raise one naming it. So no rank waits in a collective for one that quit."""
+    error: Exception | None = None
+    result: Any = None
+    try:
+        result = fn()
+    except Exception as exc:  # re-raised below, after the other ranks have been told
+        error = exc
+    messages: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    for rank, message in enumerate(messages):
+        if message is not None:
+            raise ExecutionError(f"{what}: rank {rank} failed, so every rank stops. {message}")
+    return result

@@ -1,2 +1,3 @@
-"""Verification of a running plan: each step against one device (`step_check`), the verdict
-(`verdict`), and measured peak memory (`peak_memory`)."""
+"""Verification of a running plan: each step against one device (`step_check`: the bounds and the
+comparison; `one_device`: the reference's evaluations), the verdict (`verdict`), and measured
+peak memory (`peak_memory`)."""

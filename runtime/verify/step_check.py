@@ -2,10 +2,12 @@
 
 Lives here: `StepChecker` (every rank: gathers the plan's weights and gradients each step; rank 0
 compares them), `Reference` (rank 0's oracle: the model on one device in float64 and in fp32,
-and the job's optimizer on whole tensors), `disable_dropout`, and the bounds below. Lives
-elsewhere: the values a comparison yields and the verdict's text (`runtime.verify.verdict`), the
-job that steps the checker (`runtime.jobs`), the CLI's table (`autosbp.commands.train`), the
-gathering of whole tensors (`Engine.full_state_dict`, `Engine.full_gradients`).
+and the job's optimizer on whole tensors), the bounds below and the comparisons that apply
+them. Lives elsewhere: evaluating the model on one device (float64, fp32, nudged draws, the fp32
+fallback, dropout off: `runtime.verify.one_device`), the values a comparison yields and the
+verdict's text (`runtime.verify.verdict`), the job that steps the checker (`runtime.jobs`), the
+CLI's table (`autosbp.commands.train`), the gathering of whole tensors
+(`Engine.full_state_dict`, `Engine.full_gradients`).
 
 Why not compare trajectories. Two correct fp32 programs that sum in different orders differ by
 rounding, and Adam divides each gradient element by its own running size: an element whose exact
@@ -84,22 +86,26 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
-from autosbp.capturing.batches import split_micro_batches
 from autosbp.errors import ExecutionError
+from runtime.verify.one_device import (
+    Evaluation,
+    Float32Fallback,
+    evaluate,
+    nudged,
+    require_deterministic,
+    widen,
+)
 from runtime.verify.verdict import Deviation, Kind, Notes, StepCheck
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
 
-__all__ = ["Reference", "StepChecker", "disable_dropout"]
+__all__ = ["Reference", "StepChecker"]
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 State = Mapping[str, torch.Tensor]
@@ -111,30 +117,6 @@ NOISE_FACTOR = GROUPING_FACTOR * CHANCE_FACTOR
 ZERO_FRACTION = 2.0**-20  # derived in the header (1.): float64 resolves 2^-29 of fp32's rounding
 UPDATE_FRACTION = 2.0**-10  # derived in the header (2.): rounding 2^-12, a bug 2^-3.3 of a step
 NUDGED = 5  # fp32 samples at nudged values besides the plain one, derived in the header (1.)
-DROPOUT_MODULES = (
-    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
-)  # fmt: skip
-
-
-def disable_dropout(model: nn.Module) -> tuple[str, ...]:
-    """Set p = 0 on every torch.nn dropout module of `model` that draws a mask; their names.
-    The graph keeps its ops (the fingerprint holds no probabilities), so a plan made with
-    dropout runs without it."""
-    names = []
-    for name, module in model.named_modules():
-        if isinstance(module, DROPOUT_MODULES) and module.p > 0:
-            module.p = 0.0
-            names.append(name)
-    return tuple(names)
-
-
-@dataclass(frozen=True, slots=True)
-class _Evaluation:
-    """The loss, gradients and updated buffers of one step at given weights, in float64."""
-
-    loss: torch.Tensor
-    gradients: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
 
 
 class Reference:
@@ -149,10 +131,10 @@ class Reference:
         inputs: Sequence[torch.Tensor],
         dropout: tuple[str, ...] = (),
     ) -> None:
-        _require_deterministic(model, inputs, dropout)
+        require_deterministic(model, inputs, dropout)
         self.fp32 = copy.deepcopy(model)
         self.fp64 = copy.deepcopy(model).double()
-        self.fallback = _Float32Fallback()
+        self.fallback = Float32Fallback()
         self.weights = {
             name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()
         }
@@ -173,8 +155,8 @@ class Reference:
         """Compare the plan's step `step` (its weights `before`, loss, synced `gradients`, and
         state `after`) with one device at the same weights."""
         exact = self._exact(before, inputs)
-        samples = [self._evaluate(self.fp32, before, inputs)] + [
-            self._evaluate(self.fp32, *_nudged(before, inputs, seed=step * NUDGED + k))
+        samples = [evaluate(self.fp32, before, inputs, self.micro_batches)] + [
+            evaluate(self.fp32, *nudged(before, inputs, seed=step * NUDGED + k), self.micro_batches)
             for k in range(NUDGED)
         ]
         noise = _noise(exact, samples)
@@ -205,47 +187,20 @@ class Reference:
         )  # fmt: skip
         return StepCheck.of(step, float(exact.loss), rounding, rows, notes)
 
-    def _exact(self, state: State, inputs: Sequence[torch.Tensor]) -> _Evaluation:
+    def _exact(self, state: State, inputs: Sequence[torch.Tensor]) -> Evaluation:
         """The float64 evaluation; a model that runs in fp32 (just did) but not in float64, for
         a reason other than one op's kernel, gets an error that says so."""
         try:
             with self.fallback:
-                return self._evaluate(self.fp64, state, inputs)
+                return evaluate(self.fp64, state, inputs, self.micro_batches)
         except Exception as error:
             raise ExecutionError(
                 f"--check's float64 reference failed: the model runs in fp32 but not in float64 "
                 f"on one device ({type(error).__name__}: {error}). An op without a float64 kernel "
-                "would run in fp32 (runtime/verify/step_check.py); this failure is outside one op (a dtype "
-                "test or cast in the model's Python code?). Make forward dtype-generic, or train "
-                "without --check."
+                "would run in fp32 (runtime/verify/one_device.py); this failure is outside one op "
+                "(a dtype test or cast in the model's Python code?). Make forward dtype-generic, "
+                "or train without --check."
             ) from error
-
-    def _evaluate(
-        self, model: nn.Module, state: State, inputs: Sequence[torch.Tensor]
-    ) -> _Evaluation:
-        """`model`'s step at the weights and buffers `state` on the plan's micro-batches, in the
-        model's dtype; results widened to float64."""
-        dtype = next(model.parameters()).dtype
-        buffers = dict(model.named_buffers())
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(state[name])
-                p.grad = None
-            for name, b in buffers.items():
-                if name in state:
-                    b.copy_(state[name])
-        total = torch.zeros((), dtype=dtype)
-        m = self.micro_batches
-        for piece in split_micro_batches(inputs, m):
-            loss = model(*(x.to(dtype) if x.is_floating_point() else x for x in piece)) / m
-            loss.backward()
-            total += loss.detach()
-        gradients = {
-            name: _widen(p.grad if p.grad is not None else torch.zeros_like(p))
-            for name, p in model.named_parameters()
-        }
-        kept = {name: _widen(b.detach()) for name, b in buffers.items() if name in state}
-        return _Evaluation(_widen(total), gradients, kept)
 
     def _updates(
         self, optimizer: torch.optim.Optimizer, before: State, gradients: State, after: State
@@ -308,7 +263,7 @@ def _deviation(
     if not exact.is_floating_point():
         error = float((plan.to(exact.dtype) != exact).sum())
         return Deviation(kind, name, tuple(exact.shape), error, 0.0, float(exact.abs().sum()))
-    plan = _widen(plan)
+    plan = widen(plan)
     size = float(exact.norm())
     own = noise["loss" if kind is Kind.LOSS else f"{kind.value} {name}"]
     bound = NOISE_FACTOR * max(own, rounding * size, U_FP32 * size)
@@ -319,7 +274,7 @@ def _deviation(
     return Deviation(kind, name, tuple(exact.shape), error, bound, size, scale)
 
 
-def _noise(exact: _Evaluation, samples: Sequence[_Evaluation]) -> dict[str, float]:
+def _noise(exact: Evaluation, samples: Sequence[Evaluation]) -> dict[str, float]:
     """Per value ("loss", "gradient NAME", "buffer NAME"): the second largest distance of the
     fp32 samples from float64 (header, 1.); 0 for an integer value, which must be equal."""
 
@@ -336,29 +291,13 @@ def _noise(exact: _Evaluation, samples: Sequence[_Evaluation]) -> dict[str, floa
     return out
 
 
-def _nudged(
-    state: State, inputs: Sequence[torch.Tensor], seed: int
-) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
-    """`state` and `inputs` with every floating value moved one ulp up or down at random: the
-    size of one rounding, which sends every rounding inside the step to another draw."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def nudge(x: torch.Tensor) -> torch.Tensor:
-        if not x.is_floating_point():
-            return x
-        up = torch.rand(x.shape, generator=generator) < 0.5
-        return torch.nextafter(x, torch.where(up, torch.inf, -torch.inf).to(x.dtype))
-
-    return {n: nudge(t) for n, t in state.items()}, tuple(nudge(x) for x in inputs)
-
-
 def _elementwise(
     name: str, plan: torch.Tensor, want: torch.Tensor, before: torch.Tensor
 ) -> Deviation:
     """The update of one tensor: its worst element against that element's bound (header, 2.);
     `size` is that element's step."""
     shape = tuple(want.shape)
-    plan, want, before = _widen(plan).flatten(), _widen(want).flatten(), _widen(before).flatten()
+    plan, want, before = widen(plan).flatten(), widen(want).flatten(), widen(before).flatten()
     if not want.numel():
         return Deviation(Kind.UPDATE, name, shape, 0.0, 0.0, 0.0)
     diff, step = (plan - want).abs(), (before - want).abs()
@@ -375,66 +314,3 @@ def _relative_error(approx: Iterable[torch.Tensor], exact: Iterable[torch.Tensor
         error += float((a - e).square().sum())
         size += float(e.square().sum())
     return (error / size) ** 0.5 if size > 0 else 0.0
-
-
-def _widen(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().to(torch.float64) if x.is_floating_point() else x.detach()
-
-
-def _require_deterministic(
-    model: nn.Module, inputs: Sequence[torch.Tensor], dropout: tuple[str, ...]
-) -> None:
-    """Refuse a model whose loss still depends on the random seed (header: Dropout)."""
-    losses = []
-    for seed in (1, 2):
-        with torch.random.fork_rng(), torch.no_grad():
-            torch.manual_seed(seed)
-            losses.append(copy.deepcopy(model)(*inputs).detach())
-    if not torch.equal(losses[0], losses[1]) and not losses[0].isnan().all():
-        values = [float(x) for x in losses]
-        off = f" (dropout modules set to p = 0: {', '.join(dropout)})" if dropout else ""
-        raise ExecutionError(
-            f"--check compares deterministic steps, but the model's loss depends on the random "
-            f"seed: {values[0]!r} and {values[1]!r} under two seeds{off}. Functional dropout "
-            "(F.dropout with its own probability, SDPA's dropout_p, a Hugging Face config's "
-            "attention_dropout) or another random op remains; set those probabilities to 0 for "
-            "the check."
-        )
-
-
-class _Float32Fallback(TorchDispatchMode):
-    """Inside the float64 reference: an op that has no float64 kernel runs in fp32 (inputs
-    rounded, outputs widened) and is remembered in `ops`; any other failure is the model's own
-    and propagates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if str(func) not in self.ops:
-            try:
-                return func(*args, **kwargs)
-            except (RuntimeError, NotImplementedError):
-                if func._schema.is_mutable or not _holds_float64((args, kwargs)):
-                    raise
-        out = func(*tree_map(_narrow, args), **tree_map(_narrow, kwargs))
-        self.ops.add(str(func))
-        return tree_map(_widen_fp32, out)
-
-
-def _holds_float64(tree: Any) -> bool:
-    found: list[bool] = []
-    tree_map(lambda x: found.append(isinstance(x, torch.Tensor) and x.dtype == torch.float64), tree)
-    return any(found)
-
-
-def _narrow(x: Any) -> Any:
-    return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.float64 else x
-
-
-def _widen_fp32(x: Any) -> Any:
-    return x.double() if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x

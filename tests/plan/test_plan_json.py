@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from autosbp.plan import (
     load_plan,
     save_plan,
 )
+from autosbp.plan.values import PRICED_GRAD_BUCKET_BYTES
 
 
 def sample_plan() -> Plan:
@@ -53,6 +55,16 @@ def test_round_trip(tmp_path: Path) -> None:
         "(Shard(0), Replicate())",
         "(Replicate(), Shard(0))",
     ]
+
+
+def test_plans_written_before_the_bucket_cap_was_recorded_load_with_what_they_priced(
+    tmp_path: Path,
+) -> None:
+    older = Path(__file__).parents[1] / "runtime" / "data" / "format1-full-gpt-2l.json"
+    assert "grad_bucket_bytes" not in json.loads(older.read_text())
+    assert load_plan(older).grad_bucket_bytes == PRICED_GRAD_BUCKET_BYTES == 25 * 2**20
+    stated = dataclasses.replace(sample_plan(), grad_bucket_bytes=1 << 20)
+    assert load_plan(save_plan(stated, tmp_path / "plan.json")).grad_bucket_bytes == 1 << 20
 
 
 def test_plans_written_before_the_search_effort_was_recorded_load(tmp_path: Path) -> None:

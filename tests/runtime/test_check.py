@@ -28,7 +28,8 @@ from autosbp.planner.api import auto_parallelize
 from autosbp.zoo import ZOO_MODELS, load_model
 from launching.workers import run_workers
 from runtime.jobs import TrainSpec, adam
-from runtime.verify.step_check import Reference, disable_dropout
+from runtime.verify.one_device import disable_dropout
+from runtime.verify.step_check import Reference
 from runtime.verify.verdict import Kind, StepCheck, Verdict, judge
 from tests.support import check_models
 from tests.support.check_workers import run_checked

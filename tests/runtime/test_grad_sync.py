@@ -1,13 +1,22 @@
 """GradSync on 4 gloo processes (a 2x2 mesh): buckets launch inside the last backward, in order,
-and the synced gradients equal the sums an oracle computes from every rank's inputs."""
+and the synced gradients equal the sums an oracle computes from every rank's inputs; an Engine
+buckets with the cap its plan states (`Plan.grad_bucket_bytes`), not the planner's constant."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from autosbp.plan import Plan
+from autosbp.planner.api import auto_parallelize
 from autosbp.sbp import B, Mesh, S, parse_nd_sbp
+from autosbp.schedule import GRAD_BUCKET_BYTES
+from autosbp.zoo import build_model
 from launching.workers import run_workers
+from runtime import Engine
 from runtime.execute.groups import world_timeout
 from runtime.parallel.grad_sync import GradSync, build_sync_groups, summed_dims, sync_patterns
 
@@ -72,3 +81,25 @@ def test_patterns_and_groups() -> None:
     assert MESH.groups_over((0, 1)) == [(0, 1, 2, 3)]
     assert MESH.groups_over((0,)) == MESH.groups(0) == [(0, 2), (1, 3)]
     assert MESH.group_of((1, 1), (1,)) == (2, 3)
+
+
+def _engine_buckets(rank: int, world_size: int, plans: list[Any]) -> list[tuple[int, int]]:
+    """Per plan (JSON): the Engine's gradient buckets and the parameters they hold."""
+    out = []
+    for data in plans:
+        model, inputs = build_model("mlp", seed=0)
+        engine = Engine(model, Plan.from_json(data), torch.optim.SGD, example_inputs=inputs)
+        buckets = engine.grad_sync.buckets
+        out.append((len(buckets), sum(len(b.params) for b in buckets)))
+    return out
+
+
+def test_the_engine_buckets_with_the_cap_its_plan_states() -> None:
+    model, inputs = build_model("mlp", seed=0)
+    plan = auto_parallelize(model, inputs, devices=2, strategy="dp", time_limit_s=30.0)
+    assert plan.grad_bucket_bytes == GRAD_BUCKET_BYTES  # a new plan states what it priced
+    tiny = dataclasses.replace(plan, grad_bucket_bytes=1)
+    results = run_workers(_engine_buckets, 2, ([plan.to_json(), tiny.to_json()],), timeout_s=120)
+    for rank, [(priced, synced), (one_each, synced_again)] in enumerate(results):
+        # mlp's gradients fit one 25 MB bucket; a 1-byte cap puts each in its own
+        assert (priced, one_each) == (1, synced) and synced == synced_again > 1, (rank, results)

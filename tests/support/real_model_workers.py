@@ -25,7 +25,8 @@ from autosbp.plan import Plan
 from autosbp.zoo import build_model
 from runtime.engine import Engine
 from runtime.jobs import adam
-from runtime.verify.step_check import StepChecker, disable_dropout
+from runtime.verify.one_device import disable_dropout
+from runtime.verify.step_check import StepChecker
 from runtime.verify.verdict import judge
 from tests.support.real_models import BUILDERS
 

@@ -1,0 +1,179 @@
+"""Building a program: slots, instructions and frees, emitted in graph order.
+
+Lives here: `ProgramBuilder` (assigns each value a slot, emits each node's input boxings, local
+kernel and buffer write-backs as instructions, and remembers which slots each reads and writes
+and which parameter boxings hold a collective) and `last_uses` (when each slot can be freed).
+Lives elsewhere: what to build and the `Program` built (`runtime.execute.program`), the
+instructions themselves (`runtime.execute.instructions`), recomputed runs
+(`runtime.execute.recompute_runs`), the local kernels (`autosbp.rules.local_op`).
+
+Invariants:
+- Each boxing is emitted right before its first consumer, and a producer output boxed to one
+  layout is boxed once, whatever the number of consumers that need that layout.
+- An op that writes into a buffer input that was boxed for it writes into a copy of its own,
+  boxed back and copied into the buffer right after the op. Boxing into any other in-place
+  write (`autosbp.rules.pinned_inputs`) is refused: the planner never plans it.
+- The graph's RUN_DEVICE (factory ops, `.to(device)`) is this rank's device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autosbp.capturing.graph import OpGraph, OpNode, Role, run_device
+from autosbp.errors import PlanError
+from autosbp.rules import NdSignature, local_op, mutated_inputs, pinned_inputs
+from autosbp.sbp import Mesh, NdSbp, format_nd_sbp
+from runtime.execute.instructions import (
+    Boxer,
+    Instruction,
+    box_instruction,
+    clone_instruction,
+    compute_instruction,
+    write_back_instruction,
+)
+from runtime.parallel.gathers import ParamBox, has_collective
+
+__all__ = ["ProgramBuilder", "last_uses"]
+
+
+@dataclass
+class ProgramBuilder:
+    """Assigns slots and emits instructions in program order."""
+
+    graph: OpGraph
+    signatures: Mapping[str, NdSignature]
+    mesh: Mesh
+    coords: tuple[int, ...]
+    boxer: Boxer
+    device: torch.device
+    slots: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+    boxed: dict[tuple[str, int, NdSbp], int] = dataclasses.field(default_factory=dict)
+    steps: list[Instruction] = dataclasses.field(default_factory=list)
+    reads: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    writes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    owners: list[str] = dataclasses.field(default_factory=list)  # the node each step serves
+    template: list[Any] = dataclasses.field(default_factory=list)
+    param_boxes: list[ParamBox] = dataclasses.field(default_factory=list)
+    current: str = ""
+
+    def new_slot(self, value: Any = None) -> int:
+        self.template.append(value)
+        return len(self.template) - 1
+
+    def layout(self, node: str, index: int) -> NdSbp:
+        return self.signatures[node].outputs[index]
+
+    def source(self, consumer: str, index: int, want: NdSbp, pinned: frozenset[int]) -> int:
+        """The slot holding input `index` of `consumer` in layout `want` (boxing it if needed;
+        refused for a `pinned` input: the planner never boxes one, a hand-edited plan may)."""
+        found = self.graph.producers(consumer)[index]
+        assert found is not None, f"{consumer}: input {index} has no producer"
+        node, out = found
+        have = self.layout(node, out)
+        if have == want:
+            return self.slots[(node, out)]
+        if index in pinned:
+            raise PlanError(
+                f"the plan boxes input {index} of node {consumer!r} "
+                f"({self.graph.node(consumer).op}) from {format_nd_sbp(have)} to "
+                f"{format_nd_sbp(want)}, but that input leads to an in-place write: a boxed copy "
+                "would take the write away from the tensor read afterwards. The planner never "
+                "does this; the plan was edited or made by another autosbp version: make it again."
+            )
+        key = (node, out, want)
+        if key not in self.boxed:
+            attrs = self.graph.node(node)
+            meta = attrs.outputs[out]
+            box = self.boxer.chain(have, want, meta.shape, meta.dtype)
+            src, dst = self.slots[(node, out)], self.new_slot()
+            steps = self.boxer.steps(have, want, meta.shape, meta.dtype)
+            if attrs.role is Role.PARAMETER and has_collective(steps):
+                block = self.graph.node(consumer).block
+                self.param_boxes.append(
+                    ParamBox(len(self.steps), attrs.name, src, dst, block, steps)
+                )
+            self.emit(box_instruction(box, src, dst), (src,), (dst,))
+            self.boxed[key] = dst
+        return self.boxed[key]
+
+    def emit(self, step: Instruction, reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
+        self.owners.append(self.current)
+        self.steps.append(step)
+        self.reads.append(reads)
+        self.writes.append(writes)
+
+    def add_compute(self, name: str, attrs: OpNode) -> None:
+        self.current = name
+        sig = self.signatures[name]
+        pinned = pinned_inputs(self.graph, name)
+        ins = tuple(self.source(name, i, want, pinned) for i, want in enumerate(sig.inputs))
+        ins = tuple(
+            self.own_copy(slot)
+            if i in mutated_inputs(attrs) and self.is_boxed(name, i, slot)
+            else slot
+            for i, slot in enumerate(ins)
+        )
+        outs = tuple(self.new_slot() for _ in attrs.outputs)
+        for index, slot in enumerate(outs):
+            self.slots[(name, index)] = slot
+        op = local_op(attrs, sig, self.mesh.shape, self.coords)
+        op = dataclasses.replace(  # the graph's RUN_DEVICE (factory ops, `.to(device)`) is ours
+            op,
+            args=run_device(op.args, self.device),
+            kwargs=run_device(dict(op.kwargs), self.device),
+        )
+        self.emit(compute_instruction(op, ins, outs), ins, outs)
+        for index in mutated_inputs(attrs):
+            self.write_back(name, index, ins[index])
+
+    def is_boxed(self, consumer: str, index: int, slot: int) -> bool:
+        node, out = self.graph.producers(consumer)[index]  # type: ignore[misc]
+        return slot != self.slots[(node, out)]
+
+    def own_copy(self, slot: int) -> int:
+        """A fresh copy of a boxed buffer for an op to write into: the boxing may return a view
+        of the buffer (a slice), and the write-back's copy into the buffer would then change a
+        tensor autograd saved (batch norm saves its running statistics)."""
+        dst = self.new_slot()
+        self.emit(clone_instruction(slot, dst), (slot,), (dst,))
+        return dst
+
+    def write_back(self, consumer: str, index: int, copy: int) -> None:
+        """After `consumer` wrote into input `index`: if that input was a boxed copy of a buffer,
+        box the copy back to the buffer's layout and copy it into the buffer."""
+        node, out = self.graph.producers(consumer)[index]  # type: ignore[misc]
+        target = self.slots[(node, out)]
+        if copy == target:
+            return  # the op wrote into the buffer itself
+        attrs = self.graph.node(node)
+        assert attrs.role is Role.BUFFER, f"{consumer}: a boxed write into {node} (pinned_inputs)"
+        meta = attrs.outputs[0]
+        want = self.signatures[consumer].inputs[index]
+        box = self.boxer.chain(want, self.layout(node, out), meta.shape, meta.dtype)
+        self.emit(write_back_instruction(box, copy, target), (copy,), ())
+
+    def persistent_slots(self) -> set[int]:
+        """The slots the template fills (parameters, buffers, constants): never freed."""
+        return {slot for slot, value in enumerate(self.template) if value is not None}
+
+
+def last_uses(
+    reads: Sequence[tuple[int, ...]], writes: Sequence[tuple[int, ...]], keep: set[int]
+) -> tuple[tuple[int, ...], ...]:
+    """frees[k]: the slots (not in `keep`) last used by instruction k; a slot nothing reads is
+    freed right after the instruction that writes it."""
+    last: dict[int, int] = {}
+    for k, (read, written) in enumerate(zip(reads, writes, strict=True)):
+        for slot in (*read, *written):
+            last[slot] = k
+    frees: list[list[int]] = [[] for _ in reads]
+    for slot, k in last.items():
+        if slot not in keep:
+            frees[k].append(slot)
+    return tuple(tuple(f) for f in frees)

@@ -1,0 +1,322 @@
+"""The pipeline: the stages' meshes, the values crossing stages, and one stage's firing loop.
+
+Lives here: `stage_meshes` and `locate` (which stage and device of it this rank is),
+`node_stages` and `stage_boundaries` (the values each pair of stages exchanges), `Links` (this
+rank's peers and the local pieces it sends and receives), `Transfers` (the point-to-point sends
+and receives of one step), `LossBoxing` (the loss's seed and value) and `Pipeline` (the stage's
+forwards and backwards per micro-batch in its firing order, and the loss every rank returns).
+Lives elsewhere: the firing order (`autosbp.schedule.stage_orders`, the actor rules the planner
+priced), the stage's program (`runtime.execute.program`, which runs one micro-batch's forward),
+gradient sync (`runtime.parallel.grad_sync`, armed here before the last backward), the
+parameter gathers (`runtime.parallel.prefetch`, whose `finish_backward` runs here after each
+backward), the Engine that composes them (`runtime.engine`).
+
+Invariants:
+- Each stage runs the firing order it is given: receives block, sends do not (isend, waited for
+  at the end of the step), so the actor rules' order cannot deadlock.
+- A value crossing stages keeps its layout: device i of one stage sends its local piece to
+  device i of the other (every stage has the same mesh shape), and the gradient comes back the
+  same way. Values travel in `stage_boundaries` order, which is also the order of the program's
+  imports and exports; gradients only for floating values (tag 1; values tag 0).
+- The loss (layout L, on its stage) is boxed to P on every mesh dim before backward, and every
+  rank seeds 1: the backward of that boxing (B -> P keeps the seed on coordinate 0 of each B
+  mesh dim) makes the seeds sum to exactly one, so a replicated loss is not counted once per
+  device. Each micro-batch's loss is scaled by 1/micro-batches (a mean over the batch). Every
+  rank returns the loss (broadcast from the loss's stage).
+- Every wait is bounded by the world's timeout.
+Reference: Narayanan et al. 2021 (1F1B); torch.distributed.pipelining (stages exchanging
+activations and gradients by isend/irecv).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autosbp.capturing.graph import OpGraph, Role, TensorMeta
+from autosbp.plan import Plan
+from autosbp.rules import NdSignature
+from autosbp.sbp import B, Mesh, NdSbp, P, local_shape
+from autosbp.schedule import Phase
+from runtime.execute.instructions import Boxer
+from runtime.execute.program import Program, Value
+
+__all__ = [
+    "Links",
+    "LossBoxing",
+    "Pipeline",
+    "Transfers",
+    "build_links",
+    "locate",
+    "node_stages",
+    "stage_boundaries",
+    "stage_meshes",
+    "stage_values",
+]
+
+Span = Callable[..., AbstractContextManager[None]]  # `SpanHook.span`: (kind, micro-batch)
+Peers = tuple[tuple[int, tuple[TensorMeta, ...]], ...]  # (peer rank, local metas), in order
+
+
+def stage_meshes(plan: Plan) -> list[Mesh]:
+    """Every stage's mesh: the plan's mesh shape over the stage's devices."""
+    return [
+        Mesh(plan.mesh_shape, plan.mesh_dims, stage.devices, plan.link_classes)
+        for stage in plan.stages
+    ]
+
+
+def locate(meshes: Sequence[Mesh], rank: int) -> tuple[int, int]:
+    """(stage, device index in its mesh) of global `rank`."""
+    stage = next(s for s, mesh in enumerate(meshes) if rank in mesh.device_ids)
+    return stage, meshes[stage].device_ids.index(rank)
+
+
+def node_stages(plan: Plan) -> dict[str, int]:
+    """Node name -> the stage the plan runs it on."""
+    return {name: node.stage for name, node in plan.nodes.items()}
+
+
+def stage_boundaries(
+    graph: OpGraph, stage_of: Mapping[str, int] | None
+) -> dict[tuple[int, int], list[Value]]:
+    """(sending stage, receiving stage) -> the values it carries, in graph order: every output
+    of a non-input node read on a later stage (user inputs are read by each stage itself)."""
+    out: dict[tuple[int, int], list[Value]] = {}
+    if stage_of is None:
+        return out
+    for name in graph.order:
+        if graph.node(name).role is Role.INPUT:
+            continue
+        readers: dict[tuple[int, int], None] = {}
+        for v in graph.graph.successors(name):
+            if stage_of[v] != stage_of[name]:
+                for out_idx, _ in graph.uses(name, v):
+                    readers[(stage_of[v], out_idx)] = None
+        for reader, out_idx in sorted(readers):
+            out.setdefault((stage_of[name], reader), []).append((name, out_idx))
+    return out
+
+
+def stage_values(
+    boundaries: Mapping[tuple[int, int], Sequence[Value]], stage: int
+) -> tuple[list[Value], list[Value]]:
+    """The values `stage` receives and those it sends, each in exchange order (the program's
+    imports and exports)."""
+    ordered = sorted(boundaries.items())
+    received = [v for (_, dst), values in ordered if dst == stage for v in values]
+    sent = [v for (src, _), values in ordered if src == stage for v in values]
+    return received, sent
+
+
+@dataclass(frozen=True, slots=True)
+class Links:
+    """Peers and local tensor metas of this rank's cross-stage traffic, in exchange order:
+    values in (from earlier stages), values out, gradients in (for values out, floating only),
+    gradients out (for values in, floating only)."""
+
+    values_in: Peers
+    values_out: Peers
+    grads_in: Peers
+    grads_out: Peers
+
+
+def build_links(
+    graph: OpGraph,
+    signatures: Mapping[str, NdSignature],
+    boundaries: Mapping[tuple[int, int], Sequence[Value]],
+    meshes: Sequence[Mesh],
+    stage: int,
+    index: int,
+) -> Links:
+    """Device `index` of one stage talks to device `index` of another: a value keeps its layout
+    across stages (every stage has the same mesh shape), so each sends its own local piece."""
+
+    def local(value: Value) -> TensorMeta:
+        node, out = value
+        meta = graph.node(node).outputs[out]
+        layout = signatures[node].outputs[out]
+        return TensorMeta(local_shape(meta.shape, layout, meshes[stage].shape), meta.dtype)
+
+    values_in, values_out = [], []
+    for (src, dst), values in sorted(boundaries.items()):
+        metas = tuple(local(v) for v in values)
+        if dst == stage:
+            values_in.append((meshes[src].device_ids[index], metas))
+        if src == stage:
+            values_out.append((meshes[dst].device_ids[index], metas))
+
+    def floating(links: list[tuple[int, tuple[TensorMeta, ...]]]) -> Peers:
+        kept = [
+            (peer, tuple(m for m in metas if m.dtype.is_floating_point)) for peer, metas in links
+        ]
+        return tuple((peer, metas) for peer, metas in kept if metas)
+
+    return Links(tuple(values_in), tuple(values_out), floating(values_out), floating(values_in))
+
+
+class Transfers:
+    """One step's point-to-point traffic over `links`: `receive` blocks, `send` starts an
+    isend kept until `wait` (the end of the step)."""
+
+    def __init__(self, links: Links, timeout: datetime.timedelta, span: Span) -> None:
+        self.links, self.timeout, self.span = links, timeout, span
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def receive(self, mb: int, *, backward: bool) -> list[torch.Tensor]:
+        """This micro-batch's values from earlier stages (forward), or the gradients of the
+        values this stage sent (backward), in `stage_boundaries` order."""
+        links = self.links.grads_in if backward else self.links.values_in
+        if not links:
+            return []
+        out = []
+        with self.span("recv", mb):
+            for peer, metas in links:
+                for meta in metas:
+                    buffer = torch.empty(meta.shape, dtype=meta.dtype)
+                    _p2p(dist.irecv, buffer, peer, int(backward)).wait(self.timeout)
+                    if not backward and buffer.is_floating_point():
+                        buffer.requires_grad_(True)
+                    out.append(buffer)
+        return out
+
+    def send(self, tensors: Sequence[torch.Tensor], *, backward: bool) -> None:
+        links = self.links.grads_out if backward else self.links.values_out
+        position = 0
+        for peer, metas in links:
+            for _ in metas:
+                tensor = tensors[position].detach().contiguous()
+                position += 1
+                self.pending.append((_p2p(dist.isend, tensor, peer, int(backward)), tensor))
+        assert position == len(tensors), f"sent {position} of {len(tensors)} values"
+
+    def wait(self) -> None:
+        """Every send of the step done (the tensors are kept alive until then)."""
+        for work, _ in self.pending:
+            work.wait(self.timeout)
+        self.pending.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class LossBoxing:
+    """The loss's two boxings from its layout: to P on every mesh dim (the backward seed) and
+    to B on every mesh dim (its value, the same on every device of its stage)."""
+
+    seed: Callable[[torch.Tensor], torch.Tensor]
+    value: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def build(cls, boxer: Boxer, layout: NdSbp | None) -> LossBoxing | None:
+        """None on a stage without the loss."""
+        if layout is None:
+            return None
+        ndim = boxer.mesh.ndim
+        return cls(boxer.chain(layout, (P,) * ndim, ()), boxer.chain(layout, (B,) * ndim, ()))
+
+
+InFlight = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]
+
+
+@dataclass
+class Pipeline:
+    """This stage's part of one step: `order` (its firing order: (phase, micro-batch) pairs)
+    of `program`'s forwards and their backwards, the values and gradients exchanged through
+    `transfers`; `arm` runs right before the last backward (gradient sync), and `loss_root` is
+    the first rank of the loss's stage."""
+
+    program: Program
+    transfers: Transfers
+    order: Sequence[tuple[Phase, int]]
+    loss: LossBoxing | None
+    micro_batches: int
+    arm: Callable[[], None]
+    loss_root: int
+    staged: bool  # more than one stage: the loss is broadcast
+    span: Span
+    last_backward: int = field(init=False)  # the position of the last backward in `order`
+
+    def __post_init__(self) -> None:
+        self.last_backward = max(
+            i for i, (phase, _) in enumerate(self.order) if phase is Phase.BACKWARD
+        )
+
+    def run(self, pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """Every firing of the step on the micro-batches `pieces`; returns this stage's share
+        of the loss (the mean over micro-batches on the loss's stage, 0 elsewhere)."""
+        in_flight: dict[int, InFlight] = {}
+        value = torch.zeros(())
+        for position, (phase, mb) in enumerate(self.order):
+            if phase is Phase.FORWARD:
+                in_flight[mb] = self._forward(pieces[mb], mb)
+                loss = in_flight[mb][2]
+                if loss is not None and self.loss is not None:
+                    with torch.no_grad():
+                        value += self.loss.value(loss.detach()) / self.micro_batches
+            else:
+                self._backward(mb, in_flight.pop(mb), last=position == self.last_backward)
+        self.transfers.wait()
+        return value
+
+    def share_loss(self, value: torch.Tensor) -> float:
+        """The loss on every rank (broadcast from the loss's stage)."""
+        if self.staged:
+            dist.broadcast(value, src=self.loss_root)
+        return float(value)
+
+    def _forward(self, piece: Sequence[torch.Tensor], mb: int) -> InFlight:
+        received = self.transfers.receive(mb, backward=False)
+        with self.span("forward", mb):
+            loss, exports = self.program.run(piece, received, mb)
+        self.transfers.send(exports, backward=False)
+        return received, exports, loss
+
+    def _backward(self, mb: int, flight: InFlight, *, last: bool) -> None:
+        received, exports, loss = flight
+        grads = self.transfers.receive(mb, backward=True)
+        if last:
+            self.arm()  # gradients are final in this backward: sync them
+        with self.span("backward", mb):
+            seed = None
+            if loss is not None and self.loss is not None:
+                seed = self.loss.seed(loss) * (1.0 / self.micro_batches)
+            _backward(seed, exports, grads)
+            if self.program.gathers is not None:
+                self.program.gathers.finish_backward(mb)
+        self.transfers.send(
+            [x.grad if x.grad is not None else torch.zeros_like(x) for x in received
+             if x.is_floating_point()],
+            backward=True,
+        )  # fmt: skip
+
+
+def _backward(
+    seed: torch.Tensor | None, exports: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> None:
+    """Backward of one micro-batch on one stage: from the loss seed (last stage) and from the
+    gradients later stages sent for this stage's exports (floating values only, in order)."""
+    roots: list[torch.Tensor] = []
+    root_grads: list[torch.Tensor | None] = []
+    if seed is not None:
+        roots.append(seed)
+        root_grads.append(None)
+    floating = [x for x in exports if x.is_floating_point()]
+    for tensor, grad in zip(floating, grads, strict=True):
+        if tensor.requires_grad:
+            roots.append(tensor)
+            root_grads.append(grad)
+    if roots:
+        torch.autograd.backward(roots, root_grads)
+
+
+def _p2p(
+    op: Callable[..., dist.Work | None], tensor: torch.Tensor, peer: int, tag: int
+) -> dist.Work:
+    """One isend/irecv with a global peer rank (a tag per direction: 0 values, 1 gradients)."""
+    work = op(tensor, peer, tag=tag)
+    assert work is not None, "isend/irecv returned no work: is this rank in the default group?"
+    return work

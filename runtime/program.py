@@ -40,7 +40,7 @@ from autosbp.boxing.steps import local_box
 from autosbp.capturing.graph import OpGraph, Role, TensorMeta, run_device
 from autosbp.errors import PlanError
 from autosbp.plan import Plan
-from autosbp.planner.pipeline import recomputed
+from autosbp.planner.pipeline import recompute_runs
 from autosbp.rules import NdSignature, local_op, mutated_inputs, nd_signatures, pinned_inputs
 from autosbp.sbp import Mesh, NdSbp, Partial, format_nd_sbp, local_shape, parse_nd_sbp
 from runtime.closures import (
@@ -411,24 +411,21 @@ def _schedule_gathers(
 
 
 def _recompute_runs(builder: _Builder, recompute: str) -> list[tuple[int, int]]:
-    """The maximal runs [start, end) of at least two recomputed steps of one block
-    (`planner.pipeline.recomputed`; ops that write into inputs never are)."""
-    nodes = builder.graph.graph.nodes
+    """The runs [start, end) of steps that serve one run of recomputed nodes
+    (`planner.pipeline.recompute_runs`: what the planner prices is what is checkpointed)."""
+    owned = recompute_runs(builder.graph, recompute)
 
     def group(k: int) -> int | None:
-        attrs = nodes[builder.owners[k]] if builder.owners[k] else None
-        if attrs is None or mutated_inputs(attrs) or not recomputed(attrs, recompute):
-            return None
-        return attrs["block"]
+        return owned.get(builder.owners[k]) if builder.owners[k] else None
 
     runs = []
     k, n = 0, len(builder.steps)
     while k < n:
-        block = group(k)
+        run = group(k)
         end = k + 1
-        while block is not None and end < n and group(end) == block:
+        while run is not None and end < n and group(end) == run:
             end += 1
-        if block is not None and end - k >= 2:
+        if run is not None:
             runs.append((k, end))
         k = end
     return runs

@@ -98,11 +98,17 @@ def is_view_conversion(src: NdSbp, dst: NdSbp) -> bool:
 
 
 def use_bytes(
-    src: NdSbp, dst: NdSbp, meta: TensorMeta, mesh_shape: tuple[int, ...], sole: bool
+    src: NdSbp,
+    dst: NdSbp,
+    meta: TensorMeta,
+    mesh_shape: tuple[int, ...],
+    sole: bool,
+    converted: bool = True,
 ) -> float:
-    """What one kept use holds on a device: the converted copy, or (no copy made) the
-    producer's tensor where the use is its only holder, else nothing beyond it."""
-    if not is_view_conversion(src, dst):
+    """What one kept use holds on a device: the converted copy, or (no copy made, or the value
+    kept as produced: `converted` False) the producer's tensor where the use is its only
+    holder, else nothing beyond it."""
+    if converted and not is_view_conversion(src, dst):
         return local_bytes(meta, dst, mesh_shape)
     return local_bytes(meta, src, mesh_shape) if sole else 0.0
 
@@ -123,7 +129,10 @@ def pair_bytes(
         srcs, src_of = _distinct([outs[use.out_idx] for outs in producer_outputs])
         dsts, dst_of = _distinct([ins[use.in_idx] for ins in consumer_inputs])
         table = np.array(
-            [[use_bytes(src, dst, meta, mesh_shape, use.sole) for dst in dsts] for src in srcs]
+            [
+                [use_bytes(src, dst, meta, mesh_shape, use.sole, use.converted) for dst in dsts]
+                for src in srcs
+            ]
         ).reshape(len(srcs), len(dsts))
         matrix += table[np.ix_(src_of, dst_of)]
     return matrix

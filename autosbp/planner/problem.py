@@ -125,13 +125,13 @@ class Priced:
         micro-batch in flight: model states, or what its backward keeps (`kept`)."""
         key = (name, optimizer, recompute)
         if key not in self.saved:
-            kept, attrs = self.kept(recompute), self.graph.graph.nodes[name]
-            extra = 0 if recomputed(attrs, recompute) else kept.extra_bytes.get(name, 0)
+            kept = self.kept(recompute)
+            extra = 0 if recomputed(self.graph, name, recompute) else kept.extra_bytes.get(name, 0)
             self.saved[key] = self._bytes(name, optimizer, kept.outputs_of(name), extra)
         return self.saved[key]
 
     def rematerialized_bytes(self, name: str, recompute: str) -> np.ndarray:
-        """Per candidate, what a recomputed node holds while its block recomputes."""
+        """Per candidate, what a recomputed node holds while its run recomputes."""
         key = (name, "", recompute)
         if key not in self.saved:
             kept = self.kept(recompute)

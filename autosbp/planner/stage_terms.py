@@ -73,7 +73,7 @@ class StageTerms:
                 self.param_bytes[s] += n * attrs["outputs"][0].nbytes
             elif attrs["role"] is Role.COMPUTE:
                 fwd = found.compute_s / (1.0 + BACKWARD_FACTOR)
-                again = fwd if recomputed(attrs, recompute) else 0.0
+                again = fwd if recomputed(priced.graph, r, recompute) else 0.0
                 self.busy[s].node(r, n * (found.compute_s + again))
                 self.forward[s].node(r, n * fwd)
                 if attrs.get("block") is not None and self.identical:
@@ -82,7 +82,7 @@ class StageTerms:
                     self.compute_backward[s].node(r, w * (found.compute_s - fwd + again))
             if attrs["role"] is Role.COMPUTE:
                 self.memory[s].node(r, n * k * priced.kept_bytes(r, optimizer, recompute))
-                if recomputed(attrs, recompute):  # one block rematerialized at a time
+                if recomputed(priced.graph, r, recompute):  # one run rematerialized at a time
                     self.memory[s].transient(r, priced.rematerialized_bytes(r, recompute))
             else:
                 self.memory[s].node(r, n * priced.kept_bytes(r, optimizer, recompute))
@@ -106,7 +106,7 @@ class StageTerms:
             self.kinds[sv][("edge", u, v)] += n
             key, consumer = (rep[u], rep[v]), nodes[rep[v]]
             both, fwd_only = priced.edge_prices(u, v)
-            again = recomputed(consumer, recompute)  # tied nodes are recomputed alike
+            again = recomputed(priced.graph, rep[v], recompute)  # tied nodes are recomputed alike
             self.busy[sv].edge(key, n * (both + fwd_only) if again else n * both)
             self.forward[sv].edge(key, n * fwd_only)
             kept = priced.edge_kept(u, v, recompute)

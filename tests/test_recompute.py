@@ -188,3 +188,20 @@ def test_the_runtime_checkpoints_the_runs_the_planner_prices() -> None:
     checkpointed = [{builder.owners[k] for k in range(a, b)} for a, b in spans]
     expected = [{n for n in runs if runs[n] == r} for r in sorted(set(runs.values()))]
     assert checkpointed == expected
+
+
+@pytest.mark.parametrize("model", ["gpt-eager", "moe", "resnet"])
+def test_a_count_keeps_what_another_count_of_its_structure_says(model: str) -> None:
+    # The search reads what backward keeps once per structure (`evaluate.Evaluator.kept_of`):
+    # read off another micro-batch count's graph, it equals reading this graph afresh.
+    from autosbp.planner.kept import kept_for_backward
+    from autosbp.planner.reduce import tie_graph
+
+    built = eager_gpt() if model == "gpt-eager" else build_model(model, batch=16)
+    graphs = micro_batch_graphs(*built, (1, 2, 4), name=model)
+    for mode in RECOMPUTE_MODES:
+        first = kept_for_backward(graphs[1], tie_graph(graphs[1]).representative, mode)
+        for count in (2, 4):
+            rep = tie_graph(graphs[count]).representative
+            fresh = kept_for_backward(graphs[count], rep, mode)
+            assert kept_for_backward(graphs[count], rep, mode, like=first) == fresh

@@ -28,6 +28,7 @@ from autosbp.errors import MicroBatchError, PlanError
 from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
 from autosbp.planner.costs import BoxingPricer, NodeStrategies, Prices
 from autosbp.planner.ilp_problem import Solution
+from autosbp.planner.kept import Kept, kept_for_backward
 from autosbp.planner.nofit import Refusals
 from autosbp.planner.pipeline import RECOMPUTE_MODES, StageSplit, split_stages
 from autosbp.planner.problem import (
@@ -42,6 +43,7 @@ from autosbp.planner.problem import (
     solve_mesh,
 )
 from autosbp.planner.reduce import TiedGraph, TiedStages, tie_graph, tie_stages
+from autosbp.planner.saved import requires_grad_of
 from autosbp.planner.space import Config, LinkOf, divisors, mesh_shapes, structure
 from autosbp.planner.strategies import Space
 from autosbp.sbp import Mesh
@@ -80,7 +82,8 @@ class Stages:
 class SearchEffort:
     """What a search did and proved: its wall time, the configurations of its space, how many an
     LP bounded and how many it solved (an integral LP, or its MIP); the status and gap proven
-    over the whole space; whether its time limit (`time_limit_s`) stopped it first."""
+    over the whole space; whether its time limit (`time_limit_s`) stopped it first; and when it
+    found each better plan (`found`: seconds since the search began, the plan's step)."""
 
     seconds: float
     configurations: int
@@ -90,6 +93,11 @@ class SearchEffort:
     gap: float = 0.0
     time_limit_s: float = math.inf
     limit_reached: bool = False
+    found: tuple[tuple[float, float], ...] = ()
+
+    def first_within(self, share: float, best_s: float) -> float | None:
+        """Seconds until a plan within `share` of `best_s` was found (None: never)."""
+        return next((t for t, s in self.found if s <= best_s * (1 + share)), None)
 
     def limit_note(self, step_time_s: float) -> str | None:
         """What a user must be told when the time limit stopped the search before it proved
@@ -132,7 +140,9 @@ class Evaluator:
     priced: dict[tuple[int, Mesh], Priced] = field(default_factory=dict)
     pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
     parameters: dict[Hashable, NodeStrategies] = field(default_factory=dict)  # `price_graph`
-    kept: dict[int, dict] = field(default_factory=dict)  # per count: what backward keeps
+    kept: dict[int, dict[str, Kept]] = field(default_factory=dict)  # per count and mode
+    structural: dict[tuple[Hashable, str], Kept] = field(default_factory=dict)  # (structure, mode)
+    flags: dict[Hashable, dict] = field(default_factory=dict)  # per structure: requires grad
     shared: dict[tuple[int, Mesh, int], float] = field(default_factory=dict)  # bound (2a)
     bounded: int = 0
     solved: int = 0
@@ -272,12 +282,28 @@ class Evaluator:
             r = self.request
             stages = self.stages[(config.count, config.num_stages)]
             pricer = self.pricers.setdefault(config.mesh, BoxingPricer(r.prices, config.mesh))
-            kept = self.kept.setdefault(config.count, {})
             self.priced[key] = price_graph(
                 stages.graph, config.mesh, r.prices, r.space.allow, pricer,
-                stages.tied.representative, self.parameters, kept,
+                stages.tied.representative, self.parameters, self.kept_of(config.count),
             )  # fmt: skip
         return self.priced[key]
+
+    def kept_of(self, count: int) -> dict[str, Kept]:
+        """What backward keeps in the graph of `count` under each mode of the space, shared by
+        its meshes; counts of one structure share which values (`kept.kept_for_backward`)."""
+        if count not in self.kept:
+            graph, shape = self.graphs[count], self.structures[count]
+            assert graph is not None
+            representative = self.ties[count].representative
+            flags = self.flags.get(shape)
+            if flags is None:
+                flags = self.flags[shape] = requires_grad_of(graph)
+            memo = self.kept[count] = {}
+            for mode in dict.fromkeys(("none", *self.request.space.recompute)):
+                like = self.structural.get((shape, mode))
+                memo[mode] = kept_for_backward(graph, representative, mode, like=like, flags=flags)
+                self.structural.setdefault((shape, mode), memo[mode])
+        return self.kept[count]
 
     def build(self, config: Config, memory_limit_bytes: float | None) -> MeshProblem:
         r = self.request

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpGraph, Role
@@ -89,16 +89,29 @@ _SELF = ("self",)  # a value's producer (or a checkpoint of its consumer's run) 
 Holders = dict[tuple[str, int], list[tuple]]
 
 
-def kept_for_backward(graph: OpGraph, representative: Mapping[str, str], recompute: str) -> Kept:
+def kept_for_backward(
+    graph: OpGraph,
+    representative: Mapping[str, str],
+    recompute: str,
+    *,
+    like: Kept | None = None,
+    flags: Mapping[tuple[str, int], bool] | None = None,
+) -> Kept:
     """What `graph` keeps under `recompute` (the module docstring), merged per representative:
     across (per micro-batch in flight) and, apart, what a recomputed run's ops save while it
-    recomputes (`rematerialized`, `recomputed_uses`)."""
-    flags = requires_grad_of(graph)
+    recomputes (`rematerialized`, `recomputed_uses`). `like`: what a graph of the same
+    structure keeps under `recompute` (another micro-batch count of one model, `space.
+    structure`): which values are kept is the same, only the intermediates' bytes are this
+    graph's. `flags`: `saved.requires_grad_of(graph)`, where known (it reads the structure)."""
+    flags = requires_grad_of(graph) if flags is None else flags
+    if like is not None:
+        found = _rebatched(like, graph, representative, flags)
+        if found is not None:
+            return found
     runs = recompute_runs(graph, recompute)
     nodes = graph.graph.nodes
     holders: Holders = defaultdict(list)  # until backward
     again: Holders = defaultdict(list)  # while the run that holds them recomputes
-    extras: dict[str, int] = {}
     saved_by_run: set[tuple[str, int, int | None]] = set()  # (value, run): its checkpoint keeps it
     for v in reversed(graph.order):  # a view's consumers come first: they decide what it keeps
         attrs = nodes[v]
@@ -111,7 +124,6 @@ def kept_for_backward(graph: OpGraph, representative: Mapping[str, str], recompu
             again_keeps = {0} if any(again.get((v, o)) for o in outs) else set()
         else:
             saved = saved_by(attrs, tuple(flags[p] if p else False for p in producers))
-            extras[v] = saved.extra_bytes
             keeps, again_keeps = (
                 (set(saved.inputs), set()) if run is None else (set(), set(saved.inputs))
             )
@@ -129,7 +141,40 @@ def kept_for_backward(graph: OpGraph, representative: Mapping[str, str], recompu
                 holders[(u, o)].append((v, o, i, True))
             if i in again_keeps:
                 again[(u, o)].append((v, o, i, True))
-    return _merged(graph, representative, holders, again, extras, runs)
+    return _merged(
+        graph, representative, holders, again, _extras(graph, representative, flags), runs
+    )
+
+
+def _rebatched(
+    like: Kept, graph: OpGraph, rep: Mapping[str, str], flags: Mapping[tuple[str, int], bool]
+) -> Kept | None:
+    """`like` with this graph's edge keys (their tensors) and intermediates' bytes; None where
+    an edge key does not map one to one (then the caller reads the graph afresh)."""
+    keys: dict[Hashable, Hashable] = {}
+    for u, v in graph.graph.edges:
+        key = twin_key(graph, rep, u, v)
+        if keys.setdefault(key[:3], key) != key:
+            return None
+    try:
+        uses = {keys[k[:3]]: found for k, found in like.uses.items()}
+        again = {keys[k[:3]]: found for k, found in like.recomputed_uses.items()}
+    except KeyError:
+        return None
+    return replace(like, uses=uses, recomputed_uses=again, extra_bytes=_extras(graph, rep, flags))
+
+
+def _extras(
+    graph: OpGraph, rep: Mapping[str, str], flags: Mapping[tuple[str, int], bool]
+) -> dict[str, int]:
+    """Per representative, the most bytes of intermediates any of its copies' backward saves."""
+    extra: dict[str, int] = {}
+    for v, attrs in graph.nodes(Role.COMPUTE):
+        if op_family(attrs["op"]) != "view":
+            producers = graph.producers(v)
+            saved = saved_by(attrs, tuple(flags[p] if p else False for p in producers))
+            extra[rep[v]] = max(extra.get(rep[v], 0), saved.extra_bytes)
+    return extra
 
 
 def _read_by_run(producer: Mapping, producer_run: int | None, run: int | None) -> bool:
@@ -143,7 +188,7 @@ def _merged(
     rep: Mapping[str, str],
     holders: Holders,
     again: Holders,
-    extras: Mapping[str, int],
+    extra: dict[str, int],
     runs: Mapping[str, int],
 ) -> Kept:
     outputs, uses = _priced(graph, rep, holders, lambda u, o: True)
@@ -159,9 +204,6 @@ def _merged(
         for (u, _), found in holders.items()
         if nodes[u]["role"] is Role.PARAMETER and any(h is not _SELF for h in found)
     }
-    extra: dict[str, int] = {}
-    for v, nbytes in extras.items():
-        extra[rep[v]] = max(extra.get(rep[v], 0), nbytes)
     return Kept(
         {r: frozenset(o) for r, o in outputs.items()}, extra,
         {r: frozenset(o) for r, o in remat.items()},

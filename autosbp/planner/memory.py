@@ -24,6 +24,7 @@ All of it is per device: a device holds its local shard only.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -71,7 +72,10 @@ def candidate_bytes(
     return kept + extra_bytes * work_share(attrs, signature, mesh_shape)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def local_bytes(meta: TensorMeta, layout: NdSbp, mesh_shape: tuple[int, ...]) -> float:
+    """One device's bytes of `meta` in `layout` (cached: a search asks for the same ones on
+    every mesh and count)."""
     return float(math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.dtype.itemsize)
 
 
@@ -88,6 +92,7 @@ def work_share(
     return share
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def is_view_conversion(src: NdSbp, dst: NdSbp) -> bool:
     """Is converting `src` to `dst` a view of the local tensor (no copy)? Only where every mesh
     dim keeps its SBP or slices a broadcast tensor (B -> S)."""

@@ -56,6 +56,7 @@ class _Share:
     timed_out: bool
     least_bytes: float
     refusal: str
+    improvements: tuple[tuple[float, float], ...]
 
 
 def search_in_processes(
@@ -76,7 +77,8 @@ def search_in_processes(
         return None
     if request.progress:
         request.progress(f"searching in {processes} processes")
-    shares = _run(ev, {k: i % processes for k, (i, _) in deal.items()}, processes, time_limit_s)
+    owner = {k: i % processes for k, (i, _) in deal.items()}
+    shares = _run(ev, owner, processes, time_limit_s, start)
     return _merged(ev, shares, start, time_limit_s)
 
 
@@ -96,7 +98,7 @@ def _deal(ev: Evaluator, counts: list[int]) -> dict[Hashable, tuple[int, int]]:
 
 
 def _run(
-    ev: Evaluator, owner: dict[Hashable, int], processes: int, time_limit_s: float
+    ev: Evaluator, owner: dict[Hashable, int], processes: int, time_limit_s: float, start: float
 ) -> list[_Share]:
     context = get_context("fork")
     best = context.Value("d", math.inf)
@@ -105,7 +107,7 @@ def _run(
     for index in range(processes):
         here, there = context.Pipe(duplex=False)
         child = context.Process(
-            target=_work, args=(ev, owner, index, best, deadline, time_limit_s, there),
+            target=_work, args=(ev, owner, index, best, deadline, time_limit_s, start, there),
             daemon=True,
         )  # fmt: skip
         child.start()
@@ -143,6 +145,7 @@ def _work(
     best: Any,
     deadline: float,
     time_limit_s: float,
+    start: float,
     pipe: Connection,
 ) -> None:
     """One process: the search of its share, sent back as a `_Share` (or the exception)."""
@@ -159,7 +162,7 @@ def _work(
     try:
         state = _Search(
             ev, deadline, time_limit_s, owns=lambda c: owner[(c.count, c.mesh)] == index,
-            incumbent_s=lambda: best.value, offer=offer,
+            incumbent_s=lambda: best.value, offer=offer, start=start,
         )  # fmt: skip
         outcome = state.outcome()
         found = outcome.best
@@ -174,7 +177,7 @@ def _work(
         share = _Share(
             mine, outcome.least_s, outcome.configurations, outcome.bounded, outcome.solved,
             outcome.timed_out, refusals.least_bytes,
-            refusals.message(ev.request.memory_limit_bytes),
+            refusals.message(ev.request.memory_limit_bytes), outcome.improvements,
         )  # fmt: skip
         pipe.send(share)
     except BaseException as exc:  # sent to the parent, which raises it
@@ -204,6 +207,15 @@ def _merged(ev: Evaluator, shares: list[_Share], start: float, time_limit_s: flo
         time.perf_counter() - start, sum(s.configurations for s in shares),
         sum(s.bounded for s in shares), sum(s.solved for s in shares),
         "optimal" if gap <= MIP_GAP * (1 + 1e-9) else "feasible", gap, time_limit_s,
-        any(s.timed_out for s in shares),
+        any(s.timed_out for s in shares), _running_best(shares),
     )  # fmt: skip
     return replace(found, effort=effort)
+
+
+def _running_best(shares: list[_Share]) -> tuple[tuple[float, float], ...]:
+    """When a better plan was found by any process (seconds since the start, its step)."""
+    out: list[tuple[float, float]] = []
+    for t, step_s in sorted(f for s in shares for f in s.improvements):
+        if not out or step_s < out[-1][1]:
+            out.append((t, step_s))
+    return tuple(out)

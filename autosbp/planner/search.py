@@ -52,9 +52,11 @@ bound so far is kept) and goes back, one at level 2 is solved (`problem.solve_me
 MIP_GAP), its plan priced by `predict` and kept if faster. A best-first search finds its plan
 last: the configuration that wins is the one whose bound the others pass last (GPT-3 on 1024
 A100s: the winner's first LP came at 40% of the search, its plan at 100%). So a configuration
-whose LP bound (2a or 2) comes out below DIVE_BELOW of the best plan so far (or before any
-plan) dives: it goes on to its LP bound (2) and its solve at once, out of turn. A dive only
-adds solves, each of a configuration that might win; it skips nothing. The search stops when
+whose LP bound (2a) comes out below DIVE_BELOW of the best plan so far dives: it goes on to its
+LP bound (2) at once, out of turn (an integral LP is its plan); one whose LP bound (2) is below
+SOLVE_BELOW of it, or any before the first plan, goes on to its solve (a MIP: dearer, so only
+where it is likelier to win). A dive only adds work, on a configuration that might win; it
+skips nothing. The search stops when
 the least bound in the heap reaches the best step found x (1 - MIP_GAP): every configuration
 left is then within MIP_GAP of it. No configuration is skipped for any other reason. A bound
 (or a solve) that reaches that cutoff retires its configuration with the cutoff as its bound;
@@ -105,7 +107,9 @@ __all__ = [
     "mesh_shapes", "powers_of_two_dividing", "search",
 ]  # fmt: skip
 
-DIVE_BELOW = 0.98  # a bound below this share of the best plan so far dives (the docstring)
+# A configuration whose LP bound is below this share of the best plan so far dives to its LP
+# bound (2) at once, and below the second share on to its MIP (the docstring).
+DIVE_BELOW, SOLVE_BELOW = 0.98, 0.9
 
 
 class TimeLimitWarning(UserWarning):
@@ -143,7 +147,7 @@ def search(
         found = search_in_processes(request, time_limit_s, jobs, start)
         if found is not None:
             return found
-    state = _Search(Evaluator(request), start + time_limit_s, time_limit_s)
+    state = _Search(Evaluator(request), start + time_limit_s, time_limit_s, start=start)
     return state.outcome().found(start, state)
 
 
@@ -158,6 +162,7 @@ class Outcome:
     bounded: int
     solved: int
     timed_out: bool
+    improvements: tuple[tuple[float, float], ...] = ()  # (seconds since the start, step)
 
     def found(self, start: float, state: _Search) -> Found:
         """The best plan with its effort; NoFitError if there is none."""
@@ -168,7 +173,7 @@ class Outcome:
         status = "optimal" if gap <= MIP_GAP * (1 + 1e-9) else "feasible"
         effort = SearchEffort(
             time.perf_counter() - start, self.configurations, self.bounded, self.solved,
-            status, gap, state.time_limit_s, self.timed_out,
+            status, gap, state.time_limit_s, self.timed_out, self.improvements,
         )  # fmt: skip
         return replace(self.best, effort=effort)
 
@@ -190,11 +195,13 @@ class _Search:
     owns: Callable[[Config], bool] = lambda config: True
     incumbent_s: Callable[[], float] = lambda: math.inf
     offer: Callable[[float], None] = lambda step_s: None
+    start: float = field(default_factory=time.perf_counter)
     heap: list[Entry] = field(default_factory=list)
     best: Found | None = None
     retired_bound: float = math.inf
     configurations: int = 0
     timed_out: bool = False
+    improvements: list[tuple[float, float]] = field(default_factory=list)
     order: itertools.count = field(default_factory=itertools.count)  # ties: the space's order
 
     def outcome(self) -> Outcome:
@@ -208,7 +215,7 @@ class _Search:
         least = min(self.retired_bound, self.heap[0][0] if self.heap else math.inf)
         return Outcome(
             self.best, least, self.configurations, self.ev.bounded, self.ev.solved,
-            self.timed_out,
+            self.timed_out, tuple(self.improvements),
         )  # fmt: skip
 
     def best_s(self) -> float:
@@ -222,9 +229,9 @@ class _Search:
         """No configuration bounded at or above this can improve the best plan by MIP_GAP."""
         return self.best_s() * (1 - MIP_GAP)
 
-    def dives(self, bound: float) -> bool:
-        """Does a configuration with this LP bound go on to its solve out of turn?"""
-        return bound < self.best_s() * DIVE_BELOW
+    def dives(self, bound: float, share: float = DIVE_BELOW) -> bool:
+        """Does a configuration with this LP bound go on out of turn?"""
+        return bound < self.best_s() * share
 
     def push(self, bound: float, level: int, config: Config, mp: MeshProblem | None) -> None:
         if bound >= self.cutoff():
@@ -287,7 +294,7 @@ class _Search:
         lp, mp, solution = found
         if solution is not None:  # solved by its LP
             self.keep(mp, solution, max(bound, min(lp, solution.objective)))
-        elif self.dives(max(bound, lp)) and max(bound, lp) < self.cutoff():
+        elif self.dives(max(bound, lp), SOLVE_BELOW):
             self.solve(config, max(bound, lp), mp)
         else:
             self.push(max(bound, lp), LP, config, mp)
@@ -315,6 +322,8 @@ class _Search:
         if self.best is None or _faster(found, self.best):
             self.best = found
             self.offer(found.prediction.step_time_s)
+            step_s = found.prediction.step_time_s
+            self.improvements.append((time.perf_counter() - self.start, step_s))
         self.retired_bound = min(self.retired_bound, proven)
 
     def time_left(self) -> float:

@@ -105,9 +105,9 @@ def kept_for_backward(
     graph's. `flags`: `saved.requires_grad_of(graph)`, where known (it reads the structure)."""
     flags = requires_grad_of(graph) if flags is None else flags
     if like is not None:
-        found = _rebatched(like, graph, representative, flags)
-        if found is not None:
-            return found
+        rebatched = _rebatched(like, graph, representative, flags)
+        if rebatched is not None:
+            return rebatched
     runs = recompute_runs(graph, recompute)
     nodes = graph.graph.nodes
     holders: Holders = defaultdict(list)  # until backward
@@ -151,17 +151,27 @@ def _rebatched(
 ) -> Kept | None:
     """`like` with this graph's edge keys (their tensors) and intermediates' bytes; None where
     an edge key does not map one to one (then the caller reads the graph afresh)."""
-    keys: dict[Hashable, Hashable] = {}
+    keys: dict[tuple, tuple] = {}
     for u, v in graph.graph.edges:
         key = twin_key(graph, rep, u, v)
         if keys.setdefault(key[:3], key) != key:
             return None
     try:
-        uses = {keys[k[:3]]: found for k, found in like.uses.items()}
-        again = {keys[k[:3]]: found for k, found in like.recomputed_uses.items()}
+        uses: dict[Hashable, tuple[KeptUse, ...]] = {
+            keys[_head(k)]: found for k, found in like.uses.items()
+        }
+        again: dict[Hashable, tuple[KeptUse, ...]] = {
+            keys[_head(k)]: found for k, found in like.recomputed_uses.items()
+        }
     except KeyError:
         return None
     return replace(like, uses=uses, recomputed_uses=again, extra_bytes=_extras(graph, rep, flags))
+
+
+def _head(key: Hashable) -> tuple:
+    """An edge twin's key (`reduce.twin_key`) less its tensors."""
+    assert isinstance(key, tuple)
+    return key[:3]
 
 
 def _extras(

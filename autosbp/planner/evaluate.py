@@ -37,7 +37,6 @@ from autosbp.planner.problem import (
     Priced,
     bound_mesh,
     build_problem,
-    lower_bound_of,
     predict,
     price_graph,
     solve_mesh,
@@ -144,6 +143,9 @@ class Evaluator:
     structural: dict[tuple[Hashable, str], Kept] = field(default_factory=dict)  # (structure, mode)
     flags: dict[Hashable, dict] = field(default_factory=dict)  # per structure: requires grad
     shared: dict[tuple[int, Mesh, int], float] = field(default_factory=dict)  # bound (2a)
+    shared_plans: dict[tuple[int, Mesh, int], tuple[MeshProblem, Solution]] = field(
+        default_factory=dict
+    )  # where bound (2a) is a plan
     bounded: int = 0
     solved: int = 0
 
@@ -237,17 +239,32 @@ class Evaluator:
     def shared_bound(self, config: Config, time_left_s: float, cutoff: float) -> float:
         """Bound (2a), of every recomputation mode of this stage count, mesh and count at once:
         the LP relaxation of the least recomputing mode of the space without memory
-        constraints (inf when nothing beats `cutoff`); -inf when no other mode could use it."""
+        constraints (inf when nothing beats `cutoff`); -inf when no other mode could use it.
+        Where that LP is integral and its plan fits, it is the least mode's plan
+        (`shared_plan`): the optimum of a relaxation, and feasible."""
         key = (config.num_stages, config.mesh, config.count)
         if key not in self.shared:
             if len(self.request.space.recompute) == 1:
-                return -float("inf")
+                return -math.inf
             least = min(self.request.space.recompute, key=RECOMPUTE_MODES.index)
             mp = self.build(replace(config, recompute=least), memory_limit_bytes=None)
             self.bounded += 1
-            found = lower_bound_of(mp, time_left_s, cutoff)
-            self.shared[key] = float("inf") if found is None else found
+            found = bound_mesh(mp, time_left_s, cutoff)
+            self.shared[key] = math.inf if found is None else found[0]
+            if found is not None and found[1] is not None and self._fits(mp, found[1]):
+                self.solved += 1
+                self.shared_plans[key] = (mp, found[1])
         return self.shared[key]
+
+    def shared_plan(self, config: Config) -> tuple[MeshProblem, Solution] | None:
+        """The plan bound (2a) found for `config`, when it is of `config`'s mode."""
+        found = self.shared_plans.get((config.num_stages, config.mesh, config.count))
+        return found if found is not None and found[0].recompute == config.recompute else None
+
+    def _fits(self, mp: MeshProblem, solution: Solution) -> bool:
+        limit = self.request.memory_limit_bytes
+        memory = mp.stage_costs.memory
+        return limit is None or all(c.used_bytes(solution.choice) <= limit for c in memory)
 
     def lp_bound(
         self, config: Config, time_left_s: float, cutoff: float

@@ -165,17 +165,24 @@ class Outcome:
     improvements: tuple[tuple[float, float], ...] = ()  # (seconds since the start, step)
 
     def found(self, start: float, state: _Search) -> Found:
-        """The best plan with its effort; NoFitError if there is none."""
+        """The best plan with its effort (its problem with the memory limit: a plan of bound
+        (2a) was solved without); NoFitError if there is none."""
+        limit = state.ev.request.memory_limit_bytes
         if self.best is None:
-            raise NoFitError(state.ev.refusals.message(state.ev.request.memory_limit_bytes))
-        best_s = self.best.prediction.step_time_s
+            raise NoFitError(state.ev.refusals.message(limit))
+        best = self.best
+        if limit is not None and not best.problem.problem.memory:
+            mp = best.problem
+            config = Config(mp.split.num_stages, mp.mesh, mp.micro_batches, mp.recompute)
+            best = state.ev.rebuilt(config, dict(best.solution.choice))
+        best_s = best.prediction.step_time_s
         gap = max(0.0, (best_s - self.least_s) / best_s)
         status = "optimal" if gap <= MIP_GAP * (1 + 1e-9) else "feasible"
         effort = SearchEffort(
             time.perf_counter() - start, self.configurations, self.bounded, self.solved,
             status, gap, state.time_limit_s, self.timed_out, self.improvements,
         )  # fmt: skip
-        return replace(self.best, effort=effort)
+        return replace(best, effort=effort)
 
 
 FLOOR, NODES, LP = 0, 1, 2  # the bound a configuration in the heap holds (the module docstring)
@@ -277,6 +284,10 @@ class _Search:
             shared = -math.inf
             if self.has_plan():
                 shared = self.ev.shared_bound(config, self.time_left(), self.cutoff())
+                plan = self.ev.shared_plan(config)
+                if plan is not None:  # (2a) solved it
+                    self.keep(*plan, max(bound, shared))
+                    return
             if shared > bound and not self.dives(shared):
                 self.push(shared, NODES, config, None)  # (2a) may have passed another's bound
             else:

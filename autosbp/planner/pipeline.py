@@ -36,6 +36,7 @@ from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
 from autosbp.rules import mutated_inputs
+from autosbp.rules.core import HIDDEN_WRITES
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 # What an attention core may hold between its two products (cheap ops of few flops per element).
@@ -140,10 +141,17 @@ def recompute_runs(graph: OpGraph, mode: str) -> Mapping[str, int]:
 
 def _block_ops(graph: OpGraph) -> set[str]:
     return {
-        n
-        for n, a in graph.nodes(Role.COMPUTE)
-        if a.get("block") is not None and not mutated_inputs(a)
+        n for n, a in graph.nodes(Role.COMPUTE) if a.get("block") is not None and not _writes(a)
     }
+
+
+def _writes(attrs: Mapping) -> bool:
+    """Does the op write into an input (`rules.mutated_inputs`, asked only of ops whose schema
+    is mutable or that write in training: the common case costs a lookup)?"""
+    schema = getattr(attrs.get("target"), "_schema", None)
+    if schema is not None and not schema.is_mutable and attrs["op"] not in HIDDEN_WRITES:
+        return False
+    return bool(mutated_inputs(attrs))
 
 
 def _runs(graph: OpGraph, chosen: set[str]) -> dict[str, int]:
@@ -181,7 +189,7 @@ def _attention_cores(graph: OpGraph) -> set[str]:
             and graph.graph.nodes[n].get("block") == attrs["block"]
         ]
         inner = [graph.graph.nodes[n] for n in core if n not in (first, last)]
-        if all(op_family(a["op"]) in _CORE_FAMILIES and not mutated_inputs(a) for a in inner):
+        if all(op_family(a["op"]) in _CORE_FAMILIES and not _writes(a) for a in inner):
             cores.update(core)
     return cores
 

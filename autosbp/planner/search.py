@@ -50,7 +50,9 @@ Seeds first. Before best-first, the configurations built as people build plans b
 (`_Search.seeds`: per stage count and mode, the stage mesh whose inner dim is a node, and the
 most micro-batches its outer dim splits evenly; Narayanan et al. 2021, section 3.3) are taken
 out of turn, cheapest node bound first, each on to its LP bound (2) (a MIP only while no plan
-is known): on GPT-3/1024 the winner is the 8-stage seed, found at 9 s instead of at the end.
+is known); then the SEED_SOLVES seeds of least LP bound are solved where they dive (the
+winner of 1008B/3072 is the 64-stage seed, whose LP is fractional). On GPT-3/1024 the winner
+is the 8-stage seed, found 9 s into the search instead of at its end.
 A selective mode that recomputes nothing (a fused attention kernel) has none's plans: it is
 left out of the space beside none.
 
@@ -120,6 +122,7 @@ __all__ = [
 # A configuration whose LP bound is below this share of the best plan so far dives to its LP
 # bound (2) at once, and below the second share on to its MIP (the docstring).
 DIVE_BELOW, SOLVE_BELOW = 0.98, 0.9
+SEED_SOLVES = 2  # the seeds with the least LP bounds solved before best-first (the docstring)
 
 
 class TimeLimitWarning(UserWarning):
@@ -219,6 +222,8 @@ class _Search:
     configurations: int = 0
     timed_out: bool = False
     seeding: bool = False  # in `seed_first`
+    seed_lps: list[tuple[float, int, Config, MeshProblem]] = field(default_factory=list)
+    solved_early: set[Config] = field(default_factory=set)  # seeds solved out of turn
     improvements: list[tuple[float, float]] = field(default_factory=list)
     order: itertools.count = field(default_factory=itertools.count)  # ties: the space's order
 
@@ -230,7 +235,8 @@ class _Search:
                 self.timed_out = True
                 break
             bound, negative_level, _, config, problem = heapq.heappop(self.heap)
-            self.advance(config, -negative_level, bound, problem)
+            if config not in self.solved_early:  # else a seed's stale entry: done already
+                self.advance(config, -negative_level, bound, problem)
         least = min(self.retired_bound, self.heap[0][0] if self.heap else math.inf)
         return Outcome(
             self.best, least, self.configurations, self.ev.bounded, self.ev.solved,
@@ -259,6 +265,15 @@ class _Search:
             else:
                 self.advance(config, NODES, bound, None)
         self.seeding = False
+        self.solve_seeds()
+
+    def solve_seeds(self) -> None:
+        """The SEED_SOLVES seeds of least LP bound, solved where they dive; their entries in
+        the heap are stale then (skipped when popped)."""
+        for bound, _, config, mp in sorted(self.seed_lps, key=lambda s: s[:2])[:SEED_SOLVES]:
+            dives = self.dives(bound, SOLVE_BELOW) and time.perf_counter() < self.deadline
+            if dives and self.solve(config, bound, mp):
+                self.solved_early.add(config)
 
     def seeds(self) -> set[Config]:
         """Per stage count and mode, the configuration built as people build plans by hand
@@ -364,8 +379,11 @@ class _Search:
             self.solve(config, max(bound, lp), mp)
         else:
             self.push(max(bound, lp), LP, config, mp)
+            if self.seeding:
+                self.seed_lps.append((max(bound, lp), next(self.order), config, mp))
 
-    def solve(self, config: Config, bound: float, mp: MeshProblem) -> None:
+    def solve(self, config: Config, bound: float, mp: MeshProblem) -> bool:
+        """Solve `config`: its plan kept, or its bound raised; False when out of time."""
         cutoff = self.cutoff()
         try:
             solution = self.ev.solve(mp, self.time_left(), cutoff)
@@ -375,11 +393,12 @@ class _Search:
                 self.deadline = time.perf_counter()
             else:  # no plan to stop with: the next configuration gets its turn
                 self.retired_bound = min(self.retired_bound, bound)
-            return
+            return False
         if solution is None:
             self.push(max(bound, cutoff), LP, config, mp)  # nothing below the cutoff
         else:
             self.keep(mp, solution, max(bound, solution.objective * (1 - solution.gap)))
+        return True
 
     def keep(self, mp: MeshProblem, solution, proven: float) -> None:
         """A solved configuration: its plan becomes the best if faster (and is offered to the

@@ -73,8 +73,8 @@ left is then within MIP_GAP of it. No configuration is skipped for any other rea
 a solved one retires with its ILP's proven bound (objective x (1 - its gap)).
 
 The time limit. It stops the search once it holds a plan (a limit costs the proven gap, never
-the plan): until the first plan each solve gets the whole limit, and a configuration whose
-solve runs out of time retires with its bound (the gap counts it as unsolved).
+the plan): until the first plan each step gets the whole limit (FIRST_PLAN_S at least), and
+a configuration whose solve runs out of time retires with its bound (the gap counts it as unsolved).
 
 The gap. Over the whole space no plan predicts below L = the least bound of every configuration
 still in the heap or retired; `gap` = (best - L) / best, and `status` is "optimal" when gap <=
@@ -122,6 +122,7 @@ __all__ = [
 # A configuration whose LP bound is below this share of the best plan so far dives to its LP
 # bound (2) at once, and below the second share on to its MIP (the docstring).
 DIVE_BELOW, SOLVE_BELOW = 0.98, 0.9
+FIRST_PLAN_S = 10.0  # the least solver time of each step before the first plan (a floor, assumed)
 SEED_SOLVES = 2  # the seeds with the least LP bounds solved before best-first (the docstring)
 
 
@@ -412,9 +413,10 @@ class _Search:
         self.retired_bound = min(self.retired_bound, proven)
 
     def time_left(self) -> float:
-        """The solver's time: what is left of the limit, or the whole limit before any plan."""
+        """The solver's time: what is left of the limit; before any plan, the whole limit and
+        at least FIRST_PLAN_S."""
         if not self.has_plan():
-            return max(self.deadline - time.perf_counter(), self.time_limit_s)
+            return max(self.deadline - time.perf_counter(), self.time_limit_s, FIRST_PLAN_S)
         return max(self.deadline - time.perf_counter(), 1e-3)
 
 

@@ -5,7 +5,9 @@ Lives here: `search_in_processes` (the shares, the processes, the shared best st
 outcome put back together: the best plan, the least bound left, the effort). Lives elsewhere:
 the search each process runs (`search._Search`), one configuration's work (`evaluate`).
 
-Why it stays sound. A process's share is whole (count, mesh) pairs, dealt in turn in the order
+The seeds (`search._Search.seed_first`) are taken here first, once, so every process starts
+with the seeds' plan as its cutoff and none takes them again. Why it stays sound. A process's
+share is whole (count, mesh) pairs, dealt in turn in the order
 of the space (so each pair is priced once, by one process); each process runs the same
 best-first search over its share, with the cutoff of the best step found by any process (a
 shared double, only ever lowered). Every bound it uses is a bound of its own configurations,
@@ -17,9 +19,8 @@ again here from its configuration and choice (one problem: the choice is the sol
 
 from __future__ import annotations
 
-import math
+import heapq
 import os
-import time
 import traceback
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
@@ -28,8 +29,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from autosbp.errors import NoFitError, PlanError
-from autosbp.planner.evaluate import Evaluator, Found, Request, SearchEffort
-from autosbp.planner.problem import MIP_GAP
+from autosbp.planner.evaluate import Evaluator, Found, Request
+from autosbp.planner.search import Outcome, _Search
 from autosbp.planner.space import Config
 
 MIN_CONFIGURATIONS = 64  # a default search smaller than this runs in one process (a fork costs)
@@ -75,11 +76,16 @@ def search_in_processes(
     processes = min(wanted, max(len(deal), 1))
     if processes <= 1:
         return None
+    seeded = _Search(ev, start + time_limit_s, time_limit_s, start=start)
+    seeded.enter_space()
+    seeded.seed_first()  # here, once: every process starts with its plan as the cutoff
+    if not seeded.heap or seeded.heap[0][0] >= seeded.cutoff():
+        return seeded.outcome(entered=True).found(start, seeded)
     if request.progress:
         request.progress(f"searching in {processes} processes")
     owner = {k: i % processes for k, (i, _) in deal.items()}
-    shares = _run(ev, owner, processes, time_limit_s, start)
-    return _merged(ev, shares, start, time_limit_s)
+    shares = _run(seeded, owner, processes)
+    return _merged(seeded, shares, start)
 
 
 def _deal(ev: Evaluator, counts: list[int]) -> dict[Hashable, tuple[int, int]]:
@@ -97,18 +103,14 @@ def _deal(ev: Evaluator, counts: list[int]) -> dict[Hashable, tuple[int, int]]:
     return found
 
 
-def _run(
-    ev: Evaluator, owner: dict[Hashable, int], processes: int, time_limit_s: float, start: float
-) -> list[_Share]:
+def _run(seeded: _Search, owner: dict[Hashable, int], processes: int) -> list[_Share]:
     context = get_context("fork")
-    best = context.Value("d", math.inf)
-    deadline = time.perf_counter() + time_limit_s
+    best = context.Value("d", seeded.best_s())
     children, pipes = [], []
     for index in range(processes):
         here, there = context.Pipe(duplex=False)
         child = context.Process(
-            target=_work, args=(ev, owner, index, best, deadline, time_limit_s, start, there),
-            daemon=True,
+            target=_work, args=(seeded, owner, index, best, there), daemon=True
         )  # fmt: skip
         child.start()
         there.close()
@@ -139,21 +141,15 @@ def _run(
 
 
 def _work(
-    ev: Evaluator,
-    owner: dict[Hashable, int],
-    index: int,
-    best: Any,
-    deadline: float,
-    time_limit_s: float,
-    start: float,
-    pipe: Connection,
+    seeded: _Search, owner: dict[Hashable, int], index: int, best: Any, pipe: Connection
 ) -> None:
-    """One process: the search of its share, sent back as a `_Share` (or the exception)."""
+    """One process: the search of its share of what the seeding left in the heap, sent back as
+    a `_Share` (or the exception)."""
     import torch
 
-    from autosbp.planner.search import _Search
-
     torch.set_num_threads(1)
+    ev = seeded.ev
+    bounded, solved = ev.bounded, ev.solved  # the seeding's, counted by the parent
 
     def offer(step_s: float) -> None:
         with best.get_lock():
@@ -161,10 +157,13 @@ def _work(
 
     try:
         state = _Search(
-            ev, deadline, time_limit_s, owns=lambda c: owner[(c.count, c.mesh)] == index,
-            incumbent_s=lambda: best.value, offer=offer, start=start,
+            ev, seeded.deadline, seeded.time_limit_s,
+            owns=lambda c: owner[(c.count, c.mesh)] == index, incumbent_s=lambda: best.value,
+            offer=offer, start=seeded.start, solved_early=seeded.solved_early,
         )  # fmt: skip
-        outcome = state.outcome()
+        state.heap = [e for e in seeded.heap if state.owns(e[3])]
+        heapq.heapify(state.heap)
+        outcome = state.outcome(entered=True)
         found = outcome.best
         mine = None
         if found is not None:
@@ -175,7 +174,7 @@ def _work(
             mine = (config, dict(found.solution.choice), found.prediction.step_time_s)
         refusals = ev.refusals
         share = _Share(
-            mine, outcome.least_s, outcome.configurations, outcome.bounded, outcome.solved,
+            mine, outcome.least_s, 0, outcome.bounded - bounded, outcome.solved - solved,
             outcome.timed_out, refusals.least_bytes,
             refusals.message(ev.request.memory_limit_bytes), outcome.improvements,
         )  # fmt: skip
@@ -189,33 +188,36 @@ def _work(
         pipe.close()
 
 
-def _merged(ev: Evaluator, shares: list[_Share], start: float, time_limit_s: float) -> Found:
-    """The processes' outcomes as one search's: the fastest plan (rebuilt here), the least bound
-    left anywhere, the effort summed."""
+def _merged(seeded: _Search, shares: list[_Share], start: float) -> Found:
+    """The seeding's and the processes' outcomes as one search's: the fastest plan (a process's
+    rebuilt here), the least bound left anywhere, the effort summed."""
+    ev = seeded.ev
     solved = [s for s in shares if s.best is not None]
-    if not solved:
+    found = seeded.best
+    if solved:
+        winner = min(solved, key=lambda s: (s.best[2], shares.index(s)))  # type: ignore[index]
+        assert winner.best is not None
+        config, choice, step_s = winner.best
+        if found is None or step_s < found.prediction.step_time_s * (1 - 1e-12):
+            found = ev.rebuilt(config, choice)
+    if found is None:
         closest = min(shares, key=lambda s: s.least_bytes)
         raise NoFitError(closest.refusal)
-    winner = min(solved, key=lambda s: (s.best[2], shares.index(s)))  # type: ignore[index]
-    assert winner.best is not None
-    config, choice, _ = winner.best
-    found = ev.rebuilt(config, choice)
-    least = min(s.least_s for s in shares)
-    best_s = found.prediction.step_time_s
-    gap = max(0.0, (best_s - least) / best_s)
-    effort = SearchEffort(
-        time.perf_counter() - start, sum(s.configurations for s in shares),
-        sum(s.bounded for s in shares), sum(s.solved for s in shares),
-        "optimal" if gap <= MIP_GAP * (1 + 1e-9) else "feasible", gap, time_limit_s,
-        any(s.timed_out for s in shares), _running_best(shares),
+    seeds = Outcome(
+        found, min([seeded.retired_bound] + [s.least_s for s in shares]),
+        seeded.configurations, ev.bounded + sum(s.bounded for s in shares),
+        ev.solved + sum(s.solved for s in shares), any(s.timed_out for s in shares),
+        _running_best(seeded.improvements, shares),
     )  # fmt: skip
-    return replace(found, effort=effort)
+    return seeds.found(start, seeded)
 
 
-def _running_best(shares: list[_Share]) -> tuple[tuple[float, float], ...]:
-    """When a better plan was found by any process (seconds since the start, its step)."""
+def _running_best(
+    seeded: list[tuple[float, float]], shares: list[_Share]
+) -> tuple[tuple[float, float], ...]:
+    """When a better plan was found, here or by any process (seconds since the start, step)."""
     out: list[tuple[float, float]] = []
-    for t, step_s in sorted(f for s in shares for f in s.improvements):
+    for t, step_s in sorted([*seeded, *(f for s in shares for f in s.improvements)]):
         if not out or step_s < out[-1][1]:
             out.append((t, step_s))
     return tuple(out)

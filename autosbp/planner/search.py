@@ -228,9 +228,11 @@ class _Search:
     improvements: list[tuple[float, float]] = field(default_factory=list)
     order: itertools.count = field(default_factory=itertools.count)  # ties: the space's order
 
-    def outcome(self) -> Outcome:
-        self.enter_space()
-        self.seed_first()
+    def outcome(self, *, entered: bool = False) -> Outcome:
+        """Search to the stop rule (`entered`: the space is in the heap and seeded already)."""
+        if not entered:
+            self.enter_space()
+            self.seed_first()
         while self.heap and self.heap[0][0] < self.cutoff():
             if self.has_plan() and time.perf_counter() >= self.deadline:
                 self.timed_out = True

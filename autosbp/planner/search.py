@@ -49,8 +49,9 @@ stage overflows with every node at its fewest bytes, or when its LP is infeasibl
 Seeds first. Before best-first, the configurations built as people build plans by hand
 (`_Search.seeds`: per stage count and mode, the stage mesh whose inner dim is a node, and the
 most micro-batches its outer dim splits evenly; Narayanan et al. 2021, section 3.3) are taken
-out of turn, cheapest node bound first, each on to its LP bound (2) (a MIP only while no plan
-is known); then the SEED_SOLVES seeds of least LP bound are solved where they dive (the
+out of turn, cheapest node bound first, each on to its LP bound (2) (an integral LP is a
+plan); then the SEED_SOLVES seeds of least LP bound are solved where they dive, each within
+SEED_SOLVE_S (a longer MIP waits for its turn; 76.1B/1024's first seed took 41 s) (the
 winner of 1008B/3072 is the 64-stage seed, whose LP is fractional). On GPT-3/1024 the winner
 is the 8-stage seed, found 9 s into the search instead of at its end.
 A selective mode that recomputes nothing (a fused attention kernel) has none's plans: it is
@@ -123,6 +124,8 @@ __all__ = [
 # bound (2) at once, and below the second share on to its MIP (the docstring).
 DIVE_BELOW, SOLVE_BELOW = 0.98, 0.9
 FIRST_PLAN_S = 10.0  # the least solver time of each step before the first plan (a floor, assumed)
+SEED_SOLVE_S = 5.0  # the most each of those solves may take out of turn (assumed: a MIP usually
+# takes 0.1-2 s; a longer one waits for its turn)
 SEED_SOLVES = 2  # the seeds with the least LP bounds solved before best-first (the docstring)
 
 
@@ -261,7 +264,7 @@ class _Search:
             found = self.ev.node_bound(config)
             if found is not None:
                 ranked.append((max(floors[config], found), next(self.order), config))
-        self.seeding = True  # no MIP once a plan is known: each seed's LP first
+        self.seeding = True  # no MIP: each seed's LP first
         for bound, _, config in sorted(ranked):
             if bound >= self.cutoff() or (self.has_plan() and self.deadline <= time.perf_counter()):
                 self.push(bound, NODES, config, None)
@@ -275,7 +278,7 @@ class _Search:
         the heap are stale then (skipped when popped)."""
         for bound, _, config, mp in sorted(self.seed_lps, key=lambda s: s[:2])[:SEED_SOLVES]:
             dives = self.dives(bound, SOLVE_BELOW) and time.perf_counter() < self.deadline
-            if dives and self.solve(config, bound, mp):
+            if dives and self.solve(config, bound, mp, SEED_SOLVE_S):
                 self.solved_early.add(config)
 
     def seeds(self) -> set[Config]:
@@ -378,20 +381,26 @@ class _Search:
         lp, mp, solution = found
         if solution is not None:  # solved by its LP
             self.keep(mp, solution, max(bound, min(lp, solution.objective)))
-        elif not self.has_plan() or (not self.seeding and self.dives(max(bound, lp), SOLVE_BELOW)):
+        elif not self.seeding and (not self.has_plan() or self.dives(max(bound, lp), SOLVE_BELOW)):
             self.solve(config, max(bound, lp), mp)
         else:
             self.push(max(bound, lp), LP, config, mp)
             if self.seeding:
                 self.seed_lps.append((max(bound, lp), next(self.order), config, mp))
 
-    def solve(self, config: Config, bound: float, mp: MeshProblem) -> bool:
-        """Solve `config`: its plan kept, or its bound raised; False when out of time."""
+    def solve(
+        self, config: Config, bound: float, mp: MeshProblem, cap_s: float | None = None
+    ) -> bool:
+        """Solve `config`: its plan kept, or its bound raised; False when out of time (of
+        `cap_s`, where given: a solve out of turn, back in the heap then)."""
         cutoff = self.cutoff()
         try:
-            solution = self.ev.solve(mp, self.time_left(), cutoff)
+            seconds = self.time_left() if cap_s is None else min(self.time_left(), cap_s)
+            solution = self.ev.solve(mp, seconds, cutoff)
         except SolverTimeoutError:
-            if self.has_plan():  # still open: the search is out of time
+            if cap_s is not None:  # its turn comes again, with the time left then
+                self.push(bound, LP, config, mp)
+            elif self.has_plan():  # still open: the search is out of time
                 self.push(bound, LP, config, mp)
                 self.deadline = time.perf_counter()
             else:  # no plan to stop with: the next configuration gets its turn

@@ -1,7 +1,24 @@
-"""How fast the planner plans GPT-3 175B for 1024 A100s, how that grows with depth, and how the
-plan compares with every hand plan of a grid.
+"""How fast the planner plans at the frontier (GPT-3 175B on 1024 A100s, Megatron-LM's Table 1,
+Llama 3 405B on 8192 and 16384 H100s), how GPT-3's search grows with depth, and how its plan
+compares with every hand plan of a grid.
 
-Run: python bench/plan_speed.py [--layers 12 48 96] [--repeat 3] [--no-megatron] [--hand-grid]
+Run: python bench/plan_speed.py [--cases ...] [--time-limit-s 600] [--jobs N] [--busy N]
+     python bench/plan_speed.py --layers 12 48 96 [--repeat 3] [--no-megatron] [--hand-grid]
+
+The frontier table (the default; cases in `bench/frontier.py`): per case, in a process of its
+own, as `autosbp plan` plans it: the capture time, the search's wall and CPU time (its worker
+processes' included), status and proven gap, configurations / LP-bounded / solved, the plan's
+predicted step and shape, and the peak RSS (the most of the process and of any one of its
+workers). Then the anytime table of GPT-3/1024 and 1008B/3072: when the search first held a
+plan, one within 5% and one within 1% of the best it proved. With --busy N, GPT-3/1024 again
+beside N processes that spin a core each: under the default 60 s limit, then at 600 s; the
+ratio of their plans says how much the limit cost, and the status whether it was proven.
+Targets (issue "Planner III", quiet 2-core machine): GPT-3/1024 optimal in <= 10 s; every
+Table 1 row gap <= 1% in <= 30 s; Llama 3 405B optimal in <= 60 s; RSS < 4 GB; beside two
+busy processes GPT-3/1024 within 2% of the optimum at the default limit; anytime <= 5 s to 5%
+and <= 10 s to 1%. The load before and after is printed beside the figures.
+
+The depth study (--layers):
 
 GPT-3 175B (hidden 12288, 96 heads, seq 2048, vocab 51200, global batch 1536, bf16, Adam) on
 the dgx-a100 profile with 128 nodes, at the profile's memory limit (80 GB less the 10% reserve).
@@ -29,6 +46,7 @@ them beside auto, fastest first.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import sys
@@ -45,6 +63,15 @@ from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import plan_graphs  # noqa: E402
 from autosbp.planner.search import divisors  # noqa: E402
 from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron  # noqa: E402
+from bench.frontier import (  # noqa: E402
+    ANYTIME,
+    CASES,
+    busy,
+    in_process,
+    print_anytime,
+    print_table,
+    run_case,
+)
 
 DEVICES = 1024
 PROFILE = "dgx-a100"
@@ -125,14 +152,66 @@ def _cpu_s() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[12, 48, 96])
+    parser.add_argument(
+        "--layers", type=int, nargs="+",
+        help="the GPT-3 depth study at these depths (12 48 96) instead of the frontier table",
+    )  # fmt: skip
     parser.add_argument("--no-megatron", action="store_true", help="skip the Megatron plan")
     parser.add_argument("--hand-grid", action="store_true", help="price the hand-plan grid too")
     parser.add_argument(
         "--repeat", type=int, default=3,
         help="searches per depth, taken in turn across depths (the host drifts); the least counts",
     )  # fmt: skip
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), help="frontier cases to run")
+    parser.add_argument("--case", choices=list(CASES), help=argparse.SUPPRESS)  # one, as JSON
+    parser.add_argument("--time-limit-s", type=float, default=600.0)
+    parser.add_argument("--jobs", type=int, help="search processes (default: every core)")
+    parser.add_argument(
+        "--busy", type=int, default=0,
+        help="also run GPT-3/1024 under the default 60 s limit beside N busy processes",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.case:
+        print(json.dumps(run_case(CASES[args.case], args.time_limit_s, args.jobs)))
+    elif args.layers:
+        depth_study(args)
+    else:
+        frontier(args)
+
+
+def frontier(args: argparse.Namespace) -> None:
+    """The frontier table (each case in its own process), the anytime table, and with --busy
+    GPT-3/1024 under the default limit beside busy processes."""
+    names = args.cases or list(CASES)
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    print(f"load before: {' '.join(load)}; {os.cpu_count()} cores; jobs {args.jobs or 'all'}")
+    rows = []
+    for name in names:
+        rows.append(in_process(name, args.time_limit_s, args.jobs))
+        print(f"done {name}", file=sys.stderr)
+    print_table(rows)
+    print_anytime([r for r in rows if r["case"] in ANYTIME])
+    if args.busy:
+        spinning = busy(args.busy)
+        try:
+            loaded = [in_process(ANYTIME[0], limit, args.jobs) for limit in (60.0, 600.0)]
+        finally:
+            for p in spinning:
+                p.kill()
+        print(f"\nbeside {args.busy} busy processes: GPT-3/1024 at the default 60 s, then at 600 s")
+        print_table(loaded)
+        if all("error" not in r for r in loaded):
+            ratio = loaded[0]["step_s"] / loaded[1]["step_s"]
+            print(f"60 s plan / 600 s plan: {ratio:.4f} (proven: {loaded[0]['status']})")
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    print(f"load after: {' '.join(load)}")
+    flags = f" --cases {' '.join(names)}" if args.cases else ""
+    flags += f" --jobs {args.jobs}" if args.jobs else ""
+    flags += f" --busy {args.busy}" if args.busy else ""
+    print(f"regenerate: python bench/plan_speed.py --time-limit-s {args.time_limit_s:g}{flags}")
+
+
+def depth_study(args: argparse.Namespace) -> None:
     depths = [capture(layers) for layers in args.layers]
     for turn in range(args.repeat):
         for depth in depths:

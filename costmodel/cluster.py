@@ -3,7 +3,7 @@
 Lives here: `Cluster` (device count, memory per device, op / collective / p2p time, the fraction
 of communication hidden beside compute) and the mapping of a communication group to a link class
 (`link_class_for_group`, `link_class_for_mesh_dim`), in plain ints so costmodel stays ignorant of
-meshes and SBP. Lives elsewhere: the formulas (`costs`); what is overlapped (the planner).
+meshes and SBP. Lives elsewhere: the formulas (`prices`); what is overlapped (the planner).
 
 Device numbering is node-major: device d sits on node d // devices_per_node. A mesh is row-major
 over consecutive devices starting at `first_device` (a pipeline stage's submesh starts later).
@@ -85,7 +85,7 @@ class Cluster:
     def op_time_s(
         self, flops: float, nbytes: float, dtype: DType | str, transcendentals: float = 0.0
     ) -> float:
-        """Time of one op on one device (see `costs`)."""
+        """Time of one op on one device (see `prices`)."""
         return self._compute.op_time_s(flops, nbytes, dtype, transcendentals)
 
     def collective_time_s(
@@ -95,7 +95,7 @@ class Cluster:
         group_size: int,
         link_class: LinkClass | str,
     ) -> float:
-        """One collective: `nbytes` per rank in nccl-tests' convention (see `costs`)."""
+        """One collective: `nbytes` per rank in nccl-tests' convention (see `prices`)."""
         if group_size > self.devices:
             raise ValueError(f"group of {group_size} devices in a cluster of {self.devices}")
         key = (LinkClass(link_class), CollectiveKind(kind))

@@ -2,7 +2,7 @@
 
 Lives here: the closed vocabularies (`DType`, `LinkClass`, `CollectiveKind`, `SourceKind`) and the
 frozen dataclasses a profile is made of. Lives elsewhere: JSON reading, validation and writing
-(`profile_io`, `profile_codec`), pricing (`costs`, `cluster`), measuring (`profiler`).
+(`profile_io`, `profile_codec`), pricing (`prices`, `cluster`), measuring (`measure.profiler`).
 
 Invariants: a `Profile` mirrors the JSON file one to one (numbers stay in the unit they were written
 in; `Quantity.base` converts), so save -> load is the identity; an optional field the file omits

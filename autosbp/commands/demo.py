@@ -17,7 +17,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autosbp.commands import positive_int
+from autosbp.commands import positive_float, positive_int
+from autosbp.commands.plan import print_notes, time_limit_notes
 from autosbp.commands.train import plan_for, train_and_report, train_spec
 from autosbp.plan import (
     Plan,
@@ -44,6 +45,11 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "--gpt3-layers", type=positive_int, default=96,
         help="depth of the GPT-3 175B planned in part 3 (default: 96, the real model)",
     )  # fmt: skip
+    parser.add_argument(
+        "--time-limit-s", type=positive_float, default=60.0,
+        help="each search's time limit (parts 1 and 3); past it the best plan so far is used and "
+        "the demo says the gap proven so far (default: 60)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -58,8 +64,13 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console.rule(f"1. plan a small GPT for {args.nproc} CPU processes (profile cpu-gloo)")
-    plan = plan_for(name, model_args, "auto", args.nproc, "cpu-gloo", console, compare=True)
+    with time_limit_notes() as notes:
+        plan = plan_for(
+            name, model_args, "auto", args.nproc, "cpu-gloo", console, compare=True,
+            time_limit_s=args.time_limit_s,
+        )  # fmt: skip
     console.print(summary_table(plan))
+    print_notes(console, notes)
     console.print(hand_plan_table(plan))
     path = save_plan(plan, out / "plan.json")
     console.rule(f"2. train it {args.steps} steps under the plan, beside single-device training")
@@ -67,7 +78,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     spec = train_spec(name, model_args, plan, args.steps, check=True)
     code = train_and_report(spec, plan, console, trace=trace, timeline=timeline)
     console.rule(f"3. plan GPT-3 175B ({args.gpt3_layers} layers) for 1024 GPUs of DGX A100 nodes")
-    gpt3_path = _gpt3(args.gpt3_layers, out, console)
+    gpt3_path = _gpt3(args.gpt3_layers, out, console, args.time_limit_s)
     console.print(
         f"outputs in {out.resolve()}: {path.name} (read it with `autosbp explain {path}`), "
         f"{trace.name} (open in Perfetto), {timeline.name} (predicted vs measured), "
@@ -76,7 +87,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     return code
 
 
-def _gpt3(layers: int, out: Path, console: Console) -> Path:
+def _gpt3(layers: int, out: Path, console: Console, time_limit_s: float) -> Path:
     """Plan GPT-3 175B on 1024 A100s and print it beside the Megatron-LM plan; save the plan."""
     from autosbp.capturing.rebatch import micro_batch_graphs
     from autosbp.planner.api import plan_graphs
@@ -87,9 +98,10 @@ def _gpt3(layers: int, out: Path, console: Console) -> Path:
     counts = divisors(GPT3_175B["batch"])  # every micro-batch count: the search's whole space
     common: dict[str, Any] = {
         "profile": "dgx-a100", "devices": 1024, "memory_limit": None, "global_batch": None,
-        "optimizer": "adam", "dtype": "bf16", "time_limit_s": 60.0,
+        "optimizer": "adam", "dtype": "bf16", "time_limit_s": time_limit_s,
     }  # fmt: skip
-    with activity(console, f"planning GPT-3 175B ({layers} layers) for 1024 A100s") as act:
+    planning = f"planning GPT-3 175B ({layers} layers) for 1024 A100s"
+    with activity(console, planning) as act, time_limit_notes() as notes:
         act.update("capturing GPT-3 on the meta device")
         model, inputs = gpt3_175b(layers)
         graphs = micro_batch_graphs(
@@ -107,6 +119,7 @@ def _gpt3(layers: int, out: Path, console: Console) -> Path:
             {hand_count: graphs[hand_count]}, **common, strategy=hand, recompute="full"
         )
     console.print(summary_table(auto))
+    print_notes(console, notes)
     console.print(f"searched in {searched:.1f} s")
     console.print(
         _comparison("GPT-3 175B on 1024 A100s: auto vs Megatron-LM", auto, [(hand, megatron)])

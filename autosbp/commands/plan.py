@@ -10,10 +10,14 @@ model is built on the meta device unless --materialize; planning reads shapes on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from autosbp.commands import positive_float, positive_int
@@ -92,6 +96,12 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "gap proven so far (default: 60)",
     )
     parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        help="processes the search runs in (default: every core; a space of fewer than 64 "
+        "configurations is searched in one)",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="also price the usual hand plans (dp, fsdp, megatron:...) and show them beside",
@@ -117,7 +127,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.dtype is not None:  # the command built the model: it may cast it, real or meta
         inputs = in_dtype(model, inputs, args.dtype, owned=True)
     what = f"planning {printable(args.model)} for {args.devices} devices of {args.profile}"
-    with activity(console, what) as act:
+    with activity(console, what) as act, time_limit_notes() as notes:
         plan = auto_parallelize(
             model,
             inputs,
@@ -134,8 +144,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
             time_limit_s=args.time_limit_s,
             progress=act.update,
             compare=args.compare,
+            jobs=args.jobs,
         )
     console.print(summary_table(plan))
+    print_notes(console, notes)
     if plan.hand_plans:
         console.print(hand_plan_table(plan))
     out = args.out or default_out(args.model, args.strategy, args.devices)
@@ -143,6 +155,28 @@ def run(args: argparse.Namespace, console: Console) -> int:
     path = save_plan(plan, out)
     console.print(f"plan written to {path}")
     return 0
+
+
+@contextlib.contextmanager
+def time_limit_notes() -> Iterator[list[str]]:
+    """Collect what the planner's `TimeLimitWarning`s say inside the block (for the command to
+    print in its own words after the plan); every other warning is shown as usual."""
+    from autosbp.planner.search import TimeLimitWarning
+
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TimeLimitWarning)
+        yield notes
+    for found in caught:
+        if issubclass(found.category, TimeLimitWarning):
+            notes.append(str(found.message))
+        else:
+            warnings.showwarning(found.message, found.category, found.filename, found.lineno)
+
+
+def print_notes(console: Console, notes: list[str]) -> None:
+    for note in notes:
+        console.print("[bold yellow]time limit reached:[/]", escape(printable(note)))
 
 
 def default_out(model: str, strategy: str, devices: int) -> Path:

@@ -234,6 +234,7 @@ def plan_for(
     console: Console,
     *,
     compare: bool = False,
+    time_limit_s: float = 60.0,
 ) -> Plan:
     if plan_arg.endswith(".json") or Path(plan_arg).is_file():
         plan = load_plan(plan_arg)  # consistent in itself, or refused
@@ -249,7 +250,7 @@ def plan_for(
         module, inputs = load_model(model, model_args)
         plan = auto_parallelize(
             module, inputs, profile=profile, devices=nproc, strategy=plan_arg, name=model,
-            compare=compare, progress=act.update,
+            compare=compare, progress=act.update, time_limit_s=time_limit_s,
         )  # fmt: skip
     check_job(plan, model, model_args, source=f"the {plan_arg} plan")  # is the model trainable?
     return plan

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from autosbp.errors import MicroBatchError, PlanError
 from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
 from autosbp.planner.hand_plans import hand_strategies, strategy_space
-from autosbp.planner.search import Found, GraphFor, divisors, search
+from autosbp.planner.search import Found, GraphFor, TimeLimitWarning, divisors, search
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers
@@ -74,6 +75,7 @@ def auto_parallelize(
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
     compare: bool = False,
+    jobs: int | None = None,
 ) -> Plan:
     """Plan `model` (which returns its training loss, a mean over the batch) for `devices`
     devices of `profile`; `example_inputs` are one batch (dim 0).
@@ -89,13 +91,16 @@ def auto_parallelize(
     none, selective or full), best-first by proven bounds over the whole space within
     `time_limit_s` (`search`); `strategy` restricts it to a hand plan (dp, fsdp,
     megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model. `compare`: also price the usual
-    hand plans (`strategies.hand_strategies`) into `Plan.hand_plans`.
+    hand plans (`strategies.hand_strategies`) into `Plan.hand_plans`. When the time limit stops
+    the search before it proves its plan optimal, the best plan so far is returned with a
+    `TimeLimitWarning` that says the proven gap and how to raise the limit. `jobs`: processes
+    the search runs in (default: every core, for spaces of 64 configurations or more).
     """
     from autosbp.capturing.rebatch import micro_batch_graphs
 
     dtype = dtype or _dtype_of(model)
     _check_request(devices, optimizer, dtype)  # before the capture, which can take a while
-    _check_limits(memory_limit, global_batch, time_limit_s)
+    _check_limits(memory_limit, global_batch, time_limit_s, jobs)
     space = strategy_space(strategy, recompute)
     inputs = in_dtype(model, at_global_batch(example_inputs, global_batch), dtype)
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
@@ -120,6 +125,7 @@ def auto_parallelize(
         graph_for, counts, profile=profile, devices=devices, memory_limit=memory_limit,
         global_batch=batch, optimizer=optimizer, dtype=dtype, strategy=strategy,
         recompute=recompute, time_limit_s=time_limit_s, progress=progress, compare=compare,
+        jobs=jobs,
     )  # fmt: skip
 
 
@@ -241,6 +247,7 @@ def plan_graphs(
     recompute: str = "auto",
     progress: Callable[[str], None] | None = None,
     compare: bool = False,
+    jobs: int | None = None,
 ) -> Plan:
     """`auto_parallelize` on already captured graphs: micro-batch count -> the graph of one
     micro-batch (`rebatch.micro_batch_graphs`); the search tries these counts."""
@@ -258,7 +265,7 @@ def plan_graphs(
         graphs.__getitem__, counts, profile=profile, devices=devices,
         memory_limit=memory_limit, global_batch=batch, optimizer=optimizer, dtype=dtype,
         strategy=strategy, recompute=recompute, time_limit_s=time_limit_s, progress=progress,
-        compare=compare,
+        compare=compare, jobs=jobs,
     )  # fmt: skip
 
 
@@ -277,11 +284,12 @@ def _plan(
     time_limit_s: float,
     progress: Callable[[str], None] | None = None,
     compare: bool = False,
+    jobs: int | None = None,
 ) -> Plan:
     from costmodel import Cluster, load_profile
 
     _check_request(devices, optimizer, dtype)
-    _check_limits(memory_limit, global_batch, time_limit_s)
+    _check_limits(memory_limit, global_batch, time_limit_s, jobs)
     hw = load_profile(profile)
     per_node = int(hw.topology.devices_per_node.value)
     cluster = Cluster(hw, nodes=-(-devices // per_node))
@@ -305,11 +313,14 @@ def _plan(
         return search(
             graph_for, global_batch, devices, ClusterPrices(cluster), link_of, space,
             optimizer=optimizer, memory_limit_bytes=limit, time_limit_s=time_limit_s,
-            devices_per_node=per_node, progress=progress,
+            devices_per_node=per_node, progress=progress, jobs=jobs,
         )  # fmt: skip
 
     ctx = PlanContext(hw.name, limit, strategy, global_batch, DTYPES[dtype], optimizer)
     best = found_for(strategy)
+    note = best.effort.limit_note(best.prediction.step_time_s) if best.effort else None
+    if note is not None:  # said in words: the CLI prints it, a caller may make it an error
+        warnings.warn(note, TimeLimitWarning, stacklevel=3)
     if not compare:
         return assemble_plan(best, ctx)
     hand = []
@@ -338,12 +349,15 @@ def _check_request(devices: int, optimizer: str, dtype: str) -> None:
         raise PlanError(f"dtype {dtype!r} is not known; use one of {sorted(DTYPES)}.")
 
 
-def _check_limits(memory_limit: int | None, global_batch: int | None, time_limit_s: float) -> None:
+def _check_limits(
+    memory_limit: int | None, global_batch: int | None, time_limit_s: float, jobs: int | None
+) -> None:
     """Sizes and limits that must be > 0 when given (None: the default)."""
     for name, value, flag in (
         ("memory_limit", memory_limit, "--memory-gib"),
         ("global_batch", global_batch, "--global-batch"),
         ("time_limit_s", time_limit_s, "--time-limit-s"),
+        ("jobs", jobs, "--jobs"),
     ):
         if value is not None and not value > 0:
             raise PlanError(

@@ -52,7 +52,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             tuple(format_nd_sbp(nd) for nd in sig.outputs),
             stage,
             tied_to="" if rep == name else rep,
-            recomputed=recomputed(attrs, solved.recompute),
+            recomputed=recomputed(graph, name, solved.recompute),
         )
         if attrs.role is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])

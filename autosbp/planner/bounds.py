@@ -70,7 +70,7 @@ def step_bound(
             update[s] += least
         elif attrs.role is Role.COMPUTE:
             forward = least / (1.0 + BACKWARD_FACTOR)
-            busy[s] += least + (forward if recomputed(attrs, recompute) else 0.0)
+            busy[s] += least + (forward if recomputed(graph, name, recompute) else 0.0)
             first[s] += forward
     return max(
         micro_batches * busy[s] + max(sum(busy[:s]), sum(first[:s]) + update[s])

@@ -127,11 +127,16 @@ def solve_below(
     that (`ilp_solvers.fix_by_reduced_costs`) before the MIP of the whole problem."""
     start = time.perf_counter()
     _check_memory_floor(problem)
+    deadline = start + time_limit_s  # one limit for every step below
+
+    def left() -> float:
+        return max(deadline - time.perf_counter(), 1e-3)
+
     if problem.max_terms:
         by_parts = _solve_by_parts(problem, cutoff, solver, time_limit_s, rel_gap)
         if by_parts is not _UNDECIDED:
             return by_parts and replace(by_parts, seconds=time.perf_counter() - start)
-    relaxed = relax(problem, time_limit_s, cutoff)
+    relaxed = relax(problem, left(), cutoff)
     if isinstance(relaxed, CutOff) or (relaxed is not None and relaxed.bound_s >= cutoff):
         return None
     rounded = None
@@ -141,13 +146,13 @@ def solve_below(
             return Solution(
                 choice, problem.objective(choice), "optimal", 0.0, time.perf_counter() - start
             )
-        rounded = _solve_on_support(problem, relaxed, solver, time_limit_s)
+        rounded = _solve_on_support(problem, relaxed, solver, left())
     upper = min(cutoff, rounded.objective if rounded is not None else math.inf)
     found: Solution | None
     if relaxed is None or not math.isfinite(upper):
-        found, lower = _solve_whole(problem, solver, time_limit_s, rel_gap)
+        found, lower = _solve_whole(problem, solver, left(), rel_gap)
     else:
-        found, lower = _solve_fixed(problem, relaxed, upper, solver, time_limit_s, rel_gap)
+        found, lower = _solve_fixed(problem, relaxed, upper, solver, left(), rel_gap)
     best = min((s for s in (found, rounded) if s is not None), key=objective_of, default=None)
     if best is None and lower < cutoff:
         raise SolverTimeoutError(_out_of_time(solver, time_limit_s))
@@ -249,12 +254,14 @@ def _solve_by_parts(
     chosen = tuple(_heaviest_part(term) for term in problem.max_terms)
     lower, best, tried = -math.inf, None, set[tuple[int, ...]]()
     tol = max(rel_gap, 1e-9)
+    deadline = time.perf_counter() + time_limit_s  # every round within the one limit
     while chosen not in tried and len(tried) < PART_ROUNDS:
         tried.add(chosen)
         relaxation = _priced_by(problem, chosen)
-        found = solve_below(
-            relaxation, cutoff, solver=solver, time_limit_s=time_limit_s, rel_gap=rel_gap
-        )
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        found = solve_below(relaxation, cutoff, solver=solver, time_limit_s=left, rel_gap=rel_gap)
         if found is None:
             return None  # a lower bound of `problem` reaches the cutoff
         lower = max(lower, found.objective * (1 - found.gap))

@@ -3,18 +3,24 @@
 Lives here: `Kept` (per representative node, the outputs it keeps in its own layout and the
 intermediates its backward keeps; per edge, the uses whose consumer keeps the value, which the
 layouts then price as the producer's tensor or as a boxed copy) and `kept_for_backward`, which
-reads it off the graph with what autograd saves (`saved`). Lives elsewhere: bytes per candidate
+reads it off the graph with what autograd saves (`autograd_probe`). Lives elsewhere: bytes per candidate
 and pair (`memory`), recomputation modes (`pipeline`), ties (`reduce`).
 
-The facts (autograd's, per op, `saved.saved_by`):
+The facts (autograd's, per op, `autograd_probe.saved_by`):
 - a value is kept when a backward that will run saves it: its consumer's (an input it saves),
   its producer's (an output it saves, e.g. softmax), or a checkpointed run's (the inputs of a
-  recomputed run of a block: `runtime.execute.program` checkpoints each such run, which saves what it
-  reads from outside it, not its parameters);
+  recomputed run (`pipeline.recompute_runs`: the runtime checkpoints each run, which
+  saves what it reads from outside it, as produced, not its parameters: one use of each such
+  value stands for it, on the edge into the run);
 - a view keeps its input exactly when something keeps its output (it aliases it), whatever
   the recomputation;
-- a recomputed op's own saves are not kept: its block's run is recomputed in backward, one
-  block at a time (`rematerialized`: what it holds while that happens).
+- a recomputed op's own saves are not kept across: its run is recomputed in backward, one run
+  at a time, and holds them while it does (`rematerialized`, `recomputed_uses`), priced as
+  `none` prices them, except values kept across anyway (the run's inputs, or a value a later
+  op keeps), which add only their converted copies. So a recomputing mode keeps across what
+  `none` keeps outside its runs, plus the runs' inputs (which `none` keeps too where an op of
+  the run saves them: a block's first norm or product), and while one run recomputes, what
+  `none` keeps of it.
 Where the consumer keeps a value that reached it through boxing, what stays is the boxed copy
 (an all-gather's, all-to-all's or all-reduce's output); a conversion that only slices (B to S)
 is a view of the producer's tensor. So each kept use is priced on its edge (`memory.
@@ -34,13 +40,13 @@ identical blocks).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, replace
 
 from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpGraph, OpNode, Role
 from autosbp.planner.autograd_probe import requires_grad_of, saved_by
-from autosbp.planner.pipeline import recomputed
+from autosbp.planner.pipeline import recompute_runs
 from autosbp.planner.reduce import twin_key
 
 __all__ = ["Kept", "KeptUse", "kept_for_backward"]
@@ -52,11 +58,14 @@ _STATE = (Role.PARAMETER, Role.BUFFER, Role.INPUT)  # values counted apart (mode
 class KeptUse:
     """A use (producer output `out_idx` -> consumer input `in_idx`) whose value stays until
     backward; `sole`: its only holder, so where the conversion makes no copy the producer's
-    tensor is what this use keeps."""
+    tensor is what this use keeps. `converted`: what stays is the value as the consumer reads
+    it (a saved input); else as it was produced (a checkpointed run's input: the run converts
+    it again when it recomputes)."""
 
     out_idx: int
     in_idx: int
     sole: bool = False
+    converted: bool = True
 
 
 @dataclass(frozen=True)
@@ -76,98 +85,169 @@ class Kept:
 
 
 _SELF = ("self",)  # a value's producer (or a checkpoint of its consumer's run) keeps it
+# Per value (node, output): who keeps it, _SELF or (consumer, output, input, converted).
+Holders = dict[tuple[str, int], list[tuple]]
 
 
-def kept_for_backward(graph: OpGraph, representative: Mapping[str, str], recompute: str) -> Kept:
-    """What `graph` keeps under `recompute` (the module docstring), merged per representative."""
-    flags = requires_grad_of(graph)
-    holders: dict[tuple[str, int], list[tuple]] = defaultdict(list)
-    rematerialized: dict[str, tuple[int, ...]] = {}
-    recomputed_uses: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
-    extras: dict[str, int] = {}
+def kept_for_backward(
+    graph: OpGraph,
+    representative: Mapping[str, str],
+    recompute: str,
+    *,
+    like: Kept | None = None,
+    flags: Mapping[tuple[str, int], bool] | None = None,
+) -> Kept:
+    """What `graph` keeps under `recompute` (the module docstring), merged per representative:
+    across (per micro-batch in flight) and, apart, what a recomputed run's ops save while it
+    recomputes (`rematerialized`, `recomputed_uses`). `like`: what a graph of the same
+    structure keeps under `recompute` (another micro-batch count of one model, `space.
+    structure`): which values are kept is the same, only the intermediates' bytes are this
+    graph's. `flags`: `saved.requires_grad_of(graph)`, where known (it reads the structure)."""
+    flags = requires_grad_of(graph) if flags is None else flags
+    if like is not None:
+        rebatched = _rebatched(like, graph, representative, flags)
+        if rebatched is not None:
+            return rebatched
+    runs = recompute_runs(graph, recompute)
+    holders: Holders = defaultdict(list)  # until backward
+    again: Holders = defaultdict(list)  # while the run that holds them recomputes
+    saved_by_run: set[tuple[str, int, int | None]] = set()  # (value, run): its checkpoint keeps it
     for v in reversed(graph.order):  # a view's consumers come first: they decide what it keeps
         attrs = graph.node(v)
         if attrs.role is not Role.COMPUTE:
             continue
-        producers = graph.producers(v)
-        again = recomputed(attrs, recompute)
-        if op_family(attrs.op) == "view":
-            held = any(holders.get((v, o)) for o in range(len(attrs.outputs)))
-            keeps = frozenset({0} if held else ())
+        producers, run = graph.producers(v), runs.get(v)
+        if op_family(attrs.op) == "view":  # it keeps its input where its output is kept
+            outs = range(len(attrs.outputs))
+            keeps = {0} if any(holders.get((v, o)) for o in outs) else set()
+            again_keeps = {0} if any(again.get((v, o)) for o in outs) else set()
         else:
             saved = saved_by(attrs, tuple(flags[p] if p else False for p in producers))
-            keeps = saved.inputs
-            extras[v] = saved.extra_bytes
-            if again:
-                rematerialized[v] = tuple(range(len(attrs.outputs)))
-            else:
-                for o in saved.outputs:
-                    holders[(v, o)].append(_SELF)
+            keeps, again_keeps = (
+                (set(saved.inputs), set()) if run is None else (set(), set(saved.inputs))
+            )
+            for o in saved.outputs:
+                (holders if run is None else again)[(v, o)].append(_SELF)
         for i, found in enumerate(producers):
             if found is None:
                 continue
             u, o = found
-            if again and _checkpoint_input(graph.node(u), attrs, recompute):
-                holders[(u, o)].append(_SELF)
+            read = (u, o, run)  # a checkpointed run saves what it reads, once
+            if _read_by_run(graph.node(u), runs.get(u), run) and read not in saved_by_run:
+                saved_by_run.add(read)
+                holders[(u, o)].append((v, o, i, False))
             if i in keeps:
-                if again and op_family(attrs.op) != "view":
-                    recomputed_uses[(u, v)].append((o, i))
-                else:
-                    holders[(u, o)].append((v, o, i))
-    return _merged(graph, representative, holders, extras, rematerialized, recomputed_uses)
+                holders[(u, o)].append((v, o, i, True))
+            if i in again_keeps:
+                again[(u, o)].append((v, o, i, True))
+    return _merged(
+        graph, representative, holders, again, _extras(graph, representative, flags), runs
+    )
 
 
-def _checkpoint_input(producer: OpNode, consumer: OpNode, recompute: str) -> bool:
-    """Does the checkpointed run of a recomputed `consumer` save this producer's value? It
-    saves what it reads from outside the run, except parameters and buffers (the runtime holds
-    them anyway)."""
-    if producer.role in _STATE:
-        return False
-    inside = recomputed(producer, recompute) and producer.block == consumer.block
-    return not inside
+def _rebatched(
+    like: Kept, graph: OpGraph, rep: Mapping[str, str], flags: Mapping[tuple[str, int], bool]
+) -> Kept | None:
+    """`like` with this graph's edge keys (their tensors) and intermediates' bytes; None where
+    an edge key does not map one to one (then the caller reads the graph afresh)."""
+    keys: dict[tuple, tuple] = {}
+    for u, v in graph.graph.edges:
+        key = twin_key(graph, rep, u, v)
+        if keys.setdefault(key[:3], key) != key:
+            return None
+    try:
+        uses: dict[Hashable, tuple[KeptUse, ...]] = {
+            keys[_head(k)]: found for k, found in like.uses.items()
+        }
+        again: dict[Hashable, tuple[KeptUse, ...]] = {
+            keys[_head(k)]: found for k, found in like.recomputed_uses.items()
+        }
+    except KeyError:
+        return None
+    return replace(like, uses=uses, recomputed_uses=again, extra_bytes=_extras(graph, rep, flags))
+
+
+def _head(key: Hashable) -> tuple:
+    """An edge twin's key (`reduce.twin_key`) less its tensors."""
+    assert isinstance(key, tuple)
+    return key[:3]
+
+
+def _extras(
+    graph: OpGraph, rep: Mapping[str, str], flags: Mapping[tuple[str, int], bool]
+) -> dict[str, int]:
+    """Per representative, the most bytes of intermediates any of its copies' backward saves."""
+    extra: dict[str, int] = {}
+    for v, attrs in graph.nodes(Role.COMPUTE):
+        if op_family(attrs.op) != "view":
+            producers = graph.producers(v)
+            saved = saved_by(attrs, tuple(flags[p] if p else False for p in producers))
+            extra[rep[v]] = max(extra.get(rep[v], 0), saved.extra_bytes)
+    return extra
+
+
+def _read_by_run(producer: OpNode, producer_run: int | None, run: int | None) -> bool:
+    """Does the checkpointed `run` (None: none) save this producer's value? What it reads from
+    outside it, except parameters, buffers and user inputs (counted apart)."""
+    return run is not None and producer.role not in _STATE and producer_run != run
 
 
 def _merged(
     graph: OpGraph,
     rep: Mapping[str, str],
-    holders: Mapping[tuple[str, int], list[tuple]],
-    extras: Mapping[str, int],
-    rematerialized: Mapping[str, tuple[int, ...]],
-    recomputed_uses: Mapping[tuple[str, str], list[tuple[int, int]]],
+    holders: Holders,
+    again: Holders,
+    extra: dict[str, int],
+    runs: Mapping[str, int],
 ) -> Kept:
-    outputs: dict[str, set[int]] = defaultdict(set)
-    uses: dict[Hashable, dict[tuple[int, int], bool]] = defaultdict(dict)
-    regatherable: set[str] = set()
-    for (u, o), found in holders.items():
-        attrs = graph.node(u)
-        edges = [h for h in found if h is not _SELF]
-        apart = attrs.role in _STATE or op_family(attrs.op) == "view"
-        at_node = not apart and (len(edges) != len(found) or len(edges) > 1)
-        if at_node:
-            outputs[rep[u]].add(o)
-        for v, _, i in edges:
-            key = twin_key(graph, rep, u, v)
-            sole = not apart and not at_node
-            uses[key][(o, i)] = uses[key].get((o, i), False) or sole
-            if attrs.role is Role.PARAMETER:
-                regatherable.add(rep[u])
-    remat: dict[str, set[int]] = defaultdict(set)
-    for v, outs in rematerialized.items():
-        remat[rep[v]].update(outs)
-    extra: dict[str, int] = {}
-    for v, nbytes in extras.items():
-        extra[rep[v]] = max(extra.get(rep[v], 0), nbytes)
-    again: dict[Hashable, dict[tuple[int, int], bool]] = defaultdict(dict)
-    for (u, v), pairs in recomputed_uses.items():
-        key = twin_key(graph, rep, u, v)
-        again[key].update(dict.fromkeys(pairs, False))
+    outputs, uses = _priced(graph, rep, holders, lambda u, o: True)
+    # While a run recomputes, a value it makes and nothing keeps across is priced as `none`
+    # would price it; values kept across anyway (read from outside, or kept by a later op)
+    # add only their converted copies.
+    remat, again_uses = _priced(
+        graph, rep, again, lambda u, o: u in runs and not holders.get((u, o))
+    )
+    regatherable = {  # a parameter some consumer keeps (after any conversion)
+        rep[u]
+        for (u, _), found in holders.items()
+        if graph.node(u).role is Role.PARAMETER and any(h is not _SELF for h in found)
+    }
     return Kept(
         {r: frozenset(o) for r, o in outputs.items()}, extra,
         {r: frozenset(o) for r, o in remat.items()},
-        {k: _uses(u) for k, u in uses.items()}, {k: _uses(u) for k, u in again.items()},
+        {k: _uses(u) for k, u in uses.items()}, {k: _uses(u) for k, u in again_uses.items()},
         frozenset(regatherable),
     )  # fmt: skip
 
 
-def _uses(pairs: Mapping[tuple[int, int], bool]) -> tuple[KeptUse, ...]:
-    return tuple(KeptUse(o, i, sole) for (o, i), sole in sorted(pairs.items()))
+def _priced(
+    graph: OpGraph, rep: Mapping[str, str], holders: Holders, own: Callable[[str, int], bool]
+) -> tuple[dict[str, set[int]], dict[Hashable, dict[tuple[int, int], tuple[bool, bool]]]]:
+    """Where the values `holders` keep are priced: per representative the outputs kept in its
+    own layout (kept by its producer, or by several holders that each convert it), per edge
+    twin the kept uses, one of them `KeptUse.sole` where it alone stands for the producer's
+    tensor (the only holder, or a checkpoint that keeps it as produced). A value `own` says
+    is not this pricing's to count (it is counted elsewhere), and values of views and of model
+    state, add only copies."""
+    outputs: dict[str, set[int]] = defaultdict(set)
+    uses: dict[Hashable, dict[tuple[int, int], tuple[bool, bool]]] = defaultdict(dict)
+    for (u, o), found in holders.items():
+        attrs = graph.node(u)
+        edges = [h for h in found if h is not _SELF]
+        apart = attrs.role in _STATE or op_family(attrs.op) == "view" or not own(u, o)
+        as_produced = [h for h in edges if not h[3]]
+        at_node = not apart and (len(edges) != len(found) or (len(edges) > 1 and not as_produced))
+        if at_node:
+            outputs[rep[u]].add(o)
+        stands = None if apart or at_node else (as_produced or edges)[0]
+        for holder in edges:
+            v, _, i, converted = holder
+            key = twin_key(graph, rep, u, v)
+            sole = holder is stands
+            was = uses[key].get((o, i), (False, False))
+            uses[key][(o, i)] = (was[0] or sole, was[1] or converted)
+    return outputs, uses
+
+
+def _uses(pairs: Mapping[tuple[int, int], tuple[bool, bool]]) -> tuple[KeptUse, ...]:
+    return tuple(KeptUse(o, i, *flags) for (o, i), flags in sorted(pairs.items()))

@@ -5,7 +5,7 @@ memory constraints sum: per node candidate (`candidate_bytes`: model states, use
 buffers, the outputs and intermediates a node keeps for backward) and per edge pair
 (`pair_bytes`: what a kept use holds once its value is converted to the consumer's layout).
 Lives elsewhere: what is kept (`kept`: read off the graph with autograd's own facts,
-`saved`), time prices (`costs`), the constraints themselves (`ilp_problem.MemoryConstraint`,
+`autograd_probe`), time prices (`candidates`), the constraints themselves (`ilp_problem.MemoryConstraint`,
 summed per stage with the micro-batches in flight by `stage_terms`).
 
 Model (Rajbhandari et al. 2020, ZeRO, section 3.1, for model states; for activations, what
@@ -15,7 +15,7 @@ autograd saves, as `kept` derives it, where Korthikanti et al. 2022 section 4 co
   in bf16/fp16: 16 bytes per element for Adam in either precision;
 - a kept output counts its local tensor in the node's layout; a kept intermediate (a norm's
   mean, a dropout mask) its whole bytes times the node's share of the work (the smallest
-  local/global ratio of its tensors, as `costs` prices the work);
+  local/global ratio of its tensors, as `candidates` prices the work);
 - a kept use counts, on its edge, the converted copy where the conversion makes one (any
   collective, or a zero fill), and nothing where it is a view (a slice of B, or no conversion),
   unless the use is its value's only holder: then the producer's own tensor is what it keeps.
@@ -24,6 +24,7 @@ All of it is per device: a device holds its local shard only.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -70,7 +71,10 @@ def candidate_bytes(
     return kept + extra_bytes * work_share(attrs, signature, mesh_shape)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def local_bytes(meta: TensorMeta, layout: NdSbp, mesh_shape: tuple[int, ...]) -> float:
+    """One device's bytes of `meta` in `layout` (cached: a search asks for the same ones on
+    every mesh and count)."""
     return float(math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.dtype.itemsize)
 
 
@@ -85,6 +89,7 @@ def work_share(attrs: OpNode, signature: NdSignature, mesh_shape: tuple[int, ...
     return share
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def is_view_conversion(src: NdSbp, dst: NdSbp) -> bool:
     """Is converting `src` to `dst` a view of the local tensor (no copy)? Only where every mesh
     dim keeps its SBP or slices a broadcast tensor (B -> S)."""
@@ -95,11 +100,17 @@ def is_view_conversion(src: NdSbp, dst: NdSbp) -> bool:
 
 
 def use_bytes(
-    src: NdSbp, dst: NdSbp, meta: TensorMeta, mesh_shape: tuple[int, ...], sole: bool
+    src: NdSbp,
+    dst: NdSbp,
+    meta: TensorMeta,
+    mesh_shape: tuple[int, ...],
+    sole: bool,
+    converted: bool = True,
 ) -> float:
-    """What one kept use holds on a device: the converted copy, or (no copy made) the
-    producer's tensor where the use is its only holder, else nothing beyond it."""
-    if not is_view_conversion(src, dst):
+    """What one kept use holds on a device: the converted copy, or (no copy made, or the value
+    kept as produced: `converted` False) the producer's tensor where the use is its only
+    holder, else nothing beyond it."""
+    if converted and not is_view_conversion(src, dst):
         return local_bytes(meta, dst, mesh_shape)
     return local_bytes(meta, src, mesh_shape) if sole else 0.0
 
@@ -120,7 +131,10 @@ def pair_bytes(
         srcs, src_of = _distinct([outs[use.out_idx] for outs in producer_outputs])
         dsts, dst_of = _distinct([ins[use.in_idx] for ins in consumer_inputs])
         table = np.array(
-            [[use_bytes(src, dst, meta, mesh_shape, use.sole) for dst in dsts] for src in srcs]
+            [
+                [use_bytes(src, dst, meta, mesh_shape, use.sole, use.converted) for dst in dsts]
+                for src in srcs
+            ]
         ).reshape(len(srcs), len(dsts))
         matrix += table[np.ix_(src_of, dst_of)]
     return matrix

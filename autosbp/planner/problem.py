@@ -6,9 +6,9 @@ Lives here: the prices of a graph on a stage mesh that every configuration share
 docstring), its bound and its solve (`lower_bound_of`, `solve_mesh`), and the prediction of a
 solved configuration by the actor simulation (`predict`). Lives elsewhere: the per-stage sums
 (`stage_terms`), the objective made of them, a lower bound of `predict` (`objective`), prices
-(`costs`, `memory`, what backward keeps: `kept`), stages and recomputation (`pipeline`), tied
+(`candidates`, `memory`, what backward keeps: `kept`), stages and recomputation (`pipeline`), tied
 blocks (`reduce`), the solver (`ilp`), the search over configurations (`search`), hand-plan
-restrictions (`strategies`).
+restrictions (`hand_plans`).
 
 Each configuration is solved exactly (to MIP_GAP). Within a stage, the objective has one
 overlap: the gradient sync runs while the last micro-batch's backward does
@@ -125,13 +125,13 @@ class Priced:
         micro-batch in flight: model states, or what its backward keeps (`kept`)."""
         key = (name, optimizer, recompute)
         if key not in self.saved:
-            kept, attrs = self.kept(recompute), self.graph.node(name)
-            extra = 0 if recomputed(attrs, recompute) else kept.extra_bytes.get(name, 0)
+            kept = self.kept(recompute)
+            extra = 0 if recomputed(self.graph, name, recompute) else kept.extra_bytes.get(name, 0)
             self.saved[key] = self._bytes(name, optimizer, kept.outputs_of(name), extra)
         return self.saved[key]
 
     def rematerialized_bytes(self, name: str, recompute: str) -> np.ndarray:
-        """Per candidate, what a recomputed node holds while its block recomputes."""
+        """Per candidate, what a recomputed node holds while its run recomputes."""
         key = (name, "", recompute)
         if key not in self.saved:
             kept = self.kept(recompute)
@@ -217,7 +217,9 @@ def price_graph(
     pricer = pricer or BoxingPricer(prices, mesh)
     rep = representative or tie_blocks(graph)
     kept_memo = {} if kept_memo is None else kept_memo
-    if "none" not in kept_memo:  # which parameters some consumer keeps (`costs.node_strategies`)
+    if (
+        "none" not in kept_memo
+    ):  # which parameters some consumer keeps (`candidates.node_strategies`)
         kept_memo["none"] = kept_for_backward(graph, rep, "none")
     regatherable = kept_memo["none"].regatherable
     bucket_bytes = sync_bucket_bytes(graph)
@@ -240,7 +242,7 @@ def price_graph(
 def _parameter_key(
     attrs: OpNode, mesh: Mesh, bucket_bytes: int, regatherable: bool
 ) -> Hashable | None:
-    """What a parameter's candidates and prices (`costs.node_strategies`) read, or None for
+    """What a parameter's candidates and prices (`candidates.node_strategies`) read, or None for
     other nodes (their candidates read their inputs and the graph around them)."""
     if attrs.role is not Role.PARAMETER:
         return None

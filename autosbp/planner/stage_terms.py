@@ -4,7 +4,7 @@ Lives here: `StageTerms` (per stage: busy and forward time per micro-batch, tran
 update and its sync, memory per node candidate and edge pair, and one block's parameter
 communication and compute, which prefetching overlaps), filled from the tied counts of a graph
 cut into stages; tied nodes and edges are added once per group, times its count. Lives
-elsewhere: the prices it sums (`problem.Priced`, `costs`, `memory`, `kept`), the objective made
+elsewhere: the prices it sums (`problem.Priced`, `candidates`, `memory`, `kept`), the objective made
 of the sums (`objective`), the problem (`problem.build_problem`).
 
 Memory per stage (k = the micro-batches in flight, `pipeline.in_flight`): model states once;
@@ -72,7 +72,7 @@ class StageTerms:
                 self.param_bytes[s] += n * attrs.outputs[0].nbytes
             elif attrs.role is Role.COMPUTE:
                 fwd = found.compute_s / (1.0 + BACKWARD_FACTOR)
-                again = fwd if recomputed(attrs, recompute) else 0.0
+                again = fwd if recomputed(priced.graph, r, recompute) else 0.0
                 self.busy[s].node(r, n * (found.compute_s + again))
                 self.forward[s].node(r, n * fwd)
                 if attrs.block is not None and self.identical:
@@ -81,7 +81,7 @@ class StageTerms:
                     self.compute_backward[s].node(r, w * (found.compute_s - fwd + again))
             if attrs.role is Role.COMPUTE:
                 self.memory[s].node(r, n * k * priced.kept_bytes(r, optimizer, recompute))
-                if recomputed(attrs, recompute):  # one block rematerialized at a time
+                if recomputed(priced.graph, r, recompute):  # one run rematerialized at a time
                     self.memory[s].transient(r, priced.rematerialized_bytes(r, recompute))
             else:
                 self.memory[s].node(r, n * priced.kept_bytes(r, optimizer, recompute))
@@ -105,7 +105,7 @@ class StageTerms:
             self.kinds[sv][("edge", u, v)] += n
             key, consumer = (rep[u], rep[v]), graph.node(rep[v])
             both, fwd_only = priced.edge_prices(u, v)
-            again = recomputed(consumer, recompute)  # tied nodes are recomputed alike
+            again = recomputed(priced.graph, rep[v], recompute)  # tied nodes are recomputed alike
             self.busy[sv].edge(key, n * (both + fwd_only) if again else n * both)
             self.forward[sv].edge(key, n * fwd_only)
             kept = priced.edge_kept(u, v, recompute)

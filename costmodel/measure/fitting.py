@@ -1,7 +1,7 @@
 """Turn measurements into a Profile: alpha-beta fits per (link class, kind), roofline rates.
 
 Lives here: `fit_alpha_beta` (relative least squares), `build_profile` and the sources a measured
-profile cites. Lives elsewhere: taking the measurements (`profiler`), pricing (`costs`).
+profile cites. Lives elsewhere: taking the measurements (`profiler`), pricing (`prices`).
 
 Fits (all empirical, all recorded with the run's date and command):
 - collectives: t = latency + bus_factor(n) * bytes / busbw over every group size of the link class,

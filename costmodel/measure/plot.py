@@ -3,7 +3,7 @@
 Lives here: `plot_profile`, one column per collective kind, time (top) and busbw (bottom) against
 message size, measured points per (link class, group size) and the profile's alpha-beta fit as a
 dashed line. Uses matplotlib's Agg canvas directly, so it never touches the global backend.
-Lives elsewhere: the numbers (`profiler`, `fitting`, `costs`).
+Lives elsewhere: the numbers (`profiler`, `fitting`, `prices`).
 """
 
 from __future__ import annotations

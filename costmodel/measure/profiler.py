@@ -15,7 +15,7 @@ of the slowest rank's time: many short repeats let the median drop the ones wher
 descheduled (2 ranks on 2 shared cores). Every rank measures at once (the groups of a layout
 run concurrently, as all groups of a mesh dim do). On CUDA: NCCL, device =
 local rank, torch.cuda.synchronize before reading the clock. Message sizes follow nccl-tests
-(see `costs`); collectives use fp32 buffers.
+(see `prices`); collectives use fp32 buffers.
 
 Overlap (Galvatron's overlap coefficient, profiling.md section 1): per repeat, every rank times
 (a) a loop of fp32 matmuls alone (about `overlap_compute_s`), (b) an all-reduce of the world group

@@ -68,7 +68,7 @@ def test_a_new_plan_states_each_recomputed_node() -> None:
     graph = _graph(plan.micro_batches)
     stated = {n for n, node in plan.nodes.items() if node.recomputed}
     assert plan.version == 2
-    assert stated == {n for n, a in graph.nodes() if recomputed(a, "full")}
+    assert stated == {n for n, _ in graph.nodes() if recomputed(graph, n, "full")}
     assert stated and recomputed_nodes(plan, graph) == stated
     assert json.loads(json.dumps(plan.to_json()))["nodes"][sorted(stated)[0]]["recomputed"]
 

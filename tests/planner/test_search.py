@@ -20,7 +20,7 @@ import torch
 
 from autosbp.capturing.graph import OpGraph
 from autosbp.capturing.rebatch import micro_batch_graphs
-from autosbp.errors import MicroBatchError, NoFitError, PlanError
+from autosbp.errors import MicroBatchError, NoFitError
 from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
 from autosbp.planner.hand_plans import strategy_space
 from autosbp.planner.ilp_problem import Solution
@@ -145,11 +145,14 @@ def enumerate_space(
     return best, solved
 
 
-def search_space(graphs: dict[int, OpGraph], prices: RandomPrices, limit: float | None):
+def search_space(
+    graphs: dict[int, OpGraph], prices: RandomPrices, limit: float | None, jobs: int = 1
+):
     blocks = len({a.block for _, a in graphs[1].nodes() if a.block is not None})
     return search(
         graphs.__getitem__, 8, DEVICES, prices, link_of, strategy_space("auto", "auto", blocks),
         optimizer="adam", memory_limit_bytes=limit, time_limit_s=120, devices_per_node=PER_NODE,
+        jobs=jobs,
     )  # fmt: skip
 
 
@@ -203,6 +206,29 @@ def test_search_returns_the_optimum_of_exhaustive_enumeration(
             assert bound <= item.step_s * (1 + 1e-9), (name, bound, item.step_s, item.mp.recompute)
     if fraction is not None:  # the limit binds: the fastest plan without it is faster
         assert free.prediction.step_time_s < best * (1 - 1e-6)
+
+
+@pytest.mark.parametrize(("model", "seed", "fraction"), CASES)
+def test_two_processes_find_the_plan_one_finds(
+    model: str, seed: int, fraction: float | None
+) -> None:
+    # The search split over 2 processes (`parallel`: each its share of the (count, mesh)
+    # pairs, every one cutting with the best plan of both) returns the plan of 1 process: the
+    # same configuration, signatures and step, proven optimal, over the same space.
+    graphs, prices = graphs_of(model), RandomPrices.draw(seed)
+    limit = None
+    if fraction is not None:
+        limit = fraction * max(search_space(graphs, prices, None).prediction.peak_bytes)
+    one, two = (search_space(graphs, prices, limit, jobs) for jobs in (1, 2))
+    assert two.effort is not None and one.effort is not None
+    assert two.effort.status == "optimal", two.effort
+    assert two.effort.configurations == one.effort.configurations
+    assert (two.problem.split.num_stages, two.problem.mesh, two.problem.micro_batches) == (
+        one.problem.split.num_stages, one.problem.mesh, one.problem.micro_batches,
+    )  # fmt: skip
+    assert two.problem.recompute == one.problem.recompute
+    assert two.solution.choice == one.solution.choice
+    assert two.prediction.step_time_s == pytest.approx(one.prediction.step_time_s, rel=1e-12)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -267,16 +293,16 @@ def test_on_the_time_limit_the_plan_is_feasible_with_the_gap_proven_so_far(
 ) -> None:
     # The time runs out right after the first plan is kept: the search returns it as
     # "feasible" with the gap it proved, and the enumeration's optimum is within that gap.
-    from autosbp.planner import search as search_module
+    from autosbp.planner import best_first
 
     graphs, prices = graphs_of("gpt"), RandomPrices.draw(3)
-    keep = search_module._Search.keep
+    keep = best_first.BestFirst.keep
 
     def keep_then_time_out(self, *args) -> None:
         keep(self, *args)
         self.deadline = -math.inf
 
-    monkeypatch.setattr(search_module._Search, "keep", keep_then_time_out)
+    monkeypatch.setattr(best_first.BestFirst, "keep", keep_then_time_out)
     found = search_space(graphs, prices, None)
     assert found.effort is not None
     best, _ = enumerate_space(graphs, prices, None)
@@ -284,9 +310,13 @@ def test_on_the_time_limit_the_plan_is_feasible_with_the_gap_proven_so_far(
     assert best >= got * (1 - gap) * (1 - 1e-9)
     assert found.effort.status == ("optimal" if gap <= MIP_GAP * (1 + 1e-9) else "feasible")
     assert gap > MIP_GAP, "the first plan kept was already proven: this case tests nothing"
-    monkeypatch.setattr(search_module._Search, "keep", keep)
-    with pytest.raises(PlanError, match="found no plan within"):  # out of time before any
-        search(
-            graphs.__getitem__, 8, DEVICES, prices, link_of, strategy_space("auto", "auto", 4),
-            optimizer="adam", memory_limit_bytes=None, time_limit_s=1e-9,
-        )  # fmt: skip
+    monkeypatch.setattr(best_first.BestFirst, "keep", keep)
+    # Out of time before any plan: the limit never costs the plan, only the gap. The search
+    # goes on to its first plan, then stops and says so.
+    found = search(
+        graphs.__getitem__, 8, DEVICES, prices, link_of, strategy_space("auto", "auto", 4),
+        optimizer="adam", memory_limit_bytes=None, time_limit_s=1e-9,
+    )  # fmt: skip
+    assert found.effort is not None and found.effort.limit_reached
+    assert found.effort.status == "feasible" and found.effort.gap > MIP_GAP, found.effort
+    assert best >= found.prediction.step_time_s * (1 - found.effort.gap) * (1 - 1e-9)

@@ -125,3 +125,25 @@ def test_a_plan_states_its_exchanges_and_dtensor_refuses_it() -> None:
     assert stated and all("all_gather on mesh dim 0" in e for e in stated)
     with pytest.raises(PlanError, match="communicate inside"):
         check_dtensor_expressible(plan)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mesh"),
+    [
+        ("megatron:cp=4", (4,)),
+        ("megatron:tp=2,cp=2", (2, 2)),
+        ("megatron:tp=2,cp=2,dp=2,pp=2", (2, 2, 2)),
+    ],
+    ids=str,
+)
+def test_cp_hand_plans_are_a_dp_cp_tp_mesh(strategy: str, mesh: tuple[int, ...]) -> None:
+    from autosbp.sbp import Mesh
+
+    space = strategy_space(strategy, "none")
+    assert space.mesh_ok(Mesh(mesh)) and not space.mesh_ok(Mesh((*mesh[:-1], mesh[-1] * 2)))
+    assert space.meshes == ((mesh,) if len(mesh) > 2 else ())
+
+
+def test_cp_with_ep_is_refused() -> None:
+    with pytest.raises(PlanError, match="cp and ep"):
+        strategy_space("megatron:cp=2,ep=2,dp=2", "none")

@@ -98,6 +98,12 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         help=f"steps between checkpoints: a killed job loses at most N (default: {CHECKPOINT_EVERY})",
     )  # fmt: skip
     parser.add_argument(
+        "--skip-non-finite", action="store_true",
+        help="a step whose loss or a gradient is nan or inf makes no update and the job goes on "
+        "(its row says skipped), as large-scale trainers do (default: the job stops at that "
+        "step, naming it, its checkpoint intact)",
+    )  # fmt: skip
+    parser.add_argument(
         "--resume", action="store_true",
         help="continue from the checkpoint in --checkpoint-dir up to --steps (from the start if "
         "the job saved none yet)",
@@ -160,6 +166,11 @@ def _train_command(
     from runtime.jobs import TrainSpec
 
     model_args = parse_model_args(args.model_args)
+    if args.skip_non_finite and args.check:
+        raise ExecutionError(
+            "--check compares every step's update with one device, and --skip-non-finite drops "
+            "some updates; pass one of them."
+        )
     first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume)
     plan = on_rank0(
         lambda: plan_for(args.model, model_args, args.plan, nproc, args.profile, console)
@@ -180,7 +191,7 @@ def _train_command(
         stall_timeout_s=args.stall_timeout,
         checkpoint_dir=None if args.checkpoint_dir is None else str(args.checkpoint_dir),
         checkpoint_every=args.checkpoint_every or CHECKPOINT_EVERY, resume=args.resume,
-        backend=backend, device=device,
+        backend=backend, device=device, skip_non_finite=args.skip_non_finite,
     )  # fmt: skip
     return train_and_report(spec, plan, console, trace=args.trace)
 
@@ -338,7 +349,8 @@ def _step_table(result: Any, model: str, plan: Plan, check: bool) -> Table:
                 )
             continue
         extra = _check_cells(record.check) if check else ()
-        table.add_row(str(record.step), f"{record.loss:.6f}", *extra, f"{seconds * 1e3:.1f} ms")
+        loss = f"{record.loss:.6f}" + (" (skipped)" if record.skipped else "")
+        table.add_row(str(record.step), loss, *extra, f"{seconds * 1e3:.1f} ms")
     return table
 
 

@@ -10,8 +10,9 @@ Model (every constant states where it comes from):
 - compute: roofline `op_time_s(local_flops, local_bytes)`; local flops = flops x the smallest
   local/global size ratio among the op's tensors (the share of the work one device does: 1/n for
   data-, tensor- and contraction-split matmuls alike); local bytes = the local tensors' bytes.
-  Backward = BACKWARD_FACTOR x forward (2: a matmul's backward is two matmuls of the same size;
-  Narayanan et al. 2021 section 3.3 count 3x forward for forward + backward).
+  Backward = BACKWARD_FACTOR x forward x the share of its floating inputs that require grad
+  (`kept.Kept.backward_share`, below 1 under frozen weights) (2: a matmul's backward is two
+  matmuls of the same size; Narayanan et al. 2021 section 3.3 count 3x forward for forward + backward).
 - an op that returns a view of its input (its schema says so and it has its own kernel, so it
   cannot decompose into a copy the way reshape, flatten or contiguous of a non-contiguous
   tensor do) moves no data: it costs the per-op overhead floor alone, forward and backward.
@@ -277,12 +278,19 @@ def sync_bucket_bytes(graph: OpGraph) -> int:
 
 
 def node_strategies(
-    graph: OpGraph, name: str, pricer: BoxingPricer, bucket_bytes: int, regatherable: bool = False
+    graph: OpGraph,
+    name: str,
+    pricer: BoxingPricer,
+    bucket_bytes: int,
+    regatherable: bool = False,
+    backward_share: float = 1.0,
 ) -> NodeStrategies:
     """Candidates of node `name`: per micro-batch compute time, or per step for parameters
     (their gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`).
     `regatherable` (a parameter some consumer keeps, `kept.Kept.regatherable`): each layout that
-    is not B on every mesh dim comes twice, kept and re-gathered (the module header)."""
+    is not B on every mesh dim comes twice, kept and re-gathered (the module header).
+    `backward_share`: of an op's floating inputs, the share whose gradient backward computes
+    (`kept.Kept.backward_share`: under frozen weights, less than 1)."""
     attrs = graph.node(name)
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
@@ -306,7 +314,9 @@ def node_strategies(
         return NodeStrategies(
             name, candidates, sync + update, sync, accumulate, regather=regather.astype(bool)
         )
-    times = [_compute_s(attrs, sig, mesh_shape, pricer.prices) for sig in candidates]
+    times = [
+        _compute_s(attrs, sig, mesh_shape, pricer.prices, backward_share) for sig in candidates
+    ]
     return NodeStrategies(name, candidates, np.array(times), pinned=pinned_inputs(graph, name))
 
 
@@ -332,7 +342,7 @@ def _candidates(attrs: OpNode, mesh_shape: tuple[int, ...]) -> list[NdSignature]
 
 
 def _compute_s(
-    attrs: OpNode, sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
+    attrs: OpNode, sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices, share_bw: float
 ) -> float:
     if attrs.role is not Role.COMPUTE or (not attrs.flops and not attrs.bytes):
         return 0.0
@@ -350,7 +360,7 @@ def _compute_s(
         local_bytes = 0.0  # metadata only: the overhead floor prices it
     special = attrs.transcendentals * share
     forward = prices.op_time_s(attrs.flops * share, local_bytes, dtype, special)
-    return forward * (1.0 + BACKWARD_FACTOR)
+    return forward * (1.0 + BACKWARD_FACTOR * share_bw)
 
 
 def returns_view(target: Any) -> bool:

@@ -198,8 +198,9 @@ class Evaluator:
             copies = tied.copies()
             representatives: Collection[str] = {r for _, r in copies}
             floors = compute_floors(
-                graph, self.request.prices, self.request.devices // num_stages, representatives
-            )
+                graph, self.request.prices, self.request.devices // num_stages, representatives,
+                self.kept_of(count)["none"].backward_share,
+            )  # fmt: skip
             self.stages[key] = Stages(graph, split, tied, copies, floors)
         return self.stages[key]
 

@@ -230,7 +230,8 @@ def price_graph(
         key = _parameter_key(attrs, mesh, bucket_bytes, again) if memo is not None else None
         found = memo.get(key) if memo is not None and key is not None else None
         if found is None:
-            found = node_strategies(graph, name, pricer, bucket_bytes, again)
+            share = kept_memo["none"].backward_share.get(name, 1.0)
+            found = node_strategies(graph, name, pricer, bucket_bytes, again, share)
             if memo is not None and key is not None:
                 memo[key] = found
         strategies[name] = _restricted(replace(found, name=name), graph, name, allow)

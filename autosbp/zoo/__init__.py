@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autosbp.capturing.on_meta import build_on_meta
 from autosbp.errors import CaptureError
 from autosbp.zoo.models import build_gpt, build_mlp, build_resnet, build_widedeep
 from autosbp.zoo.moe import MoeMlp, build_moe, expert_capacity
@@ -160,7 +161,7 @@ def load_model(
             "Check --model-args against the function's parameters."
         ) from exc
     try:
-        with torch.device(device) if device else contextlib.nullcontext():
+        with _building_on(device):
             result = func(**args)
     except (Exception, SystemExit) as exc:  # sys.exit in user code: an error, not our exit
         raise CaptureError(
@@ -169,6 +170,14 @@ def load_model(
             "--model-args) so that it returns (model, example_inputs)."
         ) from exc
     return _check_model_and_inputs(result, spec)
+
+
+def _building_on(device: str | None) -> contextlib.AbstractContextManager[Any]:
+    """Where a builder's tensors are made: `device`, where given; on meta, its own device
+    moves (`.to(device)`, `.cuda()`) stay on meta (`capturing.on_meta`)."""
+    if device == "meta":
+        return build_on_meta()
+    return torch.device(device) if device else contextlib.nullcontext()
 
 
 def _load_function(path: Path, func_name: str) -> Callable[..., Any]:

@@ -104,6 +104,8 @@ def print_summary(opgraph: OpGraph, console: Console) -> None:
     console.print(_blocks_line(opgraph, compute))
     unknown = ", ".join(opgraph.unknown_ops) or "none"
     console.print(f"ops without an SBP rule (all-B fallback): {unknown}")
+    for line in opgraph.meta.get("absorbed", ()):
+        console.print(f"absorbed: {printable(line)}", soft_wrap=True)
 
 
 def _family_table(compute: list[OpNode]) -> Table:

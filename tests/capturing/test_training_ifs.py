@@ -72,3 +72,18 @@ def test_absorbed_models_train_like_one_device(
         pytest.importorskip("transformers")
     argv = ["train", f"{MODELS}:{name}", "--nproc", "2", "--steps", "2", "--check"]
     assert main(argv) == 0, capsys.readouterr().err
+
+
+def test_materialize_checks_the_assumptions_on_the_inputs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--materialize` (issue #29: it failed as meta does) builds real inputs, on which the
+    assumed checks run: a label past the vocabulary is refused there, and passes on meta,
+    where it is reported unchecked."""
+    model = f"{MODELS}:own"
+    assert main(["capture", model, "--model-args", "label=9"]) == 0
+    assert "unchecked on meta" in capsys.readouterr().out
+    assert main(["capture", model, "--model-args", "label=9", "--materialize"]) != 0
+    assert "raises on its example inputs (ValueError" in capsys.readouterr().err
+    assert main(["capture", model, "--materialize"]) == 0
+    assert "checked on the example inputs" in capsys.readouterr().out

@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments
 from autosbp.commands.preflight import check_job
 from autosbp.errors import ExecutionError, PlanError
-from autosbp.plan import Plan, load_plan
+from autosbp.plan import Plan, load_plan, replicated_warning
 from autosbp.plan.tables import shown
 from launching.backends import BACKENDS
 from runtime.defaults import CHECKPOINT_EVERY, STALL_TIMEOUT_S
@@ -264,6 +265,9 @@ def plan_for(
             compare=compare, progress=act.update, time_limit_s=time_limit_s,
         )  # fmt: skip
     check_job(plan, model, model_args, source=f"the {plan_arg} plan")  # is the model trainable?
+    loud = replicated_warning(plan)
+    if loud:
+        console.print("[bold red]warning:[/]", escape(printable(loud)))
     return plan
 
 

@@ -176,6 +176,12 @@ class Evaluator:
             return r.link_of((num_stages, *shape), dim + 1)
 
         meshes = mesh_shapes(r.devices // num_stages, stage_link, r.devices_per_node)
+        meshes += [  # a hand plan's own meshes (3D: dp x cp x tp)
+            Mesh(shape, tuple(f"d{i}" for i in range(len(shape))),
+                 link_classes=tuple(stage_link(shape, d) for d in range(len(shape))))
+            for shape in r.space.meshes
+            if math.prod(shape) * num_stages == r.devices
+        ]  # fmt: skip
         return [m for m in meshes if r.space.mesh_ok(m)]
 
     def stages_of(self, count: int, num_stages: int) -> Stages | None:

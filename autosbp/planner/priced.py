@@ -97,8 +97,9 @@ class Priced:
         key = (name, optimizer, recompute)
         if key not in self.saved:
             kept = self.kept(recompute)
-            extra = 0 if recomputed(self.graph, name, recompute) else kept.extra_bytes.get(name, 0)
-            self.saved[key] = self._bytes(name, optimizer, kept.outputs_of(name), extra)
+            again = recomputed(self.graph, name, recompute)  # extras held while it reruns
+            extra = 0 if again else kept.extra_bytes.get(name, 0)
+            self.saved[key] = self._bytes(name, optimizer, kept.outputs_of(name), extra, not again)
         return self.saved[key]
 
     def rematerialized_bytes(self, name: str, recompute: str) -> np.ndarray:
@@ -108,12 +109,16 @@ class Priced:
             kept = self.kept(recompute)
             outputs = kept.rematerialized.get(name, frozenset())
             extra = kept.extra_bytes.get(name, 0)
-            self.saved[key] = self._bytes(name, "", outputs, extra)
+            self.saved[key] = self._bytes(name, "", outputs, extra, held=True)
         return self.saved[key]
 
-    def _bytes(self, name: str, optimizer: str, outputs: frozenset[int], extra: int) -> np.ndarray:
+    def _bytes(
+        self, name: str, optimizer: str, outputs: frozenset[int], extra: int, held: bool
+    ) -> np.ndarray:
+        """Per candidate: `candidate_bytes`, plus what its exchanges hold (`op_comm`) if `held`."""
         attrs, found = self.graph.node(name), self.strategies[name]
-        return np.array(
+        exchanged = found.held_bytes if held and found.held_bytes is not None else 0.0
+        return exchanged + np.array(
             [
                 candidate_bytes(
                     attrs,

@@ -27,7 +27,7 @@ from collections import Counter
 import numpy as np
 
 from autosbp.capturing.graph import OpNode, Role
-from autosbp.planner.candidates import BACKWARD_FACTOR, NodeStrategies, Prices
+from autosbp.planner.candidates import NodeStrategies, Prices
 from autosbp.planner.ilp_problem import Costs, MemoryConstraint
 from autosbp.planner.objective import StageCosts
 from autosbp.planner.pipeline import in_flight, recomputed
@@ -71,7 +71,7 @@ class StageTerms:
                 self._add_parameter(r, s, n, found, micro_batches)
                 self.param_bytes[s] += n * attrs.outputs[0].nbytes
             elif attrs.role is Role.COMPUTE:
-                fwd = found.compute_s / (1.0 + BACKWARD_FACTOR)
+                fwd = found.forward_part_s()
                 again = fwd if recomputed(priced.graph, r, recompute) else 0.0
                 self.busy[s].node(r, n * (found.compute_s + again))
                 self.forward[s].node(r, n * fwd)

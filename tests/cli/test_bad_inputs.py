@@ -131,12 +131,12 @@ def inputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     plan = autosbp.auto_parallelize(model, inputs, devices=2, time_limit_s=10)
     good = save_plan(plan, root / "plan.json")
     _write_damaged(root, "plan", good.read_text())
-    _write_damaged(root, "profile", (REPO / "profiles" / "cpu-gloo.json").read_text())
+    _write_damaged(root, "profile", (REPO / "costmodel" / "profiles" / "cpu-gloo.json").read_text())
     dp, pp = (
         autosbp.auto_parallelize(model, inputs, devices=2, strategy=s, time_limit_s=10).to_json()
         for s in ("dp", PP)
     )
-    profile = json.loads((REPO / "profiles" / "cpu-gloo.json").read_text())
+    profile = json.loads((REPO / "costmodel" / "profiles" / "cpu-gloo.json").read_text())
     write_corpus(root, dp, pp, profile)
     return root
 
@@ -689,7 +689,7 @@ API_CASES = [
     ),
     pytest.param(
         lambda ctx: profile_from_dict(
-            _edited(REPO / "profiles" / "cpu-gloo.json", "device", "memory", {"value": NAN}),
+            _edited(REPO / "costmodel" / "profiles" / "cpu-gloo.json", "device", "memory", {"value": NAN}),
             "api",
         ),
         ProfileError, ("at $.device.memory.value: nan is not a number",),

@@ -160,7 +160,7 @@ def _train_command(
     from runtime.jobs import TrainSpec
 
     model_args = parse_model_args(args.model_args)
-    first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume)
+    first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume, console)
     plan = on_rank0(
         lambda: plan_for(args.model, model_args, args.plan, nproc, args.profile, console)
     )
@@ -193,11 +193,11 @@ def train_spec(model: str, model_args: dict, plan: Plan, steps: int, **options: 
     return TrainSpec(model, model_args, plan.to_json(), steps, **options)
 
 
-def _first_step(directory: Path | None, every: int | None, resume: bool) -> int:
+def _first_step(directory: Path | None, every: int | None, resume: bool, console: Console) -> int:
     """The step the job starts from (the checkpoint's with --resume, else 0), or an error
     naming the argument to fix: a checkpoint is never overwritten without --resume, and a
     folder that holds something else is never taken for one."""
-    from runtime.state.checkpoint_format import MANIFEST, read_manifest
+    from runtime.state.checkpoint_format import MANIFEST, read_manifest, recover_checkpoint
 
     if directory is None:
         if resume or every is not None:
@@ -206,6 +206,13 @@ def _first_step(directory: Path | None, every: int | None, resume: bool) -> int:
                 f"{flag} needs --checkpoint-dir DIR, the folder the job keeps its checkpoint in."
             )
         return 0
+    if recover_checkpoint(directory):
+        console.print(
+            f"{directory}: a save was killed between its two renames; its last complete "
+            f"checkpoint was put back from {directory.name}.old",
+            markup=False,
+            soft_wrap=True,
+        )
     holds = (directory / MANIFEST).is_file()
     if directory.exists() and not holds and (not directory.is_dir() or any(directory.iterdir())):
         raise ExecutionError(

@@ -480,6 +480,11 @@ CLI_CASES = [
         ("names the rank file '../../../../../etc/hostname'", "not a file of"),
         ("Use another checkpoint",), id="train-manifest-names-a-file-outside",
     ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-negstep", "--resume"],
+        ("is damaged", "optimizer.step is -7, expected a whole number >= 0"),
+        ("Use another checkpoint",), id="train-manifest-negative-step",
+    ),
 ]  # fmt: skip
 
 

@@ -177,10 +177,15 @@ def write_corpus(
 ) -> None:
     """plan-<name>.json for every PLAN_EDITS (from `dp` or `pp`, plan JSON), plan-nested.json
     (100,000 brackets deep), profile-<name>.json for every PROFILE_EDITS (from `profile`),
-    bad_models.py (MODELS), and ckpt-escape/manifest.json (ESCAPING_MANIFEST)."""
+    bad_models.py (MODELS), ckpt-escape/manifest.json (ESCAPING_MANIFEST) and
+    ckpt-negstep/manifest.json (the same, naming its own rank file, at step -7)."""
     (root / "bad_models.py").write_text(MODELS)
     (root / "ckpt-escape").mkdir()
     (root / "ckpt-escape" / "manifest.json").write_text(json.dumps(ESCAPING_MANIFEST))
+    negative = {**ESCAPING_MANIFEST, "optimizer": {**ESCAPING_MANIFEST["optimizer"], "step": -7}}
+    negative["files"] = [{**ESCAPING_MANIFEST["files"][0], "name": "rank00000.pt"}]
+    (root / "ckpt-negstep").mkdir()
+    (root / "ckpt-negstep" / "manifest.json").write_text(json.dumps(negative))
     for name, (base, edit) in PLAN_EDITS.items():
         data = json.loads(json.dumps(dp if base == "dp" else pp))
         edit(data)

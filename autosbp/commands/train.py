@@ -144,7 +144,29 @@ def _device_and_backend(device: str | None, backend: str | None) -> tuple[str, s
             "--backend nccl moves GPU tensors only; train with --device cuda, or with --backend "
             "gloo on the CPU."
         )
+    if device == "cuda":
+        _check_gpus(backend)
     return device, backend
+
+
+def _check_gpus(backend: str) -> None:
+    """--device cuda on a machine where torch sees no GPU (or without NCCL) is refused here,
+    before any rank starts, rather than by torch in every rank."""
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ExecutionError(
+            f"--device cuda: torch {torch.__version__} ({build}) sees no GPU on this machine. "
+            "Train on the CPU with --device cpu --backend gloo, or run on a machine with GPUs "
+            "and a CUDA build of torch."
+        )
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ExecutionError(
+            f"--backend nccl: torch {torch.__version__} was built without NCCL. Use --backend "
+            "gloo, or install a CUDA build of torch."
+        )
 
 
 def _train_command(

@@ -15,8 +15,8 @@ from launching.errors import ExecutionError
 from terminal.errors import AutosbpError
 
 __all__ = [
-    "AutosbpError", "CaptureError", "ExecutionError", "MicroBatchError", "NoFitError", "PlanError",
-    "ProfileError", "SbpError",
+    "AutosbpError", "CaptureError", "ExecutionError", "MicroBatchError", "NoFitError",
+    "NonFiniteError", "PlanError", "ProfileError", "SbpError",
 ]  # fmt: skip
 
 
@@ -40,3 +40,13 @@ class PlanError(AutosbpError):
 
 class NoFitError(PlanError):
     """No plan of the searched space fits in the memory limit (the message names the floor)."""
+
+
+class NonFiniteError(ExecutionError):
+    """A training step whose loss or a gradient is not finite (nan or inf): the step stopped
+    before the optimizer's update. `what` names it ("the loss is nan", "the gradient of
+    `fc.weight` is not finite"); the job adds the step and what to do."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what

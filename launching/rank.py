@@ -41,6 +41,8 @@ from multiprocessing import reduction
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from terminal.errors import AutosbpError
+
 __all__ = ["Failure", "ParentDeath", "ProgressTable", "RankLog", "report_progress", "worker"]
 
 LABEL_BYTES = 160  # a progress report is cut to this many bytes of UTF-8: a line of a message
@@ -232,7 +234,11 @@ def _run_rank(
 
 
 def raised(rank: int, exc: BaseException) -> Failure:
-    """A rank's exception, with its traceback from below the frame that caught it."""
+    """A rank's exception, with its traceback from below the frame that caught it (none for a
+    user-facing `AutosbpError`: its message says the cause and the fix)."""
+    if isinstance(exc, AutosbpError):
+        event, cause = f"raised {type(exc).__name__}", f"{type(exc).__name__}: {exc}"
+        return Failure(rank, os.getpid(), time.time(), False, event, cause)
     tb = exc.__traceback__
     tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
     lines = traceback.format_exception(type(exc), exc, tb)[1:]  # past "Traceback (most ...):"

@@ -41,7 +41,7 @@ from torch import nn
 
 from autosbp.capturing.batches import split_micro_batches
 from autosbp.capturing.graph import OpGraph
-from autosbp.errors import ExecutionError
+from autosbp.errors import ExecutionError, NonFiniteError
 from autosbp.plan import Plan, check_plan
 from autosbp.plan.recompute import recomputed_nodes
 from autosbp.sbp import Mesh, NdSbp
@@ -67,6 +67,7 @@ from runtime.parallel.pipeline import (
 from runtime.parallel.prefetch import GatherSchedule, gather_setup
 from runtime.state.shards import StageState, shard_state, state_layouts
 from runtime.state.startup import agree_on_plan, broadcast_initial_state
+from runtime.verify.finite import NonFinite, first_non_finite
 
 __all__ = ["Engine"]
 
@@ -83,7 +84,9 @@ class Engine:
     `recorder` (an autosbp.timeline.Recorder, or any SpanHook) wraps every actor firing of
     every step, and the parameter gathers, re-gathers and gradient reduce-scatters that run
     beside them (`runtime.parallel.prefetch`). `gathers` runs those as asked instead of as the
-    plan says (`plan_gather_policy`: its prefetch depth and re-gathered parameters). Before
+    plan says (`plan_gather_policy`: its prefetch depth and re-gathered parameters).
+    `non_finite`: a step whose loss or a gradient is nan or inf raises `NonFiniteError` before
+    its update (STOP), or makes no update and counts in `skipped_steps` (SKIP). Before
     anything else, every rank checks that all hold the same plan, and takes rank 0's initial
     parameters and buffers (`runtime.state.startup`).
     """
@@ -98,8 +101,10 @@ class Engine:
         graph: OpGraph | None = None,
         recorder: SpanHook | None = None,
         gathers: GatherPolicy | None = None,
+        non_finite: NonFinite = NonFinite.STOP,
     ) -> None:
         _check_world(plan)
+        self.non_finite, self.skipped_steps = non_finite, 0
         graph = _checked_graph(model, example_inputs, plan, graph)
         self.plan, self.graph, self.micro_batches = plan, graph, plan.micro_batches
         self.rank = dist.get_rank()
@@ -211,15 +216,23 @@ class Engine:
         stage's forward and backward of each micro-batch in its 1F1B order (`stage_orders`),
         activations and gradients exchanged with the other stages, gradients accumulated (each
         loss scaled by 1/micro-batches: the loss must be a mean over the batch), gradient sync,
-        optimizer step. Returns the full loss (the mean over micro-batches) on every rank."""
+        optimizer step. Returns the full loss (the mean over micro-batches) on every rank.
+        A loss or gradient that is nan or inf stops the step before its update (`non_finite`)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_sync.zero_grad()  # bucketed gradients: zeroed views of their buckets
         value = self.pipeline.run(split_micro_batches(batch, self.micro_batches))
         with self._span("grad_sync"):  # what backward did not hide
             self.grad_sync.finish()
+        loss = self.pipeline.share_loss(value)  # every rank has the loss of the last stage
+        bad = first_non_finite(loss, self.parameters, self.shards.trained)
+        if bad is not None:
+            if self.non_finite is NonFinite.STOP:
+                raise NonFiniteError(bad)
+            self.skipped_steps += 1
+            return loss
         with self._span("optimizer"):
             self.optimizer.step()
-        return self.pipeline.share_loss(value)  # every rank returns the loss of the last stage
+        return loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer assembled whole (tied names included). A collective: every

@@ -42,12 +42,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from autosbp.errors import AutosbpError, ExecutionError
+from autosbp.errors import AutosbpError, ExecutionError, NonFiniteError
 from autosbp.plan import Plan
 from autosbp.timeline import Event, Recorder
 from launching.torchrun import TorchrunWorld, join_torchrun_world, torchrun_world
 from launching.workers import COLLECTIVE_MARGIN_S, STARTUP_S, report_progress, run_workers
 from runtime.defaults import CHECKPOINT_EVERY, STALL_TIMEOUT_S
+from runtime.verify.finite import NonFinite
 from runtime.verify.one_device import disable_dropout
 from runtime.verify.step_check import StepChecker
 from runtime.verify.verdict import StepCheck, Verdict, judge
@@ -78,6 +79,7 @@ class TrainSpec:
     resume: bool = False  # continue from the checkpoint in checkpoint_dir, if there is one
     backend: str = "gloo"  # or "nccl" (launching.torchrun.process_group_backend)
     device: str = "cpu"  # or "cuda": each rank takes the GPU of its local rank
+    skip_non_finite: bool = False  # a nan/inf loss or gradient skips the update, not the job
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,7 @@ class StepRecord:
     step: int
     loss: float
     check: StepCheck | None = None  # with TrainSpec.check, on rank 0: against one device
+    skipped: bool = False  # with TrainSpec.skip_non_finite: a nan/inf step made no update
 
 
 @dataclass(frozen=True)
@@ -205,12 +208,13 @@ def train_worker(
         report_progress(f"step {step}")
         _inject_fault(rank, step)
         start = time.perf_counter()
-        loss = job.engine.step(job.inputs)
+        skipped = job.engine.skipped_steps
+        loss = _step(job, spec, step)
         took_s = time.perf_counter() - start
         check = job.checker.after_step(step, job.inputs, loss) if job.checker else None
         _checkpoint(job.engine, spec, step)
         step_s = _slowest_rank_s(took_s)  # the others wait here for rank 0's check
-        rows.append((step, loss, check))
+        rows.append((step, loss, check, job.engine.skipped_steps > skipped))
         times.append(step_s)
         report_progress(f"step {step} done", done=(step + 1, loss, step_s))
         if on_step is not None:
@@ -252,8 +256,9 @@ class _Job:
         progress = _Progress(recorder)
         report_progress("building the engine", grace_s=STARTUP_S)
         engine = Engine(
-            model, plan, lambda ps: adam(ps, spec.lr), example_inputs=inputs, recorder=progress
-        )
+            model, plan, lambda ps: adam(ps, spec.lr), example_inputs=inputs, recorder=progress,
+            non_finite=NonFinite.SKIP if spec.skip_non_finite else NonFinite.STOP,
+        )  # fmt: skip
         first = _resume(engine, spec)
         checker = None
         if (
@@ -263,6 +268,29 @@ class _Job:
             optimizer = (lambda ps: adam(ps, spec.lr)) if first == 0 else None
             checker = StepChecker(engine, model, inputs, optimizer, dropout)
         return cls(engine, inputs, checker, progress, first)
+
+
+def _step(job: _Job, spec: TrainSpec, step: int) -> float:
+    """One step of the engine; a nan or inf stops the job here, naming the step and what is
+    left (the checkpoint saved before it is never touched: no save follows)."""
+    try:
+        return float(job.engine.step(job.inputs))
+    except NonFiniteError as exc:
+        saved = ""
+        if spec.checkpoint_dir is not None:
+            last = max(job.first, step // spec.checkpoint_every * spec.checkpoint_every)
+            saved = (
+                f" The checkpoint in {spec.checkpoint_dir} (after {last} steps) is intact: "
+                "--resume continues from it."
+                if last
+                else " No checkpoint was saved before it."
+            )
+        raise ExecutionError(
+            f"step {step}: {exc.what}, so the job stopped before that step's update (the "
+            f"parameters are those the step began with).{saved} Fix the cause (a lower --lr, "
+            "the data, an op that overflows in its dtype), or pass --skip-non-finite to skip such "
+            "steps' updates as large-scale trainers do."
+        ) from None
 
 
 def _device(kind: str) -> torch.device:
@@ -311,9 +339,11 @@ def _resume(engine: Any, spec: TrainSpec) -> int:
     """The first step to train: the checkpoint's step count with `resume` and a checkpoint in
     `checkpoint_dir`, else 0 (a collective: every rank looks at the same directory)."""
     from runtime.state.checkpoint import MANIFEST, load_checkpoint
+    from runtime.state.checkpoint_format import recover_checkpoint
 
     if not spec.resume or spec.checkpoint_dir is None:
         return 0
+    recover_checkpoint(spec.checkpoint_dir)  # a save killed between its renames
     if not (Path(spec.checkpoint_dir) / MANIFEST).is_file():
         return 0  # the job was stopped before its first checkpoint
     report_progress(f"loading the checkpoint in {spec.checkpoint_dir}", grace_s=STARTUP_S)

@@ -22,6 +22,8 @@ plan made on "meta" trains on "cpu" or "cuda": same nodes, same fingerprint). So
   in place: the runtime writes buffers back), is not itself a view, and no view of it was taken
   before. Otherwise the write stays in place and the planner keeps every edge of its alias chain
   unboxed (`autosbp.rules.pinned_inputs`).
+A frozen parameter (`requires_grad=False`) is a buffer: state the step reads and never trains
+(no gradient, no optimizer state, no sync), as torch's optimizers leave it.
 Invariants: nodes are added in the export's program order, so `order` is a topological order;
 an fx value lives at one (node, output index) and `_where` says which, including values folded
 away (getitem, dropped copies, inlined regions).
@@ -96,6 +98,11 @@ class GraphBuilder:
         elif node.op != "get_attr":  # get_attr feeds higher-order ops, reported at their call
             raise CaptureError(unsupported_node_message(node))
 
+    def _trainable(self, target: str | None) -> bool:
+        """Does the parameter `target` require grad (torch trains only those)?"""
+        found = self._program.state_dict.get(target or "")
+        return found is None or found.requires_grad
+
     # ---------------------------------------------------------------------------- node kinds
     def _add_placeholder(self, node: fx.Node) -> None:
         spec = self._specs[node.name]
@@ -104,6 +111,8 @@ class GraphBuilder:
             raise CaptureError(f"Unsupported export input {node.name!r} of kind {spec.kind.name}.")
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             self._state.add(node.name)
+        if role is Role.PARAMETER and not self._trainable(spec.target):
+            role = Role.BUFFER  # frozen (requires_grad=False): state the step reads, never trains
         fqn = (spec.target or "") if role is not Role.INPUT else ""
         outputs = (tensor_meta(node.meta["val"]),)
         module_path = fqn.rpartition(".")[0]

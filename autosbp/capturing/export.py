@@ -50,6 +50,12 @@ from autosbp.capturing.blocks import assign_blocks
 from autosbp.capturing.builder import GraphBuilder, tensors_of
 from autosbp.capturing.failures import explain_export_failure, torch_report_held_back
 from autosbp.capturing.graph import STRIDE_FREE, InputRef, OpGraph, Role, run_device
+from autosbp.capturing.training_ifs import (
+    Absorbed,
+    absorbing_ifs,
+    check_assumptions,
+    drop_dead_code,
+)
 from autosbp.errors import CaptureError, MicroBatchError
 
 __all__ = ["capture", "capture_micro_batch", "run_graph"]
@@ -66,9 +72,12 @@ def capture(
     name = name or type(model).__name__
     args = _check_inputs(model, example_inputs, name)
     start = time.perf_counter()
-    program = _export(model, args, name)
+    absorbed = Absorbed()
+    program = _export(model, args, name, absorbed)
     _check_loss(program, name)
+    check_assumptions(absorbed, model, args, name)
     opgraph = _build_opgraph(program, model, name)
+    opgraph.meta["absorbed"] = absorbed.lines()
     opgraph.meta["capture_s"] = time.perf_counter() - start
     return opgraph
 
@@ -139,10 +148,20 @@ def _check_inputs(
     return args
 
 
-def _export(model: nn.Module, args: tuple[torch.Tensor, ...], name: str) -> ExportedProgram:
+def _export(
+    model: nn.Module, args: tuple[torch.Tensor, ...], name: str, absorbed: Absorbed
+) -> ExportedProgram:
+    """The exported program, with training-time `if`s absorbed (`training_ifs`)."""
     try:
-        with torch_report_held_back(), _on_fake_cpu(model, args) as (fake_args, originals):
+        with (
+            torch_report_held_back(),
+            _on_fake_cpu(model, args) as (fake_args, originals),
+            absorbing_ifs(absorbed),
+        ):
             program = torch.export.export(model, fake_args, strict=False)
+        drop_dead_code(program, absorbed)
+    except CaptureError:
+        raise  # said already, with the user's line (`training_ifs`)
     except Exception as exc:
         raise explain_export_failure(exc, model, name) from exc
     for key, value in program.constants.items():  # a non-persistent buffer: the model's tensor

@@ -58,7 +58,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, meta_by_default: boo
             "--materialize",
             action="store_true",
             help="build the model with real weights and inputs on the CPU (default: on the meta "
-            "device, no memory), for a model whose forward reads tensor values",
+            "device, no memory): the graph is the same (capture traces shapes only), and the "
+            "checks capture assumes hold (an `if` whose branch only raises, an assert) are run on "
+            "the example inputs' values",
         )
     parser.set_defaults(meta_by_default=meta_by_default, materialize=False)
 
@@ -104,6 +106,8 @@ def print_summary(opgraph: OpGraph, console: Console) -> None:
     console.print(_blocks_line(opgraph, compute))
     unknown = ", ".join(opgraph.unknown_ops) or "none"
     console.print(f"ops without an SBP rule (all-B fallback): {unknown}")
+    for line in opgraph.meta.get("absorbed", ()):
+        console.print(f"absorbed: {printable(line)}", soft_wrap=True)
 
 
 def _family_table(compute: list[OpNode]) -> Table:

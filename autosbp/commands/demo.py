@@ -70,7 +70,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
             time_limit_s=args.time_limit_s,
         )  # fmt: skip
     console.print(summary_table(plan))
-    print_notes(console, notes)
+    print_notes(console, notes, plan)
     console.print(hand_plan_table(plan))
     path = save_plan(plan, out / "plan.json")
     console.rule(f"2. train it {args.steps} steps under the plan, beside single-device training")
@@ -119,7 +119,7 @@ def _gpt3(layers: int, out: Path, console: Console, time_limit_s: float) -> Path
             {hand_count: graphs[hand_count]}, **common, strategy=hand, recompute="full"
         )
     console.print(summary_table(auto))
-    print_notes(console, notes)
+    print_notes(console, notes, auto)
     console.print(f"searched in {searched:.1f} s")
     console.print(
         _comparison("GPT-3 175B on 1024 A100s: auto vs Megatron-LM", auto, [(hand, megatron)])

@@ -23,7 +23,14 @@ from rich.table import Table
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments, load_from_args
 from autosbp.errors import AutosbpError, PlanError
-from autosbp.plan import Plan, hand_plan_table, load_plan, save_plan, summary_table
+from autosbp.plan import (
+    Plan,
+    hand_plan_table,
+    load_plan,
+    replicated_warning,
+    save_plan,
+    summary_table,
+)
 from terminal.progress import activity
 from terminal.text import printable
 
@@ -147,7 +154,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             jobs=args.jobs,
         )
     console.print(summary_table(plan))
-    print_notes(console, notes)
+    print_notes(console, notes, plan)
     if plan.hand_plans:
         console.print(hand_plan_table(plan))
     out = args.out or default_out(args.model, args.strategy, args.devices)
@@ -162,21 +169,34 @@ def time_limit_notes() -> Iterator[list[str]]:
     """Collect what the planner's `TimeLimitWarning`s say inside the block (for the command to
     print in its own words after the plan); every other warning is shown as usual."""
     from autosbp.planner.search import TimeLimitWarning
+    from autosbp.rules import UnknownOpWarning
 
     notes: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TimeLimitWarning)
+        warnings.simplefilter("always", UnknownOpWarning)
         yield notes
+    said: set[str] = set()
     for found in caught:
         if issubclass(found.category, TimeLimitWarning):
-            notes.append(str(found.message))
+            notes.append(f"time limit reached: {found.message}")
+        elif issubclass(found.category, UnknownOpWarning):
+            if str(found.message) not in said:  # once, however many captures said it
+                said.add(str(found.message))
+                notes.append(f"note: {found.message}")
         else:
             warnings.showwarning(found.message, found.category, found.filename, found.lineno)
 
 
-def print_notes(console: Console, notes: list[str]) -> None:
+def print_notes(console: Console, notes: list[str], plan: Plan | None = None) -> None:
+    """The planner's warnings in the command's words (no source line), and, loudly, a plan
+    whose FLOPs run replicated for the most part (`replicated_warning`)."""
     for note in notes:
-        console.print("[bold yellow]time limit reached:[/]", escape(printable(note)))
+        kind, _, text = note.partition(": ")
+        console.print(f"[bold yellow]{kind}:[/]", escape(printable(text)))
+    loud = replicated_warning(plan) if plan is not None else None
+    if loud:
+        console.print("[bold red]warning:[/]", escape(printable(loud)))
 
 
 def default_out(model: str, strategy: str, devices: int) -> Path:

@@ -33,6 +33,14 @@ def check_job(plan: Plan, model: str, model_args: dict[str, Any], source: str) -
     plan.check_model(graph.fingerprint(), f"model `{model}`")
     check_plan(plan, graph, source=source)
     params = [node for node, _ in graph.nodes(Role.PARAMETER)]
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if not params and frozen:
+        raise CaptureError(
+            f"every parameter of model `{model}` is frozen (requires_grad=False: "
+            f"{len(frozen)} tensors, {', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}), "
+            "so training has nothing to change (torch's optimizers refuse an empty parameter "
+            "list); unfreeze what should train (module.requires_grad_(True))."
+        )
     if not params:
         raise CaptureError(
             f"model `{model}` has no parameters, so training has nothing to change; give it "

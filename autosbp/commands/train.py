@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments
 from autosbp.commands.preflight import check_job
 from autosbp.errors import ExecutionError, PlanError
-from autosbp.plan import Plan, load_plan
+from autosbp.plan import Plan, load_plan, replicated_warning
 from autosbp.plan.tables import shown
 from launching.backends import BACKENDS
 from runtime.defaults import CHECKPOINT_EVERY, STALL_TIMEOUT_S
@@ -98,6 +99,12 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         help=f"steps between checkpoints: a killed job loses at most N (default: {CHECKPOINT_EVERY})",
     )  # fmt: skip
     parser.add_argument(
+        "--skip-non-finite", action="store_true",
+        help="a step whose loss or a gradient is nan or inf makes no update and the job goes on "
+        "(its row says skipped), as large-scale trainers do (default: the job stops at that "
+        "step, naming it, its checkpoint intact)",
+    )  # fmt: skip
+    parser.add_argument(
         "--resume", action="store_true",
         help="continue from the checkpoint in --checkpoint-dir up to --steps (from the start if "
         "the job saved none yet)",
@@ -144,7 +151,29 @@ def _device_and_backend(device: str | None, backend: str | None) -> tuple[str, s
             "--backend nccl moves GPU tensors only; train with --device cuda, or with --backend "
             "gloo on the CPU."
         )
+    if device == "cuda":
+        _check_gpus(backend)
     return device, backend
+
+
+def _check_gpus(backend: str) -> None:
+    """--device cuda on a machine where torch sees no GPU (or without NCCL) is refused here,
+    before any rank starts, rather than by torch in every rank."""
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ExecutionError(
+            f"--device cuda: torch {torch.__version__} ({build}) sees no GPU on this machine. "
+            "Train on the CPU with --device cpu --backend gloo, or run on a machine with GPUs "
+            "and a CUDA build of torch."
+        )
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ExecutionError(
+            f"--backend nccl: torch {torch.__version__} was built without NCCL. Use --backend "
+            "gloo, or install a CUDA build of torch."
+        )
 
 
 def _train_command(
@@ -160,7 +189,12 @@ def _train_command(
     from runtime.jobs import TrainSpec
 
     model_args = parse_model_args(args.model_args)
-    first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume)
+    if args.skip_non_finite and args.check:
+        raise ExecutionError(
+            "--check compares every step's update with one device, and --skip-non-finite drops "
+            "some updates; pass one of them."
+        )
+    first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume, console)
     plan = on_rank0(
         lambda: plan_for(args.model, model_args, args.plan, nproc, args.profile, console)
     )
@@ -180,7 +214,7 @@ def _train_command(
         stall_timeout_s=args.stall_timeout,
         checkpoint_dir=None if args.checkpoint_dir is None else str(args.checkpoint_dir),
         checkpoint_every=args.checkpoint_every or CHECKPOINT_EVERY, resume=args.resume,
-        backend=backend, device=device,
+        backend=backend, device=device, skip_non_finite=args.skip_non_finite,
     )  # fmt: skip
     return train_and_report(spec, plan, console, trace=args.trace)
 
@@ -193,11 +227,11 @@ def train_spec(model: str, model_args: dict, plan: Plan, steps: int, **options: 
     return TrainSpec(model, model_args, plan.to_json(), steps, **options)
 
 
-def _first_step(directory: Path | None, every: int | None, resume: bool) -> int:
+def _first_step(directory: Path | None, every: int | None, resume: bool, console: Console) -> int:
     """The step the job starts from (the checkpoint's with --resume, else 0), or an error
     naming the argument to fix: a checkpoint is never overwritten without --resume, and a
     folder that holds something else is never taken for one."""
-    from runtime.state.checkpoint_format import MANIFEST, read_manifest
+    from runtime.state.checkpoint_format import MANIFEST, read_manifest, recover_checkpoint
 
     if directory is None:
         if resume or every is not None:
@@ -206,6 +240,13 @@ def _first_step(directory: Path | None, every: int | None, resume: bool) -> int:
                 f"{flag} needs --checkpoint-dir DIR, the folder the job keeps its checkpoint in."
             )
         return 0
+    if recover_checkpoint(directory):
+        console.print(
+            f"{directory}: a save was killed between its two renames; its last complete "
+            f"checkpoint was put back from {directory.name}.old",
+            markup=False,
+            soft_wrap=True,
+        )
     holds = (directory / MANIFEST).is_file()
     if directory.exists() and not holds and (not directory.is_dir() or any(directory.iterdir())):
         raise ExecutionError(
@@ -253,6 +294,9 @@ def plan_for(
             compare=compare, progress=act.update, time_limit_s=time_limit_s,
         )  # fmt: skip
     check_job(plan, model, model_args, source=f"the {plan_arg} plan")  # is the model trainable?
+    loud = replicated_warning(plan)
+    if loud:
+        console.print("[bold red]warning:[/]", escape(printable(loud)))
     return plan
 
 
@@ -338,7 +382,8 @@ def _step_table(result: Any, model: str, plan: Plan, check: bool) -> Table:
                 )
             continue
         extra = _check_cells(record.check) if check else ()
-        table.add_row(str(record.step), f"{record.loss:.6f}", *extra, f"{seconds * 1e3:.1f} ms")
+        loss = f"{record.loss:.6f}" + (" (skipped)" if record.skipped else "")
+        table.add_row(str(record.step), loss, *extra, f"{seconds * 1e3:.1f} ms")
     return table
 
 

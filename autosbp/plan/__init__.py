@@ -15,7 +15,13 @@ from autosbp.plan.dtensor import device_mesh, placements
 from autosbp.plan.files import load_plan, save_plan, write_atomically
 from autosbp.plan.recompute import recomputed_nodes
 from autosbp.plan.schema import FORMAT, MAX_INT, VERSION, plan_schema, validate_plan_json
-from autosbp.plan.tables import format_bytes, format_seconds, hand_plan_table, summary_table
+from autosbp.plan.tables import (
+    format_bytes,
+    format_seconds,
+    hand_plan_table,
+    replicated_warning,
+    summary_table,
+)
 from autosbp.plan.values import (
     Alternative,
     HandPlan,
@@ -23,13 +29,14 @@ from autosbp.plan.values import (
     ParamPlan,
     Plan,
     Predicted,
+    Replicated,
     SolverReport,
     StagePlan,
 )
 
 __all__ = [
     "FORMAT", "MAX_INT", "VERSION", "Alternative", "HandPlan", "NodePlan", "ParamPlan", "Plan",
-    "Predicted", "SolverReport", "StagePlan", "check_plan", "device_mesh", "format_bytes",
+    "Predicted", "Replicated", "SolverReport", "StagePlan", "check_plan", "device_mesh", "format_bytes",
     "format_seconds", "hand_plan_table", "load_plan", "placements", "plan_problems", "plan_schema",
-    "recomputed_nodes", "save_plan", "summary_table", "validate_plan_json", "write_atomically",
+    "recomputed_nodes", "replicated_warning", "save_plan", "summary_table", "validate_plan_json", "write_atomically",
 ]  # fmt: skip

@@ -76,6 +76,8 @@ def summary_table(plan: Plan, main_weights: int = 6) -> TextTable:
         f"{plan.micro_batches}; recompute {plan.recompute}; solver {plan.solver.status}, gap "
         f"{plan.solver.gap:.2%}; search {plan.solver.seconds:.1f} s{plan.solver.effort()}"
     )
+    if plan.replicated is not None:
+        table.caption += f"; {plan.replicated.text()}"
     best = plan.best_hand_plan()
     if best is not None and best.step_time_s is not None and plan.predicted.step_time_s > 0:
         table.caption += (
@@ -131,3 +133,25 @@ def format_bytes(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+REPLICATED_WARN_SHARE = 0.10  # the issue's bar: more than a tenth of the work unsplit is loud
+
+
+def replicated_warning(plan: Plan) -> str | None:
+    """What to say loudly when more than REPLICATED_WARN_SHARE of the plan's FLOPs run whole on
+    every device: how much, which ops lack a rule, and what to do."""
+    found = plan.replicated
+    if found is None or found.flops_share <= REPLICATED_WARN_SHARE:
+        return None
+    if found.no_rule_ops:
+        fix = (
+            f"{found.no_rule_flops_share:.0%} for want of an SBP rule ({', '.join(found.no_rule_ops)}): "
+            "add rules in autosbp/rules/ (or rewrite those lines with ops that have one)"
+        )
+    else:
+        fix = "every op has a rule: the planner chose it (its split costs more than it saves)"
+    return (
+        f"{found.flops_share:.0%} of the plan's FLOPs run whole on every device of a stage "
+        f"(replicated), so more devices do not speed them up; {fix}."
+    )

@@ -6,20 +6,30 @@ Lives elsewhere: the search (`search`), the plan format (`plan`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from autosbp.capturing.graph import Role
-from autosbp.plan import Alternative, NodePlan, ParamPlan, Plan, Predicted, SolverReport, StagePlan
+from autosbp.capturing.graph import OpGraph, Role
+from autosbp.plan import (
+    Alternative,
+    NodePlan,
+    ParamPlan,
+    Plan,
+    Predicted,
+    Replicated,
+    SolverReport,
+    StagePlan,
+)
 from autosbp.planner.ilp_problem import Costs, Solution
 from autosbp.planner.memory import is_view_conversion
 from autosbp.planner.pipeline import recomputed
 from autosbp.planner.problem import MeshProblem
 from autosbp.planner.search import Found
 from autosbp.rules import exchanges
-from autosbp.sbp import NdSbp, format_nd_sbp
+from autosbp.sbp import Broadcast, NdSbp, format_nd_sbp, parse_nd_sbp
 from autosbp.schedule import GRAD_BUCKET_BYTES, PREFETCH_BLOCKS
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -109,7 +119,34 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         ),
         solver=solver_report(found),
         alternatives=alternatives(solved, solution),
+        replicated=replicated_of(graph, nodes, mesh.shape),
     )
+
+
+def replicated_of(
+    graph: OpGraph, nodes: Mapping[str, NodePlan], mesh_shape: tuple[int, ...]
+) -> Replicated:
+    """The share of compute FLOPs whose node every device runs whole (B in and out on each
+    mesh dim of more than one device), and the share of those with no rule (`warn_unknown_ops`
+    names them at capture): what the plan cannot split, and why."""
+    total = replicated = no_rule = 0.0
+    unknown = set(graph.unknown_ops)
+    ops: set[str] = set()
+    for name, attrs in graph.nodes(Role.COMPUTE):
+        total += attrs.flops
+        texts = (*nodes[name].inputs, *nodes[name].outputs)
+        if all(_whole(parse_nd_sbp(t), mesh_shape) for t in texts):
+            replicated += attrs.flops
+            if attrs.op in unknown:
+                no_rule += attrs.flops
+                ops.add(attrs.op)
+    if not total or max(mesh_shape, default=1) == 1:  # one device: nothing to split
+        return Replicated(0.0, 0.0)
+    return Replicated(replicated / total, no_rule / total, tuple(sorted(ops)))
+
+
+def _whole(layout: NdSbp, mesh_shape: tuple[int, ...]) -> bool:
+    return all(isinstance(s, Broadcast) or n == 1 for s, n in zip(layout, mesh_shape, strict=True))
 
 
 def _reshards(solved: MeshProblem, solution: Solution, name: str, layout: NdSbp) -> bool:

@@ -26,12 +26,18 @@ from autosbp.planner.pipeline import recomputed
 
 
 def compute_floors(
-    graph: OpGraph, prices: Prices, devices: int, only: Collection[str] | None = None
+    graph: OpGraph,
+    prices: Prices,
+    devices: int,
+    only: Collection[str] | None = None,
+    backward_share: Mapping[str, float] | None = None,
 ) -> dict[str, np.ndarray]:
     """Per compute node (of `only`, where given), the least forward + backward time any
     signature on `devices` devices can take (one value: its flops and bytes spread evenly; a
     signature's local share is never smaller, and the roofline only grows with flops and
-    bytes)."""
+    bytes). `backward_share`: per node, the share of backward that runs, as its candidates are
+    priced (`kept.Kept.backward_share`; 1 where absent)."""
+    shares = backward_share or {}
     floors: dict[str, np.ndarray] = {}
     for name, attrs in graph.nodes(Role.COMPUTE):
         if (attrs.flops or attrs.bytes) and (only is None or name in only):
@@ -39,7 +45,7 @@ def compute_floors(
             moved = 0.0 if returns_view(attrs.target) else attrs.bytes / devices
             special = attrs.transcendentals / devices
             forward = prices.op_time_s(attrs.flops / devices, moved, dtype, special)
-            floors[name] = np.array([forward * (1.0 + BACKWARD_FACTOR)])
+            floors[name] = np.array([forward * (1.0 + BACKWARD_FACTOR * shares.get(name, 1.0))])
     return floors
 
 

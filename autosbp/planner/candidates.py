@@ -12,8 +12,9 @@ Model (every constant states where it comes from):
   runtime runs them, and the bytes they hold); local flops = flops x the smallest
   local/global size ratio among the op's tensors (the share of the work one device does: 1/n for
   data-, tensor- and contraction-split matmuls alike); local bytes = the local tensors' bytes.
-  Backward = BACKWARD_FACTOR x forward (2: a matmul's backward is two matmuls of the same size;
-  Narayanan et al. 2021 section 3.3 count 3x forward for forward + backward).
+  Backward = BACKWARD_FACTOR x forward x the share of its floating inputs that require grad
+  (`kept.Kept.backward_share`, below 1 under frozen weights) (2: a matmul's backward is two
+  matmuls of the same size; Narayanan et al. 2021 section 3.3 count 3x forward for forward + backward).
 - an op that returns a view of its input (its schema says so and it has its own kernel, so it
   cannot decompose into a copy the way reshape, flatten or contiguous of a non-contiguous
   tensor do) moves no data: it costs the per-op overhead floor alone, forward and backward.
@@ -126,12 +127,19 @@ def sync_bucket_bytes(graph: OpGraph) -> int:
 
 
 def node_strategies(
-    graph: OpGraph, name: str, pricer: BoxingPricer, bucket_bytes: int, regatherable: bool = False
+    graph: OpGraph,
+    name: str,
+    pricer: BoxingPricer,
+    bucket_bytes: int,
+    regatherable: bool = False,
+    backward_share: float = 1.0,
 ) -> NodeStrategies:
     """Candidates of node `name`: per micro-batch compute time, or per step for parameters
     (their gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`).
     `regatherable` (a parameter some consumer keeps, `kept.Kept.regatherable`): each layout that
-    is not B on every mesh dim comes twice, kept and re-gathered (the module header)."""
+    is not B on every mesh dim comes twice, kept and re-gathered (the module header).
+    `backward_share`: of an op's floating inputs, the share whose gradient backward computes
+    (`kept.Kept.backward_share`: under frozen weights, less than 1)."""
     attrs = graph.node(name)
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
@@ -158,9 +166,10 @@ def node_strategies(
     forward, backward, held = [], [], []
     for sig in candidates:  # the op's compute, and its exchanges through one hook (`op_comm`)
         fwd = _forward_s(attrs, sig, mesh_shape, pricer.prices)
-        comm = exchange_cost(attrs, sig, pricer.mesh, pricer.prices, fwd, BACKWARD_FACTOR * fwd)
+        bwd = BACKWARD_FACTOR * fwd * backward_share
+        comm = exchange_cost(attrs, sig, pricer.mesh, pricer.prices, fwd, bwd)
         forward.append(fwd + comm.forward_s)
-        backward.append(BACKWARD_FACTOR * fwd + comm.backward_s)
+        backward.append(bwd + comm.backward_s)
         held.append(comm.held_bytes)
     return NodeStrategies(
         name, candidates, np.array(forward) + np.array(backward), pinned=pinned_inputs(graph, name),

@@ -11,7 +11,7 @@ processes (`parallel`), the problem itself (`problem`).
 Shared work: counts whose graphs have one structure (rebatched graphs) share the cut into
 stages and its counts; every mesh of a count shares what backward keeps; every count shares
 the parameters' candidates (`price_graph`'s memo); every problem of one (count, mesh) shares
-its candidates, boxing matrices and kept bytes (`problem.Priced`).
+its candidates, boxing matrices and kept bytes (`priced.Priced`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,13 @@ from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.kept import Kept, kept_for_backward
 from autosbp.planner.nofit import Refusals
 from autosbp.planner.pipeline import RECOMPUTE_MODES, StageSplit, split_stages
+from autosbp.planner.priced import Priced, price_graph
 from autosbp.planner.problem import (
     MeshProblem,
     Prediction,
-    Priced,
     bound_mesh,
     build_problem,
     predict,
-    price_graph,
     solve_mesh,
 )
 from autosbp.planner.reduce import TiedGraph, TiedStages, tie_graph, tie_stages
@@ -204,8 +203,9 @@ class Evaluator:
             copies = tied.copies()
             representatives: Collection[str] = {r for _, r in copies}
             floors = compute_floors(
-                graph, self.request.prices, self.request.devices // num_stages, representatives
-            )
+                graph, self.request.prices, self.request.devices // num_stages, representatives,
+                self.kept_of(count)["none"].backward_share,
+            )  # fmt: skip
             self.stages[key] = Stages(graph, split, tied, copies, floors)
         return self.stages[key]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
 from autosbp.planner.pipeline import RECOMPUTE_MODES
-from autosbp.planner.problem import Allow
+from autosbp.planner.priced import Allow
 from autosbp.rules import NdSignature
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split

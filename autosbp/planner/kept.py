@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpGraph, OpNode, Role
@@ -79,6 +79,9 @@ class Kept:
     uses: Mapping[Hashable, tuple[KeptUse, ...]]  # per edge twin: uses kept until backward
     recomputed_uses: Mapping[Hashable, tuple[KeptUse, ...]]  # kept while their block recomputes
     regatherable: frozenset[str]  # parameters some consumer keeps (after any conversion)
+    # per representative op: the share of its floating inputs whose gradient backward computes
+    # (1 where every input requires grad; 0 under a frozen part, where backward runs nothing)
+    backward_share: Mapping[str, float] = field(default_factory=dict)
 
     def outputs_of(self, name: str) -> frozenset[int]:
         return self.outputs.get(name, frozenset())
@@ -140,9 +143,10 @@ def kept_for_backward(
                 holders[(u, o)].append((v, o, i, True))
             if i in again_keeps:
                 again[(u, o)].append((v, o, i, True))
-    return _merged(
+    kept = _merged(
         graph, representative, holders, again, _extras(graph, representative, flags), runs
     )
+    return replace(kept, backward_share=_backward_shares(graph, representative, flags))
 
 
 def _rebatched(
@@ -184,6 +188,25 @@ def _extras(
             saved = saved_by(attrs, tuple(flags[p] if p else False for p in producers))
             extra[rep[v]] = max(extra.get(rep[v], 0), saved.extra_bytes)
     return extra
+
+
+def _backward_shares(
+    graph: OpGraph, rep: Mapping[str, str], flags: Mapping[tuple[str, int], bool]
+) -> dict[str, float]:
+    """Per representative, the largest share over its copies of floating inputs that require
+    grad: backward computes one gradient per such input (a matmul under a frozen weight, one of
+    its two products; an op fed by frozen state alone, none)."""
+    share: dict[str, float] = {}
+    for v, attrs in graph.nodes(Role.COMPUTE):
+        floating = [
+            (p, meta)
+            for p, meta in zip(graph.producers(v), attrs.inputs, strict=True)
+            if meta.dtype.is_floating_point or meta.dtype.is_complex
+        ]
+        needed = sum(1 for p, _ in floating if p is not None and flags.get(p, False))
+        value = needed / len(floating) if floating else 0.0
+        share[rep[v]] = max(share.get(rep[v], 0.0), value)
+    return share
 
 
 def _read_by_run(producer: OpNode, producer_run: int | None, run: int | None) -> bool:

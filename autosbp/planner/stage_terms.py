@@ -4,7 +4,7 @@ Lives here: `StageTerms` (per stage: busy and forward time per micro-batch, tran
 update and its sync, memory per node candidate and edge pair, and one block's parameter
 communication and compute, which prefetching overlaps), filled from the tied counts of a graph
 cut into stages; tied nodes and edges are added once per group, times its count. Lives
-elsewhere: the prices it sums (`problem.Priced`, `candidates`, `memory`, `kept`), the objective made
+elsewhere: the prices it sums (`priced.Priced`, `candidates`, `memory`, `kept`), the objective made
 of the sums (`objective`), the problem (`problem.build_problem`).
 
 Memory per stage (k = the micro-batches in flight, `pipeline.in_flight`): model states once;

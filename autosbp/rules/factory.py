@@ -1,6 +1,7 @@
 """Ops that make tensors from sizes or from another tensor's metadata, and bookkeeping ops.
 
-Lives here: arange, zeros / ones / full, the *_like and new_* families, scalar_tensor, and
+Lives here: arange, zeros / ones / full / empty, the *_like and new_* families, type_as,
+scalar_tensor, and
 _assert_tensor_metadata (a check with no output). Lives elsewhere: identities such as alias,
 detach and lift_fresh_copy (`pointwise`, linear).
 
@@ -14,7 +15,10 @@ Rows, for one mesh dim:
                                B -> S(d) generated locally
   _assert_tensor_metadata      any SBP in, nothing out; it runs as a no-op (its size argument,
                                if any, is global)
-empty / empty_like have no rule on purpose (their values are undefined, so no execution proof).
+  type_as (self, other)         a cast of self to other's dtype; other gives its dtype only:
+                               self's SBP passes (P only between floats), other any SBP
+  empty, new_empty, empty_like as zeros, new_zeros, zeros_like: their values are undefined, so
+                               the proof compares shapes and dtypes only (tests/rules)
 """
 
 from __future__ import annotations
@@ -96,6 +100,16 @@ def like_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     ]
 
 
+def type_as_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
+    self_rank, other_rank = (len(shape) for shape in in_shapes(node))
+    floats = node.inputs[0].dtype.is_floating_point and node.outputs[0].dtype.is_floating_point
+    others: list[Sbp] = [B, *(S(j) for j in range(other_rank))]
+    if node.inputs[1].dtype.is_floating_point:
+        others.append(P)
+    passes: list[Sbp] = [B, *(S(i) for i in range(self_rank)), *([P] if floats else [])]
+    return [Signature((sbp, other), (sbp,)) for sbp in passes for other in others]
+
+
 def assert_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     rank = len(in_shapes(node)[0])
     return [
@@ -127,6 +141,9 @@ def rules() -> dict[str, OpRule]:
         **dict.fromkeys(
             ("aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default"), generated
         ),
+        **dict.fromkeys(("aten.empty.memory_format", "aten.new_empty.default"), generated),
+        "aten.empty_like.default": OpRule(like_signatures),
+        "aten.type_as.default": OpRule(type_as_signatures),
         "aten.scalar_tensor.default": OpRule(generated_signatures),
         **dict.fromkeys(
             ("aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default"),

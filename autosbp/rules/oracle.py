@@ -223,7 +223,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape:
         return False
     if a.dtype.is_floating_point:
-        return torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, math.sqrt(a.numel())))
+        atol = 1e-6 * max(1.0, math.sqrt(a.numel()))
+        return torch.allclose(a, b, rtol=1e-5, atol=atol, equal_nan=True)  # nan: empty's fill
     return torch.equal(a, b)
 
 

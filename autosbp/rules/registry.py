@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from autosbp.rules import (
+    along_dim,
     attention,
     boundary,
     conv,
@@ -44,6 +45,7 @@ FAMILIES: tuple[Callable[[], dict[str, OpRule]], ...] = (
     loss.rules,
     factory.rules,
     routing.rules,
+    along_dim.rules,
 )
 
 

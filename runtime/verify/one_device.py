@@ -88,6 +88,7 @@ def evaluate(
     gradients = {
         name: widen(p.grad if p.grad is not None else torch.zeros_like(p))
         for name, p in model.named_parameters()
+        if p.requires_grad  # a frozen one has none (torch trains it not)
     }
     kept = {name: widen(b.detach()) for name, b in buffers.items() if name in state}
     return Evaluation(widen(total), gradients, kept)

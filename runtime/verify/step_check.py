@@ -136,7 +136,9 @@ class Reference:
         self.fp64 = copy.deepcopy(model).double()
         self.fallback = Float32Fallback()
         self.weights = {
-            name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()
+            name: p.detach().clone().requires_grad_(True)
+            for name, p in model.named_parameters()
+            if p.requires_grad
         }
         self.optimizer = optimizer(list(self.weights.values())) if optimizer else None
         self.micro_batches = micro_batches
@@ -181,6 +183,7 @@ class Reference:
         ]
         if self.optimizer is not None:
             rows += self._updates(self.optimizer, before, gradients, after)
+        rows += [_elementwise(n, after[n], before[n], before[n]) for n in self.frozen]
         notes = Notes(
             tuple(excluded), self.dropout, tuple(sorted(self.fallback.ops)), self.frozen,
             updates_compared=self.optimizer is not None,

@@ -208,13 +208,13 @@ def _cause(check: StepCheck) -> str:
             "The loss itself differs, so the forward differs: a rule or boxing step computes "
             "another function under this plan (the gradients listed are downstream of it)."
         )
-    if Kind.GRADIENT in kinds:
+    frozen = [d.name for d in check.failures if d.name in check.notes.frozen]
+    if Kind.GRADIENT in kinds or frozen:
         gradients = [d for d in check.failures if d.kind is Kind.GRADIENT]
-        frozen = [d.name for d in gradients if d.name in check.notes.frozen]
         if frozen:
             return (
-                f"The loss agrees; {', '.join(frozen)}: frozen on one device (requires_grad=False), "
-                "but the plan computes and applies a gradient: the runtime trains frozen parameters."
+                f"{', '.join(frozen)}: frozen on one device (requires_grad=False), but the plan "
+                "changed them: the runtime trains frozen parameters."
             )
         return (
             f"The loss agrees, so the forward is right; the backward differs: {_scaling(gradients)}"

@@ -28,7 +28,8 @@ from autosbp.planner.hand_plans import strategy_space
 from autosbp.planner.ilp import brute_force, solve
 from autosbp.planner.ilp_problem import MemoryConstraint, Problem, Solution
 from autosbp.planner.pipeline import split_stages
-from autosbp.planner.problem import MIP_GAP, build_problem, price_graph
+from autosbp.planner.priced import price_graph
+from autosbp.planner.problem import MIP_GAP, build_problem
 from autosbp.planner.reduce import tie_graph, tie_stages
 from autosbp.planner.search import divisors, powers_of_two_dividing
 from autosbp.sbp import Mesh, Split, parse_nd_sbp
@@ -471,8 +472,9 @@ def test_compute_floors_never_exceed_any_signature(mesh: tuple[int, ...]) -> Non
         "gpt", device="meta", layers=1, hidden=1024, heads=8, seq=512, batch=8
     )
     graph = capture(model, inputs)
-    floors = compute_floors(graph, a100_prices(), math.prod(mesh))
     priced = price_graph(graph, Mesh(mesh), a100_prices())
+    shares = priced.kept_memo["none"].backward_share  # as the search passes them
+    floors = compute_floors(graph, a100_prices(), math.prod(mesh), backward_share=shares)
     assert floors
     for name, floor in floors.items():
         assert floor[0] <= float(np.min(priced.strategies[name].compute_s)) * (1 + 1e-12), name

@@ -24,6 +24,7 @@ from autosbp.errors import MicroBatchError, NoFitError
 from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
 from autosbp.planner.hand_plans import strategy_space
 from autosbp.planner.ilp_problem import Solution
+from autosbp.planner.kept import kept_for_backward
 from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
 from autosbp.planner.problem import (
     MIP_GAP,
@@ -161,7 +162,8 @@ def bounds_of(graph: OpGraph, prices: RandomPrices, item: Solved) -> dict[str, f
     mp = item.mp
     tied = tie_stages(tie_graph(graph), mp.split)
     copies = tied.copies()
-    floors = compute_floors(graph, prices, mp.mesh.size, {r for _, r in copies})
+    shares = kept_for_backward(graph, tie_graph(graph).representative, "none").backward_share
+    floors = compute_floors(graph, prices, mp.mesh.size, {r for _, r in copies}, shares)
     nodes = {r: unhidden_s(mp.strategies[r]) for _, r in copies}
     args = (graph, copies, item.stages)
     least = build_problem(  # bound (2a): the least recomputation, no memory limit

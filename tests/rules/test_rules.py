@@ -8,9 +8,11 @@ divisibility filter, P only on floating tensors, placeholders and output, unknow
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,7 +35,7 @@ from autosbp.rules.core import default_local_op
 from autosbp.rules.oracle import node_from_call, run_global, simulate
 from autosbp.rules.registry import RULES
 from autosbp.sbp import B, Broadcast, P, Partial, S, split_factors
-from tests.support.rules_helpers import CASES, CASES_BY_ID, Case, build_case
+from tests.support.rules_helpers import CASES, CASES_BY_ID, UNDEFINED_VALUES, Case, build_case
 
 MESHES = [(2,), (4,), (2, 2)]
 aten = torch.ops.aten
@@ -55,6 +57,25 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_every_signature_reproduces_the_op(case: Case) -> None:
+    with _defined_memory(case):
+        _reproduces(case)
+
+
+@contextlib.contextmanager
+def _defined_memory(case: Case) -> Iterator[None]:
+    """For torch.empty and its kin, torch's deterministic mode, which fills new memory (nan,
+    or the largest integer), so every device's B copy holds the same values."""
+    if case.id not in UNDEFINED_VALUES:
+        yield
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _reproduces(case: Case) -> None:
     node, inputs = build_case(case)
     want = run_global(node, inputs)
     for mesh in MESHES:
@@ -66,6 +87,9 @@ def test_every_signature_reproduces_the_op(case: Case) -> None:
         for sig in sigs:
             got = simulate(node, sig, mesh, inputs)
             for k, (g, w) in enumerate(zip(got.outputs, want, strict=True)):
+                if case.id in UNDEFINED_VALUES:  # torch.empty's values are whatever memory held
+                    assert (g.shape, g.dtype) == (w.shape, w.dtype), f"{case.id} {sig}"
+                    continue
                 assert_same(g, w, f"{case.id} mesh {mesh} {sig} output {k}")
 
 

@@ -360,7 +360,31 @@ FACTORY = [
     C("ones_like", aten.ones_like.default, lambda: (f(4, 8),)),
     C("full_like", aten.full_like.default, lambda: (f(4, 8), 2.0)),
     C("_assert_tensor_metadata", aten._assert_tensor_metadata.default, lambda: (f(4, 8),), {"dtype": F64}),
+    # values undefined: UNDEFINED_VALUES compares shapes and dtypes only
+    C("empty", aten.empty.memory_format, lambda: ([4, 8],), {"dtype": F64}),
+    C("new_empty", aten.new_empty.default, lambda: (f(4, 8), [8, 4])),
+    C("empty_like", aten.empty_like.default, lambda: (f(4, 8),), expect=("(S(1) -> S(1))",)),
+    C("type_as", aten.type_as.default, lambda: (f(4, 8), f(2, 6).float()),
+      expect=("(S(1), S(0) -> S(1))", "(P, B -> P)")),
+    C("type_as-to-int", aten.type_as.default, lambda: (f(4, 8), ints(5, 6)),
+      expect=("(S(0), S(0) -> S(0))",), forbid=("(P, B -> P)",)),
 ]
+# Along one dim (autosbp/rules/along_dim.py)
+ALONG = [
+    C("roll", aten.roll.default, lambda: (f(4, 8), [3], [1]),
+      expect=("(S(0) -> S(0))", "(P -> P)"), forbid=("(S(1) -> S(1))",)),
+    C("roll-flat", aten.roll.default, lambda: (f(4, 8), [3]), forbid=("(S(0) -> S(0))",)),
+    C("diff", aten.diff.default, lambda: (f(4, 8),), expect=("(S(0) -> S(0))", "(P -> P)"),
+      forbid=("(S(1) -> S(1))",)),
+    C("diff-prepend", aten.diff.default, lambda: (f(4, 8), 1, 0, f(2, 8)),
+      expect=("(S(1), S(1) -> S(1))", "(P, P -> P)")),
+    C("argmax", aten.argmax.default, lambda: (f(4, 8, 6), 1), expect=("(S(2) -> S(1))",),
+      forbid=("(S(1) -> S(1))",)),
+    C("argmin-keepdim", aten.argmin.default, lambda: (f(4, 8, 6), 2, True),
+      expect=("(S(1) -> S(1))",)),
+    C("argmax-flat", aten.argmax.default, lambda: (f(4, 8),), forbid=("(S(0) -> S(0))",)),
+]  # fmt: skip
+UNDEFINED_VALUES = {"empty", "new_empty", "empty_like"}
 # Routing (autosbp/rules/routing.py). Expert ends 5, 0, 7, 4: uneven groups and an empty one,
 # so each device of an expert split (2 or 4) computes another number of rows, one of them none.
 ROUTING = [
@@ -403,7 +427,7 @@ ROUTING = [
 # fmt: on
 
 CASES: list[Case] = [
-    *MATMUL, *POINTWISE, *REDUCTION_AND_NORM, *SHAPE, *CONV_AND_LOSS, *FACTORY, *ROUTING,
+    *MATMUL, *POINTWISE, *REDUCTION_AND_NORM, *SHAPE, *CONV_AND_LOSS, *FACTORY, *ROUTING, *ALONG,
 ]  # fmt: skip
 CASES_BY_ID = {case.id: case for case in CASES}
 assert len(CASES_BY_ID) == len(CASES), "case ids must be unique"

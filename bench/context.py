@@ -95,6 +95,9 @@ def plan(strategy: str, layers: int, time_limit_s: float) -> dict:
     )  # fmt: skip
     wall = time.perf_counter() - start
     step = found.predicted.step_time_s
+    attention = {
+        (tuple(n.inputs), n.exchanges) for n in found.nodes.values() if "scaled_dot" in n.op
+    }
     flops = model_flops_per_step(model, layers)
     return {
         "strategy": strategy, "wall_s": round(wall, 1), "step_s": step,
@@ -103,6 +106,7 @@ def plan(strategy: str, layers: int, time_limit_s: float) -> dict:
         "micro_batches": found.micro_batches, "recompute": found.recompute,
         "peak_gib": found.predicted.peak_memory_bytes / 2**30,
         "status": found.solver.status, "gap": found.solver.gap,
+        "attention": [[list(ins), list(ex)] for ins, ex in sorted(attention)],
     }  # fmt: skip
 
 

@@ -18,7 +18,8 @@ Invariants:
   replicated likewise.
 - Tied parameters stay tied: one DTensor for every module that shares the parameter.
 - A parameter or input whose plan layout is partial (P) is refused: a whole tensor has no
-  partial form to start from.
+  partial form to start from; so is a plan whose ops communicate inside themselves (context
+  parallelism: `autosbp.plan.dtensor.check_dtensor_expressible` says why).
 Limits (torch 2.13's DTensor, not this module; README "Status and limits"): `F.mse_loss` over a
 batch-sharded input gives gradients 2x too large (write `(pred - target).pow(2).mean()`), and
 CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) has no sharding strategy.
@@ -37,6 +38,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from autosbp.errors import PlanError
 from autosbp.plan import Plan, device_mesh, placements
+from autosbp.plan.dtensor import check_dtensor_expressible
 
 __all__ = ["distribute", "input_names"]
 
@@ -50,6 +52,7 @@ def distribute(model: nn.Module, plan: Plan, *, device_type: str | None = None) 
     forward distribute its inputs per the plan's input SBPs. Train it with any loop: the loss
     is a DTensor (`loss.backward()`, `loss.full_tensor()`), each gradient a DTensor with its
     parameter's placements. `device_type`: "cpu" or "cuda" (`autosbp.plan.device_mesh`'s default)."""
+    check_dtensor_expressible(plan)
     mesh = device_mesh(plan, device_type=device_type)
     names = {id(p): name for name, p in model.named_parameters()}
     _check_parameters(model, plan)

@@ -67,9 +67,9 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--strategy",
         default="auto",
-        help="auto (the search), dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E] (M "
+        help="auto (the search), dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C] (M "
         "micro-batches; E: expert-parallel degree, experts split over E of the D data-parallel "
-        "devices) (default: auto)",
+        "devices; C: context-parallel degree, the sequence split in attention) (default: auto)",
     )
     parser.add_argument(
         "--recompute",

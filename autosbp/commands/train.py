@@ -50,7 +50,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "--plan",
         default="auto",
         help="a plan JSON file, or a strategy planned now: auto (the search), dp, fsdp, "
-        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E] (default: auto)",
+        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C] (default: auto)",
     )
     parser.add_argument(
         "--profile", default="cpu-gloo",

@@ -1,7 +1,8 @@
 """A plan in torch DTensor's terms: a `DeviceMesh` per stage and the placements of a tensor.
 
 Lives here: `device_mesh` and `placements` (free functions of a plan),
-`dtensor_placement` (one SBP as a DTensor placement). Lives elsewhere: the plan's values
+`dtensor_placement` (one SBP as a DTensor placement), `check_dtensor_expressible` (a plan whose
+ops communicate inside themselves, context parallelism, is refused with the reason). Lives elsewhere: the plan's values
 (`plan.values`), turning a model's parameters and inputs into DTensors (`runtime.distribute`,
 the public `autosbp.distribute`).
 
@@ -25,7 +26,24 @@ if TYPE_CHECKING:  # torch.distributed loads only when a mesh is built
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Placement
 
-__all__ = ["device_mesh", "dtensor_placement", "placements"]
+__all__ = ["check_dtensor_expressible", "device_mesh", "dtensor_placement", "placements"]
+
+
+def check_dtensor_expressible(plan: Plan) -> None:
+    """Refuse a plan that placements alone cannot state: one whose ops communicate inside
+    themselves (`NodePlan.exchanges`: context-parallel attention all-gathers keys and values
+    in the op). DTensor's op propagation would run those ops its own way (torch 2.13: no
+    sequence-split strategy for SDPA), not the plan's."""
+    inside = [(name, node) for name, node in plan.nodes.items() if node.exchanges]
+    if inside:
+        name, node = inside[0]
+        raise PlanError(
+            f"the plan for {plan.model_name} runs {len(inside)} op(s) that communicate inside "
+            f"themselves (node {name!r}, {node.op}: {', '.join(node.exchanges)}; context "
+            "parallelism), which DTensor placements cannot state: its op propagation would "
+            "not split their work. Train this plan with autosbp's runtime (`autosbp train "
+            "--plan`, autosbp.Engine), or make a plan without cp for DTensor."
+        )
 
 
 def dtensor_placement(sbp: Sbp) -> Placement:

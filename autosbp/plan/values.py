@@ -41,6 +41,9 @@ class NodePlan:
     # Recomputed in backward (its output dropped after forward, computed again from the saved
     # inputs of its run of recomputed nodes); plans of format 1 do not say (`plan.recompute`).
     recomputed: bool = False
+    # The collectives the op runs inside itself ("all_gather on d0", "send_recv on d1 backward":
+    # `rules.exchanges` when planned); empty for almost every op, and in plans written before.
+    exchanges: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -271,6 +274,7 @@ class Plan:
                     n["stage"],
                     n.get("tied_to", ""),
                     n.get("recomputed", False),
+                    tuple(n.get("exchanges", ())),
                 )
                 for name, n in data["nodes"].items()
             },
@@ -336,6 +340,7 @@ def _node_json(node: NodePlan) -> dict[str, Any]:
         "stage": node.stage,
         **({"tied_to": node.tied_to} if node.tied_to else {}),
         **({"recomputed": True} if node.recomputed else {}),
+        **({"exchanges": list(node.exchanges)} if node.exchanges else {}),
     }
 
 

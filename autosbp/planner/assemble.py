@@ -28,6 +28,7 @@ from autosbp.planner.memory import is_view_conversion
 from autosbp.planner.pipeline import recomputed
 from autosbp.planner.problem import MeshProblem
 from autosbp.planner.search import Found
+from autosbp.rules import exchanges
 from autosbp.sbp import Broadcast, NdSbp, format_nd_sbp, parse_nd_sbp
 from autosbp.schedule import GRAD_BUCKET_BYTES, PREFETCH_BLOCKS
 
@@ -63,6 +64,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             stage,
             tied_to="" if rep == name else rep,
             recomputed=recomputed(graph, name, solved.recompute),
+            exchanges=tuple(e.describe() for e in exchanges(attrs, sig, mesh.shape)),
         )
         if attrs.role is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])

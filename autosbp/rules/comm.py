@@ -63,6 +63,10 @@ class Exchange:
     def __post_init__(self) -> None:
         assert self.kind in EXCHANGE_KINDS, f"exchange kind {self.kind!r}"
 
+    def describe(self) -> str:
+        """How a plan states it: "all_gather on mesh dim 0", "... (backward)"."""
+        return f"{self.kind} on mesh dim {self.mesh_dim}" + (" (backward)" if self.backward else "")
+
 
 class OpComm(Protocol):
     """Collectives a kernel may call, each on the group of this device along one mesh dim;

@@ -6,8 +6,8 @@ Lives elsewhere: SDPA's other rows (`attention`), the collectives on real groups
 (`runtime.execute.op_comm`), the vocabulary of communication inside an op (`comm`).
 
 The row, for one mesh dim of n devices (Llama 3's choice, paper section 3.3.2):
-  query, key, value S(-2) -> S(-2), with no attn_mask and no dropout, self-attention (query
-  and key of one length L). Each device holds chunk c of the sequence; inside the op it
+  query, key, value S(-2) -> S(-2) (attn_mask, where given, split on its rows or B where it
+  broadcasts over them), no dropout, self-attention (query and key of one length L). Each device holds chunk c of the sequence; inside the op it
   all-gathers keys and values (one collective: K and V concatenated on their last dim) and
   attends its queries to them. Backward: autograd through the all-gather, whose adjoint is the
   reduce-scatter of dK and dV. GQA (fewer key/value heads) gathers the fewer heads.
@@ -19,6 +19,9 @@ The row, for one mesh dim of n devices (Llama 3's choice, paper section 3.3.2):
   keeps the layout a plain S(-2) everywhere outside the op (the mirrored layout of Megatron's
   data loader would need a layout of its own) at the price of moving half a query chunk and
   half an output chunk each way, declared as exchanges. The row needs L divisible by 2n.
+  An explicit mask (Hugging Face's causal mask tensor) is data: each device attends its rows
+  under its rows of the mask to every key, unbalanced work being what the mask asks (a math
+  SDPA computes every score whatever the mask).
 Several mesh dims may split the sequence (their chunks nest, outer dim first): the kernel
 gathers along the innermost first (so the gathered pieces stay in sequence order) and swaps
 along each (the mirrored device of the combined index N-1-c is mirrored on every dim).
@@ -40,10 +43,12 @@ from autosbp.rules.core import (
     Node,
     Shape,
     Signature,
+    arg_shape,
     bound_args,
     make_signature,
     slot_of,
 )
+from autosbp.rules.pointwise import aligned_sbp
 from autosbp.sbp import B, S, Sbp, local_shape
 
 
@@ -51,19 +56,25 @@ def cp_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     """The sequence-split row, where it applies (module header)."""
     args = bound_args(node)
     q, k = node.inputs[0].shape, node.inputs[1].shape
-    if args["attn_mask"] is not None or args["dropout_p"] or len(q) < 3 or q[-2] != k[-2]:
+    if args["dropout_p"] or len(q) < 3 or q[-2] != k[-2]:
         return []
     if args["is_causal"] and q[-2] % (2 * mesh_dim_size):
         return []
     seq = S(len(q) - 2)
-    by_name: dict[str, Sbp] = {"query": seq, "key": seq, "value": seq, "attn_mask": B}
+    scores = (*node.outputs[0].shape[:-1], k[-2])
+    mask = (
+        aligned_sbp(arg_shape(node, "attn_mask"), scores, len(q) - 2)
+        if args["attn_mask"] is not None
+        else B
+    )
+    by_name: dict[str, Sbp] = {"query": seq, "key": seq, "value": seq, "attn_mask": mask}
     return [make_signature(node, by_name, (seq,))]
 
 
 def seq_mesh_dims(node: Node, sig: NdSignature, mesh_shape: Shape) -> tuple[int, ...]:
     """The mesh dims (of more than one device) on which `sig` is the sequence-split row."""
     q, k = slot_of(node, "query"), slot_of(node, "key")
-    if q is None or k is None or bound_args(node)["attn_mask"] is not None:
+    if q is None or k is None:
         return ()
     seq = len(node.inputs[q].shape) - 2
     return tuple(
@@ -124,7 +135,10 @@ def build_cp_attention(node: Node, sig: NdSignature, ctx: OpContext) -> LocalOp:
             ctx.mesh_shape[m] - 1 - ctx.coords[m] for m in dims
         ), attend=attend,
     )  # fmt: skip
-    refs = tuple(InputRef(slot_of(node, name)) for name in ("query", "key", "value"))  # type: ignore[arg-type]
+    names = ("query", "key", "value", "attn_mask")
+    refs = tuple(
+        InputRef(slot) for slot in map(functools.partial(slot_of, node), names) if slot is not None
+    )
     return LocalOp(fn, refs, {}, len(node.outputs))
 
 
@@ -132,6 +146,7 @@ def _cp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    mask: torch.Tensor | None = None,
     *,
     comm: OpComm,
     mesh_dims: tuple[int, ...],
@@ -146,8 +161,8 @@ def _cp_attention(
     for m in reversed(mesh_dims):  # innermost first: the pieces stay in sequence order
         kv = comm.all_gather(kv, dim=-2, mesh_dim=m)
     keys, values = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-    if not causal:
-        return attend(q, keys, values, first_row=None)
+    if not causal:  # every row against every key, under the given mask's rows (or none)
+        return attend(q, keys, values, first_row=None, mask=mask)
     half = q.shape[-2] // 2
     mine, theirs = q.split([half, half], dim=-2)
     for m, peer in zip(mesh_dims, mirrors, strict=True):
@@ -167,12 +182,15 @@ def _attend(
     first_row: int | None,
     scale: float | None,
     enable_gqa: bool,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of query rows starting at global row `first_row` (causal; None: not causal) against
     the whole sequence's keys: only the keys up to the last row are read, and the mask is the
     causal one of those global rows."""
     if first_row is None:
-        return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        )
     rows = q.shape[-2]
     end = first_row + rows
     mask = torch.ones(rows, end, dtype=torch.bool, device=q.device).tril(diagonal=first_row)

@@ -5,8 +5,8 @@ one the node's rule offers on this mesh). Lives elsewhere: the rules themselves
 (`autosbp.rules.nd_signatures`), the plan's own consistency (`autosbp.plan.check_plan`), the
 program that runs the signatures (`runtime.execute.program`).
 
-Invariants: a plan that names another model's nodes, another op, or a signature the rules do
-not offer is refused before anything runs (a plan edited by hand cannot run something wrong);
+Invariants: a plan that names another model's nodes, another op, a signature the rules do
+not offer, or other collectives inside an op than the rule runs (`NodePlan.exchanges`) is refused before anything runs (a plan edited by hand cannot run something wrong);
 the runtime chooses nothing: every signature is the plan's.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import PlanError
 from autosbp.plan import Plan
-from autosbp.rules import NdSignature, nd_signatures
+from autosbp.rules import NdSignature, exchanges, nd_signatures
 from autosbp.sbp import parse_nd_sbp
 
 __all__ = ["read_signatures"]
@@ -45,6 +45,14 @@ def read_signatures(
                 f"`{attrs.module_path or '<top>'}`) the signature {sig!r} for op "
                 f"{node_plan.op}, which its rule does not offer on mesh {mesh_shape}; the plan "
                 "was edited or made by another autosbp version: make it again."
+            )
+        stated = tuple(e.describe() for e in exchanges(attrs, sig, mesh_shape))
+        if stated != node_plan.exchanges:
+            raise PlanError(
+                f"the plan says node {name!r} ({attrs.op}) communicates inside the op as "
+                f"{list(node_plan.exchanges) or 'nothing'}, but its rule under {sig!r} runs "
+                f"{list(stated) or 'nothing'}; the plan was made by another autosbp version "
+                "(it priced other collectives): make it again."
             )
         out[name] = sig
     return out

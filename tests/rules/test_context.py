@@ -22,11 +22,11 @@ from autosbp.planner.candidates import BACKWARD_FACTOR
 from autosbp.planner.problem import price_graph
 from autosbp.rules import NdSignature, exchanges, nd_signatures
 from autosbp.rules.context import seq_mesh_dims
-from autosbp.rules.oracle import run_global, simulate
+from autosbp.rules.oracle import node_from_call, run_global, simulate
 from autosbp.sbp import Mesh, parse_nd_sbp
 from autosbp.zoo import build_model
 from costmodel import Cluster, load_profile
-from tests.support.op_comm_workers import attention_inputs, attention_node, run_attention
+from tests.support.op_comm_workers import SDPA, attention_inputs, attention_node, run_attention
 from tests.support.worlds import cases_by_world
 
 # (batch, heads, kv heads, sequence, head dim); GQA where kv heads < heads
@@ -148,3 +148,20 @@ def test_node_cost_adds_the_declared_exchanges() -> None:
         assert math.isclose(found.held_bytes[i], (k + v) * 3 / 4)
     for i in plain:  # no exchanges: today's price
         assert math.isclose(found.compute_s[i], (1 + BACKWARD_FACTOR) * found.forward_s[i])
+
+
+@pytest.mark.parametrize("mask_rows", [16, 1], ids=["per-row", "broadcast-rows"])
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_an_explicit_mask_splits_with_the_rows(mask_rows: int, mesh_shape) -> None:
+    # Hugging Face's Llama passes its causal mask as a (batch, 1, L, S) tensor.
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(2, 1, mask_rows, 16, generator=gen) < 0.6
+    mask |= torch.eye(mask_rows, 16, dtype=torch.bool)  # no row masked whole (NaN either way)
+    node, inputs = node_from_call(SDPA, (q, k, v, mask))
+    reference = run_global(node, inputs)[0]
+    sigs = _cp_signatures(node, mesh_shape)
+    assert sigs
+    for sig in sigs:
+        out = simulate(node, sig, mesh_shape, inputs).outputs[0]
+        assert torch.allclose(out, reference, rtol=0, atol=1e-12), sig

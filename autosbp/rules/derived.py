@@ -14,7 +14,7 @@ assembled result equals the op on whole tensors (within float rounding) and ever
 the same on every device; P inputs are random addends, so a nonlinear op fails its P row.
 
 Invariants: only deterministic, functional ops with a schema are tried (no random op, no
-in-place write); only where the inputs are small enough to run here (DERIVE_MAX_ELEMENTS; a
+in-place write); only where its tensors are small enough to make here (DERIVE_MAX_ELEMENTS; a
 larger node keeps all-B, as an op without a rule always did); results are memoized per (op,
 arguments, tensor metas, mesh dim size), so the planner and the runtime derive the same list.
 The local kernel of a derived signature is the op with its arguments unchanged: exactly what was
@@ -37,7 +37,7 @@ from autosbp.sbp import B, Broadcast, P, Partial, S, Sbp, Split
 
 __all__ = ["DERIVE_MAX_ELEMENTS", "derived_signatures"]
 
-DERIVE_MAX_ELEMENTS = 1 << 18  # inputs' elements a derivation may run here (a few MB, ms of work)
+DERIVE_MAX_ELEMENTS = 1 << 18  # input and output elements a derivation may make here (a few MB)
 
 
 def derived_signatures(node: Node, mesh_dim_size: int, key: Hashable | None) -> list[Signature]:
@@ -91,7 +91,8 @@ def _triable(node: Node) -> bool:
         return False
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
         return False
-    return sum(m.numel for m in node.inputs) <= DERIVE_MAX_ELEMENTS and bool(node.inputs)
+    elements = sum(m.numel for m in (*node.inputs, *node.outputs))
+    return bool(node.inputs) and elements <= DERIVE_MAX_ELEMENTS
 
 
 def _sample(meta: TensorMeta) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Benchmark: the cost model's prices vs fresh measurements on this machine.
 
-Loads profiles/cpu-gloo.json, re-measures with the profiler's own functions on 2 gloo processes at
+Loads costmodel/profiles/cpu-gloo.json, re-measures with the profiler's own functions on 2 gloo processes at
 sizes BETWEEN the profile's table points (x1.5: tests interpolation, not recall), and prints per
 point the measured time, the profile's price (table where measured, else fit) and the alpha-beta
 fit alone, with their relative errors; then the median |relative error| overall and for
@@ -115,7 +115,9 @@ def _summary_table(rows: list[Row], again_s: dict[tuple[str, int], float]) -> Ta
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", type=Path, default=REPO / "profiles" / "cpu-gloo.json")
+    parser.add_argument(
+        "--profile", type=Path, default=REPO / "costmodel" / "profiles" / "cpu-gloo.json"
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     console = Console(width=max(Console().width, 110))

@@ -156,7 +156,7 @@ def prepare(root: Path) -> None:
             ]
         )
     dp, pp = (json.loads((root / f"{n}.json").read_text()) for n in ("dp", "pp"))
-    profile = json.loads((REPO / "profiles" / "cpu-gloo.json").read_text())
+    profile = json.loads((REPO / "costmodel" / "profiles" / "cpu-gloo.json").read_text())
     write_corpus(root, dp, pp, profile)
 
 

@@ -29,8 +29,8 @@ the row is marked, as the two would not run the same computation), and the colum
 largest difference over all steps (the trajectories drift apart slowly). Models are sized so
 that compute, not Python overhead, dominates a step on a 2-core CPU, yet a run takes a few
 minutes (--quick: under a minute).
-Lives elsewhere: the runtime (runtime/engine.py), planning (autosbp/planner), the worker launch
-(launching/workers.py).
+Lives elsewhere: torch's loops (bench/runtime_peers.py), the runtime (runtime/engine.py), planning
+(autosbp/planner), the worker launch (launching/workers.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +53,16 @@ import torch
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch.distributed as dist  # noqa: E402 - after the path fix above
-import torch.nn.functional as F  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from torch import nn  # noqa: E402
 
 from autosbp.capturing.export import capture_micro_batch  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import plan_graph  # noqa: E402
 from autosbp.zoo import build_model  # noqa: E402
+from bench.runtime_peers import LR, Reference, pipelining_step, torch_step  # noqa: E402
 from launching.workers import run_workers  # noqa: E402
 
-LR = 1e-3
 LOSS_REL_TOL = 1e-4  # first step, ours vs torch: the same computation up to fp32 reordering
 WORKER_TIMEOUT_S = 600.0
 # Model name -> (zoo model, its arguments). mlp: 4 square 1024 linears, batch 128 (about 5
@@ -88,15 +85,6 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 QUICK_MODELS = {
     "mlp-512": ("mlp", {"layers": 2, "hidden": 512, "features": 512, "outputs": 512, "batch": 64})
 }
-
-
-class Reference(Enum):
-    """Torch's own loop that a row measures ours against."""
-
-    EAGER = "eager"  # forward, backward, Adam in one process
-    DDP = "ddp"  # DistributedDataParallel, each rank half the batch
-    FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard per block and the root, half the batch
-    PIPELINING = "pipelining"  # torch.distributed.pipelining Schedule1F1B, one stage a rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,145 +154,11 @@ def bench_worker(rank: int, world_size: int, job: Job) -> dict[str, Timing]:
             gathers=policy,
         )  # fmt: skip
         if job.reference is Reference.PIPELINING:
-            reference = _pipelining_step(zoo_name, kwargs, inputs, plan, rank)
+            reference = pipelining_step(zoo_name, kwargs, inputs, plan, rank)
         else:
-            reference = _torch_step(zoo_name, kwargs, inputs, rank, world_size, job.reference)
+            reference = torch_step(zoo_name, kwargs, inputs, rank, world_size, job.reference)
         out[name] = _alternate(functools.partial(engine.step, inputs), reference, job)
     return out
-
-
-def _torch_step(
-    zoo_name: str,
-    kwargs: dict[str, Any],
-    inputs: tuple[torch.Tensor, ...],
-    rank: int,
-    world: int,
-    reference: Reference,
-) -> Callable[[], float]:
-    """Torch's own training step on a fresh copy of the model: eager on one process; DDP or
-    FSDP2 with this rank's slice of the batch on several."""
-    model, _ = build_model(zoo_name, seed=0, **kwargs)
-    local = inputs
-    if reference is Reference.FSDP2:
-        _fully_shard(model, world)
-    elif world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    if world > 1:
-        local = tuple(t.chunk(world)[rank] for t in inputs)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(*local)
-        loss.backward()
-        optimizer.step()
-        return float(loss.detach())
-
-    return step
-
-
-def _fully_shard(model: nn.Module, world: int) -> None:
-    """FSDP2 as its documentation applies it: each repeated block its own unit, then the root
-    (the embeddings and head), every parameter sharded over the world, freed after forward
-    (reshard_after_forward=True) and gathered again in backward; its default prefetching
-    (the next unit's all-gather issued while one computes)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.get_submodule("blocks"):
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
-
-
-def _pipelining_step(
-    zoo_name: str, kwargs: dict[str, Any], inputs: tuple[torch.Tensor, ...], plan: Plan, rank: int
-) -> Callable[[], float]:
-    """torch.distributed.pipelining's training step on this rank's stage of a fresh copy of the
-    model (the stage's parameters as `plan` places them): `Schedule1F1B` over the plan's
-    micro-batches, then Adam on the stage. Returns the mean micro-batch loss on the last stage,
-    NaN on the others."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    model, _ = build_model(zoo_name, seed=0, **kwargs)
-    index = next(s for s, stage in enumerate(plan.stages) if rank in stage.devices)
-    count = len(plan.stages)
-    owned = {name for name, param in plan.params.items() if param.stage == index}
-    module = TorchStage(model, zoo_name, owned, first=index == 0, last=index == count - 1)
-    stage = PipelineStage(module, index, count, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, plan.micro_batches, loss_fn=STAGE_PARTS[zoo_name][2])
-    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
-
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        if module.first:
-            schedule.step(inputs[0])
-        elif module.last:  # the targets feed the loss
-            schedule.step(target=inputs[-1], losses=losses, return_outputs=False)
-        else:
-            schedule.step()
-        optimizer.step()
-        return float(torch.stack(losses).detach().mean()) if losses else math.nan
-
-    return step
-
-
-class TorchStage(nn.Module):
-    """One pipeline stage of a zoo model for torch.distributed.pipelining: the model's own
-    modules that hold `owned` parameters (names as in the model), its blocks kept under their
-    own numbers (`blocks.1.fc.weight` stays so); the first stage runs the model's prologue, the
-    last its head (the loss itself is the schedule's `loss_fn`)."""
-
-    def __init__(
-        self, model: nn.Module, zoo_name: str, owned: set[str], *, first: bool, last: bool
-    ) -> None:
-        super().__init__()
-        self.run_prologue, self.run_head, _ = STAGE_PARTS[zoo_name]
-        self.first, self.last = first, last
-        blocks = model.get_submodule("blocks")
-        assert isinstance(blocks, nn.ModuleList)
-        self.blocks = nn.ModuleDict(
-            {
-                str(i): block
-                for i, block in enumerate(blocks)
-                if any(name.startswith(f"blocks.{i}.") for name in owned)
-            }
-        )
-        for child, module in model.named_children():
-            if child != "blocks" and any(name.startswith(f"{child}.") for name in owned):
-                self.add_module(child, module)
-        kept = {name for name, _ in self.named_parameters()}
-        if kept != owned:
-            raise RuntimeError(
-                f"{zoo_name}: torch's stage holds {sorted(kept ^ owned)} unlike the plan's stage "
-                "(the stage cut must fall between blocks, the prologue and head whole)."
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.run_prologue(self, x)
-        for block in self.blocks.values():
-            x = block(x)
-        return self.run_head(self, x) if self.last else x
-
-
-def _gpt_embed(stage: Any, idx: torch.Tensor) -> torch.Tensor:
-    pos = torch.arange(idx.shape[1], device=idx.device)
-    return stage.wte(idx) + stage.wpe(pos)
-
-
-def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-# Zoo model -> (first stage's prologue, last stage's head, loss of (head's output, target)): the
-# zoo's forward (autosbp/zoo/models.py) in three pieces around its blocks.
-StagePart = Callable[[Any, torch.Tensor], torch.Tensor]  # (the stage, its input)
-STAGE_PARTS: dict[str, tuple[StagePart, StagePart, Callable[..., torch.Tensor]]] = {
-    "gpt": (_gpt_embed, lambda s, x: s.head(s.ln_f(x)), _gpt_loss),
-    "mlp": (lambda s, x: F.gelu(s.inp(x)), lambda s, x: s.head(x), F.mse_loss),
-}
 
 
 def _alternate(ours: Callable[[], float], theirs: Callable[[], float], job: Job) -> Timing:

@@ -5,10 +5,10 @@ translation of JSON and JSON Schema failures into one-paragraph `ProfileError`s 
 problem, expected, fix). Lives elsewhere: dict <-> dataclass conversion and the semantic checks
 (`profile_codec`), the schema itself (costmodel/schemas/profile.schema.json, package data).
 
-Shipped profiles are the JSON files in the repository's `profiles/` directory (found relative to
-this package, so an editable install or a source checkout sees them); directories listed in the
-environment variable AUTOSBP_PROFILE_PATH (os.pathsep-separated) are searched first, which is the
-way to use them from a non-editable install. A path always works.
+Shipped profiles are the JSON files in `costmodel/profiles/`, package data: a wheel, an editable
+install and a source checkout all see them. Directories listed in the environment variable
+AUTOSBP_PROFILE_PATH (os.pathsep-separated) are searched first (a file there named like a shipped
+one replaces it). A path always works.
 
 Invariants: nothing is loaded without passing the schema and the codec's checks; the format name
 and version are checked before the schema, so an old or future file says so instead of listing
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from jsonschema.exceptions import ValidationError
 
 PROFILE_PATH_ENV = "AUTOSBP_PROFILE_PATH"
-_REPO_PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # package data
 _LINE_WIDTH = 100  # columns; longer objects and lists are spread over lines
 _QUANTITY_HINT = 'every number is written {"value": ..., "unit": ..., "source": ...}'
 
@@ -47,7 +47,7 @@ def profile_schema() -> dict[str, Any]:
 def profile_dirs() -> tuple[Path, ...]:
     """Directories searched for shipped profiles, in order (those that exist)."""
     extra = [Path(p) for p in os.environ.get(PROFILE_PATH_ENV, "").split(os.pathsep) if p]
-    return tuple(d for d in (*extra, _REPO_PROFILES_DIR) if d.is_dir())
+    return tuple(d for d in (*extra, SHIPPED_PROFILES_DIR) if d.is_dir())
 
 
 def shipped_profiles() -> dict[str, Path]:
@@ -94,7 +94,7 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> Path:
     shipped = shipped_profiles()
     if text in shipped:
         return shipped[text]
-    where = ", ".join(str(d) for d in profile_dirs()) or f"{_REPO_PROFILES_DIR} (missing)"
+    where = ", ".join(str(d) for d in profile_dirs()) or f"{SHIPPED_PROFILES_DIR} (missing)"
     raise ProfileError(
         f"no shipped profile named {text!r} (searched {where}; available: "
         f"{', '.join(sorted(shipped)) or 'none'}). Pass a path to a profile JSON file, make one "

@@ -129,6 +129,8 @@ class Engine:
         self._span = recorder.span if recorder is not None else _no_span
         self.pipeline = self._build_pipeline(meshes, stage_of, boundaries)
         _connect_gathers(self.program.gathers, recorder, self.grad_sync)
+        if self.program.op_comm is not None:  # exchanges inside ops are spans too
+            self.program.op_comm.span_hook = recorder
 
     # ---- the parts, each built by one call -------------------------------------------------
 

@@ -339,9 +339,11 @@ def _resume(engine: Any, spec: TrainSpec) -> int:
     """The first step to train: the checkpoint's step count with `resume` and a checkpoint in
     `checkpoint_dir`, else 0 (a collective: every rank looks at the same directory)."""
     from runtime.state.checkpoint import MANIFEST, load_checkpoint
+    from runtime.state.checkpoint_format import recover_checkpoint
 
     if not spec.resume or spec.checkpoint_dir is None:
         return 0
+    recover_checkpoint(spec.checkpoint_dir)  # a save killed between its renames
     if not (Path(spec.checkpoint_dir) / MANIFEST).is_file():
         return 0  # the job was stopped before its first checkpoint
     report_progress(f"loading the checkpoint in {spec.checkpoint_dir}", grace_s=STARTUP_S)

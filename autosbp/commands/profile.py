@@ -21,7 +21,13 @@ from rich.table import Table
 from costmodel.errors import ProfileError
 from costmodel.prices import CollectivePrice, bus_factor
 from costmodel.profile import CollectiveKind, DType, Profile
-from costmodel.profile_io import load_profile, save_profile, shipped_profiles
+from costmodel.profile_io import (
+    PROFILE_PATH_ENV,
+    load_profile,
+    profile_dirs,
+    save_profile,
+    shipped_profiles,
+)
 from terminal.progress import activity
 
 if TYPE_CHECKING:  # the profiler pulls in torch: imported only when `profile` runs
@@ -53,7 +59,10 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "profiles":
-        console.print(_profiles_table())
+        table, skipped = _profiles_table()
+        console.print(table)
+        for path, reason in skipped:
+            console.print(f"skipped {path}: {reason}", markup=False, soft_wrap=True)
         return 0
     return _run_profile(args, console)
 
@@ -181,7 +190,16 @@ def _compute_table(m: Measurements) -> Table:
     return table
 
 
-def _profiles_table() -> Table:
+def _profiles_table() -> tuple[Table, list[tuple[Path, str]]]:
+    """The table of every loadable profile found, and the JSON files skipped (with why)."""
+    found = shipped_profiles()
+    if not found:
+        where = ", ".join(str(d) for d in profile_dirs()) or "none"
+        raise ProfileError(
+            f"no profiles found (searched {where}): the package's costmodel/profiles/ is missing. "
+            "Fix: reinstall autosbp (`pip install .` ships them), or add a folder of profile "
+            f"JSON files to {PROFILE_PATH_ENV}."
+        )
     table = Table(title="shipped hardware profiles", title_justify="left")
     for col in (
         "name",
@@ -193,8 +211,13 @@ def _profiles_table() -> Table:
         "sources",
     ):
         table.add_column(col)
-    for name, path in sorted(shipped_profiles().items()):
-        p = load_profile(path)
+    skipped: list[tuple[Path, str]] = []
+    for name, path in sorted(found.items()):
+        try:
+            p = load_profile(path)
+        except ProfileError as exc:  # another JSON file in an AUTOSBP_PROFILE_PATH folder
+            skipped.append((path, str(exc).removeprefix(f"profile {path}: ")))
+            continue
         nodes = "scalable" if p.topology.nodes is None else str(p.topology.max_nodes)
         table.add_row(
             name,
@@ -205,4 +228,4 @@ def _profiles_table() -> Table:
             f"{p.device.peak_flops.for_dtype(DType.BF16).base / 1e12:.3g}",
             ", ".join(kind.value for kind in p.source_kinds()),
         )
-    return table
+    return table, skipped

@@ -151,7 +151,29 @@ def _device_and_backend(device: str | None, backend: str | None) -> tuple[str, s
             "--backend nccl moves GPU tensors only; train with --device cuda, or with --backend "
             "gloo on the CPU."
         )
+    if device == "cuda":
+        _check_gpus(backend)
     return device, backend
+
+
+def _check_gpus(backend: str) -> None:
+    """--device cuda on a machine where torch sees no GPU (or without NCCL) is refused here,
+    before any rank starts, rather than by torch in every rank."""
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ExecutionError(
+            f"--device cuda: torch {torch.__version__} ({build}) sees no GPU on this machine. "
+            "Train on the CPU with --device cpu --backend gloo, or run on a machine with GPUs "
+            "and a CUDA build of torch."
+        )
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ExecutionError(
+            f"--backend nccl: torch {torch.__version__} was built without NCCL. Use --backend "
+            "gloo, or install a CUDA build of torch."
+        )
 
 
 def _train_command(
@@ -172,7 +194,7 @@ def _train_command(
             "--check compares every step's update with one device, and --skip-non-finite drops "
             "some updates; pass one of them."
         )
-    first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume)
+    first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume, console)
     plan = on_rank0(
         lambda: plan_for(args.model, model_args, args.plan, nproc, args.profile, console)
     )
@@ -205,11 +227,11 @@ def train_spec(model: str, model_args: dict, plan: Plan, steps: int, **options: 
     return TrainSpec(model, model_args, plan.to_json(), steps, **options)
 
 
-def _first_step(directory: Path | None, every: int | None, resume: bool) -> int:
+def _first_step(directory: Path | None, every: int | None, resume: bool, console: Console) -> int:
     """The step the job starts from (the checkpoint's with --resume, else 0), or an error
     naming the argument to fix: a checkpoint is never overwritten without --resume, and a
     folder that holds something else is never taken for one."""
-    from runtime.state.checkpoint_format import MANIFEST, read_manifest
+    from runtime.state.checkpoint_format import MANIFEST, read_manifest, recover_checkpoint
 
     if directory is None:
         if resume or every is not None:
@@ -218,6 +240,13 @@ def _first_step(directory: Path | None, every: int | None, resume: bool) -> int:
                 f"{flag} needs --checkpoint-dir DIR, the folder the job keeps its checkpoint in."
             )
         return 0
+    if recover_checkpoint(directory):
+        console.print(
+            f"{directory}: a save was killed between its two renames; its last complete "
+            f"checkpoint was put back from {directory.name}.old",
+            markup=False,
+            soft_wrap=True,
+        )
     holds = (directory / MANIFEST).is_file()
     if directory.exists() and not holds and (not directory.is_dir() or any(directory.iterdir())):
         raise ExecutionError(

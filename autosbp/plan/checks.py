@@ -61,10 +61,11 @@ def check_plan(plan: Plan, graph: OpGraph | None = None, *, source: str = "the p
 
 def plan_problems(plan: Plan, graph: OpGraph | None = None) -> list[str]:
     """Every problem of `plan` (alone, and against `graph` when given), as sentences."""
-    problems = [*_mesh(plan), *_devices(plan), *_stages(plan), *_layouts(plan), *_numbers(plan)]
+    problems = [*_mesh(plan), *_devices(plan), *_stages(plan), *_ties(plan)]
+    problems += [*_layouts(plan), *_numbers(plan)]
     if graph is not None:
         problems += [*_coverage(plan, graph), *_data_flow(plan, graph), *_params(plan, graph)]
-        problems += [*_batch(plan, graph), *_recomputation(plan, graph)]
+        problems += [*_blocks(plan, graph), *_batch(plan, graph), *_recomputation(plan, graph)]
     return problems
 
 
@@ -135,7 +136,20 @@ def _stages(plan: Plan) -> list[str]:
     params = [name for name, p in plan.params.items() if p.stage >= count]
     if params:
         out.append(f"parameters {_names(params)} are on stages the plan does not have")
+    listed = Counter(b for stage in plan.stages for b in stage.blocks)
+    twice = sorted(b for b, n in listed.items() if n > 1)
+    if twice:
+        out.append(f"repeated blocks {_names(twice)} are listed by more than one stage (or twice)")
     return out
+
+
+def _ties(plan: Plan) -> list[str]:
+    """A node tied to another shares its choice: the other must be a node of the plan."""
+    dangling = [f"{name} -> {n.tied_to}" for name, n in plan.nodes.items() if n.tied_to]
+    dangling = [d for d in dangling if d.split(" -> ", 1)[1] not in plan.nodes]
+    if not dangling:
+        return []
+    return [f"nodes are tied to nodes the plan does not have: {_names(dangling)}"]
 
 
 def _layouts(plan: Plan) -> list[str]:
@@ -287,6 +301,20 @@ def _params(plan: Plan, graph: OpGraph) -> list[str]:
     extra = [name for name in plan.params if name not in seen]
     if extra:
         out.append(f"the parameter table names {_names(extra)}, which the model does not have")
+    return out
+
+
+def _blocks(plan: Plan, graph: OpGraph) -> list[str]:
+    """A stage runs repeated blocks of the model: each block it lists must be one."""
+    known = sorted({a.block for _, a in graph.nodes() if a.block is not None})
+    out = []
+    for s, stage in enumerate(plan.stages):
+        unknown = sorted(set(stage.blocks) - set(known))
+        if unknown:
+            has = f"blocks {known[0]}..{known[-1]}" if known else "no repeated blocks"
+            out.append(
+                f"stage {s} lists repeated blocks {_names(unknown)}, but the model has {has}"
+            )
     return out
 
 

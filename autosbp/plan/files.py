@@ -8,6 +8,7 @@ their JSON (`plan.values`), the schema (`plan.schema`), the checks (`plan.checks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -48,7 +49,8 @@ def write_atomically(
         write(tmp)
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only folder refuses the cleanup too
+            tmp.unlink(missing_ok=True)
         raise PlanError(
             f"cannot write the {what} to {path} ({exc.strerror or exc}); choose a path in an "
             f"existing, writable directory{hint}."

@@ -2,10 +2,11 @@
 cannot say.
 
 Lives here: `read_plan_text` (a file's JSON, with one clear error for a file that is missing,
-unreadable, not JSON, nested beyond a reader's depth, or holding NaN/Infinity, which Python's
-reader takes by default) and `validate_plan_json` (the format and version, then every value:
-finite, within int64, no control characters, nesting bounded; then the schema in
-autosbp/schemas/plan.schema.json, with `integer` meaning a JSON integer). Lives elsewhere: the
+unreadable, not JSON, nested beyond a reader's depth, or holding NaN/Infinity or one key twice
+in an object, which Python's reader takes by default) and `validate_plan_json` (the format and
+version, then every value: finite, within int64, texts of at most MAX_TEXT characters without
+control characters, nesting bounded; then the schema in autosbp/schemas/plan.schema.json, with
+`integer` meaning a JSON integer). Lives elsewhere: the
 plan's values (`plan.values`), whether they agree with each other (`plan.checks`).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Iterator
 from functools import cache
 from importlib import resources
@@ -25,7 +27,7 @@ from autosbp.errors import PlanError
 from terminal.text import has_control, printable
 
 __all__ = [
-    "FORMAT", "MAX_DEPTH", "MAX_INT", "READABLE_VERSIONS", "VERSION", "plan_schema",
+    "FORMAT", "MAX_DEPTH", "MAX_INT", "MAX_TEXT", "READABLE_VERSIONS", "VERSION", "plan_schema",
     "read_plan_text", "validate_plan_json",
 ]  # fmt: skip
 
@@ -38,6 +40,9 @@ MAX_INT = 2**63 - 1  # int64: the largest count or size torch (and other JSON re
 # The schema nests at most 5 levels (alternatives -> node -> list -> entry -> field); deeper
 # data is not a plan, and bounding it keeps every reader iterative and fast.
 MAX_DEPTH = 16
+# The longest text a plan holds: names of models (a file path and a function), nodes, parameters
+# and SBPs are far shorter; a megabyte name is damage, and would flood the terminal when shown.
+MAX_TEXT = 4096
 _FIX = "make it again with `autosbp plan`"
 
 
@@ -54,7 +59,13 @@ def read_plan_text(path: Path) -> Any:
             "`autosbp plan`."
         ) from None
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
+    except _DuplicateKeyError as exc:
+        raise PlanError(
+            f"plan file {path} names {printable(repr(exc.key))} {exc.count} times in one object; "
+            f"a JSON reader keeps only the last, so the others would be dropped unseen. The file "
+            f"was edited or damaged: {_FIX}."
+        ) from None
     except json.JSONDecodeError as exc:
         raise PlanError(
             f"plan file {path} is not valid JSON ({exc.msg} at line {exc.lineno}); it may be "
@@ -111,6 +122,12 @@ def validate_plan_json(data: Any, source: str = "plan") -> None:
                 f"{source} holds a {len(str(abs(value)))}-digit number at {where}, beyond the "
                 f"largest count a plan can hold (2^63 - 1). {fix}"
             )
+        if isinstance(value, str) and len(value) > MAX_TEXT:
+            raise PlanError(
+                f"{source} holds a text of {len(value)} characters at {where} (it begins "
+                f"{printable(repr(value[:40]))}); plan texts are names, at most {MAX_TEXT} "
+                f"characters. {fix}"
+            )
         if isinstance(value, str) and has_control(value):
             raise PlanError(
                 f"{source} holds the text {printable(repr(value))} at {where}, with control "
@@ -143,6 +160,22 @@ def _leaves(data: Any, source: str, fix: str) -> Iterator[tuple[str, Any]]:
             stack.extend((f"{where}/{i}", item, depth + 1) for i, item in enumerate(value))
         else:
             yield where, value
+
+
+class _DuplicateKeyError(ValueError):
+    """A key given more than once in one JSON object (Python's reader keeps the last)."""
+
+    def __init__(self, key: str, count: int) -> None:
+        super().__init__(key)
+        self.key, self.count = key, count
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        key, count = Counter(k for k, _ in pairs).most_common(1)[0]
+        raise _DuplicateKeyError(key, count)
+    return out
 
 
 class _NonFiniteError(ValueError):

@@ -11,7 +11,7 @@ processes (`parallel`), the problem itself (`problem`).
 Shared work: counts whose graphs have one structure (rebatched graphs) share the cut into
 stages and its counts; every mesh of a count shares what backward keeps; every count shares
 the parameters' candidates (`price_graph`'s memo); every problem of one (count, mesh) shares
-its candidates, boxing matrices and kept bytes (`problem.Priced`).
+its candidates, boxing matrices and kept bytes (`priced.Priced`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,13 @@ from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.kept import Kept, kept_for_backward
 from autosbp.planner.nofit import Refusals
 from autosbp.planner.pipeline import RECOMPUTE_MODES, StageSplit, split_stages
+from autosbp.planner.priced import Priced, price_graph
 from autosbp.planner.problem import (
     MeshProblem,
     Prediction,
-    Priced,
     bound_mesh,
     build_problem,
     predict,
-    price_graph,
     solve_mesh,
 )
 from autosbp.planner.reduce import TiedGraph, TiedStages, tie_graph, tie_stages
@@ -177,6 +176,12 @@ class Evaluator:
             return r.link_of((num_stages, *shape), dim + 1)
 
         meshes = mesh_shapes(r.devices // num_stages, stage_link, r.devices_per_node)
+        meshes += [  # a hand plan's own meshes (3D: dp x cp x tp)
+            Mesh(shape, tuple(f"d{i}" for i in range(len(shape))),
+                 link_classes=tuple(stage_link(shape, d) for d in range(len(shape))))
+            for shape in r.space.meshes
+            if math.prod(shape) * num_stages == r.devices
+        ]  # fmt: skip
         return [m for m in meshes if r.space.mesh_ok(m)]
 
     def stages_of(self, count: int, num_stages: int) -> Stages | None:

@@ -1,5 +1,5 @@
-"""Hand plans as restrictions of the search: `dp`, `fsdp`, `megatron:tp=..,pp=..,dp=..` (and
-`auto`, no restriction) become a `Space`: the stage counts, meshes, micro-batch counts,
+"""Hand plans as restrictions of the search: `dp`, `fsdp`, `megatron:tp=..,pp=..,dp=..[,cp=..]`
+(and `auto`, no restriction) become a `Space`: the stage counts, meshes, micro-batch counts,
 recomputation modes and candidate signatures the search may choose from.
 
 Lives here: `strategy_space` (parse a strategy), `hand_strategies` (the usual hand plans for a
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
 from autosbp.planner.pipeline import RECOMPUTE_MODES
-from autosbp.planner.problem import Allow
+from autosbp.planner.priced import Allow
 from autosbp.rules import NdSignature
+from autosbp.rules.context import seq_mesh_dims
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
 
 
@@ -33,6 +34,7 @@ class Space:
     allow: Allow | None = None
     mesh_ok: Callable[[Mesh], bool] = lambda mesh: True
     data_parallel: int = 1
+    meshes: tuple[tuple[int, ...], ...] = ()  # shapes beyond the search's 1D and 2D ones
 
 
 def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | None = None) -> Space:
@@ -57,8 +59,12 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     if strategy == "fsdp":
         return Space((1,), modes, allow=_fully_sharded(), mesh_ok=lambda m: m.ndim == 1)
     if strategy.startswith("megatron:"):
-        tp, pp, dp, mb, ep = _megatron_degrees(strategy)
+        tp, pp, dp, mb, ep, cp = _megatron_degrees(strategy)
         counts = (mb,) if mb is not None else None
+        if cp > 1:
+            if ep > 1:
+                raise PlanError(f"{strategy!r}: cp and ep together are not supported; drop one.")
+            return _context_parallel_space(tp, pp, dp, cp, modes, counts)
         if ep > 1:
             return _expert_parallel_space(tp, pp, dp, ep, modes, counts)
         if tp == 1:  # no tensor parallelism: plain data parallelism in each stage
@@ -77,7 +83,7 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
         return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp, tp), dp)
     raise PlanError(
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
-        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E]."
+        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C]."
     )
 
 
@@ -96,10 +102,10 @@ def hand_strategies(devices: int, devices_per_node: int, blocks: int) -> list[st
     return ["dp", "fsdp", *megatron]
 
 
-def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int]:
-    """(tp, pp, dp, mb, ep) of `megatron:tp=T,pp=P,dp=D,mb=M,ep=E` (each optional: 1, mb
-    searched)."""
-    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4 and ep=E optional)"
+def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, int]:
+    """(tp, pp, dp, mb, ep, cp) of `megatron:tp=T,pp=P,dp=D,mb=M,ep=E,cp=C` (each optional: 1,
+    mb searched)."""
+    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4, ep=E and cp=C optional)"
     try:
         fields = {
             k: int(v)
@@ -107,13 +113,13 @@ def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int]:
         }
     except ValueError:
         raise PlanError(f"cannot read {strategy!r}; {example}.") from None
-    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb", "ep"})
+    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb", "ep", "cp"})
     if unknown:
         raise PlanError(f"{strategy!r} has unknown degree(s) {unknown}; {example}.")
     if any(v < 1 for v in fields.values()):
         raise PlanError(f"{strategy!r}: degrees must be positive; {example}.")
     degrees = fields.get("tp", 1), fields.get("pp", 1), fields.get("dp", 1)
-    return *degrees, fields.get("mb"), fields.get("ep", 1)
+    return *degrees, fields.get("mb"), fields.get("ep", 1), fields.get("cp", 1)
 
 
 def _expert_parallel_space(
@@ -155,6 +161,42 @@ def _expert_parallel_space(
 
     allow = _allow(param=param_tp, data=lambda nd: nd == (Split(0), Broadcast()))
     return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp, tp), dp)
+
+
+def _context_parallel_space(
+    tp: int, pp: int, dp: int, cp: int, modes: tuple[str, ...], counts: tuple[int, ...] | None
+) -> Space:
+    """`megatron:...,cp=C`: Llama 3's and Megatron-Core's context parallelism. A dp x cp x tp
+    mesh (the dims of size 1 left out); the data split on its batch dim over dp and on its
+    sequence dim (dim 1) over cp; weights replicated over dp and cp and, with tp, every matrix
+    split on the tp dim; every attention splits its sequence on the cp dim with keys and values
+    all-gathered inside it (`rules.context`); the ILP places the rest."""
+    dims = [("dp", dp), ("cp", cp), ("tp", tp)]
+    kept = [(name, size) for name, size in dims if size > 1]
+    shape = tuple(size for _, size in kept)
+    at = {name: i for i, (name, _) in enumerate(kept)}
+
+    def param(nd: NdSbp, shape_: tuple[int, ...]) -> bool:
+        free = [i for name, i in at.items() if name != "tp"]
+        if any(not isinstance(nd[i], Broadcast) for i in free):
+            return False
+        return "tp" not in at or _tensor_parallel(at["tp"])(nd, shape_)
+
+    def data(nd: NdSbp) -> bool:
+        want = {"dp": Split(0), "cp": Split(1), "tp": Broadcast()}
+        return all(nd[i] == want[name] for name, i in at.items())
+
+    inner = _allow(param=param, data=data)
+
+    def allow(graph: OpGraph, name: str, sig: NdSignature) -> bool:
+        attrs = graph.node(name)
+        if attrs.op == "aten.scaled_dot_product_attention.default":
+            return at["cp"] in seq_mesh_dims(attrs, sig, shape)
+        return inner(graph, name, sig)
+
+    mesh_ok: Callable[[Mesh], bool] = lambda m: m.shape == shape  # noqa: E731
+    extra = (shape,) if len(shape) > 2 else ()
+    return Space((pp,), modes, counts, allow, mesh_ok, dp, meshes=extra)
 
 
 def _tensor_parallel(mesh_dim: int) -> Callable[[NdSbp, tuple[int, ...]], bool]:

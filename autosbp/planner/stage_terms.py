@@ -4,7 +4,7 @@ Lives here: `StageTerms` (per stage: busy and forward time per micro-batch, tran
 update and its sync, memory per node candidate and edge pair, and one block's parameter
 communication and compute, which prefetching overlaps), filled from the tied counts of a graph
 cut into stages; tied nodes and edges are added once per group, times its count. Lives
-elsewhere: the prices it sums (`problem.Priced`, `candidates`, `memory`, `kept`), the objective made
+elsewhere: the prices it sums (`priced.Priced`, `candidates`, `memory`, `kept`), the objective made
 of the sums (`objective`), the problem (`problem.build_problem`).
 
 Memory per stage (k = the micro-batches in flight, `pipeline.in_flight`): model states once;
@@ -27,7 +27,7 @@ from collections import Counter
 import numpy as np
 
 from autosbp.capturing.graph import OpNode, Role
-from autosbp.planner.candidates import BACKWARD_FACTOR, NodeStrategies, Prices
+from autosbp.planner.candidates import NodeStrategies, Prices
 from autosbp.planner.ilp_problem import Costs, MemoryConstraint
 from autosbp.planner.objective import StageCosts
 from autosbp.planner.pipeline import in_flight, recomputed
@@ -71,7 +71,7 @@ class StageTerms:
                 self._add_parameter(r, s, n, found, micro_batches)
                 self.param_bytes[s] += n * attrs.outputs[0].nbytes
             elif attrs.role is Role.COMPUTE:
-                fwd = found.compute_s / (1.0 + BACKWARD_FACTOR)
+                fwd = found.forward_part_s()
                 again = fwd if recomputed(priced.graph, r, recompute) else 0.0
                 self.busy[s].node(r, n * (found.compute_s + again))
                 self.forward[s].node(r, n * fwd)

@@ -4,7 +4,9 @@ Lives here: the public queries the planner and runtime use.
   has_rule(op)                          is there a rule for this ATen op name?
   signatures_1d(node, mesh_dim_size)    the op's signatures for one mesh dim
   nd_signatures(node, mesh_shape)       product over mesh dims, filtered by divisibility
+  exchanges(node, nd_sig, mesh)         the collectives the op runs inside itself (`comm`)
   local_op(node, nd_sig, mesh, coords)  the local kernel, built once per node and device
+                                        (with `comm=` where the signature exchanges)
   local_call(...)                       local_op(...)(local_inputs), for one-off calls
   warn_unknown_ops(ops)                 one warning naming every op without a rule
   derives_splits(node)                  an op without a rule, split by checked signatures?
@@ -13,7 +15,8 @@ Lives here: the public queries the planner and runtime use.
 Lives elsewhere: the rules, one module per op family (`pointwise`, `matmul`, `attention`,
 `reduction`, `norm`, `embedding`, `view`, `indexing`, `conv`, `loss`, `factory`, `boundary`,
 `routing`),
-the registry that lists them (`registry`), the vocabulary (`core`), the test oracle (`oracle`).
+the registry that lists them (`registry`), the vocabulary (`core`, and `comm` for communication
+inside an op), the test oracle (`oracle`).
 
 Invariants: every list holds the all-B signature first (for ops with tensors); no signature
 splits a dim that the mesh dim does not divide; no signature puts P on a tensor that is not
@@ -41,6 +44,8 @@ from typing import Any
 import torch
 
 from autosbp.capturing.graph import OpGraph, Role
+from autosbp.errors import ExecutionError
+from autosbp.rules.comm import Exchange, OpComm, OpContext
 from autosbp.rules.core import (
     LocalOp,
     NdSignature,
@@ -55,11 +60,15 @@ from autosbp.rules.registry import RULES
 from autosbp.sbp import Broadcast, NdSbp, Partial, Sbp, split_factors
 
 __all__ = [
+    "Exchange",
     "LocalOp",
     "NdSignature",
+    "OpComm",
+    "OpContext",
     "Signature",
     "UnknownOpWarning",
     "derives_splits",
+    "exchanges",
     "has_rule",
     "local_call",
     "local_op",
@@ -147,13 +156,28 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def exchanges(
+    node: Node, nd_signature: NdSignature, mesh_shape: Sequence[int]
+) -> tuple[Exchange, ...]:
+    """The collectives the op runs inside itself under `nd_signature`, per micro-batch and
+    device (empty for almost every signature: their communication is boxing, on edges)."""
+    rule = RULES.get(node.op)
+    return () if rule is None else rule.exchanges(node, nd_signature, tuple(mesh_shape))
+
+
 def local_op(
-    node: Node, nd_signature: NdSignature, mesh_shape: Sequence[int], coords: Sequence[int]
+    node: Node,
+    nd_signature: NdSignature,
+    mesh_shape: Sequence[int],
+    coords: Sequence[int],
+    comm: OpComm | None = None,
 ) -> LocalOp:
     """The op bound to the device at `coords`: call it with that device's local inputs.
 
     Build it once per (node, signature, mesh, device) and call it every step: all argument
     rewriting (local sizes, shard offsets, rescale factors) happens here, not in the call.
+    A signature that communicates inside the op (`exchanges`) needs `comm`, this device's
+    collectives on its mesh groups.
     """
     rule = RULES.get(node.op)
     if rule is None:  # a derived signature runs the op unchanged, as it was checked
@@ -162,7 +186,16 @@ def local_op(
                 f"{node.op} has no rule and {nd_signature} was not derived for it"
             )
         return default_local_op(node)
-    return rule.build_local(node, nd_signature, tuple(mesh_shape), tuple(coords))
+    mesh_shape, coords = tuple(mesh_shape), tuple(coords)
+    if rule.build_comm is not None and rule.exchanges(node, nd_signature, mesh_shape):
+        if comm is None:
+            raise ExecutionError(
+                f"node {node.name!r} ({node.op}) under {nd_signature} communicates inside the "
+                "op, and its kernel was built without process groups. Build it where the "
+                "runtime holds the mesh's groups (runtime.execute.op_comm.GroupComm)."
+            )
+        return rule.build_comm(node, nd_signature, OpContext(mesh_shape, coords, comm))
+    return rule.build_local(node, nd_signature, mesh_shape, coords)
 
 
 def local_call(

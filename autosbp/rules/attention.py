@@ -10,7 +10,11 @@ Rows, for one mesh dim:
                            heads split the same way; the divisibility filter checks their count)
   query rows (L)           query S(-2), key and value B, mask S(-2) or B -> S(-2), only when not
                            causal: every query row attends to all keys independently. With
-                           is_causal the mask depends on the global row index (not implemented).
+                           is_causal the mask depends on the global row index: that is the
+                           next row's kernel.
+  sequence (L, context     query, key, value S(-2) -> S(-2): keys and values all-gathered
+  parallelism)             inside the op, causal load-balanced (`context`, which holds the row,
+                           its exchanges and its kernel)
   linearity in value       query B, key B, value P, mask B -> P: out = softmax(q k^T) v
   E (head dim)             never split: the scores need the whole dot product before softmax
 dropout_p > 0 draws a random mask: the rows hold in distribution, not bit for bit.
@@ -18,6 +22,7 @@ dropout_p > 0 draws a random mask: the rows hold in distribution, not bit for bi
 
 from __future__ import annotations
 
+from autosbp.rules import context
 from autosbp.rules.core import (
     Node,
     OpRule,
@@ -56,9 +61,15 @@ def sdpa_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
             sig(S(rank - 2), B, aligned_sbp(mask_shape, scores_shape, rank - 2), S(rank - 2))
         )
     sigs.append(sig(B, B, B, P, value=P))
-    return sigs
+    return sigs + context.cp_signatures(node, mesh_dim_size)
 
 
 def rules() -> dict[str, OpRule]:
     """This family's rows of the registry."""
-    return {"aten.scaled_dot_product_attention.default": OpRule(sdpa_signatures)}
+    return {
+        "aten.scaled_dot_product_attention.default": OpRule(
+            sdpa_signatures,
+            exchanges=context.cp_exchanges,
+            build_comm=context.build_cp_attention,
+        )
+    }

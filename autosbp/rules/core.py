@@ -2,7 +2,8 @@
 
 Lives here: `Signature` (one mesh dim) and `NdSignature` (all mesh dims), `OpRule` (how one op
 family lists its signatures and builds its local kernel), `LocalOp` (the op bound to one device's
-shards, built once per node, signature and device), and the helpers every family uses to read a
+shards, built once per node, signature and device; a signature that communicates inside the op
+declares its exchanges and builds its kernel with an `OpContext`: `rules.comm`), and the helpers every family uses to read a
 node (`bound_args`, `tensor_slots`, `make_signature`) and to rewrite its arguments
 (`local_op_with`). Lives elsewhere: the per-family rules (sibling modules), the registry and the
 nD product (`autosbp.rules`), the simulation oracle (`autosbp.rules.oracle`).
@@ -23,6 +24,7 @@ from typing import Any, TypeAlias
 import torch
 
 from autosbp.capturing.graph import InputRef, OpNode, RunDevice
+from autosbp.rules.comm import Exchange, OpContext
 from autosbp.sbp import B, Broadcast, NdSbp, P, Partial, Sbp, Split, format_nd_sbp, local_shape
 
 Node: TypeAlias = OpNode
@@ -215,16 +217,29 @@ def plain_local_op(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shap
     return default_local_op(node)
 
 
+def no_exchanges(node: Node, sig: NdSignature, mesh_shape: Shape) -> tuple[Exchange, ...]:
+    """The default: the op's kernel communicates nothing under any signature."""
+    return ()
+
+
 SignatureFn: TypeAlias = Callable[[Node, int], list[Signature]]
 LocalOpFn: TypeAlias = Callable[[Node, NdSignature, Shape, Shape], LocalOp]
+ExchangesFn: TypeAlias = Callable[[Node, NdSignature, Shape], tuple[Exchange, ...]]
+CommLocalFn: TypeAlias = Callable[[Node, NdSignature, OpContext], LocalOp]
 
 
 @dataclass(frozen=True, slots=True)
 class OpRule:
-    """How one op lists its 1D signatures and builds its local kernel for an nD signature."""
+    """How one op lists its 1D signatures and builds its local kernel for an nD signature.
+
+    A signature for which `exchanges` lists collectives (`rules.comm.Exchange`) communicates
+    inside the op: its kernel is `build_comm(node, sig, OpContext)`, built with this device's
+    groups; every other signature's is `build_local(node, sig, mesh_shape, coords)`."""
 
     signatures: SignatureFn
     build_local: LocalOpFn = plain_local_op
+    exchanges: ExchangesFn = no_exchanges
+    build_comm: CommLocalFn | None = None
 
 
 def default_local_op(

@@ -96,11 +96,13 @@ def _triable(node: Node) -> bool:
 
 
 def _sample(meta: TensorMeta) -> torch.Tensor:
+    """Random values of `meta` on the CPU (whatever default device a capture runs under)."""
+    cpu = torch.device("cpu")
     if meta.dtype.is_floating_point:
-        return torch.randn(meta.shape, dtype=torch.float64).to(meta.dtype)
+        return torch.randn(meta.shape, dtype=torch.float64, device=cpu).to(meta.dtype)
     if meta.dtype is torch.bool:
-        return torch.rand(meta.shape) < 0.5
-    return torch.randint(0, 2, meta.shape, dtype=meta.dtype)
+        return torch.rand(meta.shape, device=cpu) < 0.5
+    return torch.randint(0, 2, meta.shape, dtype=meta.dtype, device=cpu)
 
 
 def _candidates(node: Node) -> list[Signature]:

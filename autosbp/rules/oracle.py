@@ -2,8 +2,9 @@
 
 Lives here: `node_from_call` (an `OpNode`, as capture would build it, from a plain call),
 `run_global` (the op on whole tensors), `shard_inputs` (every device's pieces, P as random addends)
-and `simulate` (shard, run `local_op` per device, check B copies agree, assemble). Used by the
-tests and by anyone adding a rule. Lives elsewhere: real multi-process execution (runtime), the
+and `simulate` (shard, run `local_op` per device, check B copies agree, assemble; a signature
+that communicates inside the op runs one thread per device, its collectives through
+`SimulatedComm`, in memory). Used by the tests and by anyone adding a rule. Lives elsewhere: real multi-process execution (runtime), the
 DTensor peer check (tests/support/rules_helpers.py).
 
 Invariants: P inputs are random addends that sum to the global value, never "value on device 0,
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +26,7 @@ import torch
 
 from autosbp.capturing.graph import InputRef, OpNode, Role, TensorMeta
 from autosbp.layout import assemble_tensor
-from autosbp.rules import local_op
+from autosbp.rules import exchanges, local_op
 from autosbp.rules.core import NdSignature, Node, as_tuple, default_local_op, resolve_refs
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Partial, Split
 
@@ -108,10 +111,7 @@ def simulate(
         shard_inputs(t, nd, mesh.shape, gen)
         for t, nd in zip(global_inputs, nd_sig.inputs, strict=True)
     ]
-    per_device = []
-    for index in range(mesh.size):
-        kernel = local_op(node, nd_sig, mesh.shape, mesh.coords(index))
-        per_device.append(kernel([pieces[index] for pieces in per_input]))
+    per_device = _run_devices(node, nd_sig, mesh, per_input)
     outs = []
     for k, nd_sbp in enumerate(nd_sig.outputs):
         pieces = [device_outs[k] for device_outs in per_device]
@@ -119,6 +119,77 @@ def simulate(
         outs.append(assemble_tensor(pieces, nd_sbp, mesh))
     ins = [assemble_tensor(p, nd, mesh) for p, nd in zip(per_input, nd_sig.inputs, strict=True)]
     return Simulated(tuple(outs), tuple(ins))
+
+
+def _run_devices(
+    node: Node, nd_sig: NdSignature, mesh: Mesh, per_input: Sequence[Sequence[torch.Tensor]]
+) -> list[tuple[torch.Tensor, ...]]:
+    """Every device's local outputs: in turn, or one thread each where the op communicates."""
+
+    def run(index: int, comm: SimulatedComm | None = None) -> tuple[torch.Tensor, ...]:
+        kernel = local_op(node, nd_sig, mesh.shape, mesh.coords(index), comm)
+        return kernel([pieces[index] for pieces in per_input])
+
+    if not exchanges(node, nd_sig, mesh.shape):
+        return [run(index) for index in range(mesh.size)]
+    board = _Board(mesh)
+    with ThreadPoolExecutor(mesh.size) as pool:
+        futures = [pool.submit(run, i, SimulatedComm(board, i)) for i in range(mesh.size)]
+        return [f.result(timeout=60) for f in futures]
+
+
+class _Board:
+    """Where simulated devices post their pieces: per (mesh dim, group, call number)."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.posted: dict[tuple[int, tuple[int, ...], int], dict[int, torch.Tensor]] = {}
+        self.ready = threading.Condition()
+
+    def group(self, index: int, mesh_dim: int) -> tuple[int, ...]:
+        """The devices along `mesh_dim` through device `index`, in coordinate order."""
+        coords = list(self.mesh.coords(index))
+        members = []
+        for k in range(self.mesh.shape[mesh_dim]):
+            coords[mesh_dim] = k
+            members.append(self.mesh.index(tuple(coords)))
+        return tuple(members)
+
+    def exchange(
+        self, key: tuple[int, tuple[int, ...], int], member: int, x: torch.Tensor
+    ) -> dict[int, torch.Tensor]:
+        """Post `x` as `member`'s piece; every member's pieces once all have posted."""
+        with self.ready:
+            pieces = self.posted.setdefault(key, {})
+            pieces[member] = x.detach().clone()
+            self.ready.notify_all()
+            if not self.ready.wait_for(lambda: len(pieces) == len(key[1]), timeout=60):
+                raise TimeoutError(f"simulated exchange {key}: {len(pieces)} pieces posted")
+            return pieces
+
+
+class SimulatedComm:
+    """`rules.comm.OpComm` for simulated devices in threads (forward only, no autograd)."""
+
+    def __init__(self, board: _Board, index: int) -> None:
+        self.board, self.index = board, index
+        self.calls: dict[tuple[int, tuple[int, ...]], int] = {}
+
+    def _post(
+        self, mesh_dim: int, x: torch.Tensor
+    ) -> tuple[tuple[int, ...], dict[int, torch.Tensor]]:
+        group = self.board.group(self.index, mesh_dim)
+        count = self.calls.get((mesh_dim, group), 0)
+        self.calls[(mesh_dim, group)] = count + 1
+        return group, self.board.exchange((mesh_dim, group, count), self.index, x)
+
+    def all_gather(self, x: torch.Tensor, dim: int, mesh_dim: int) -> torch.Tensor:
+        group, pieces = self._post(mesh_dim, x)
+        return torch.cat([pieces[member] for member in group], dim=dim)
+
+    def swap(self, x: torch.Tensor, mesh_dim: int, peer: int) -> torch.Tensor:
+        group, pieces = self._post(mesh_dim, x)
+        return pieces[group[peer]]
 
 
 def _cut(

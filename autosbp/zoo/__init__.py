@@ -21,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -133,6 +134,15 @@ def _check_kwargs(name: str, kwargs: dict[str, Any]) -> None:
             f"Zoo model {name!r} has no argument {', '.join(map(repr, unknown))}; "
             f"it accepts {options} (plus device and seed). `autosbp zoo` lists every model."
         )
+    for key, value in kwargs.items():
+        default = accepted[key]
+        whole = isinstance(default, int) and not isinstance(default, bool)
+        if whole and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CaptureError(
+                f"Zoo model {name!r} cannot be built with {key}={value!r}: {key} is a size or "
+                f"a count, a whole number >= 1 (default {default}). Check the values of "
+                "--model-args."
+            )
 
 
 def load_model(
@@ -161,12 +171,12 @@ def load_model(
             "Check --model-args against the function's parameters."
         ) from exc
     try:
-        with _building_on(device):
+        with _exit_refused(), _building_on(device):
             result = func(**args)
     except (Exception, SystemExit) as exc:  # sys.exit in user code: an error, not our exit
         raise CaptureError(
             f"Calling {func_name}({', '.join(f'{k}={v!r}' for k, v in args.items())}) from "
-            f"{path_text} failed with {type(exc).__name__}: {exc}. Fix the function (or "
+            f"{path_text} failed with {_failure(exc)}. Fix the function (or "
             "--model-args) so that it returns (model, example_inputs)."
         ) from exc
     return _check_model_and_inputs(result, spec)
@@ -192,11 +202,12 @@ def _load_function(path: Path, func_name: str) -> Callable[..., Any]:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     try:
-        module_spec.loader.exec_module(module)
+        with _exit_refused():
+            module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # sys.exit in user code: an error, not our exit
         del sys.modules[module_name]
         raise CaptureError(
-            f"Importing model file {str(path)!r} failed with {type(exc).__name__}: {exc}. "
+            f"Importing model file {str(path)!r} failed with {_failure(exc)}. "
             f"Fix the file so that `python {path}` runs."
         ) from exc
     func = getattr(module, func_name, None)
@@ -211,6 +222,32 @@ def _load_function(path: Path, func_name: str) -> Callable[..., Any]:
             f"{', '.join(found) or 'none'}. Name one that returns (model, example_inputs)."
         )
     return func
+
+
+class _ExitCalledError(Exception):
+    """User code called os._exit while a model was being built (it would end autosbp unseen:
+    exit code 0 and no summary)."""
+
+
+@contextlib.contextmanager
+def _exit_refused() -> Iterator[None]:
+    """While user code runs, os._exit raises `_ExitCalledError` instead of ending the process."""
+    real = os._exit
+
+    def refuse(status: int) -> NoReturn:
+        raise _ExitCalledError(f"os._exit({status}), which would end the process unseen")
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, _ExitCalledError):
+        return f"a call of {exc}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _check_model_and_inputs(result: object, spec: str) -> ModelAndInputs:

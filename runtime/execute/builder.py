@@ -5,7 +5,8 @@ kernel and buffer write-backs as instructions, and remembers which slots each re
 and which parameter boxings hold a collective) and `last_uses` (when each slot can be freed).
 Lives elsewhere: what to build and the `Program` built (`runtime.execute.program`), the
 instructions themselves (`runtime.execute.instructions`), recomputed runs
-(`runtime.execute.recompute_runs`), the local kernels (`autosbp.rules.local_op`).
+(`runtime.execute.recompute_runs`), the local kernels (`autosbp.rules.local_op`; a kernel that
+communicates inside the op gets this rank's `runtime.execute.op_comm.GroupComm`).
 
 Invariants:
 - Each boxing is emitted right before its first consumer, and a producer output boxed to one
@@ -37,6 +38,7 @@ from runtime.execute.instructions import (
     compute_instruction,
     write_back_instruction,
 )
+from runtime.execute.op_comm import GroupComm
 from runtime.parallel.gathers import ParamBox, has_collective
 
 __all__ = ["ProgramBuilder", "last_uses"]
@@ -52,6 +54,7 @@ class ProgramBuilder:
     coords: tuple[int, ...]
     boxer: Boxer
     device: torch.device
+    comm: GroupComm | None = None  # collectives inside ops (`autosbp.rules.comm`)
     slots: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
     boxed: dict[tuple[str, int, NdSbp], int] = dataclasses.field(default_factory=dict)
     steps: list[Instruction] = dataclasses.field(default_factory=list)
@@ -122,7 +125,7 @@ class ProgramBuilder:
         outs = tuple(self.new_slot() for _ in attrs.outputs)
         for index, slot in enumerate(outs):
             self.slots[(name, index)] = slot
-        op = local_op(attrs, sig, self.mesh.shape, self.coords)
+        op = local_op(attrs, sig, self.mesh.shape, self.coords, self.comm)
         op = dataclasses.replace(  # the graph's RUN_DEVICE (factory ops, `.to(device)`) is ours
             op,
             args=run_device(op.args, self.device),

@@ -35,7 +35,15 @@ from autosbp.errors import ExecutionError
 from autosbp.sbp import Mesh, Split, format_nd_sbp, local_shape
 from runtime.execute.groups import ProcessGroups
 
-__all__ = ["Started", "execute_boxing", "run_step", "start_step"]
+__all__ = [
+    "Started",
+    "all_gather_along",
+    "execute_boxing",
+    "group_ranks",
+    "reduce_scatter_along",
+    "run_step",
+    "start_step",
+]
 
 # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -141,22 +149,23 @@ def start_step(
     if step.kind is StepKind.LOCAL:
         out = apply_local_step(step, x, coords[mesh_dim])
         return Started(None, lambda: out)
-    group = groups.get(_group_ranks(mesh, mesh_dim, coords))
+    group = groups.get(group_ranks(mesh, mesh_dim, coords))
     a, b, p = step.src_sbp, step.dst_sbp, step.group_size
     if step.kind is StepKind.ALL_REDUCE:
         out = x if donate and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
         return Started(dist.all_reduce(out, group=group, async_op=async_op), lambda: out)
     if step.kind is StepKind.ALL_GATHER:
         assert isinstance(a, Split)
-        return _all_gather(x, a.dim, p, group, async_op)
+        return all_gather_along(x, a.dim, p, group, async_op)
     if step.kind is StepKind.REDUCE_SCATTER:
         assert isinstance(b, Split)
-        return _reduce_scatter(x, b.dim, p, group, async_op)
+        return reduce_scatter_along(x, b.dim, p, group, async_op)
     assert step.kind is StepKind.ALL_TO_ALL and isinstance(a, Split) and isinstance(b, Split)
     return _all_to_all(x, a.dim, b.dim, p, group, async_op)
 
 
-def _group_ranks(mesh: Mesh, mesh_dim: int, coords: tuple[int, ...]) -> tuple[int, ...]:
+def group_ranks(mesh: Mesh, mesh_dim: int, coords: tuple[int, ...]) -> tuple[int, ...]:
+    """The global ranks along `mesh_dim` through the device at `coords`, in coordinate order."""
     members = []
     for k in range(mesh.shape[mesh_dim]):
         at = (*coords[:mesh_dim], k, *coords[mesh_dim + 1 :])
@@ -164,18 +173,20 @@ def _group_ranks(mesh: Mesh, mesh_dim: int, coords: tuple[int, ...]) -> tuple[in
     return tuple(members)
 
 
-def _all_gather(
+def all_gather_along(
     x: torch.Tensor, dim: int, p: int, group: dist.ProcessGroup, async_op: bool
 ) -> Started:
+    """The pieces `x` of the `p` ranks of `group` concatenated along `dim`, in group order."""
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((p * front.shape[0], *front.shape[1:]))
     work = _all_gather_single(out, front, group=group, async_op=async_op)
     return Started(work, lambda: _moved_back(out, dim))
 
 
-def _reduce_scatter(
+def reduce_scatter_along(
     x: torch.Tensor, dim: int, p: int, group: dist.ProcessGroup, async_op: bool
 ) -> Started:
+    """The sum of the `p` ranks' `x`, this rank's chunk of it along `dim` (group order)."""
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // p, *front.shape[1:]))
     work = _reduce_scatter_single(out, front, group=group, async_op=async_op)

@@ -40,6 +40,7 @@ from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh, NdSbp, Partial, format_nd_sbp, local_shape
 from runtime.execute.builder import ProgramBuilder, last_uses
 from runtime.execute.instructions import Boxer, Instruction, Values, take_instruction
+from runtime.execute.op_comm import GroupComm
 from runtime.execute.recompute_runs import checkpointed, recompute_runs
 from runtime.parallel.gathers import plan_gathers
 from runtime.parallel.prefetch import GatherSchedule, GatherSetup
@@ -86,6 +87,7 @@ class Program:
     imports: tuple[int, ...] = ()
     exports: tuple[int, ...] = ()
     gathers: GatherSchedule | None = None  # parameter gathers run ahead (runtime.parallel.prefetch)
+    op_comm: GroupComm | None = None  # collectives inside ops: spans go to its `span_hook`
 
     def run(
         self,
@@ -146,7 +148,8 @@ def build_program(
     run of their steps in activation checkpointing. With `gathering`, parameter gathers run
     through a `GatherSchedule` (`runtime.parallel.prefetch`)."""
     device = next(iter(state.values())).device if state else torch.device("cpu")
-    builder = ProgramBuilder(graph, signatures, boxer.mesh, coords, boxer, device)
+    comm = GroupComm(boxer.mesh, coords, boxer.groups)
+    builder = ProgramBuilder(graph, signatures, boxer.mesh, coords, boxer, device, comm)
     here = _stage_nodes(graph, stage_of, stage)
     imports = [builder.slots.setdefault(value, builder.new_slot()) for value in received]
     inputs = _load_inputs(builder, here)
@@ -169,6 +172,7 @@ def build_program(
         imports=tuple(imports),
         exports=tuple(exports),
         gathers=gathers,
+        op_comm=comm,
     )
 
 

@@ -32,7 +32,10 @@ Invariants:
   name, shape and dtype. Either way the state's names, shapes and dtypes are checked.
 - Atomic: ranks write into `<path>.tmp`, rank 0 writes the manifest last and renames the
   directory to `<path>`. A directory without a manifest is never taken for a checkpoint. An
-  existing checkpoint at `<path>` is replaced only after the new one is complete.
+  existing checkpoint at `<path>` is replaced only after the new one is complete: moved to
+  `<path>.old`, the new one renamed in, then the old removed. A kill between the renames leaves
+  the last complete one at `<path>.old`; resuming and saving put it back first
+  (`recover_checkpoint`), and `<path>.old` is never removed while `<path>` is incomplete.
 - Saving and loading run each fallible part on every rank and then agree (`agree`): a failure
   on one rank makes every rank raise, naming it (never a hang). Loading changes nothing until
   every tensor of this rank has been read and checked, and every rank has.
@@ -73,6 +76,7 @@ from runtime.state.checkpoint_format import (
     merge_stage_groups,
     parameter_names,
     read_manifest,
+    recover_checkpoint,
 )
 from runtime.state.checkpoint_load import load_checkpoint
 from runtime.state.startup import agree
@@ -190,6 +194,7 @@ def _owner(layout: NdSbp, mesh: Mesh, index: int) -> int:
 
 
 def _fresh_dir(tmp: Path, path: Path) -> None:
+    recover_checkpoint(path)  # a save killed between its renames: its last good one back first
     if path.exists() and not (path / MANIFEST).is_file():
         raise ExecutionError(
             f"save_checkpoint: {path} exists and is not a checkpoint (no {MANIFEST}); refusing "
@@ -221,9 +226,12 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 def _publish(tmp: Path, path: Path) -> None:
     """Rename the complete `tmp` to `path`; an old checkpoint there is moved aside first and
-    removed after (a crash in between leaves it whole at `<path>.old`)."""
+    removed after. A kill at any point leaves a complete checkpoint: at `path`, or whole at
+    `<path>.old` between the renames (`recover_checkpoint` puts it back); `<path>.old` is
+    removed only while `path` holds a complete one."""
     old = path.with_name(path.name + ".old")
-    if old.exists():
+    recover_checkpoint(path)
+    if old.exists():  # beside a complete `path` now, or itself incomplete: never the last good one
         shutil.rmtree(old)
     if path.exists():
         os.replace(path, old)

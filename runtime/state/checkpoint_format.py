@@ -4,7 +4,8 @@ Lives here: `Manifest`, `TensorEntry`, `RankFile`, their JSON, how dtypes and pa
 named (`dtype_name`, `parameter_names`), the optimizer's parameter groups as JSON
 (`group_json`, merged over pipeline stages by `merge_stage_groups`), and `read_manifest`
 (checked reading, with a clear error for a missing, damaged or older-version manifest, and for
-rank file names that would lead out of the checkpoint's folder). Lives elsewhere: writing the
+rank file names that would lead out of the checkpoint's folder), and `recover_checkpoint` (the
+last complete checkpoint put back from `<path>.old` after a save killed between its renames). Lives elsewhere: writing the
 tensors and the format's description (`runtime.state.checkpoint`), reading them
 (`runtime.state.checkpoint_load`).
 
@@ -15,6 +16,7 @@ one micro-batch). Version 1 is refused with its cause and a fix, not guessed at.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -41,6 +43,7 @@ __all__ = [
     "merge_stage_groups",
     "parameter_names",
     "read_manifest",
+    "recover_checkpoint",
 ]
 
 FORMAT = "autosbp.checkpoint"
@@ -138,10 +141,10 @@ class Manifest:
             strategy=str(plan["strategy"]),
             mesh_shape=tuple(int(s) for s in plan["mesh_shape"]),
             stages=tuple(tuple(int(r) for r in devices) for devices in plan["stages"]),
-            micro_batches=int(plan["micro_batches"]),
-            global_batch=int(plan["global_batch"]),
+            micro_batches=_count(plan["micro_batches"], "plan.micro_batches", least=1),
+            global_batch=_count(plan["global_batch"], "plan.global_batch", least=1),
             optimizer_kind=str(optimizer["kind"]),
-            optimizer_step=int(optimizer["step"]),
+            optimizer_step=_count(optimizer["step"], "optimizer.step", least=0),
             param_groups=tuple(dict(g) for g in optimizer["param_groups"]),
             files=tuple(RankFile(**f) for f in data["files"]),
             tensors={
@@ -151,6 +154,13 @@ class Manifest:
                 for key, e in data["tensors"].items()
             },
         )
+
+
+def _count(value: Any, field: str, *, least: int) -> int:
+    """A whole number >= `least` (ValueError otherwise: a manifest step of -7 is damage)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{field} is {value!r}, expected a whole number >= {least}")
+    return value
 
 
 # ------------------------------------------------------------------- optimizer groups
@@ -212,6 +222,22 @@ def _is_plain(value: Any) -> bool:
     if isinstance(value, list | tuple):
         return all(_is_plain(v) for v in value)
     return value is None or isinstance(value, bool | int | float | str)
+
+
+def recover_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Put back the last complete checkpoint where a save was killed between its two renames
+    (`path` moved to `<path>.old`, the new one not yet at `path`): True if it did. Safe on
+    every rank at once (one rename wins, the others find it done); a `path` that holds
+    something else is left for the caller to refuse."""
+    path = Path(path)
+    old = path.with_name(path.name + ".old")
+    if (path / MANIFEST).is_file() or not (old / MANIFEST).is_file():
+        return False
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        return False
+    with contextlib.suppress(FileNotFoundError):  # another rank put it back first
+        os.replace(old, path)  # onto a missing or empty directory
+    return True
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:

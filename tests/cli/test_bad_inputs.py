@@ -130,12 +130,12 @@ def inputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     plan = autosbp.auto_parallelize(model, inputs, devices=2, time_limit_s=10)
     good = save_plan(plan, root / "plan.json")
     _write_damaged(root, "plan", good.read_text())
-    _write_damaged(root, "profile", (REPO / "profiles" / "cpu-gloo.json").read_text())
+    _write_damaged(root, "profile", (REPO / "costmodel" / "profiles" / "cpu-gloo.json").read_text())
     dp, pp = (
         autosbp.auto_parallelize(model, inputs, devices=2, strategy=s, time_limit_s=10).to_json()
         for s in ("dp", PP)
     )
-    profile = json.loads((REPO / "profiles" / "cpu-gloo.json").read_text())
+    profile = json.loads((REPO / "costmodel" / "profiles" / "cpu-gloo.json").read_text())
     write_corpus(root, dp, pp, profile)
     return root
 
@@ -431,6 +431,10 @@ CLI_CASES = [
             (TRAIN, (), "devfloat", ("at cluster/devices: 2.0 is not of type 'integer'",)),
             (["explain"], (), "nested", ("nests deeper than a JSON reader goes",)),
             (["show"], (), "escape", ("holds the text", "mlp\\x1b[2J", "control characters")),
+            (TRAIN, (), "block99", ("stage 1 lists repeated blocks 99, but the model has blocks 0..2",)),
+            (TRAIN, (), "tiedangling", ("tied to nodes the plan does not have: p_blocks_1_fc_weight -> nosuch",)),
+            (["show"], (), "longname", ("a text of 1000000 characters at model/name", "at most 4096")),
+            (TRAIN, (), "dupparams", ("names 'inp.weight' 3 times in one object", "keeps only the last")),
         )
     ),
     *(
@@ -460,6 +464,27 @@ CLI_CASES = [
         ["capture", "{in}/bad_models.py:exits"], ("failed with SystemExit: 3",),
         ("Fix the function",), id="capture-model-calls-sys-exit",
     ),
+    pytest.param(
+        ["capture", "{in}/bad_models.py:exits0"], ("failed with a call of os._exit(0)",),
+        ("Fix the function",), id="capture-model-calls-os-exit",
+    ),
+    pytest.param(
+        ["capture", "mlp", "--model-args", "hidden=0"],
+        ("cannot be built with hidden=0", "a whole number >= 1"),
+        ("Check the values of --model-args",), id="model-args-zero-size",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--device", "cuda", "--backend", "gloo"],
+        ("--device cuda", "sees no GPU on this machine"), ("--device cpu --backend gloo",),
+        id="train-cuda-without-a-gpu",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--device", "cuda"],
+        ("--device cuda", "sees no GPU on this machine"), ("--device cpu --backend gloo",),
+        id="train-cuda-nccl-without-a-gpu",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
+    ),
     # checkpoint arguments
     pytest.param(
         ["train", "mlp", "--nproc", "2", "--resume"], ("--resume needs --checkpoint-dir DIR",),
@@ -478,6 +503,11 @@ CLI_CASES = [
         ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-escape", "--resume"],
         ("names the rank file '../../../../../etc/hostname'", "not a file of"),
         ("Use another checkpoint",), id="train-manifest-names-a-file-outside",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-negstep", "--resume"],
+        ("is damaged", "optimizer.step is -7, expected a whole number >= 0"),
+        ("Use another checkpoint",), id="train-manifest-negative-step",
     ),
 ]  # fmt: skip
 
@@ -688,7 +718,7 @@ API_CASES = [
     ),
     pytest.param(
         lambda ctx: profile_from_dict(
-            _edited(REPO / "profiles" / "cpu-gloo.json", "device", "memory", {"value": NAN}),
+            _edited(REPO / "costmodel" / "profiles" / "cpu-gloo.json", "device", "memory", {"value": NAN}),
             "api",
         ),
         ProfileError, ("at $.device.memory.value: nan is not a number",),
@@ -790,3 +820,28 @@ def test_failed_plan_save_keeps_the_old_file(
         save_plan(load_plan(inputs_dir / "plan.json"), path)
     assert path.read_text() == "the previous plan"
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_plan_out_in_a_read_only_folder_is_one_clear_error(
+    inputs_dir: Path,
+    workdir: Path,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a read-only filesystem the write fails, and so does removing the temporary file that
+    was never made (EROFS: Linux checks the mount before it looks the name up); the cleanup's
+    error once escaped as a traceback. Root ignores folder permissions, so the filesystem's two
+    refusals are what this test gives `write_atomically`."""
+
+    def read_only(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(30, "Read-only file system")
+
+    (workdir / "ro").mkdir()
+    monkeypatch.setattr("autosbp.plan.files.os.replace", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    code = _run_cli(["plan", "mlp", "--devices", "2", "--out", "ro/plan.json"])
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    assert "Traceback" not in out + err
+    _assert_words(err, ("cannot write the plan to ro/plan.json", "Read-only file system"))
+    _assert_words(err, ("existing, writable directory",))

@@ -28,7 +28,8 @@ from autosbp.planner.hand_plans import strategy_space
 from autosbp.planner.ilp import brute_force, solve
 from autosbp.planner.ilp_problem import MemoryConstraint, Problem, Solution
 from autosbp.planner.pipeline import split_stages
-from autosbp.planner.problem import MIP_GAP, build_problem, price_graph
+from autosbp.planner.priced import price_graph
+from autosbp.planner.problem import MIP_GAP, build_problem
 from autosbp.planner.reduce import tie_graph, tie_stages
 from autosbp.planner.search import divisors, powers_of_two_dividing
 from autosbp.sbp import Mesh, Split, parse_nd_sbp

@@ -20,7 +20,7 @@ from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import SbpError
 from autosbp.planner.api import ClusterPrices
 from autosbp.planner.candidates import BoxingPricer
-from autosbp.planner.problem import price_graph
+from autosbp.planner.priced import price_graph
 from autosbp.sbp import B, Mesh, NdSbp, P, S
 from autosbp.zoo import build_model
 from costmodel import Cluster, load_profile

@@ -22,7 +22,8 @@ from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.planner.api import ClusterPrices
 from autosbp.planner.hand_plans import hand_strategies, strategy_space
 from autosbp.planner.pipeline import RECOMPUTE_MODES, recompute_runs, split_stages
-from autosbp.planner.problem import MeshProblem, build_problem, price_graph, solve_mesh
+from autosbp.planner.priced import price_graph
+from autosbp.planner.problem import MeshProblem, build_problem, solve_mesh
 from autosbp.planner.space import mesh_shapes
 from autosbp.zoo import ZOO_MODELS, build_model
 from autosbp.zoo.models import CausalSelfAttention, Gpt

@@ -75,6 +75,10 @@ def exits():
     sys.exit(3)
 
 
+def exits0():
+    os._exit(0)  # ends the process at once: no exception, no atexit
+
+
 def unseeded():
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # each process draws its own
     return Net(), _data()
@@ -148,6 +152,9 @@ PLAN_EDITS: dict[str, tuple[str, Edit]] = {
     "optsbp": ("dp", _set("params/inp.weight/optimizer_state_sbp", "S(7)")),
     "devfloat": ("dp", _set("cluster/devices", 2.0)),
     "escape": ("dp", _set("model/name", "mlp\x1b[2J\x1b]0;owned\x07")),
+    "block99": ("pp", _set("stages/1/blocks", [1, 99])),
+    "tiedangling": ("dp", _set("nodes/p_blocks_1_fc_weight/tied_to", "nosuch")),
+    "longname": ("dp", _set("model/name", "m" * 1_000_000)),
 }
 PROFILE_EDITS: dict[str, tuple[tuple[str, ...], float]] = {
     "nan-bandwidth": (
@@ -172,20 +179,35 @@ ESCAPING_MANIFEST: dict[str, Any] = {
 }  # fmt: skip
 
 
+def _duplicated_param(plan: dict[str, Any], name: str) -> str:
+    """`plan`'s JSON text with parameter `name` listed three times, with three SBPs (a JSON
+    reader would keep the last one silently)."""
+    entry = plan["params"][name]
+    pairs = [*plan["params"].items()] + [(name, {**entry, "sbp": sbp}) for sbp in ("S(0)", "S(1)")]
+    params = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in pairs)
+    return json.dumps({**plan, "params": "@params"}).replace('"@params"', "{" + params + "}")
+
+
 def write_corpus(
     root: Path, dp: dict[str, Any], pp: dict[str, Any], profile: dict[str, Any]
 ) -> None:
     """plan-<name>.json for every PLAN_EDITS (from `dp` or `pp`, plan JSON), plan-nested.json
-    (100,000 brackets deep), profile-<name>.json for every PROFILE_EDITS (from `profile`),
-    bad_models.py (MODELS), and ckpt-escape/manifest.json (ESCAPING_MANIFEST)."""
+    (100,000 brackets deep), plan-dupparams.json (a parameter listed three times), profile-<name>.json for every PROFILE_EDITS (from `profile`),
+    bad_models.py (MODELS), ckpt-escape/manifest.json (ESCAPING_MANIFEST) and
+    ckpt-negstep/manifest.json (the same, naming its own rank file, at step -7)."""
     (root / "bad_models.py").write_text(MODELS)
     (root / "ckpt-escape").mkdir()
     (root / "ckpt-escape" / "manifest.json").write_text(json.dumps(ESCAPING_MANIFEST))
+    negative = {**ESCAPING_MANIFEST, "optimizer": {**ESCAPING_MANIFEST["optimizer"], "step": -7}}
+    negative["files"] = [{**ESCAPING_MANIFEST["files"][0], "name": "rank00000.pt"}]
+    (root / "ckpt-negstep").mkdir()
+    (root / "ckpt-negstep" / "manifest.json").write_text(json.dumps(negative))
     for name, (base, edit) in PLAN_EDITS.items():
         data = json.loads(json.dumps(dp if base == "dp" else pp))
         edit(data)
         (root / f"plan-{name}.json").write_text(json.dumps(data))
     (root / "plan-nested.json").write_text("[" * 100_000 + "]" * 100_000)
+    (root / "plan-dupparams.json").write_text(_duplicated_param(dp, "inp.weight"))
     for name, (path, value) in PROFILE_EDITS.items():
         data = json.loads(json.dumps(profile))
         node = data

@@ -251,7 +251,7 @@ def _build_opgraph(program: ExportedProgram, model: nn.Module, name: str) -> OpG
         builder.add(node)
     graph = builder.graph
     tied = _drop_tied_aliases(graph, model)
-    graph.unknown_ops = _unknown_ops({node.op for _, node in graph.nodes(Role.COMPUTE)})
+    graph.unknown_ops = _unknown_ops(graph)
     graph.meta = {
         "constants": dict(program.constants),
         "buffer_mutations": builder.buffer_mutations,
@@ -287,12 +287,14 @@ def _drop_tied_aliases(graph: OpGraph, model: nn.Module) -> dict[str, str]:
     return tied
 
 
-def _unknown_ops(ops: set[str]) -> tuple[str, ...]:
+def _unknown_ops(graph: OpGraph) -> tuple[str, ...]:
     """The ops without an SBP rule (the planner gives them the all-B signature), named in one
-    warning."""
-    from autosbp.rules import warn_unknown_ops  # lazy: rules import torch-heavy op modules
+    warning; an op whose every node has derived splits (`rules.derived`) is not one."""
+    from autosbp.rules import derives_splits, has_rule, warn_unknown_ops  # lazy: torch-heavy
 
-    return warn_unknown_ops(ops)
+    nodes = [a for _, a in graph.nodes(Role.COMPUTE) if not has_rule(a.op)]
+    split = {a.op for a in nodes} - {a.op for a in nodes if not derives_splits(a)}
+    return warn_unknown_ops({a.op for a in nodes} - split)
 
 
 # ------------------------------------------------------------------------------ interpreting

@@ -9,6 +9,7 @@ Lives here: the public queries the planner and runtime use.
                                         (with `comm=` where the signature exchanges)
   local_call(...)                       local_op(...)(local_inputs), for one-off calls
   warn_unknown_ops(ops)                 one warning naming every op without a rule
+  derives_splits(node)                  an op without a rule, split by checked signatures?
   mutated_inputs(node)                  inputs the op updates in place (keep their producer's SBP)
   pinned_inputs(graph, name)            inputs that must reach the node unboxed (in-place writes)
 Lives elsewhere: the rules, one module per op family (`pointwise`, `matmul`, `attention`,
@@ -20,7 +21,8 @@ inside an op), the test oracle (`oracle`).
 Invariants: every list holds the all-B signature first (for ops with tensors); no signature
 splits a dim that the mesh dim does not divide; no signature puts P on a tensor that is not
 floating point; lists are deduplicated and their order is deterministic. An op without a rule
-gets the all-B signature only (and runs unchanged on every device), never an error.
+gets the signatures checked against the op itself (`derived`: all-B at least) and runs
+unchanged on every device's shards, never an error.
 For the planner and runtime: placeholders (parameters, buffers, inputs) list B and every S(d),
 never P, and have no local kernel (the runtime shards their values); the output node accepts B
 or P. P means a sum, except amax / amin which give P(max) / P(min). An input in
@@ -49,11 +51,11 @@ from autosbp.rules.core import (
     NdSignature,
     Node,
     Signature,
-    all_broadcast,
     default_local_op,
     mutated_inputs,
     tensor_slots,
 )
+from autosbp.rules.derived import derived_signatures
 from autosbp.rules.registry import RULES
 from autosbp.sbp import Broadcast, NdSbp, Partial, Sbp, split_factors
 
@@ -65,6 +67,7 @@ __all__ = [
     "OpContext",
     "Signature",
     "UnknownOpWarning",
+    "derives_splits",
     "exchanges",
     "has_rule",
     "local_call",
@@ -88,10 +91,12 @@ def has_rule(op: str) -> bool:
 def signatures_1d(node: Node, mesh_dim_size: int) -> list[Signature]:
     """The op's signatures on one mesh dim of `mesh_dim_size` devices (all-B first)."""
     rule = RULES.get(node.op)
-    if rule is None:
-        return [all_broadcast(node)]
+    if rule is None:  # checked against the op itself (`derived`): all-B where nothing passes
+        listed = derived_signatures(node, mesh_dim_size, _memo_key(node, (mesh_dim_size,)))
+    else:
+        listed = rule.signatures(node, mesh_dim_size)
     out: dict[Signature, None] = {}
-    for sig in rule.signatures(node, mesh_dim_size):
+    for sig in listed:
         as_nd = ([(s,) for s in sig.inputs], [(s,) for s in sig.outputs])
         if _admissible(node, *as_nd, (mesh_dim_size,)):
             out.setdefault(sig, None)
@@ -175,10 +180,11 @@ def local_op(
     collectives on its mesh groups.
     """
     rule = RULES.get(node.op)
-    if rule is None:
-        assert all(not _is_distributed(nd) for nd in nd_signature.inputs), (
-            f"{node.op} has no rule: only its all-B signature can run"
-        )
+    if rule is None:  # a derived signature runs the op unchanged, as it was checked
+        for mesh_dim, size in enumerate(mesh_shape):
+            assert nd_signature.mesh_dim(mesh_dim) in signatures_1d(node, size), (
+                f"{node.op} has no rule and {nd_signature} was not derived for it"
+            )
         return default_local_op(node)
     mesh_shape, coords = tuple(mesh_shape), tuple(coords)
     if rule.build_comm is not None and rule.exchanges(node, nd_signature, mesh_shape):
@@ -203,8 +209,14 @@ def local_call(
     return local_op(node, nd_signature, mesh_shape, coords)(local_inputs)
 
 
+def derives_splits(node: Node) -> bool:
+    """Does an op without a rule have a derived signature other than all-B here?"""
+    return len(signatures_1d(node, 2)) > 1
+
+
 def warn_unknown_ops(ops: Iterable[str]) -> tuple[str, ...]:
-    """Issue one UnknownOpWarning naming every op in `ops` without a rule; return those ops."""
+    """Issue one UnknownOpWarning naming every op in `ops` without a rule (registered, or
+    derived for each of its nodes: the caller leaves those out); return those ops."""
     unknown = tuple(sorted({op for op in ops if not has_rule(op)}))
     if unknown:
         message = (

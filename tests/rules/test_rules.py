@@ -256,14 +256,22 @@ def test_output_accepts_b_or_p() -> None:
 
 def test_unknown_op_gets_all_b_and_one_warning_listing_it(caplog: pytest.LogCaptureFixture) -> None:
     x = torch.randn(4, 8)
-    node, inputs = node_from_call(aten.relu.default, (x,))
+    node, _ = node_from_call(aten.relu.default, (x,))
     node = dataclasses.replace(node, op="aten.foo.default")
     assert not has_rule("aten.foo.default")
-    assert signatures_1d(node, 2) == [Signature((B,), (B,))]
-    assert [repr(s) for s in nd_signatures(node, (2, 2))] == ["(BB -> BB)"]
-    assert torch.equal(
-        local_call(node, nd_signatures(node, (2,))[0], (2,), (1,), inputs)[0], x.relu()
-    )
+    # derived (rules/derived.py): relu's splits reproduce it, its P row does not (nonlinear)
+    assert [repr(s) for s in signatures_1d(node, 2)] == [
+        "(B -> B)",
+        "(S(0) -> S(0))",
+        "(S(1) -> S(1))",
+    ]
+    sig = next(s for s in nd_signatures(node, (2,)) if repr(s) == "(S(1) -> S(1))")
+    half = local_call(node, sig, (2,), (1,), (x[:, 4:],))[0]
+    assert torch.equal(half, x[:, 4:].relu())
+    whole, _ = node_from_call(aten.prod.default, (x,))  # no split of a product is exact
+    assert signatures_1d(dataclasses.replace(whole, op="aten.bar.default"), 2) == [
+        Signature((B,), (B,))
+    ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         unknown = warn_unknown_ops(

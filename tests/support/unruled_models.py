@@ -1,5 +1,6 @@
-"""A model whose work is mostly an op without an SBP rule (`torch.special.erfcx`, rare enough
-that no rule covers it), for the replicated-FLOPs statement of issue #29."""
+"""A model whose work is in good part an op without an SBP rule that no split reproduces
+(`torch.prod` of a whole tensor: a product of partial products is no sum, and a split's local
+products differ), for the replicated-FLOPs statement of issue #29."""
 
 import torch
 from torch import nn
@@ -11,9 +12,9 @@ class Unruled(nn.Module):
         self.fc = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.special.erfcx(self.fc(x))
-        for _ in range(8):  # most of the FLOPs: elementwise ops after the one without a rule
-            h = torch.special.erfcx(h * 0.5)
+        h = torch.tanh(self.fc(x))
+        for _ in range(8):  # a share of the FLOPs that no device can split
+            h = h * torch.prod(h).tanh()
         return h.mean()
 
 

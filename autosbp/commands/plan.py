@@ -57,6 +57,13 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         help="samples per step: the example inputs are resized to it before capture (default: "
         "their own batch)",
     )
+    _add_search_arguments(parser)
+    _add_output_arguments(parser)
+
+
+def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the search explores and prices: strategy, recomputation, micro-batches, dtype,
+    optimizer, and its time and processes."""
     parser.add_argument(
         "--strategy",
         default="auto",
@@ -101,6 +108,10 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         help="processes the search runs in (default: every core; a space of fewer than 64 "
         "configurations is searched in one)",
     )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is shown beside the plan and where it is written."""
     parser.add_argument(
         "--compare",
         action="store_true",

@@ -63,8 +63,11 @@ def _module(name: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Piped or captured output gets room for the plan tables (a terminal keeps its own width).
-    console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 120)
-    err_console = Console(stderr=True, highlight=False)
+    # emoji=False: a name such as `models.py:llama` is text, not the emoji code `:llama:`
+    console = Console(
+        stderr=False, highlight=False, emoji=False, width=None if sys.stdout.isatty() else 120
+    )
+    err_console = Console(stderr=True, highlight=False, emoji=False)
     args = build_parser().parse_args(argv)
     try:
         return int(_module(args._module).run(args, console) or 0)

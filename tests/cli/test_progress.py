@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import re
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -102,3 +103,42 @@ def test_finished_steps_reach_the_parent() -> None:
         assert mine[-1][:3] == (5.0, 10.0 * rank + 4, 0.001)
         steps = [v[0] for v in mine]
         assert steps == sorted(set(steps))  # in order, none twice
+
+
+MODEL_NAMED_LIKE_AN_EMOJI = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return (self.fc(x) - y).pow(2).mean()
+
+
+def llama():
+    g = torch.Generator().manual_seed(0)
+    return Net(), (torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g))
+"""
+
+
+@pytest.mark.dist
+def test_the_progress_line_and_the_table_count_steps_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`step 3: loss X` is the table's row 3 (it was row 2: the table counted from 0), and a
+    file function named `llama` titles the table as written, not as rich's `:llama:` emoji."""
+    from autosbp.cli import main
+
+    (tmp_path / "m.py").write_text(MODEL_NAMED_LIKE_AN_EMOJI)
+    spec = f"{tmp_path}/m.py:llama"
+    assert main(["train", spec, "--nproc", "2", "--plan", "dp", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    said = re.findall(r"step 3: loss ([\d.]+)", out)
+    assert said, out
+    row = re.search(rf"│ +3 │ +{re.escape(said[-1])} │", out)
+    assert row is not None, out
+    assert "m.py:llama: dp plan" in out and "\U0001f999" not in out, out

@@ -142,3 +142,36 @@ def test_the_progress_line_and_the_table_count_steps_alike(
     row = re.search(rf"│ +3 │ +{re.escape(said[-1])} │", out)
     assert row is not None, out
     assert "m.py:llama: dp plan" in out and "\U0001f999" not in out, out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_sigterm_stops_a_job_saying_so(tmp_path: Path) -> None:
+    """SIGTERM (a scheduler ending the job) unwinds like Ctrl-C: the ranks stopped, one line
+    said, exit 128 + 15, no traceback nor multiprocessing's leaked-semaphore warning."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(repo), os.environ.get("PYTHONPATH")))),
+    }
+    argv = [sys.executable, "-m", "autosbp.cli", "train", "mlp", "--nproc", "2", "--plan", "dp"]
+    job = subprocess.Popen(
+        [*argv, "--steps", "1000000"], cwd=tmp_path, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert job.stdout is not None
+    deadline = time.monotonic() + 90
+    for line in job.stdout:  # wait for a trained step: the ranks are running
+        if re.search(r"step \d+: loss", line) or time.monotonic() > deadline:
+            break
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGTERM, out + err
+    assert "terminated (SIGTERM)" in err and "stopped after" in out, out + err
+    assert "Traceback" not in err and "leaked semaphore" not in err, err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -61,17 +62,34 @@ def _module(name: str):
     return importlib.import_module(name)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler or `kill` ending the job) raised where the CLI runs, so that it
+    unwinds as Ctrl-C does: ranks stopped, files closed, one line said."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Piped or captured output gets room for the plan tables (a terminal keeps its own width).
-    console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 120)
-    err_console = Console(stderr=True, highlight=False)
+    # emoji=False: a name such as `models.py:llama` is text, not the emoji code `:llama:`
+    console = Console(
+        stderr=False, highlight=False, emoji=False, width=None if sys.stdout.isatty() else 120
+    )
+    err_console = Console(stderr=True, highlight=False, emoji=False)
     args = build_parser().parse_args(argv)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # not if an embedding program set one
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(_module(args._module).run(args, console) or 0)
     except AutosbpError as exc:
         message = escape(printable(str(exc)))  # names from input files: shown, not obeyed
         err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
         return 2
+    except Terminated:
+        err_console.print("terminated (SIGTERM)")
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return 130

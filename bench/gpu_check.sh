@@ -19,6 +19,8 @@
 set -uo pipefail
 
 OUT=${1:-gpu-check-out}
+# The interpreter autosbp is installed in: $PYTHON, else the active venv's, else python3.
+PYTHON=${PYTHON:-${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -40,7 +42,10 @@ step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, one summary line
     fi
 }
 
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if ! gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>&1); then
+    say "FAIL setup: $PYTHON cannot import torch ($gpus); set PYTHON=/path/to/the/venv/bin/python"
+    exit 1
+fi
 say "torch $("$PYTHON" -c 'import torch; print(torch.__version__)'), $gpus CUDA device(s), output in $OUT"
 
 if [ "$gpus" -ge 1 ]; then

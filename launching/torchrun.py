@@ -13,6 +13,8 @@ Invariants:
 - A job under torchrun is watched by torchrun's agent (it ends every rank when one exits), not
   by `launching.workers`: there, the collectives' timeout bounds every wait.
 - With "nccl", a rank takes the GPU of its local rank before it joins.
+- Where OMP_NUM_THREADS is unset, a rank takes its share of this machine's cores
+  (`threads_per_rank`), as a spawned local rank does (`launching.rank`).
 Reference: torch.distributed.run's documentation, "Environment Variables".
 """
 
@@ -29,7 +31,8 @@ from launching.backends import BACKENDS
 from launching.errors import ExecutionError
 
 __all__ = [
-    "BACKENDS", "TorchrunWorld", "join_torchrun_world", "process_group_backend", "torchrun_world",
+    "BACKENDS", "TorchrunWorld", "join_torchrun_world", "process_group_backend",
+    "threads_per_rank", "torchrun_world",
 ]  # fmt: skip
 
 # What torchrun sets for each rank; TORCHELASTIC_RUN_ID alone says a process was started by it.
@@ -86,10 +89,35 @@ def torchrun_world(environ: Mapping[str, str] | None = None) -> TorchrunWorld | 
     return TorchrunWorld(rank, world, local, local_world)
 
 
+def threads_per_rank(world: TorchrunWorld, env: Mapping[str, str], cores: int) -> int | None:
+    """Intra-op threads for this rank where OMP_NUM_THREADS is unset (None where it is set:
+    the user's choice). torchrun sets it to 1 only when a node runs more than one process, so
+    with --nproc-per-node 1 every rank would take every core; two such ranks on one machine
+    (a loopback rendezvous) ran 10-40x slower. The cores are shared by the ranks on this machine:
+    LOCAL_WORLD_SIZE of them, or the whole world where the rendezvous is on loopback."""
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    host = env.get("MASTER_ADDR", "")
+    loopback = host in ("localhost", "::1") or host.startswith("127.")
+    here = world.world_size if loopback else world.local_world_size
+    return max(1, cores // max(1, here))
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity, which containers and taskset narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def join_torchrun_world(world: TorchrunWorld, backend: str, timeout_s: float) -> None:
     """Join the world torchrun started (its MASTER_ADDR:MASTER_PORT store); with "nccl", this
     rank takes the GPU of its local rank first. Collectives time out after `timeout_s`."""
     pg_backend = process_group_backend(backend)
+    threads = threads_per_rank(world, os.environ, _cores())
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # and for whatever this rank starts
     if backend == "nccl":
         import torch
 

@@ -24,7 +24,9 @@ Job control: every step and every actor firing is reported to the launcher (`_Pr
 watchdog ends the job when a rank makes no progress for `stall_timeout_s`; there is no deadline
 for the job. With `checkpoint_dir`, the state is saved every `checkpoint_every` steps and after
 the last, so a killed job loses at most that many steps; `resume` continues from the checkpoint
-there (its optimizer step count is the number of steps trained: the job's optimizer is Adam).
+there (its optimizer step count is the number of steps trained: checkpoints need Adam). The
+optimizer is the plan's (`plan_optimizer`: fused Adam, SGD or SGD with momentum), the one whose
+states and update the planner priced.
 A testing hook, `FAULT_ENV`, makes one rank fail at one step (tests/capturing/test_failures.py).
 """
 
@@ -117,17 +119,49 @@ def adam(params: Any, lr: float) -> torch.optim.Adam:
     return torch.optim.Adam(params, lr=lr, fused=True)
 
 
+SGD_MOMENTUM = 0.9  # the plan's `sgd_momentum`: one state per parameter, as the planner counts
+
+
+def plan_optimizer(kind: str, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
+    """The optimizer factory a plan was priced for (`Plan.optimizer`): fused Adam, plain SGD, or
+    SGD with momentum SGD_MOMENTUM (the states the planner's memory counted: 2, 0 and 1)."""
+    if kind == "adam":
+        return lambda ps: adam(ps, lr)
+    if kind == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=lr, fused=True)
+    if kind == "sgd_momentum":
+        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=SGD_MOMENTUM, fused=True)
+    raise ExecutionError(
+        f"the plan is for optimizer {kind!r}, which training does not know (adam, sgd, "
+        "sgd_momentum); make the plan again with `autosbp plan --optimizer adam`."
+    )
+
+
+def check_spec(spec: TrainSpec, plan: Plan) -> None:
+    """What a job refuses before any process starts: a plan's optimizer it cannot train with,
+    and checkpoints without Adam (a checkpoint counts the steps trained by Adam's `step`)."""
+    plan_optimizer(plan.optimizer, spec.lr)
+    if spec.checkpoint_dir is not None and plan.optimizer != "adam":
+        raise ExecutionError(
+            f"checkpoints need the plan's optimizer to be adam (they count the steps trained by "
+            f"Adam's step), but the plan is for {plan.optimizer}; train without "
+            "--checkpoint-dir, or make the plan with `autosbp plan --optimizer adam`."
+        )
+
+
 def train(spec: TrainSpec, on_step: Callable[[StepProgress], None] | None = None) -> TrainResult:
     """Run `spec`: on `plan.device_count` spawned local processes, or, in a process that torchrun
     started, as this rank of torchrun's world (joined here unless `torchrun_job` did). Returns
     rank 0's records (every rank's firings with `spec.trace`; under torchrun, on rank 0 only).
     `on_step` receives each finished step while the job runs (in this process; under torchrun,
     on rank 0 only)."""
+    plan = Plan.from_json(spec.plan)
+    check_spec(spec, plan)
     world = torchrun_world()
     if world is not None:
         with torchrun_job(world, spec.backend, spec.stall_timeout_s):
             return _train_here(world, spec, on_step)
-    nproc = Plan.from_json(spec.plan).device_count
+    nproc = plan.device_count
 
     def on_done(rank: int, values: tuple[float, ...]) -> None:
         if rank == 0 and on_step is not None:
@@ -255,8 +289,9 @@ class _Job:
             recorder = Recorder(rank, stage)
         progress = _Progress(recorder)
         report_progress("building the engine", grace_s=STARTUP_S)
+        make_optimizer = plan_optimizer(plan.optimizer, spec.lr)  # the one the plan priced
         engine = Engine(
-            model, plan, lambda ps: adam(ps, spec.lr), example_inputs=inputs, recorder=progress,
+            model, plan, make_optimizer, example_inputs=inputs, recorder=progress,
             non_finite=NonFinite.SKIP if spec.skip_non_finite else NonFinite.STOP,
         )  # fmt: skip
         first = _resume(engine, spec)
@@ -265,7 +300,7 @@ class _Job:
             spec.check
         ):  # rank 0 compares each step with one device (runtime.verify.step_check); resumed,
             # the optimizer's restored state is unknown to the reference: updates go unchecked
-            optimizer = (lambda ps: adam(ps, spec.lr)) if first == 0 else None
+            optimizer = make_optimizer if first == 0 else None
             checker = StepChecker(engine, model, inputs, optimizer, dropout)
         return cls(engine, inputs, checker, progress, first)
 

@@ -64,6 +64,13 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         help="samples per step: the example inputs are resized to it before capture (default: "
         "their own batch)",
     )
+    _add_search_arguments(parser)
+    _add_output_arguments(parser)
+
+
+def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the search explores and prices: strategy, recomputation, micro-batches, dtype,
+    optimizer, and its time and processes."""
     parser.add_argument(
         "--strategy",
         default="auto",
@@ -108,6 +115,10 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         help="processes the search runs in (default: every core; a space of fewer than 64 "
         "configurations is searched in one)",
     )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is shown beside the plan and where it is written."""
     parser.add_argument(
         "--compare",
         action="store_true",
@@ -130,6 +141,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return _explain(args, console)
     from autosbp.planner.api import auto_parallelize, in_dtype
 
+    out = args.out or default_out(args.model, args.strategy, args.devices)
+    refuse_replacing_early(out, args.devices, force=args.force)  # before a search of minutes
     model, inputs = load_from_args(args)
     if args.dtype is not None:  # the command built the model: it may cast it, real or meta
         inputs = in_dtype(model, inputs, args.dtype, owned=True)
@@ -157,7 +170,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
     print_notes(console, notes, plan)
     if plan.hand_plans:
         console.print(hand_plan_table(plan))
-    out = args.out or default_out(args.model, args.strategy, args.devices)
     refuse_replacing(out, plan, force=args.force)
     path = save_plan(plan, out)
     console.print(f"plan written to {path}")
@@ -206,6 +218,25 @@ def default_out(model: str, strategy: str, devices: int) -> Path:
     stem = Path(model.split(":", 1)[0]).stem if ":" in model else model
     words = re.findall(r"[A-Za-z0-9_.]+", f"{stem} {strategy}".replace("=", ""))
     return Path(f"{'-'.join(words)}-{devices}.json")
+
+
+def refuse_replacing_early(path: Path, devices: int, *, force: bool) -> None:
+    """What `refuse_replacing` can tell before the search: `path` holds no plan, or a plan for
+    another device count (the model's fingerprint and the strategy are compared after)."""
+    if force or not path.exists():
+        return
+    try:
+        old = load_plan(path)
+    except AutosbpError:
+        holds = "something that is not an autosbp plan"
+    else:
+        if old.device_count == devices:
+            return
+        holds = f"a plan of {printable(old.model_name)} for {old.device_count} devices"
+    raise PlanError(
+        f"{path} exists and holds {holds}; this plan is for {devices} devices. Pass another "
+        "--out, or --force to replace it."
+    )
 
 
 def refuse_replacing(path: Path, plan: Plan, *, force: bool) -> None:

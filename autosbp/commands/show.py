@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from autosbp.errors import PlanError
-from autosbp.plan import load_plan, summary_table
+from autosbp.plan import format_seconds, load_plan, summary_table
 from terminal.text import printable
 
 
@@ -51,7 +51,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
         check_trace_plan(trace, plan, args.trace, args.plan)
         measured = trace.events
     if args.timeline is not None:  # refused before the simulation builds every rank's events
-        check_chart(plan.device_count, 0)
+        check_chart(
+            plan.device_count, 0,
+            fix="the predicted step is in the summary (`autosbp show PLAN` without --timeline)"
+            if measured is None else None,
+        )  # fmt: skip
     predicted = predicted_events(plan, every_rank=args.timeline is not None)
     predicted_s = span_s(predicted)
     measured_s = None if measured is None else measured_step_s(last_step(measured))
@@ -62,13 +66,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(summary_table(plan))
     console.print(
-        f"predicted step {predicted_s * 1e3:.3f} ms ({len(plan.stages)} stage(s) x "
+        f"predicted step {format_seconds(predicted_s)} ({len(plan.stages)} stage(s) x "
         f"{plan.micro_batches} micro-batch(es), simulated)",
         soft_wrap=True,
     )
     if measured_s is not None:
         console.print(
-            f"measured step {measured_s * 1e3:.3f} ms (last step of {args.trace}, its slowest "
+            f"measured step {format_seconds(measured_s)} (last step of {args.trace}, its slowest "
             f"rank): {measured_s / predicted_s:.2f}x the prediction",
             soft_wrap=True,
         )

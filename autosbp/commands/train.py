@@ -364,7 +364,8 @@ def train_and_report(
 
 def _step_table(result: Any, model: str, plan: Plan, check: bool) -> Table:
     """One row per step (the first and last TABLE_ENDS of a long job): loss, with --check the
-    comparison with one device, and the step's time (its slowest rank's)."""
+    comparison with one device, and the step's time (its slowest rank's). Steps are counted
+    from 1, as the progress line counts them ("step 10: loss ..." is the table's row 10)."""
     table = Table(
         title=f"{shown(model)}: {shown(plan.strategy)} plan, mesh "
         f"{'x'.join(map(str, plan.mesh_shape))}"
@@ -383,7 +384,7 @@ def _step_table(result: Any, model: str, plan: Plan, check: bool) -> Table:
             continue
         extra = _check_cells(record.check) if check else ()
         loss = f"{record.loss:.6f}" + (" (skipped)" if record.skipped else "")
-        table.add_row(str(record.step), loss, *extra, f"{seconds * 1e3:.1f} ms")
+        table.add_row(str(record.step + 1), loss, *extra, f"{seconds * 1e3:.1f} ms")
     return table
 
 

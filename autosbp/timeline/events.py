@@ -138,9 +138,10 @@ def check_drawable(plan: Plan) -> None:
         )
 
 
-def check_chart(ranks: int, spans: int) -> None:
-    """PlanError unless a chart of `ranks` rows and `spans` bars can be drawn and read."""
-    fix = "record a trace of fewer ranks or steps, or leave out --timeline"
+def check_chart(ranks: int, spans: int, *, fix: str | None = None) -> None:
+    """PlanError unless a chart of `ranks` rows and `spans` bars can be drawn and read; `fix`
+    says what to do instead (default: for a measured trace)."""
+    fix = fix or "record a trace of fewer ranks or steps, or leave out --timeline"
     if ranks > MAX_DRAWN_RANKS:
         raise PlanError(
             f"a timeline draws one row per rank, and {ranks} ranks are more than the "

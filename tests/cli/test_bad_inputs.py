@@ -845,3 +845,17 @@ def test_plan_out_in_a_read_only_folder_is_one_clear_error(
     assert "Traceback" not in out + err
     _assert_words(err, ("cannot write the plan to ro/plan.json", "Read-only file system"))
     _assert_words(err, ("existing, writable directory",))
+
+
+def test_timeline_of_a_large_plan_without_a_trace_says_what_to_do(
+    workdir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Without a trace there is no trace to shorten: the refusal points at the summary."""
+    argv = ["plan", "mlp", "--devices", "256", "--strategy", "dp", "--global-batch", "256"]
+    assert _run_cli([*argv, "--profile", "dgx-a100", "--out", "big.json"]) == 0
+    capfd.readouterr()
+    assert _run_cli(["show", "big.json", "--timeline", "t.png"]) == 2
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "a trace of fewer ranks" not in err, err
+    _assert_words(err.replace("\n", " "), ("256 ranks", "the predicted step is in the summary"))
+    assert not (workdir / "t.png").exists()

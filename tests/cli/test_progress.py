@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import re
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -102,3 +103,75 @@ def test_finished_steps_reach_the_parent() -> None:
         assert mine[-1][:3] == (5.0, 10.0 * rank + 4, 0.001)
         steps = [v[0] for v in mine]
         assert steps == sorted(set(steps))  # in order, none twice
+
+
+MODEL_NAMED_LIKE_AN_EMOJI = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return (self.fc(x) - y).pow(2).mean()
+
+
+def llama():
+    g = torch.Generator().manual_seed(0)
+    return Net(), (torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g))
+"""
+
+
+@pytest.mark.dist
+def test_the_progress_line_and_the_table_count_steps_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`step 3: loss X` is the table's row 3 (it was row 2: the table counted from 0), and a
+    file function named `llama` titles the table as written, not as rich's `:llama:` emoji."""
+    from autosbp.cli import main
+
+    (tmp_path / "m.py").write_text(MODEL_NAMED_LIKE_AN_EMOJI)
+    spec = f"{tmp_path}/m.py:llama"
+    assert main(["train", spec, "--nproc", "2", "--plan", "dp", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    said = re.findall(r"step 3: loss ([\d.]+)", out)
+    assert said, out
+    row = re.search(rf"│ +3 │ +{re.escape(said[-1])} │", out)
+    assert row is not None, out
+    assert "m.py:llama: dp plan" in out and "\U0001f999" not in out, out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_sigterm_stops_a_job_saying_so(tmp_path: Path) -> None:
+    """SIGTERM (a scheduler ending the job) unwinds like Ctrl-C: the ranks stopped, one line
+    said, exit 128 + 15, no traceback nor multiprocessing's leaked-semaphore warning."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(repo), os.environ.get("PYTHONPATH")))),
+    }
+    argv = [sys.executable, "-m", "autosbp.cli", "train", "mlp", "--nproc", "2", "--plan", "dp"]
+    job = subprocess.Popen(
+        [*argv, "--steps", "1000000"], cwd=tmp_path, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert job.stdout is not None
+    deadline = time.monotonic() + 90
+    for line in job.stdout:  # wait for a trained step: the ranks are running
+        if re.search(r"step \d+: loss", line) or time.monotonic() > deadline:
+            break
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGTERM, out + err
+    assert "terminated (SIGTERM)" in err and "stopped after" in out, out + err
+    assert "Traceback" not in err and "leaked semaphore" not in err, err

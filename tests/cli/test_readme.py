@@ -9,6 +9,7 @@ import os
 import re
 import runpy
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,32 @@ def run_torchrun(argv: list[str], cwd: Path) -> str:
     return done.stdout
 
 
+def run_two_agents(argv: list[str], cwd: Path) -> tuple[list[str], list[str]]:
+    """The README's two-node command as two torchrun agents on this machine, at a free port
+    (the README's own may be taken): their stdout and stderr."""
+    assert argv[0] == "torchrun", argv
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [re.sub(r"^127\.0\.0\.1:\d+$", f"127.0.0.1:{port}", a) for a in argv]
+    agents = [
+        subprocess.Popen(
+            [*TORCHRUN, *argv[1:]],
+            cwd=cwd,
+            env=ranks_env(),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    done = [agent.communicate(timeout=300) for agent in agents]
+    for agent, (out, err) in zip(agents, done, strict=True):
+        assert agent.returncode == 0, out + err
+    outs = sorted((out for out, _ in done), key=len, reverse=True)  # rank 0's table first
+    return outs, [err for _, err in done]
+
+
 def test_readme_runs_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -95,10 +122,16 @@ def test_readme_runs_in_order(
     assert "measured step" in out_of["show"] and (tmp_path / "t.png").is_file()
 
     cluster = section("### On a cluster: torchrun")
-    (local,) = blocks(cluster, "bash")
+    local, two_nodes = blocks(cluster, "bash")
     out = run_torchrun(shlex.split(local), tmp_path)
     assert "matches single-device training" in out, out
     assert out.count("gpt: ") >= 1 and "training 10 steps on 2 processes: done" in out, out
+    outs, errs = run_two_agents(shlex.split(two_nodes), tmp_path)
+    assert "matches single-device training" in outs[0], outs[0]
+    for err in errs:  # torchrun takes the command as written: no flag ignored, no warning
+        assert "Traceback" not in err and "ignored" not in err and "Warning" not in err, err
+    (gpu,) = blocks(cluster, "text")
+    assert "--node-rank" not in gpu  # c10d numbers the nodes; torchrun ignores it, and says so
 
 
 def _write(path: Path, text: str) -> Path:

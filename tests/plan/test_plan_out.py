@@ -47,3 +47,23 @@ def test_plan_never_replaces_another_plan_silently(
     assert notes.read_text() == '{"mine": 1}'
     assert main([*MLP, "--strategy", "fsdp", "--out", str(dp), "--force"]) == 0
     assert load_plan(dp).strategy == "fsdp"
+
+
+def test_plan_refuses_a_file_it_cannot_replace_before_the_search(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A file that is no plan, or a plan for another device count, is refused before the model
+    is captured and searched (issue #31: after a search of minutes, once)."""
+    monkeypatch.chdir(tmp_path)
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    assert main([*MLP, "--out", str(notes)]) == 2
+    out, err = capfd.readouterr()
+    assert "not an autosbp plan" in err and "samples/s" not in out, out  # no summary: no search
+    assert main([*MLP, "--strategy", "dp"]) == 0
+    capfd.readouterr()
+    assert main(["plan", "mlp", "--devices", "4", "--out", "mlp-dp-2.json"]) == 2
+    out, err = capfd.readouterr()
+    err = err.replace("\n", " ")
+    assert "holds a plan of mlp for 2 devices; this plan is for 4 devices" in err, err
+    assert "samples/s" not in out, out

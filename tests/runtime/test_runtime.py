@@ -57,6 +57,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-2l-tied": ("gpt", {**GPT, "layers": 2, "tied": True}),
     "widedeep": ("widedeep", WIDEDEEP),
     "resnet": ("resnet", {"channels": 4, "blocks": 1, "classes": 4, "image": 4, "batch": 4}),
+    # Wide enough that a peak is hundreds of kB: tests/runtime/test_memory.py's 10% is then far
+    # above the few hundred bytes of an op's transients that decide a tiny model's peak.
+    "mlp-wide": ("mlp", {"layers": 2, "hidden": 128, "features": 64, "outputs": 16, "batch": 16}),
+    "gpt-wide": (
+        "gpt",
+        {"layers": 1, "hidden": 64, "heads": 2, "vocab": 128, "seq": 16, "batch": 4},
+    ),
 }
 MEGATRON = "megatron:tp=2,dp=2"
 # (world size, model, strategy).

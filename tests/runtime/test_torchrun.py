@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from launching.errors import ExecutionError
-from launching.torchrun import TorchrunWorld, process_group_backend, torchrun_world
+from launching.torchrun import (
+    TorchrunWorld,
+    process_group_backend,
+    threads_per_rank,
+    torchrun_world,
+)
 
 FULL = {
     "TORCHELASTIC_RUN_ID": "job",
@@ -58,3 +63,21 @@ def test_torchrun_world_refuses(change: dict[str, str | None], words: str) -> No
 )
 def test_process_group_backend(backend: str, want: str) -> None:
     assert process_group_backend(backend) == want
+
+
+@pytest.mark.parametrize(
+    ("env", "world", "cores", "want"),
+    [
+        pytest.param({"OMP_NUM_THREADS": "3"}, TorchrunWorld(0, 2, 0, 1), 16, None, id="set"),
+        pytest.param({"MASTER_ADDR": "node0"}, TorchrunWorld(0, 16, 0, 1), 16, 16, id="own-node"),
+        pytest.param({"MASTER_ADDR": "node0"}, TorchrunWorld(0, 16, 0, 4), 16, 4, id="4-per-node"),
+        pytest.param({"MASTER_ADDR": "localhost"}, TorchrunWorld(1, 2, 0, 1), 2, 1, id="loopback"),
+        pytest.param({"MASTER_ADDR": "127.0.0.1"}, TorchrunWorld(1, 4, 0, 1), 2, 1, id="crowded"),
+    ],
+)
+def test_threads_per_rank(
+    env: dict[str, str], world: TorchrunWorld, cores: int, want: int | None
+) -> None:
+    """torchrun sets OMP_NUM_THREADS only when a node runs several processes: otherwise each
+    rank takes its share of the cores of its machine (the whole world's, on loopback)."""
+    assert threads_per_rank(world, env, cores) == want

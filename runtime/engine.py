@@ -25,7 +25,9 @@ Invariants:
 - Parameter gathers (a parameter's boxing with a collective, FSDP / ZeRO-3) run as the plan
   prices them (`runtime.parallel.prefetch`), unless `gathers` says otherwise.
 - The optimizer steps on local shards: exact for elementwise optimizers (SGD, Adam, AdamW), not
-  for ones that take norms across a whole tensor (LAMB, gradient clipping by global norm).
+  for ones that take norms across a whole tensor (LAMB, gradient clipping by global norm). Where
+  the plan shards a parameter's optimizer states (ZeRO-1), it steps the shard of those
+  (`runtime.parallel.sharded_update`), which converts the gradient in and the weight back out.
 - Every wait is bounded by the world's timeout.
 Reference: docs/architecture.md ("Start here", "The rooms in detail").
 """
@@ -44,7 +46,7 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.errors import ExecutionError
 from autosbp.plan import Plan, check_plan
 from autosbp.plan.recompute import recomputed_nodes
-from autosbp.sbp import Mesh, NdSbp
+from autosbp.sbp import Mesh, NdSbp, parse_nd_sbp
 from autosbp.schedule import stage_orders
 from autosbp.timeline import SpanHook
 from runtime.execute.groups import build_groups, world_timeout
@@ -65,6 +67,7 @@ from runtime.parallel.pipeline import (
     stage_values,
 )
 from runtime.parallel.prefetch import GatherSchedule, gather_setup
+from runtime.parallel.sharded_update import build_sharded_update
 from runtime.state.shards import StageState, shard_state, state_layouts
 from runtime.state.startup import agree_on_plan, broadcast_initial_state
 
@@ -118,8 +121,12 @@ class Engine:
         stage_of = node_stages(plan)
         boundaries = stage_boundaries(graph, stage_of)
         self.program = self._build_program(meshes, stage_of, boundaries, gathers)
+        self.update = build_sharded_update(
+            self.parameters, self.layouts, _state_layouts(plan, self.layouts), self.shapes,
+            self.boxer,
+        )  # fmt: skip
         self.grad_sync = self._build_grad_sync(meshes, self.program.gathers)
-        self.optimizer = optimizer_factory(list(self.parameters.values()))
+        self.optimizer = optimizer_factory(list(self.optimized.values()))
         self.recorder = recorder
         self._span = recorder.span if recorder is not None else _no_span
         self.pipeline = self._build_pipeline(meshes, stage_of, boundaries)
@@ -151,8 +158,9 @@ class Engine:
     ) -> GradSync:
         """Gradient sync of this stage's parameters (the gathers' schedule adds in the
         gradients it reduce-scatters itself: `deferred`)."""
+        synced = {n: t for n, t in self.parameters.items() if n not in self.update.names}
         return build_grad_sync(
-            self.parameters, self.layouts, self.shards.trained, meshes, self.mesh, self._timeout,
+            synced, self.layouts, self.shards.trained, meshes, self.mesh, self._timeout,
             self.plan.grad_bucket_bytes, deferred=scheduled.deferred if scheduled else (),
         )  # fmt: skip
 
@@ -188,6 +196,19 @@ class Engine:
         return self.shards.parameters
 
     @property
+    def optimized(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> the tensor this rank's optimizer steps (its stage's only): the
+        parameter's shard, or where its optimizer states are sharded (ZeRO-1) the shard of
+        those (`runtime.parallel.sharded_update`), in graph order."""
+        return self.update.optimized(self.parameters)
+
+    @property
+    def optimized_layouts(self) -> dict[str, NdSbp]:
+        """Parameter name -> the layout of the tensor the optimizer steps and of its states
+        (every stage's: the plan's `optimizer_state_sbp`)."""
+        return _state_layouts(self.plan, self.layouts)
+
+    @property
     def layouts(self) -> dict[str, NdSbp]:
         """Parameter/buffer name -> its plan layout (every stage's)."""
         return self.shards.layouts
@@ -213,10 +234,12 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_sync.zero_grad()  # bucketed gradients: zeroed views of their buckets
         value = self.pipeline.run(split_micro_batches(batch, self.micro_batches))
-        with self._span("grad_sync"):  # what backward did not hide
+        with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's scatter
             self.grad_sync.finish()
+            self.update.scatter_gradients()
         with self._span("optimizer"):
             self.optimizer.step()
+            self.update.gather_weights()
         return self.pipeline.share_loss(value)  # every rank returns the loss of the last stage
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -228,7 +251,7 @@ class Engine:
         """Every parameter's gradient of the last step, synced and assembled whole (zeros where
         backward never reached it; tied names included). Valid from the end of `step` until the
         next one. A collective, like `full_state_dict`."""
-        return self.shards.full_gradients(self.boxer)
+        return self.shards.full_gradients(self.boxer, self.update.gradients())
 
 
 def _check_world(plan: Plan) -> None:
@@ -257,6 +280,18 @@ def _checked_graph(
     plan.check_model(graph.fingerprint(), f"model `{graph.model_name}`")
     check_plan(plan, graph)
     return graph
+
+
+def _state_layouts(plan: Plan, layouts: Mapping[str, NdSbp]) -> dict[str, NdSbp]:
+    """Parameter name -> its optimizer states' layout (the plan's; the parameter's own where
+    the plan states the same)."""
+    return {
+        name: parse_nd_sbp(p.optimizer_state_sbp)
+        if p.optimizer_state_sbp != p.sbp
+        else layouts[name]
+        for name, p in plan.params.items()
+        if name in layouts
+    }
 
 
 def _connect_gathers(

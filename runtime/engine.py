@@ -233,6 +233,7 @@ class Engine:
         optimizer step. Returns the full loss (the mean over micro-batches) on every rank."""
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_sync.zero_grad()  # bucketed gradients: zeroed views of their buckets
+        self.update.zero_grad()  # ZeRO-1's: zeroed in place
         value = self.pipeline.run(split_micro_batches(batch, self.micro_batches))
         with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's scatter
             self.grad_sync.finish()

@@ -13,7 +13,8 @@ Invariants:
 - A parameter in layout p with states in q ends backward with its gradient in dual(p) (P where
   p is B), unsynced: the buckets of `grad_sync` leave it out. After backward the gradient is
   converted dual(p) -> q (a reduce-scatter where data parallelism would all-reduce) into the
-  gradient of the shard (the parameter's own gradient is then freed), the optimizer steps the
+  gradient of the shard (the parameter's own gradient stays, zeroed before the next step's
+  backward: the planner counts it held, as DDP's buckets are), the optimizer steps the
   shard (an fp32 tensor of its own in q: the master copy), and the shard is converted q -> p
   (an all-gather) into the parameter. All of it after backward, one collective per parameter
   each way, in graph order on every rank of the stage: what the planner prices, nothing hidden.
@@ -21,6 +22,7 @@ Invariants:
   where q only splits what p replicates), so the update is the one an unsharded optimizer makes
   on those elements: exact for elementwise optimizers (SGD, Adam, AdamW), as the Engine's.
 - A gradient backward never reached enters the conversion as zeros (every rank takes part).
+  The parameter's gradient is then the synced one nowhere: `gradients` gives the shards'.
 Reference: Rajbhandari et al. 2020 (ZeRO, section 5.1, P_os); Megatron-LM's distributed
 optimizer (megatron/core/optimizer/distrib_optimizer.py: reduce-scatter, step on the shard,
 all-gather of the updated parameters).
@@ -69,16 +71,21 @@ class ShardedUpdate:
             for name, param in parameters.items()
         }
 
-    def scatter_gradients(self) -> None:
-        """After backward: each sharded parameter's gradient converted into its shard's, and
-        the parameter's freed."""
+    def zero_grad(self) -> None:
+        """Before a step's first backward: the parameters' gradients zeroed in place (autograd
+        accumulates into them: a buffer kept across steps, as Megatron-LM's grad buffer)."""
         with torch.no_grad():
             for entry in self._sharded.values():
-                grad = entry.param.grad
-                if grad is None:
-                    grad = torch.zeros_like(entry.param)
-                entry.param.grad = None
-                entry.shard.grad = entry.to_shard(grad).to(entry.shard.dtype)
+                if entry.param.grad is not None:
+                    entry.param.grad.zero_()
+
+    def scatter_gradients(self) -> None:
+        """After backward: each sharded parameter's gradient converted into its shard's."""
+        with torch.no_grad():
+            for entry in self._sharded.values():
+                if entry.param.grad is None:  # backward never reached it (or the first step)
+                    entry.param.grad = torch.zeros_like(entry.param)
+                entry.shard.grad = entry.to_shard(entry.param.grad).to(entry.shard.dtype)
 
     def gather_weights(self) -> None:
         """After the optimizer's step: each updated shard converted back into its parameter."""
@@ -118,7 +125,7 @@ def build_sharded_update(
         sharded[name] = _Sharded(
             param,
             shard,
-            boxer.chain(dual_nd_sbp(p), q, shape, param.dtype, donate=True),
+            boxer.chain(dual_nd_sbp(p), q, shape, param.dtype),
             boxer.chain(q, p, shape, torch.float32),
         )
     return ShardedUpdate(sharded, {name: state_layouts[name] for name in parameters})

@@ -152,28 +152,25 @@ def _layouts(plan: Plan) -> list[str]:
         if problem:
             out.append(f"parameter {name!r}: {problem}")
         if p.optimizer_state_sbp != p.sbp and not problem:
-            problem = _state_problem(p.sbp, p.optimizer_state_sbp, ndim, p.shape, plan.mesh_shape)
+            problem = _state_problem(p.sbp, p.optimizer_state_sbp, p.shape, plan.mesh_shape)
             if problem:
-                out.append(f"parameter {name!r}: optimizer state SBP {problem}")
+                out.append(f"parameter {name!r}: {problem.rstrip('.')}")
     return out
 
 
 def _state_problem(
-    sbp: str, state: str, ndim: int, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+    sbp: str, state: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
 ) -> str:
     """Why optimizer states in `state` cannot belong to a parameter in `sbp`, or "": they may
     differ from it only by a split where the parameter is B (the distributed optimizer)."""
-    problem = _layout_problem(state, ndim, shape, mesh_shape)
-    if problem:
-        return problem
     try:
-        check_nd_sbp(parse_nd_sbp(state), shape, mesh_shape, "the optimizer states")
+        check_nd_sbp(parse_nd_sbp(state), shape, mesh_shape, "optimizer states")
     except SbpError as exc:
         return str(exc)
     for d, (a, b) in enumerate(zip(parse_nd_sbp(sbp), parse_nd_sbp(state), strict=True)):
         if a != b and not (isinstance(a, Broadcast) and isinstance(b, Split)):
             return (
-                f"{state} differs from the parameter's {sbp} on mesh dim {d} by more than a "
+                f"optimizer states {state} differ from the parameter's {sbp} on mesh dim {d} by more than a "
                 "split of a replicated dim (the only difference the runtime shards states by)"
             )
     return ""

@@ -25,7 +25,9 @@ Invariants:
 - Parameter gathers (a parameter's boxing with a collective, FSDP / ZeRO-3) run as the plan
   prices them (`runtime.parallel.prefetch`), unless `gathers` says otherwise.
 - The optimizer steps on local shards: exact for elementwise optimizers (SGD, Adam, AdamW), not
-  for ones that take norms across a whole tensor (LAMB, gradient clipping by global norm).
+  for ones that take norms across a whole tensor (LAMB, gradient clipping by global norm). Where
+  the plan shards a parameter's optimizer states (ZeRO-1), it steps the shard of those
+  (`runtime.parallel.sharded_update`), which converts the gradient in and the weight back out.
 - Every wait is bounded by the world's timeout.
 Reference: docs/architecture.md ("Start here", "The rooms in detail").
 """
@@ -44,7 +46,7 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.errors import ExecutionError, NonFiniteError
 from autosbp.plan import Plan, check_plan
 from autosbp.plan.recompute import recomputed_nodes
-from autosbp.sbp import Mesh, NdSbp
+from autosbp.sbp import Mesh, NdSbp, parse_nd_sbp
 from autosbp.schedule import stage_orders
 from autosbp.timeline import SpanHook
 from runtime.execute.groups import build_groups, world_timeout
@@ -65,6 +67,7 @@ from runtime.parallel.pipeline import (
     stage_values,
 )
 from runtime.parallel.prefetch import GatherSchedule, gather_setup
+from runtime.parallel.sharded_update import build_sharded_update
 from runtime.state.shards import StageState, shard_state, state_layouts
 from runtime.state.startup import agree_on_plan, broadcast_initial_state
 from runtime.verify.finite import NonFinite, first_non_finite
@@ -123,8 +126,12 @@ class Engine:
         stage_of = node_stages(plan)
         boundaries = stage_boundaries(graph, stage_of)
         self.program = self._build_program(meshes, stage_of, boundaries, gathers)
+        self.update = build_sharded_update(
+            self.parameters, self.layouts, _state_layouts(plan, self.layouts), self.shapes,
+            self.boxer,
+        )  # fmt: skip
         self.grad_sync = self._build_grad_sync(meshes, self.program.gathers)
-        self.optimizer = optimizer_factory(list(self.parameters.values()))
+        self.optimizer = optimizer_factory(list(self.optimized.values()))
         self.recorder = recorder
         self._span = recorder.span if recorder is not None else _no_span
         self.pipeline = self._build_pipeline(meshes, stage_of, boundaries)
@@ -158,8 +165,9 @@ class Engine:
     ) -> GradSync:
         """Gradient sync of this stage's parameters (the gathers' schedule adds in the
         gradients it reduce-scatters itself: `deferred`)."""
+        synced = {n: t for n, t in self.parameters.items() if n not in self.update.names}
         return build_grad_sync(
-            self.parameters, self.layouts, self.shards.trained, meshes, self.mesh, self._timeout,
+            synced, self.layouts, self.shards.trained, meshes, self.mesh, self._timeout,
             self.plan.grad_bucket_bytes, deferred=scheduled.deferred if scheduled else (),
         )  # fmt: skip
 
@@ -195,6 +203,19 @@ class Engine:
         return self.shards.parameters
 
     @property
+    def optimized(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> the tensor this rank's optimizer steps (its stage's only): the
+        parameter's shard, or where its optimizer states are sharded (ZeRO-1) the shard of
+        those (`runtime.parallel.sharded_update`), in graph order."""
+        return self.update.optimized(self.parameters)
+
+    @property
+    def optimized_layouts(self) -> dict[str, NdSbp]:
+        """Parameter name -> the layout of the tensor the optimizer steps and of its states
+        (every stage's: the plan's `optimizer_state_sbp`)."""
+        return _state_layouts(self.plan, self.layouts)
+
+    @property
     def layouts(self) -> dict[str, NdSbp]:
         """Parameter/buffer name -> its plan layout (every stage's)."""
         return self.shards.layouts
@@ -220,9 +241,11 @@ class Engine:
         A loss or gradient that is nan or inf stops the step before its update (`non_finite`)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_sync.zero_grad()  # bucketed gradients: zeroed views of their buckets
+        self.update.zero_grad()  # ZeRO-1's: zeroed in place
         value = self.pipeline.run(split_micro_batches(batch, self.micro_batches))
-        with self._span("grad_sync"):  # what backward did not hide
+        with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's scatter
             self.grad_sync.finish()
+            self.update.scatter_gradients()
         loss = self.pipeline.share_loss(value)  # every rank has the loss of the last stage
         bad = first_non_finite(loss, self.parameters, self.shards.trained)
         if bad is not None:
@@ -232,6 +255,7 @@ class Engine:
             return loss
         with self._span("optimizer"):
             self.optimizer.step()
+            self.update.gather_weights()
         return loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -243,7 +267,7 @@ class Engine:
         """Every parameter's gradient of the last step, synced and assembled whole (zeros where
         backward never reached it; tied names included). Valid from the end of `step` until the
         next one. A collective, like `full_state_dict`."""
-        return self.shards.full_gradients(self.boxer)
+        return self.shards.full_gradients(self.boxer, self.update.gradients())
 
 
 def _check_world(plan: Plan) -> None:
@@ -272,6 +296,18 @@ def _checked_graph(
     plan.check_model(graph.fingerprint(), f"model `{graph.model_name}`")
     check_plan(plan, graph)
     return graph
+
+
+def _state_layouts(plan: Plan, layouts: Mapping[str, NdSbp]) -> dict[str, NdSbp]:
+    """Parameter name -> its optimizer states' layout (the plan's; the parameter's own where
+    the plan states the same)."""
+    return {
+        name: parse_nd_sbp(p.optimizer_state_sbp)
+        if p.optimizer_state_sbp != p.sbp
+        else layouts[name]
+        for name, p in plan.params.items()
+        if name in layouts
+    }
 
 
 def _connect_gathers(

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from autosbp.errors import PlanError, SbpError
 from autosbp.plan.values import Plan
-from autosbp.sbp import format_nd_sbp, local_shape, parse_nd_sbp
+from autosbp.sbp import Broadcast, Split, check_nd_sbp, format_nd_sbp, local_shape, parse_nd_sbp
 from costmodel.profile import LinkClass
 from terminal.text import printable
 
@@ -165,12 +165,29 @@ def _layouts(plan: Plan) -> list[str]:
         problem = _layout_problem(p.sbp, ndim, p.shape, plan.mesh_shape)
         if problem:
             out.append(f"parameter {name!r}: {problem}")
-        if p.optimizer_state_sbp != p.sbp:
-            out.append(
-                f"parameter {name!r} has optimizer state SBP {p.optimizer_state_sbp} but SBP "
-                f"{p.sbp}: the runtime keeps optimizer state in its parameter's layout"
-            )
+        if p.optimizer_state_sbp != p.sbp and not problem:
+            problem = _state_problem(p.sbp, p.optimizer_state_sbp, p.shape, plan.mesh_shape)
+            if problem:
+                out.append(f"parameter {name!r}: {problem.rstrip('.')}")
     return out
+
+
+def _state_problem(
+    sbp: str, state: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> str:
+    """Why optimizer states in `state` cannot belong to a parameter in `sbp`, or "": they may
+    differ from it only by a split where the parameter is B (the distributed optimizer)."""
+    try:
+        check_nd_sbp(parse_nd_sbp(state), shape, mesh_shape, "optimizer states")
+    except SbpError as exc:
+        return str(exc)
+    for d, (a, b) in enumerate(zip(parse_nd_sbp(sbp), parse_nd_sbp(state), strict=True)):
+        if a != b and not (isinstance(a, Broadcast) and isinstance(b, Split)):
+            return (
+                f"optimizer states {state} differ from the parameter's {sbp} on mesh dim {d} by more than a "
+                "split of a replicated dim (the only difference the runtime shards states by)"
+            )
+    return ""
 
 
 def _layout_problem(

@@ -60,7 +60,9 @@ class Alternative:
 
 @dataclass(frozen=True)
 class ParamPlan:
-    """A parameter's stored layout (`sbp`, its optimizer states' alike) and, where a consumer
+    """A parameter's stored layout (`sbp`), its optimizer states' (`optimizer_state_sbp`: the
+    same, or split where `sbp` is B: the distributed optimizer, ZeRO-1, run by
+    `runtime.parallel.sharded_update`; plans before it always said the same) and, where a consumer
     converts it to a layout that copies it (an all-gather of a sharded weight: FSDP / ZeRO-3),
     what happens to the converted copy between forward and backward:
     `reshard_after_forward` False keeps it (autograd saves it for the consumer's backward: its

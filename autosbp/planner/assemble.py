@@ -70,7 +70,9 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             sbp = format_nd_sbp(sig.outputs[0])
             again = _reshards(solved, solution, name, sig.outputs[0])
             shape = tuple(attrs.outputs[0].shape)
-            params[attrs.name] = ParamPlan(sbp, stage, sbp, shape, reshard_after_forward=again)
+            state = solved.strategies[rep].state_of(solution.choice[rep])
+            states = format_nd_sbp(state) if state is not None else sbp
+            params[attrs.name] = ParamPlan(sbp, stage, states, shape, reshard_after_forward=again)
     per_stage = mesh.size
     m = solved.micro_batches
     stages = tuple(
@@ -205,7 +207,8 @@ def alternatives(
     """Per representative node, its `keep` cheapest signatures (the chosen one included), each
     priced as the ILP objective if the node (and its tied copies) switched to it alone. A
     parameter's layout that appears twice (kept, re-gathered: `costs.NodeStrategies.regather`)
-    is named with `reshard_after_forward` for its re-gathered twin."""
+    is named with `reshard_after_forward` for its re-gathered twin, and with `states Q` for
+    its twin whose optimizer states lie in Q (ZeRO-1)."""
     problem, choice = solved.problem, solution.choice
     out: dict[str, tuple[Alternative, ...]] = {}
     linear = Costs(problem.node_costs, problem.edge_costs)
@@ -237,7 +240,8 @@ def alternatives(
         out[v] = tuple(
             Alternative(
                 repr(found.candidates[i])
-                + (" reshard_after_forward" if found.regathers(i) else ""),
+                + (" reshard_after_forward" if found.regathers(i) else "")
+                + (f" states {format_nd_sbp(q)}" if (q := found.state_of(i)) else ""),
                 float(objective[i]) if np.isfinite(objective[i]) else None,
                 int(mem[i] - mem[chosen]),
             )

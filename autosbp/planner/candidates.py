@@ -36,9 +36,11 @@ Model (every constant states where it comes from):
   all-reduce where the parameter is replicated: data parallel's all-reduce; nothing where it is
   split: FSDP's reduce-scatter is already the backward of its all-gather), as its share of a
   fused bucket's collective (`BoxingPricer.bucketed_time_s`), and its optimizer
-  update on the local shard (memory-bound: OPTIMIZER_BYTES_PER_ELEMENT); with micro-batches,
+  update on the local shard (memory-bound: `param_candidates.optimizer_s`); with micro-batches,
   each backward after the first adds its gradient into the accumulated one (autograd's
   AccumulateGrad: read both, write one), priced per micro-batch by the builder.
+- ZeRO-1: a replicated layout has each candidate again with its optimizer states split
+  (`NodeStrategies.state`), priced by `param_candidates.parameter_prices`.
 Node times of compute ops are per micro-batch; parameter times are per step: the problem builder
 scales them.
 """
@@ -54,10 +56,10 @@ import numpy as np
 import torch
 
 from autosbp import schedule
-from autosbp.boxing.steps import dual_nd_sbp
 from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta
 from autosbp.planner.boxing_prices import BoxingPricer, Prices
 from autosbp.planner.op_comm import exchange_cost
+from autosbp.planner.param_candidates import parameter_prices, with_zero_states
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs
 from autosbp.sbp import Broadcast, NdSbp, local_shape
 
@@ -67,10 +69,6 @@ __all__ = [
 ]  # fmt: skip
 
 BACKWARD_FACTOR = 2.0  # backward time / forward time (derived: two matmuls per matmul)
-# Adam on an fp32 master copy reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per
-# element (derived); about 12 flops per element (derived from the update formula).
-OPTIMIZER_BYTES_PER_ELEMENT = 28
-OPTIMIZER_FLOPS_PER_ELEMENT = 12
 
 
 @dataclass(frozen=True)
@@ -90,6 +88,8 @@ class NodeStrategies:
     regather: np.ndarray | None = None  # parameters only: bool per candidate
     forward_s: np.ndarray | None = None  # compute ops: the forward part of compute_s
     held_bytes: np.ndarray | None = None  # compute ops: what exchanges hold until backward
+    # parameters only: per candidate, its optimizer states' layout (None: the parameter's own)
+    state: tuple[NdSbp | None, ...] | None = None
 
     def restricted(self, keep: Sequence[int]) -> NodeStrategies:
         """Only the candidates at `keep`."""
@@ -98,10 +98,11 @@ class NodeStrategies:
             return values[keep] if values is not None else None
 
         candidates = tuple(self.candidates[i] for i in keep)
+        state = tuple(self.state[i] for i in keep) if self.state is not None else None
         return NodeStrategies(
             self.name, candidates, self.compute_s[keep], pick(self.sync_s),
             pick(self.accumulate_s), self.pinned, pick(self.regather), pick(self.forward_s),
-            pick(self.held_bytes),
+            pick(self.held_bytes), state,
         )  # fmt: skip
 
     def forward_part_s(self) -> np.ndarray:
@@ -110,6 +111,11 @@ class NodeStrategies:
         if self.forward_s is not None:
             return self.forward_s
         return self.compute_s / (1.0 + BACKWARD_FACTOR)
+
+    def state_of(self, index: int) -> NdSbp | None:
+        """Candidate `index`'s optimizer-state layout where it differs from the parameter's
+        (ZeRO-1), else None."""
+        return self.state[index] if self.state is not None else None
 
     def regathers(self, index: int) -> bool:
         """Does candidate `index` free its converted copies after forward (FSDP's
@@ -144,25 +150,8 @@ def node_strategies(
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
     if attrs.role is Role.PARAMETER:
-        again = tuple(
-            s
-            for s in candidates
-            if regatherable and not all(isinstance(x, Broadcast) for x in s.outputs[0])
-        )
-        regather = np.array([False] * len(candidates) + [True] * len(again))
-        candidates += again
-        meta = attrs.outputs[0]
-        sync = np.array(
-            [
-                pricer.bucketed_time_s(dual_nd_sbp(s.outputs[0]), s.outputs[0], meta, bucket_bytes)
-                for s in candidates
-            ]
-        )
-        update = np.array([_optimizer_s(meta, s.outputs[0], pricer) for s in candidates])
-        accumulate = np.array([_accumulate_s(meta, s.outputs[0], pricer) for s in candidates])
-        return NodeStrategies(
-            name, candidates, sync + update, sync, accumulate, regather=regather.astype(bool)
-        )
+        return _parameter_strategies(name, attrs.outputs[0], candidates, pricer, bucket_bytes,
+                                     regatherable)  # fmt: skip
     forward, backward, held = [], [], []
     for sig in candidates:  # the op's compute, and its exchanges through one hook (`op_comm`)
         fwd = _forward_s(attrs, sig, mesh_shape, pricer.prices)
@@ -177,17 +166,37 @@ def node_strategies(
     )  # fmt: skip
 
 
-def _optimizer_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> float:
-    local = math.prod(local_shape(meta.shape, nd_sbp, pricer.mesh.shape))
-    return pricer.prices.op_time_s(
-        local * OPTIMIZER_FLOPS_PER_ELEMENT, local * OPTIMIZER_BYTES_PER_ELEMENT, torch.float32
+def _parameter_strategies(
+    name: str,
+    meta: TensorMeta,
+    candidates: tuple[NdSignature, ...],
+    pricer: BoxingPricer,
+    bucket_bytes: int,
+    regatherable: bool,
+) -> NodeStrategies:
+    """A parameter's candidates (the module header): each layout, its re-gathered twin where a
+    consumer keeps it, each of those again with ZeRO-1's states where it has any; per step,
+    sync + update (`compute_s`), the sync that backward may hide (`sync_s`), the add of one
+    micro-batch's gradient."""
+    mesh_shape = pricer.mesh.shape
+    again = tuple(
+        s
+        for s in candidates
+        if regatherable and not all(isinstance(x, Broadcast) for x in s.outputs[0])
     )
-
-
-def _accumulate_s(meta: TensorMeta, nd_sbp: NdSbp, pricer: BoxingPricer) -> float:
-    """grad += new on the local shard: one add, reading two gradients and writing one."""
-    local = math.prod(local_shape(meta.shape, nd_sbp, pricer.mesh.shape))
-    return pricer.prices.op_time_s(local, 3 * local * meta.dtype.itemsize, meta.dtype)
+    regather = [False] * len(candidates) + [True] * len(again)
+    candidates, regather, states = with_zero_states(
+        candidates + again, regather, meta.shape, mesh_shape
+    )
+    sync, update, accumulate = parameter_prices(
+        meta, candidates, states, pricer.bucketed_time_s, pricer.prices, mesh_shape, bucket_bytes
+    )
+    sync_s = np.array(sync)
+    return NodeStrategies(
+        name, candidates, sync_s + np.array(update), sync_s, np.array(accumulate),
+        regather=np.array(regather, dtype=bool),
+        state=tuple(states) if any(q is not None for q in states) else None,
+    )  # fmt: skip
 
 
 def _candidates(attrs: OpNode, mesh_shape: tuple[int, ...]) -> list[NdSignature]:

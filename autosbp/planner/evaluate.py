@@ -308,6 +308,7 @@ class Evaluator:
             self.priced[key] = price_graph(
                 stages.graph, config.mesh, r.prices, r.space.allow, pricer,
                 stages.tied.representative, self.parameters, self.kept_of(config.count),
+                r.space.zero,
             )  # fmt: skip
         return self.priced[key]
 

@@ -10,7 +10,7 @@ themselves (`rules`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
@@ -35,6 +35,9 @@ class Space:
     mesh_ok: Callable[[Mesh], bool] = lambda mesh: True
     data_parallel: int = 1
     meshes: tuple[tuple[int, ...], ...] = ()  # shapes beyond the search's 1D and 2D ones
+    # optimizer states split over the mesh dims a weight is replicated on (ZeRO-1: True), never
+    # (False: every hand plan unless it says zero=1), or the search's choice per parameter (None)
+    zero: bool | None = False
 
 
 def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | None = None) -> Space:
@@ -50,7 +53,7 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             f"recompute {recompute!r} is not known; use auto, {', '.join(RECOMPUTE_MODES)}."
         )
     if strategy == "auto":
-        return Space(tuple(range(1, (max_stages or 1) + 1)), modes)
+        return Space(tuple(range(1, (max_stages or 1) + 1)), modes, zero=None)
     if strategy == "dp":
         return Space(
             (1,), modes, allow=_allow(param=lambda nd, shape: _replicated(nd)),
@@ -59,32 +62,43 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     if strategy == "fsdp":
         return Space((1,), modes, allow=_fully_sharded(), mesh_ok=lambda m: m.ndim == 1)
     if strategy.startswith("megatron:"):
-        tp, pp, dp, mb, ep, cp = _megatron_degrees(strategy)
-        counts = (mb,) if mb is not None else None
+        tp, pp, dp, mb, ep, cp, zero = _megatron_degrees(strategy)
         if cp > 1:
             if ep > 1:
                 raise PlanError(f"{strategy!r}: cp and ep together are not supported; drop one.")
-            return _context_parallel_space(tp, pp, dp, cp, modes, counts)
-        if ep > 1:
-            return _expert_parallel_space(tp, pp, dp, ep, modes, counts)
-        if tp == 1:  # no tensor parallelism: plain data parallelism in each stage
-            allow = _allow(param=lambda nd, shape: _replicated(nd))
-            return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp,), dp)
-        # Megatron: every weight matrix (and embedding table) split on the tp mesh dim, the ILP
-        # picking which dim (column or row parallel); vectors (biases, norms) free; data split
-        # on the dp mesh dim, where weights are replicated.
-        if dp == 1:  # tensor parallelism alone: every device sees the whole batch
-            allow = _allow(param=_tensor_parallel(0), data=lambda nd: nd == (Broadcast(),))
-            return Space((pp,), modes, counts, allow, lambda m: m.shape == (tp,))
-        allow = _allow(
-            param=lambda nd, shape: isinstance(nd[0], Broadcast) and _tensor_parallel(1)(nd, shape),
-            data=lambda nd: nd == (Split(0), Broadcast()),
-        )
-        return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp, tp), dp)
+            counts = (mb,) if mb is not None else None
+            space = _context_parallel_space(tp, pp, dp, cp, modes, counts)
+        else:
+            space = _megatron_space(tp, pp, dp, mb, ep, modes)
+        return replace(space, zero=zero == 1)
     raise PlanError(
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
-        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C]."
+        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C][,zero=1]."
     )
+
+
+def _megatron_space(
+    tp: int, pp: int, dp: int, mb: int | None, ep: int, modes: tuple[str, ...]
+) -> Space:
+    """`megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E]`: Megatron-LM's layout (its optimizer states as
+    the strategy's `zero` says, set by the caller)."""
+    counts = (mb,) if mb is not None else None
+    if ep > 1:
+        return _expert_parallel_space(tp, pp, dp, ep, modes, counts)
+    if tp == 1:  # no tensor parallelism: plain data parallelism in each stage
+        allow = _allow(param=lambda nd, shape: _replicated(nd))
+        return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp,), dp)
+    # Megatron: every weight matrix (and embedding table) split on the tp mesh dim, the ILP
+    # picking which dim (column or row parallel); vectors (biases, norms) free; data split
+    # on the dp mesh dim, where weights are replicated.
+    if dp == 1:  # tensor parallelism alone: every device sees the whole batch
+        allow = _allow(param=_tensor_parallel(0), data=lambda nd: nd == (Broadcast(),))
+        return Space((pp,), modes, counts, allow, lambda m: m.shape == (tp,))
+    allow = _allow(
+        param=lambda nd, shape: isinstance(nd[0], Broadcast) and _tensor_parallel(1)(nd, shape),
+        data=lambda nd: nd == (Split(0), Broadcast()),
+    )
+    return Space((pp,), modes, counts, allow, lambda m: m.shape == (dp, tp), dp)
 
 
 def hand_strategies(devices: int, devices_per_node: int, blocks: int) -> list[str]:
@@ -102,10 +116,10 @@ def hand_strategies(devices: int, devices_per_node: int, blocks: int) -> list[st
     return ["dp", "fsdp", *megatron]
 
 
-def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, int]:
-    """(tp, pp, dp, mb, ep, cp) of `megatron:tp=T,pp=P,dp=D,mb=M,ep=E,cp=C` (each optional: 1,
-    mb searched)."""
-    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4, ep=E and cp=C optional)"
+def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, int, int]:
+    """(tp, pp, dp, mb, ep, cp, zero) of `megatron:tp=T,pp=P,dp=D,mb=M,ep=E,cp=C,zero=Z` (each
+    optional: 1, mb searched, zero 0)."""
+    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4, ep=E, cp=C and zero=1 optional)"
     try:
         fields = {
             k: int(v)
@@ -113,13 +127,19 @@ def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, in
         }
     except ValueError:
         raise PlanError(f"cannot read {strategy!r}; {example}.") from None
-    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb", "ep", "cp"})
+    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb", "ep", "cp", "zero"})
     if unknown:
         raise PlanError(f"{strategy!r} has unknown degree(s) {unknown}; {example}.")
+    zero = fields.pop("zero", 0)
+    if zero not in (0, 1):
+        raise PlanError(
+            f"{strategy!r}: zero={zero} is not known; zero=1 splits the optimizer states over "
+            "data parallelism (the distributed optimizer), zero=0 (the default) replicates them."
+        )
     if any(v < 1 for v in fields.values()):
         raise PlanError(f"{strategy!r}: degrees must be positive; {example}.")
     degrees = fields.get("tp", 1), fields.get("pp", 1), fields.get("dp", 1)
-    return *degrees, fields.get("mb"), fields.get("ep", 1), fields.get("cp", 1)
+    return *degrees, fields.get("mb"), fields.get("ep", 1), fields.get("cp", 1), zero
 
 
 def _expert_parallel_space(

@@ -12,7 +12,11 @@ Model (Rajbhandari et al. 2020, ZeRO, section 3.1, for model states; for activat
 autograd saves, as `kept` derives it, where Korthikanti et al. 2022 section 4 count by hand):
 - a parameter element costs its value and its gradient in the training dtype, plus optimizer
   states in fp32 (Adam: 2, SGD with momentum: 1, SGD: 0) and an fp32 master copy when training
-  in bf16/fp16: 16 bytes per element for Adam in either precision;
+  in bf16/fp16: 16 bytes per element for Adam in either precision; with its states in a ZeRO-1
+  layout (`param_candidates.zero_state_layout`), value and gradient by the parameter's layout,
+  states, the fp32 shard the optimizer updates (the master copy, made in fp32 training too)
+  and its fp32 gradient (held from the reduce-scatter to the next step) by the states' layout,
+  as `runtime.parallel.sharded_update` holds them;
 - a kept output counts its local tensor in the node's layout; a kept intermediate (a norm's
   mean, a dropout mask) its whole bytes times the node's share of the work (the smallest
   local/global ratio of its tensors, as `candidates` prices the work);
@@ -54,15 +58,22 @@ def candidate_bytes(
     optimizer: str,
     outputs: frozenset[int] = frozenset(),
     extra_bytes: int = 0,
+    state: NdSbp | None = None,
 ) -> float:
     """Bytes one device keeps for this node under `signature` with one micro-batch in flight:
-    a parameter's states, a buffer's or input's tensor, or a compute node's kept `outputs` and
-    intermediates (`extra_bytes`, whole; `kept.Kept` says which)."""
+    a parameter's states (optimizer states in `state` where given: ZeRO-1), a buffer's or
+    input's tensor, or a compute node's kept `outputs` and intermediates (`extra_bytes`, whole;
+    `kept.Kept` says which)."""
     role = attrs.role
     if role is Role.PARAMETER:
         meta = attrs.outputs[0]
         local = math.prod(local_shape(meta.shape, signature.outputs[0], mesh_shape))
-        return float(local * parameter_bytes_per_element(meta.dtype, optimizer))
+        if state is None:
+            return float(local * parameter_bytes_per_element(meta.dtype, optimizer))
+        shard = math.prod(local_shape(meta.shape, state, mesh_shape))
+        return float(
+            local * 2 * meta.dtype.itemsize + shard * (8 + 4 * OPTIMIZER_STATES[optimizer])
+        )
     if role is Role.BUFFER or role is Role.INPUT:
         return local_bytes(attrs.outputs[0], signature.outputs[0], mesh_shape)
     if role is not Role.COMPUTE:

@@ -127,8 +127,9 @@ class Priced:
                     optimizer=optimizer,
                     outputs=outputs,
                     extra_bytes=extra,
+                    state=found.state_of(i),
                 )
-                for sig in found.candidates
+                for i, sig in enumerate(found.candidates)
             ]
         )
 
@@ -183,13 +184,16 @@ def price_graph(
     representative: dict[str, str] | None = None,
     memo: dict[Hashable, NodeStrategies] | None = None,
     kept_memo: dict[str, Kept] | None = None,
+    zero: bool | None = False,
 ) -> Priced:
     """Candidates of every representative node (`reduce.tie_blocks`, or `representative` where
     given); edges on first use. `pricer`: a boxing pricer of `mesh` to reuse (its chains serve
     every micro-batch size); `memo`: parameters' candidates to reuse across graphs (a
     parameter's depend only on its tensor, the mesh, the sync bucket and whether a consumer
     keeps it, `_parameter_key`); `kept_memo`: what backward keeps, shared by every mesh of
-    `graph` (with the same `representative`)."""
+    `graph` (with the same `representative`); `zero`: parameters' optimizer states split where
+    they can be (True: ZeRO-1), never (False, the default), or the ILP's choice per parameter
+    (None)."""
     pricer = pricer or BoxingPricer(prices, mesh)
     rep = representative or tie_blocks(graph)
     kept_memo = {} if kept_memo is None else kept_memo
@@ -210,7 +214,7 @@ def price_graph(
             found = node_strategies(graph, name, pricer, bucket_bytes, again, share)
             if memo is not None and key is not None:
                 memo[key] = found
-        strategies[name] = _restricted(replace(found, name=name), graph, name, allow)
+        strategies[name] = _restricted(replace(found, name=name), graph, name, allow, zero)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
     return Priced(mesh, rep, strategies, graph, pricer, kept_memo)
@@ -228,18 +232,25 @@ def _parameter_key(
 
 
 def _restricted(
-    found: NodeStrategies, graph: OpGraph, name: str, allow: Allow | None
+    found: NodeStrategies, graph: OpGraph, name: str, allow: Allow | None, zero: bool | None
 ) -> NodeStrategies:
     """The candidates a hand plan allows node `name`. A parameter the plan would split but
     whose dims the mesh does not divide (a (1,)-shaped bias) stays replicated rather than
-    making the plan impossible."""
-    if allow is None:
-        return found
-    keep = [i for i, sig in enumerate(found.candidates) if allow(graph, name, sig)]
+    making the plan impossible. `zero` (`price_graph`): True keeps, of a layout that has ZeRO-1
+    states, that twin only."""
+    keep = [i for i, sig in enumerate(found.candidates) if allow is None or allow(graph, name, sig)]
     if not keep and graph.node(name).role is Role.PARAMETER:
         keep = [
             i
             for i, sig in enumerate(found.candidates)
             if all(isinstance(s, Broadcast) for s in sig.outputs[0])
         ]
-    return found.restricted(keep)
+    if zero is not None and found.state is not None:
+        sharded = {(found.candidates[i], found.regathers(i)) for i in keep if found.state[i]}
+        keep = [
+            i
+            for i in keep
+            if (found.state[i] is not None)
+            == (zero and (found.candidates[i], found.regathers(i)) in sharded)
+        ]
+    return found if keep == list(range(len(found.candidates))) else found.restricted(keep)

@@ -144,7 +144,7 @@ def _stage_report(engine: Engine, rank: int) -> tuple[_StageReport, dict[str, to
         entries[key] = TensorEntry(shape, dtype, format_nd_sbp(layout), engine.stage, holders)
         if holders[engine.index] == rank:
             mine[key] = local.detach().clone()
-    names = parameter_names(engine.parameters)
+    names = parameter_names(engine.optimized)
     groups = tuple(group_json(g, names) for g in engine.optimizer.param_groups)
     steps = [int(s["step"]) for s in engine.optimizer.state.values() if "step" in s]
     return _StageReport(engine.stage, entries, groups, max(steps, default=0)), mine
@@ -158,7 +158,7 @@ def _saved_tensors(engine: Engine) -> dict[str, tuple[torch.Tensor, tuple[int, .
         for name, local in engine.state.items()
     }
     replicated = (B,) * engine.mesh.ndim
-    for name, param in engine.parameters.items():
+    for name, param in engine.optimized.items():  # a parameter, or its ZeRO-1 shard
         for field, value in engine.optimizer.state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
                 raise ExecutionError(
@@ -169,7 +169,7 @@ def _saved_tensors(engine: Engine) -> dict[str, tuple[torch.Tensor, tuple[int, .
                 out[f"optim/{name}/{field}"] = (
                     value,
                     tuple(engine.shapes[name]),
-                    engine.layouts[name],
+                    engine.optimized_layouts[name],
                 )
             elif value.dim() == 0:
                 out[f"optim/{name}/{field}"] = (value, (), replicated)

@@ -153,7 +153,7 @@ def _read_local(
             )
         if name not in engine.parameters:
             continue  # another stage's parameter: that stage loads it
-        layout = engine.layouts[name] if entry.shape else replicated
+        layout = engine.optimized_layouts[name] if entry.shape else replicated
         optim.setdefault(name, {})[field] = _local_piece(key, engine, layout, files)
     return state, _optimizer_state_dict(engine, manifest, optim)
 
@@ -219,7 +219,7 @@ def _optimizer_state_dict(
     """The optimizer's own `state_dict` format: this stage's parameters by their index in its
     groups; each group takes the hyperparameters of the checkpoint's group of that index, whose
     parameters (of every stage) must include the group's here."""
-    names = parameter_names(engine.parameters)
+    names = parameter_names(engine.optimized)
     current = [[names[id(p)] for p in g["params"]] for g in engine.optimizer.param_groups]
     saved = [set(g["params"]) for g in manifest.param_groups]
     stray = [n for group, held in zip(current, saved, strict=False) for n in group if n not in held]

@@ -56,32 +56,46 @@ class StageState:
 
     def full_state_dict(self, boxer: Boxer) -> dict[str, torch.Tensor]:
         """Every parameter and buffer assembled whole (tied names included). A collective."""
-        return self._assemble(boxer, self.owner, self.state.get)
 
-    def full_gradients(self, boxer: Boxer) -> dict[str, torch.Tensor]:
+        def local_of(name: str) -> tuple[torch.Tensor, NdSbp] | None:
+            local = self.state.get(name)
+            return (local, self.layouts[name]) if local is not None else None
+
+        return self._assemble(boxer, self.owner, local_of)
+
+    def full_gradients(
+        self, boxer: Boxer, sharded: Mapping[str, tuple[torch.Tensor, NdSbp]] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Every parameter's gradient, assembled whole (zeros where backward never reached it;
-        tied names included). A collective."""
-        return self._assemble(
-            boxer,
-            {name: self.owner[name] for name in self.trained},
-            lambda name: _gradient(self.parameters[name]) if name in self.parameters else None,
-        )
+        tied names included); `sharded`: name -> the synced gradient and its layout where it is
+        not the parameter's own (ZeRO-1's shard: `runtime.parallel.sharded_update`). A
+        collective."""
+
+        def local_of(name: str) -> tuple[torch.Tensor, NdSbp] | None:
+            if sharded and name in sharded:
+                return sharded[name]
+            if name not in self.parameters:
+                return None
+            return _gradient(self.parameters[name]), self.layouts[name]
+
+        return self._assemble(boxer, {name: self.owner[name] for name in self.trained}, local_of)
 
     def _assemble(
         self,
         boxer: Boxer,
         owners: Mapping[str, int],
-        local_of: Callable[[str], torch.Tensor | None],
+        local_of: Callable[[str], tuple[torch.Tensor, NdSbp] | None],
     ) -> dict[str, torch.Tensor]:
         """Each name of `owners` (name -> its stage) whole on every rank: `local_of(name)` is this
-        rank's piece in the name's layout, None off its stage (broadcast from the stage's first
+        rank's piece and its layout, None off its stage (broadcast from the stage's first
         device)."""
         out: dict[str, torch.Tensor] = {}
         staged = len(self.stage_roots) > 1
         with torch.no_grad():
             for name, owner in owners.items():
-                shape, layout, local = self.shapes[name], self.layouts[name], local_of(name)
-                if local is not None:
+                shape, found = self.shapes[name], local_of(name)
+                if found is not None:
+                    local, layout = found
                     gather = boxer.chain(layout, (B,) * boxer.mesh.ndim, shape, local.dtype)
                     whole = gather(local.detach()).clone()
                 else:

@@ -85,10 +85,13 @@ def measure_peak_bytes(
 
 def engine_tensors(engine: Engine) -> list[torch.Tensor | None]:
     """Every tensor `engine` keeps between steps: its state (parameters, buffers, constants),
-    the program's persistent tensors, gradients, gradient buckets and optimizer states."""
+    the program's persistent tensors, gradients, gradient buckets, the tensors the optimizer
+    steps (ZeRO-1's shards) and optimizer states."""
     tensors: list[torch.Tensor | None] = list(engine.state.values())
     tensors += [t for t in engine.program.template if isinstance(t, torch.Tensor)]
     tensors += [param.grad for param in engine.parameters.values()]
+    tensors += list(engine.optimized.values())  # ZeRO-1's shards (else the parameters)
+    tensors += [t.grad for t in engine.optimized.values()]
     tensors += [bucket.flat for bucket in engine.grad_sync.buckets]
     for state in engine.optimizer.state.values():
         tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]

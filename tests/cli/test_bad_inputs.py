@@ -420,7 +420,7 @@ CLI_CASES = [
             (TRAIN, (), "mb3", ("3 micro-batches do not divide the global batch of 8",)),
             (TRAIN, (), "badsig", ("nodes gelu", "signatures their rules do not offer"),),
             (TRAIN, (), "batch16", ("a global batch of 16 samples", "example inputs hold 8"),),
-            (TRAIN, (), "optsbp", ("optimizer state SBP S(7) but SBP B",)),
+            (TRAIN, (), "optsbp", ("optimizer states: SBP S(7) splits dim 7",)),
             (["show"], (), "mb1e7", ("10000000 micro-batches do not divide",)),
             (["explain"], (), "dev1e7", ("hold 2 devices, but the plan is for 10000000",)),
             # not numbers, not a plan

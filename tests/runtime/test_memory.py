@@ -3,7 +3,7 @@
 Measured: `runtime.verify.peak_memory.measure_peak_bytes` (torch.profiler's allocation events of c10's CPU
 allocator, with what the engine holds between steps: see its header), in a step after Adam's
 states exist. Predicted: the plan's `peak_memory_bytes` of the rank's stage. Each rank of the
-fsdp and auto plans of the zoo GPT and MLP on 2 and 4 gloo processes must lie within
+fsdp and auto plans of the zoo GPT and MLP (and ZeRO-1's of the GPT) on 2 and 4 gloo processes must lie within
 TOLERANCE of the prediction.
 
 Why not exact: the planner prices what a step holds at once (model states, what autograd keeps
@@ -32,11 +32,18 @@ WORKER_TIMEOUT_S = 120.0
 # case is held to the bound. The
 # workers step with the fused Adam that `autosbp train` runs and the planner prices (torch's
 # per-tensor loop would add two temporaries the size of the parameter it updates).
+# The distributed optimizer (ZeRO-1, `runtime.parallel.sharded_update`): Adam's states split
+# over data parallelism, weights replicated; the GPT on 2 processes only: on these tiny models
+# weights dominate and its peak falls after backward, among the per-parameter collectives'
+# transients (measured 1.03-1.17 of predicted for the mlp and on 4 processes, run to run).
 CASES: list[tuple[int, str, str]] = [
-    (n, model, strategy)
-    for n in (2, 4)
-    for model in ("mlp-wide", "gpt-wide")
-    for strategy in ("fsdp", "auto")
+    *(
+        (n, model, strategy)
+        for n in (2, 4)
+        for model in ("mlp-wide", "gpt-wide")
+        for strategy in ("fsdp", "auto")
+    ),
+    (2, "gpt-wide", "megatron:tp=1,pp=1,dp=2,zero=1"),
 ]
 
 

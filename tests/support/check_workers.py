@@ -8,7 +8,9 @@ check must catch, patched into this process only (never into the code under test
   plan (each rank scales its piece of its stage's first parameter);
 - `all-reduce-average`: a boxing all-reduce averages instead of summing (a wrong boxing step);
 - `sync-twice`: the gradient sync all-reduces every bucket a second time, so each gradient is
-  summed over its replicas twice (a partial value summed again).
+  summed over its replicas twice (a partial value summed again);
+- `no-gather`: the distributed optimizer steps its shards but never converts them back into
+  the weights (`ShardedUpdate.gather_weights` does nothing): the weights miss the update.
 Lives elsewhere: the cases and what they must show (tests/runtime/test_check.py).
 """
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from runtime.engine import Engine
 from runtime.jobs import TrainSpec, train_worker
 from runtime.parallel.grad_sync import GradSync
+from runtime.parallel.sharded_update import ShardedUpdate
 from runtime.verify.verdict import StepCheck
 
 SCALE = 1 + 1e-3  # grad-scale's factor: the smallest error the issue asks the check to catch
@@ -78,11 +81,18 @@ def _sync_twice() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _no_gather() -> Iterator[None]:
+    with mock.patch.object(ShardedUpdate, "gather_weights", return_value=None):
+        yield
+
+
 FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "none": contextlib.nullcontext,
     "grad-scale": _grad_scale,
     "all-reduce-average": _all_reduce_average,
     "sync-twice": _sync_twice,
+    "no-gather": _no_gather,
 }
 
 

@@ -1,0 +1,131 @@
+"""The distributed optimizer (ZeRO-1): optimizer states split over the mesh dims where the
+weight is replicated, the weight itself kept whole.
+
+Lives here: `ShardedUpdate` (this rank's parameters whose plan puts their optimizer states in
+another layout than the weight's: the shard the optimizer steps, the gradient's conversion to
+it after backward and the updated shard's conversion back to the weight's layout after the
+step) and `build_sharded_update`. Lives elsewhere: the choice of layouts and its price
+(`autosbp.planner.param_candidates`; the plan's `params[name].optimizer_state_sbp`), the
+gradient sync of every other parameter (`runtime.parallel.grad_sync`), the conversions
+(`runtime.execute.instructions.Boxer`).
+
+Invariants:
+- A parameter in layout p with states in q ends backward with its gradient in dual(p) (P where
+  p is B), unsynced: the buckets of `grad_sync` leave it out. After backward the gradient is
+  converted dual(p) -> q (a reduce-scatter where data parallelism would all-reduce) into the
+  gradient of the shard (the parameter's own gradient stays, zeroed before the next step's
+  backward: the planner counts it held, as DDP's buckets are), the optimizer steps the
+  shard (an fp32 tensor of its own in q: the master copy), and the shard is converted q -> p
+  (an all-gather) into the parameter. All of it after backward, one collective per parameter
+  each way, in graph order on every rank of the stage: what the planner prices, nothing hidden.
+- The shard is the weight's piece in q at the start (the conversion p -> q: a local slice
+  where q only splits what p replicates), so the update is the one an unsharded optimizer makes
+  on those elements: exact for elementwise optimizers (SGD, Adam, AdamW), as the Engine's.
+- A gradient backward never reached enters the conversion as zeros (every rank takes part).
+  The parameter's gradient is then the synced one nowhere: `gradients` gives the shards'.
+Reference: Rajbhandari et al. 2020 (ZeRO, section 5.1, P_os); Megatron-LM's distributed
+optimizer (megatron/core/optimizer/distrib_optimizer.py: reduce-scatter, step on the shard,
+all-gather of the updated parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from autosbp.boxing.steps import dual_nd_sbp
+from autosbp.sbp import NdSbp
+from runtime.execute.instructions import Boxer, TensorFn
+
+__all__ = ["ShardedUpdate", "build_sharded_update"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Sharded:
+    """One parameter's shard and the conversions between it and the parameter."""
+
+    param: torch.Tensor  # this rank's piece of the weight, in p
+    shard: torch.Tensor  # the optimizer's tensor, in q
+    to_shard: TensorFn  # dual(p) -> q: the gradient
+    to_param: TensorFn  # q -> p: the updated weight
+
+
+class ShardedUpdate:
+    """The parameters of this rank's stage whose optimizer states lie in another layout."""
+
+    def __init__(self, sharded: Mapping[str, _Sharded], layouts: Mapping[str, NdSbp]) -> None:
+        self._sharded = dict(sharded)
+        self.layouts = dict(layouts)  # name -> the layout of the tensor the optimizer steps
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._sharded)
+
+    def optimized(self, parameters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Name -> the tensor the optimizer steps: the shard where states are sharded, else
+        the parameter itself (in `parameters`' order)."""
+        return {
+            name: self._sharded[name].shard if name in self._sharded else param
+            for name, param in parameters.items()
+        }
+
+    def zero_grad(self) -> None:
+        """Before a step's first backward: the parameters' gradients zeroed in place (autograd
+        accumulates into them: a buffer kept across steps, as Megatron-LM's grad buffer)."""
+        with torch.no_grad():
+            for entry in self._sharded.values():
+                if entry.param.grad is not None:
+                    entry.param.grad.zero_()
+
+    def scatter_gradients(self) -> None:
+        """After backward: each sharded parameter's gradient converted into its shard's."""
+        with torch.no_grad():
+            for entry in self._sharded.values():
+                if entry.param.grad is None:  # backward never reached it (or the first step)
+                    entry.param.grad = torch.zeros_like(entry.param)
+                entry.shard.grad = entry.to_shard(entry.param.grad).to(entry.shard.dtype)
+
+    def gather_weights(self) -> None:
+        """After the optimizer's step: each updated shard converted back into its parameter."""
+        with torch.no_grad():
+            for entry in self._sharded.values():
+                entry.param.copy_(entry.to_param(entry.shard))
+
+    def gradients(self) -> dict[str, tuple[torch.Tensor, NdSbp]]:
+        """Name -> (the synced gradient, its layout) of the sharded parameters, from the end of
+        a step to the next (zeros before the first)."""
+        return {
+            name: (e.shard.grad if e.shard.grad is not None else torch.zeros_like(e.shard), q)
+            for name, e in self._sharded.items()
+            for q in (self.layouts[name],)
+        }
+
+
+def build_sharded_update(
+    parameters: Mapping[str, torch.Tensor],
+    layouts: Mapping[str, NdSbp],
+    state_layouts: Mapping[str, NdSbp],
+    shapes: Mapping[str, tuple[int, ...]],
+    boxer: Boxer,
+) -> ShardedUpdate:
+    """This rank's `ShardedUpdate` for its stage's `parameters` (name -> local piece in
+    `layouts`), with their optimizer states in `state_layouts` (every stage's). A collective
+    over the stage's ranks (the first shards are cut by conversion), in graph order."""
+    sharded: dict[str, _Sharded] = {}
+    for name, param in parameters.items():
+        p, q = layouts[name], state_layouts[name]
+        if p == q:
+            continue
+        shape = shapes[name]
+        with torch.no_grad():
+            first = boxer.chain(p, q, shape, param.dtype)(param.detach())
+        shard = first.to(torch.float32, copy=True).requires_grad_(True)
+        sharded[name] = _Sharded(
+            param,
+            shard,
+            boxer.chain(dual_nd_sbp(p), q, shape, param.dtype),
+            boxer.chain(q, p, shape, torch.float32),
+        )
+    return ShardedUpdate(sharded, {name: state_layouts[name] for name in parameters})

@@ -1,0 +1,111 @@
+"""The distributed optimizer (ZeRO-1) in the planner: optimizer states as an SBP of each
+parameter (`param_candidates`), chosen by the ILP like any layout.
+
+Oracles: the state layout's rules by table (split exactly where the weight is replicated on more
+than one device, evenly); the bytes against ZeRO's own count (Rajbhandari et al. 2020 section
+5.1: 2 + 2 + 12/N bytes per element in mixed precision; here fp32 value and gradient plus the
+states, the fp32 shard and its gradient over N); the problem with the choice free solved as brute
+force solves it; hand plans that say zero=1 get split states on every parameter that has them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autosbp.capturing.export import capture
+from autosbp.capturing.graph import OpNode, Role, TensorMeta
+from autosbp.errors import PlanError
+from autosbp.planner.hand_plans import strategy_space
+from autosbp.planner.ilp_problem import Problem
+from autosbp.planner.memory import candidate_bytes
+from autosbp.planner.param_candidates import zero_state_layout
+from autosbp.planner.problem import build_problem, price_graph
+from autosbp.rules import NdSignature
+from autosbp.sbp import Mesh, parse_nd_sbp
+from autosbp.zoo import build_model
+from tests.planner.test_planner import (
+    UNLIMITED,
+    a100_prices,
+    limit_between,
+    solved_like_brute_force,
+)
+
+# (layout, shape, mesh shape, the state layout or None)
+LAYOUTS = [
+    ("B", (8, 4), (2,), "S(0)"),
+    ("B", (3, 4), (2,), "S(1)"),  # dim 0 does not divide: the next one
+    ("B", (3,), (2,), None),  # nothing divides: states like the weight
+    ("S(0)", (8, 4), (2,), None),  # already split: FSDP's, nothing to add
+    ("BS(0)", (8, 4), (2, 2), "S(1)S(0)"),  # tensor parallel: a dim the weight keeps whole first
+    ("BS(0)", (8,), (2, 2), "S(0)S(0)"),  # a vector: the same dim, 4 pieces
+    ("BB", (8, 4), (1, 2), "BS(0)"),  # a mesh dim of one device is not replicated
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "mesh", "want"), LAYOUTS, ids=[str(c) for c in LAYOUTS]
+)
+def test_state_layout(
+    layout: str, shape: tuple[int, ...], mesh: tuple[int, ...], want: str | None
+) -> None:
+    got = zero_state_layout(parse_nd_sbp(layout), shape, mesh)
+    assert got == (parse_nd_sbp(want) if want else None)
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_bytes_are_zero_s_count(devices: int) -> None:
+    meta = TensorMeta((64, 16), torch.float32)
+    node = OpNode(op="placeholder", role=Role.PARAMETER, outputs=(meta,), name="w")
+    sig = NdSignature((), (parse_nd_sbp("B"),))
+    whole = candidate_bytes(node, sig, (devices,), optimizer="adam")
+    split = candidate_bytes(node, sig, (devices,), optimizer="adam", state=parse_nd_sbp("S(0)"))
+    n = meta.numel
+    assert whole == 16 * n  # value, gradient, Adam's two states: 4 bytes each
+    assert split == 8 * n + (8 + 4 + 4) * n / devices
+
+
+class _Linear(torch.nn.Module):
+    """One linear layer and a mean-square loss: few enough nodes to enumerate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).square().mean()
+
+
+def test_the_choice_solves_as_brute_force() -> None:
+    torch.manual_seed(0)
+    graph = capture(_Linear(), (torch.randn(4, 8),))
+    mesh, prices = Mesh((2,)), a100_prices()
+    allow = strategy_space("dp").allow
+    priced = price_graph(graph, mesh, prices, allow, zero=None)
+    assert any(s.state is not None for s in priced.strategies.values())
+
+    def problem(limit: float | None) -> Problem:
+        return build_problem(
+            graph, mesh, prices, optimizer="adam", memory_limit_bytes=limit, allow=allow,
+            priced=priced,
+        ).problem  # fmt: skip
+
+    for fraction in (None, 0.2):  # free, then memory tight enough that states must split
+        limit = None if fraction is None else limit_between(problem(UNLIMITED).memory, fraction)
+        solved_like_brute_force(problem(limit))
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_hand_plans_say_where_states_live(zero: int) -> None:
+    model, inputs = build_model("mlp", layers=1, hidden=8, batch=4)
+    graph, mesh = capture(model, inputs), Mesh((2,))
+    space = strategy_space(f"megatron:tp=1,pp=1,dp=2,zero={zero}")
+    priced = price_graph(graph, mesh, a100_prices(), space.allow, zero=space.zero)
+    params = [s for n, s in priced.strategies.items() if graph.node(n).role is Role.PARAMETER]
+    states = {s.state_of(i) is not None for s in params for i in range(len(s.candidates))}
+    assert states == {bool(zero)}
+
+
+def test_unknown_zero_stage_is_refused_clearly() -> None:
+    with pytest.raises(PlanError, match="zero=3 is not known"):
+        strategy_space("megatron:tp=1,pp=1,dp=2,zero=3")

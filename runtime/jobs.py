@@ -27,14 +27,13 @@ the last, so a killed job loses at most that many steps; `resume` continues from
 there (its optimizer step count is the number of steps trained: checkpoints need Adam). The
 optimizer is the plan's (`plan_optimizer`: fused Adam, SGD or SGD with momentum), the one whose
 states and update the planner priced.
-A testing hook, `FAULT_ENV`, makes one rank fail at one step (tests/capturing/test_failures.py).
+A testing hook, `runtime.verify.faults.FAULT_ENV`, makes one rank fail at one step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, field
@@ -50,20 +49,13 @@ from autosbp.timeline import Event, Recorder
 from launching.torchrun import TorchrunWorld, join_torchrun_world, torchrun_world
 from launching.workers import COLLECTIVE_MARGIN_S, STARTUP_S, report_progress, run_workers
 from runtime.defaults import CHECKPOINT_EVERY, STALL_TIMEOUT_S
+from runtime.verify.faults import inject_fault
 from runtime.verify.finite import NonFinite
 from runtime.verify.one_device import disable_dropout
 from runtime.verify.step_check import StepChecker
 from runtime.verify.verdict import StepCheck, Verdict, judge
 
 T = TypeVar("T")
-
-FAULT_ENV = "AUTOSBP_FAULT"
-"""Testing hook: "rank=R,step=S,kind=K" makes rank R fail just before its step S (0-based) by K:
-`exit` (os._exit(1)), `kill` (SIGKILL to itself), `raise` (a RuntimeError) or `hang` (sleeps,
-reporting no progress); `slow` makes each of its steps from S on SLOW_STEP_S longer (progress
-still reported every step). Tests use it to check that one failed rank stops the whole job with
-a message naming it, and that a slow job is not one."""
-SLOW_STEP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -240,7 +232,7 @@ def train_worker(
     for step in range(job.first, spec.steps):
         job.progress.step = step
         report_progress(f"step {step}")
-        _inject_fault(rank, step)
+        inject_fault(rank, step)
         start = time.perf_counter()
         skipped = job.engine.skipped_steps
         loss = _step(job, spec, step)
@@ -395,33 +387,3 @@ def _checkpoint(engine: Any, spec: TrainSpec, step: int) -> None:
     if done % spec.checkpoint_every == 0 or done == spec.steps:
         report_progress(f"step {step}: saving a checkpoint", grace_s=STARTUP_S)
         save_checkpoint(engine, spec.checkpoint_dir)
-
-
-def _inject_fault(rank: int, step: int) -> None:
-    """Fail here if FAULT_ENV names this rank and step (a testing hook)."""
-    value = os.environ.get(FAULT_ENV)
-    if not value:
-        return
-    kinds = "exit, kill, raise, hang or slow"
-    try:
-        fields = dict(item.split("=", 1) for item in value.split(","))
-        (at_rank, at_step), kind = (int(fields["rank"]), int(fields["step"])), fields["kind"]
-    except (KeyError, ValueError):
-        raise ExecutionError(
-            f"{FAULT_ENV}={value!r} is not rank=R,step=S,kind=K (K: {kinds})."
-        ) from None
-    if kind == "slow" and rank == at_rank and step >= at_step:
-        time.sleep(SLOW_STEP_S)  # a slow step, but progress: each step reports
-        return
-    if (rank, step) != (at_rank, at_step) or kind == "slow":
-        return
-    if kind == "exit":
-        os._exit(1)
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "raise":
-        raise RuntimeError(f"fault injected by {FAULT_ENV}={value}")
-    if kind == "hang":
-        while True:  # stuck in its own code: no progress, no collective
-            time.sleep(1.0)
-    raise ExecutionError(f"{FAULT_ENV}={value!r}: unknown kind {kind!r} ({kinds}).")

@@ -28,7 +28,7 @@ from autosbp.commands.preflight import check_job
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.plan import Plan, load_plan, replicated_warning
 from autosbp.plan.tables import shown
-from launching.backends import BACKENDS
+from launching.backends import BACKENDS, device_and_backend
 from runtime.defaults import CHECKPOINT_EVERY, STALL_TIMEOUT_S
 from terminal.progress import activity
 from terminal.text import printable
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from launching.torchrun import torchrun_world
     from runtime.jobs import made_on_rank0, torchrun_job
 
-    device, backend = _device_and_backend(args.device, args.backend)
+    device, backend = device_and_backend(args.device, args.backend)
     world = torchrun_world()
     if world is None:
         if args.nproc is None:
@@ -137,43 +137,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
             args, world.world_size, device, backend, console if world.rank == 0 else quiet,
             made_on_rank0,
         )  # fmt: skip
-
-
-def _device_and_backend(device: str | None, backend: str | None) -> tuple[str, str]:
-    """--device and --backend with their defaults (see --help); NCCL needs GPUs."""
-    if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = backend or ("nccl" if device == "cuda" else "gloo")
-    if backend == "nccl" and device != "cuda":
-        raise ExecutionError(
-            "--backend nccl moves GPU tensors only; train with --device cuda, or with --backend "
-            "gloo on the CPU."
-        )
-    if device == "cuda":
-        _check_gpus(backend)
-    return device, backend
-
-
-def _check_gpus(backend: str) -> None:
-    """--device cuda on a machine where torch sees no GPU (or without NCCL) is refused here,
-    before any rank starts, rather than by torch in every rank."""
-    import torch
-    import torch.distributed as dist
-
-    if not torch.cuda.is_available():
-        build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        raise ExecutionError(
-            f"--device cuda: torch {torch.__version__} ({build}) sees no GPU on this machine. "
-            "Train on the CPU with --device cpu --backend gloo, or run on a machine with GPUs "
-            "and a CUDA build of torch."
-        )
-    if backend == "nccl" and not dist.is_nccl_available():
-        raise ExecutionError(
-            f"--backend nccl: torch {torch.__version__} was built without NCCL. Use --backend "
-            "gloo, or install a CUDA build of torch."
-        )
 
 
 def _train_command(

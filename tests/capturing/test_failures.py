@@ -21,7 +21,7 @@ import torch.distributed as dist
 from autosbp.cli import main
 from launching.errors import ExecutionError
 from launching.workers import run_workers
-from runtime.jobs import FAULT_ENV
+from runtime.verify.faults import FAULT_ENV
 
 # Start-up is about 3 s (interpreter + torch per rank), then a failure ends the job in about
 # 1 s; 30 s leaves room for a loaded machine and is far below the 120 s collective timeout.

@@ -40,8 +40,8 @@ from autosbp.planner.api import auto_parallelize
 from autosbp.sbp import Mesh, parse_nd_sbp
 from autosbp.zoo import build_model
 from launching.workers import run_workers
-from runtime.jobs import FAULT_ENV
 from runtime.state.checkpoint import MANIFEST, read_manifest
+from runtime.verify.faults import FAULT_ENV
 from tests.runtime.test_runtime import MEGATRON, MODELS, _build, _plan_json
 from tests.support.bad_inputs_corpus import ESCAPING_MANIFEST
 from tests.support.checkpoint_workers import run_checkpoint_cases

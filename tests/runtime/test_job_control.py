@@ -36,7 +36,7 @@ from autosbp.plan import Plan
 from launching.errors import ExecutionError
 from launching.workers import report_progress, run_workers
 from runtime.engine import Engine
-from runtime.jobs import FAULT_ENV, SLOW_STEP_S
+from runtime.verify.faults import FAULT_ENV, SLOW_STEP_S
 from tests.support.bad_inputs_corpus import MODELS
 
 REPO = Path(__file__).resolve().parents[2]

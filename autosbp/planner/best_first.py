@@ -59,7 +59,7 @@ class Outcome:
         if limit is not None and not best.problem.problem.memory:
             mp = best.problem
             config = Config(mp.split.num_stages, mp.mesh, mp.micro_batches, mp.recompute)
-            best = state.ev.rebuilt(config, dict(best.solution.choice))
+            best = state.ev.rebuilt(config, dict(best.solution.choice), best.prediction)
         best_s = best.prediction.step_time_s
         gap = max(0.0, (best_s - self.least_s) / best_s)
         status = "optimal" if gap <= MIP_GAP * (1 + 1e-9) else "feasible"

@@ -346,13 +346,21 @@ class Evaluator:
         assert mp.graph is not None, "the search builds its problems with their graph"
         return Found(mp, solution, predict(mp, solution), mp.graph)
 
-    def rebuilt(self, config: Config, choice: dict[str, int]) -> Found:
-        """The plan of `config` with this choice (solved in another process)."""
+    def rebuilt(
+        self, config: Config, choice: dict[str, int], known: Prediction | None = None
+    ) -> Found:
+        """The plan of `config` with this choice (solved in another process, or here without
+        memory constraints). `known`: the choice's prediction where this process made it; the
+        memory limit changes only the constraints' limits, never a stage's times or bytes, so
+        it stands (the simulation of a deep pipeline is the costliest step of a search)."""
         if self.stages_of(config.count, config.num_stages) is None:
             raise PlanError(f"{config.describe()}: refused where another process solved it")
         mp = self.build(config, self.request.memory_limit_bytes)
-        objective = mp.problem.objective(choice)
-        return self.found(mp, Solution(choice, objective, "optimal", 0.0, 0.0))
+        solution = Solution(choice, mp.problem.objective(choice), "optimal", 0.0, 0.0)
+        if known is None:
+            return self.found(mp, solution)
+        assert mp.graph is not None, "the search builds its problems with their graph"
+        return Found(mp, solution, known, mp.graph)
 
 
 def _describe(mp: MeshProblem) -> str:

@@ -59,7 +59,9 @@ def _all_reduce_average() -> Iterator[None]:
 
     def average(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         work = all_reduce(tensor, *args, **kwargs)
-        if not kwargs.get("async_op", False):  # the boxing steps' blocking all-reduce
+        # the boxing steps' blocking all-reduce of values (not the step's integer agreement on
+        # a non-finite value, runtime.verify.finite)
+        if not kwargs.get("async_op", False) and tensor.is_floating_point():
             tensor.div_(dist.get_world_size(kwargs.get("group")))
         return work
 
@@ -104,5 +106,7 @@ def run_checked(
     for case_id, spec, fault in cases:
         with FAULTS[fault]():
             rows, _, _ = train_worker(rank, world_size, spec)
-        out[case_id] = [check for _, _, check in rows if check is not None]
+        out[case_id] = [
+            row[2] for row in rows if row[2] is not None
+        ]  # (step, loss, check, skipped)
     return out

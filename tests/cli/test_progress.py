@@ -141,7 +141,8 @@ def test_the_progress_line_and_the_table_count_steps_alike(
     assert said, out
     row = re.search(rf"│ +3 │ +{re.escape(said[-1])} │", out)
     assert row is not None, out
-    assert "m.py:llama: dp plan" in out and "\U0001f999" not in out, out
+    title = re.sub(r"\s", "", out)  # rich wraps the title where the tmp path makes it long
+    assert "m.py:llama:dpplan" in title and "\U0001f999" not in out, out
 
 
 @pytest.mark.dist

@@ -220,14 +220,21 @@ def default_out(model: str, strategy: str, devices: int) -> Path:
     return Path(f"{'-'.join(words)}-{devices}.json")
 
 
+def _plan_in(path: Path) -> Plan | None:
+    """The plan an existing `path` holds, or None where it holds something else."""
+    try:
+        return load_plan(path)
+    except AutosbpError:
+        return None
+
+
 def refuse_replacing_early(path: Path, devices: int, *, force: bool) -> None:
     """What `refuse_replacing` can tell before the search: `path` holds no plan, or a plan for
     another device count (the model's fingerprint and the strategy are compared after)."""
     if force or not path.exists():
         return
-    try:
-        old = load_plan(path)
-    except AutosbpError:
+    old = _plan_in(path)
+    if old is None:
         holds = "something that is not an autosbp plan"
     else:
         if old.device_count == devices:
@@ -245,9 +252,8 @@ def refuse_replacing(path: Path, plan: Plan, *, force: bool) -> None:
     another model's or strategy's plan, nor a file that is no plan."""
     if force or not path.exists():
         return
-    try:
-        old = load_plan(path)
-    except AutosbpError:
+    old = _plan_in(path)
+    if old is None:
         holds = "something that is not an autosbp plan"
     else:
         same = (old.fingerprint, old.strategy, old.device_count) == (

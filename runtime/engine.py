@@ -126,10 +126,10 @@ class Engine:
         stage_of = node_stages(plan)
         boundaries = stage_boundaries(graph, stage_of)
         self.program = self._build_program(meshes, stage_of, boundaries, gathers)
+        self._state_layouts = _state_layouts(plan, self.layouts)  # read by every checkpoint
         self.update = build_sharded_update(
-            self.parameters, self.layouts, _state_layouts(plan, self.layouts), self.shapes,
-            self.boxer,
-        )  # fmt: skip
+            self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer
+        )
         self.grad_sync = self._build_grad_sync(meshes, self.program.gathers)
         self.optimizer = optimizer_factory(list(self.optimized.values()))
         self.recorder = recorder
@@ -213,7 +213,7 @@ class Engine:
     def optimized_layouts(self) -> dict[str, NdSbp]:
         """Parameter name -> the layout of the tensor the optimizer steps and of its states
         (every stage's: the plan's `optimizer_state_sbp`)."""
-        return _state_layouts(self.plan, self.layouts)
+        return self._state_layouts
 
     @property
     def layouts(self) -> dict[str, NdSbp]:

@@ -97,10 +97,10 @@ class ShardedUpdate:
         """Name -> (the synced gradient, its layout) of the sharded parameters, from the end of
         a step to the next (zeros before the first)."""
         return {
-            name: (e.shard.grad if e.shard.grad is not None else torch.zeros_like(e.shard), q)
+            name: (e.shard.grad if e.shard.grad is not None else torch.zeros_like(e.shard),
+                   self.layouts[name])
             for name, e in self._sharded.items()
-            for q in (self.layouts[name],)
-        }
+        }  # fmt: skip
 
 
 def build_sharded_update(

@@ -40,7 +40,6 @@ def first_non_finite(
     """None when `loss` and every local gradient of every rank are finite; else what is not,
     as a phrase: the loss first, then the first parameter of `order` (every stage's, in graph
     order: the same list on every rank) whose gradient is not. A collective over the world."""
-    position = {name: i for i, name in enumerate(order)}
     local = len(order) + 1  # all finite here
     if not math.isfinite(loss):
         local = 0
@@ -50,7 +49,7 @@ def first_non_finite(
             norms = torch._foreach_norm([g for _, g in named], math.inf)
             bad = (~torch.isfinite(torch.stack([n.float() for n in norms]))).nonzero().cpu()
             if len(bad):
-                local = position[named[int(bad[0])][0]] + 1
+                local = list(order).index(named[int(bad[0])][0]) + 1  # only on a bad step
     first = torch.tensor([local], dtype=torch.int64)
     dist.all_reduce(first, op=dist.ReduceOp.MIN)
     index = int(first.item())

@@ -42,7 +42,7 @@ from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.plan import Plan
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Mesh, NdSbp, P, local_shape
-from autosbp.schedule import Phase
+from autosbp.schedule import Phase, Step
 from runtime.execute.instructions import Boxer
 from runtime.execute.program import Program, Value
 
@@ -231,7 +231,7 @@ class Pipeline:
 
     program: Program
     transfers: Transfers
-    order: Sequence[tuple[Phase, int]]
+    order: Sequence[Step]
     loss: LossBoxing | None
     micro_batches: int
     arm: Callable[[], None]
@@ -242,7 +242,7 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         self.last_backward = max(
-            i for i, (phase, _) in enumerate(self.order) if phase is Phase.BACKWARD
+            i for i, (phase, _, _) in enumerate(self.order) if phase is Phase.BACKWARD
         )
 
     def run(self, pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
@@ -250,7 +250,7 @@ class Pipeline:
         of the loss (the mean over micro-batches on the loss's stage, 0 elsewhere)."""
         in_flight: dict[int, InFlight] = {}
         value = torch.zeros(())
-        for position, (phase, mb) in enumerate(self.order):
+        for position, (phase, _, mb) in enumerate(self.order):
             if phase is Phase.FORWARD:
                 in_flight[mb] = self._forward(pieces[mb], mb)
                 loss = in_flight[mb][2]

@@ -180,14 +180,12 @@ def check_interleaving(num_stages: int, virtual_stages: int, micro_batches: int)
     """Why the actor rules cannot interleave this pipeline, or None when they can."""
     if virtual_stages < 1:
         return f"{virtual_stages} virtual stages per device: there must be at least 1"
-    if virtual_stages == 1:
-        return None
-    if num_stages < 2:
+    if virtual_stages > 1 and num_stages < 2:
         return (
             f"{virtual_stages} chunks per device need a pipeline of 2 stages or more (1 has "
             "nothing to interleave); use vp=1"
         )
-    if micro_batches % num_stages:
+    if virtual_stages > 1 and micro_batches % num_stages:
         return (
             f"interleaving runs micro-batches in groups of the {num_stages} stages, but "
             f"{micro_batches} micro-batches is not a multiple of {num_stages}; use a multiple "
@@ -215,11 +213,10 @@ class _Run:
         best: tuple[float, bool] | None = None
         if bwd < fwd and (arrived := self.grad_ready[s][bwd]) is not None:
             best = (max(arrived, self.free_at[s]), False)
-        if fwd < len(self.act_ready[s]) and fwd - bwd < self.quotas[s]:
-            arrived = self.act_ready[s][fwd]
-            if arrived is not None:
-                candidate = (max(arrived, self.free_at[s]), True)
-                best = candidate if best is None else min(best, candidate)
+        room = fwd < len(self.act_ready[s]) and fwd - bwd < self.quotas[s]
+        if room and (arrived := self.act_ready[s][fwd]) is not None:
+            candidate = (max(arrived, self.free_at[s]), True)
+            best = candidate if best is None else min(best, candidate)
         return best
 
 
@@ -269,7 +266,7 @@ def simulate(
 
     for s in range(p):
         push(s)
-    firings: list[Firing] = []
+    firings = []
     while heap:
         start, forward, s, version = heapq.heappop(heap)
         if version != versions[s]:
@@ -317,9 +314,7 @@ def run_orders(
     orders complete (blocking receives in these orders cannot deadlock)."""
     p = len(orders)
     v = 1 + max(c for order in orders for _, c, _ in order)
-    arrival: dict[tuple[Phase, int, int], float] = {
-        (Phase.FORWARD, 0, mb): 0.0 for mb in range(micro_batches)
-    }
+    arrival = {(Phase.FORWARD, 0, mb): 0.0 for mb in range(micro_batches)}
     position, free_at, firings = [0] * p, [0.0] * p, []
     waiting = list(range(p))
     while waiting:

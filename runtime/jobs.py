@@ -353,13 +353,13 @@ class _Progress:
         self.step = 0
 
     def span(
-        self, kind: str, micro_batch: int | None = None
+        self, kind: str, micro_batch: int | None = None, chunk: int = 0
     ) -> contextlib.AbstractContextManager[None]:
         of = "" if micro_batch is None else f" of micro-batch {micro_batch}"
         report_progress(f"step {self.step}: {kind}{of}")
         if self.recorder is None:
             return contextlib.nullcontext()
-        return self.recorder.span(kind, micro_batch)
+        return self.recorder.span(kind, micro_batch, chunk)
 
 
 def _resume(engine: Any, spec: TrainSpec) -> int:

@@ -47,21 +47,23 @@ MAX_DRAWN_SPANS = 100_000
 MAX_DRAWN_RANKS = 128
 
 
-_Record = tuple[str, int | None, float, float]  # what a Recorder keeps: kind, mb, start, end
+_Record = tuple[str, int | None, int, float, float]  # a Recorder keeps: kind, mb, chunk, start, end
 
 
 class SpanHook(Protocol):
     """What the runtime wraps each actor firing in: a `Recorder`, or any object with `span`
     (a training job also reports its progress there: runtime.jobs)."""
 
-    def span(self, kind: str, micro_batch: int | None = None) -> AbstractContextManager[None]: ...
+    def span(
+        self, kind: str, micro_batch: int | None = None, chunk: int = 0
+    ) -> AbstractContextManager[None]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
     """One span on one rank: `kind` is "forward", "backward", "send", "recv", "grad_sync",
     "optimizer" (runtime), "update" (predicted) or anything else; `micro_batch` None for
-    per-step work."""
+    per-step work; `chunk` the model chunk an interleaved stage ran it for (0 otherwise)."""
 
     rank: int
     stage: int
@@ -69,6 +71,7 @@ class Event:
     micro_batch: int | None
     start_s: float
     end_s: float
+    chunk: int = 0
 
 
 class Recorder:
@@ -86,10 +89,10 @@ class Recorder:
         self._spans: list[_Record] = []
         self._step_begin = 0  # index of the first span after the last mark_step()
 
-    def span(self, kind: str, micro_batch: int | None = None) -> _Span:
+    def span(self, kind: str, micro_batch: int | None = None, chunk: int = 0) -> _Span:
         """`with recorder.span("forward", 3): ...` records the time the body takes (not
         recorded when the body raises)."""
-        return _Span(self._spans, kind, micro_batch)
+        return _Span(self._spans, kind, micro_batch, chunk)
 
     def mark_step(self) -> list[Event]:
         """End a step: return its events (those since the previous mark). Nothing is dropped."""
@@ -104,23 +107,26 @@ class Recorder:
 
     def _to_events(self, spans: list[_Record]) -> list[Event]:
         o = self.origin_s
-        return [Event(self.rank, self.stage, k, mb, s - o, e - o) for k, mb, s, e in spans]
+        return [Event(self.rank, self.stage, k, mb, s - o, e - o, c) for k, mb, c, s, e in spans]
 
 
 class _Span:
     """The context manager of `Recorder.span`: a slotted class, 2-3x cheaper than @contextmanager."""
 
-    __slots__ = ("_kind", "_micro_batch", "_spans", "_start_s")
+    __slots__ = ("_chunk", "_kind", "_micro_batch", "_spans", "_start_s")
 
-    def __init__(self, spans: list[_Record], kind: str, micro_batch: int | None) -> None:
-        self._spans, self._kind, self._micro_batch = spans, kind, micro_batch
+    def __init__(
+        self, spans: list[_Record], kind: str, micro_batch: int | None, chunk: int
+    ) -> None:
+        self._spans, self._kind, self._micro_batch, self._chunk = spans, kind, micro_batch, chunk
 
     def __enter__(self) -> None:
         self._start_s = perf_counter()
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
-            self._spans.append((self._kind, self._micro_batch, self._start_s, perf_counter()))
+            record = (self._kind, self._micro_batch, self._chunk, self._start_s, perf_counter())
+            self._spans.append(record)
 
 
 # ---- predicted and measured steps -----------------------------------------------------------

@@ -8,7 +8,9 @@ Readability, by construction: one colour per kind, none shared (the predicted "u
 gradient sync and optimizer together, so it has a colour of its own); each panel has its own
 time axis from its step's start, so a predicted step much shorter than the measured one is
 drawn across the full width, not squeezed into a corner (the panel titles give both
-durations); a micro-batch number is written on a bar only where it fits; axes are titled.
+durations); a micro-batch number is written on a bar only where it fits; axes are titled; the
+chunks of an interleaved stage are told apart by hatching (chunk 0 plain) and a "c1" after the
+micro-batch.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ COLOURS = {  # matplotlib's tab10, one each
 OTHER_COLOUR = "tab:gray"
 # Drawn as a thin band under the compute bar: a send overlaps the next firing on its rank.
 COMMUNICATION = frozenset({"send", "recv", "grad_sync"})
+# Chunks of an interleaved stage: chunk 0 plain, the others hatched (one pattern each, in turn).
+CHUNK_HATCHES = (None, "//", "..", "xx")
 WIDTH_IN, DPI = 12.0, 100  # the figure's width and resolution: 1200 pixels across
 PLOT_FRACTION = 0.8  # of the width, the axes' (the rest: rank labels and margins)
 CHAR_PX = 7.0  # a digit's width at the bars' 7-point font and DPI (7 pt = 9.7 px tall, ~0.7 wide)
@@ -98,18 +102,23 @@ def _draw_panel(ax: Any, name: str, events: list[Event]) -> None:
     t0 = min((e.start_s for e in events), default=0.0)
     total_ms = max(span_s(events) * 1e3, 1e-9)
     px_per_ms = WIDTH_IN * DPI * PLOT_FRACTION / total_ms
-    bars: dict[tuple[int, str, bool], list[tuple[float, float]]] = defaultdict(list)
+    bars: dict[tuple[int, str, bool, int], list[tuple[float, float]]] = defaultdict(list)
     for e in events:
         row = row_of[e.rank]
         x, width = (e.start_s - t0) * 1e3, (e.end_s - e.start_s) * 1e3
         thin = e.kind in COMMUNICATION
-        bars[(row, COLOURS.get(e.kind, OTHER_COLOUR), thin)].append((x, width))
+        bars[(row, COLOURS.get(e.kind, OTHER_COLOUR), thin, e.chunk)].append((x, width))
         label = "" if e.micro_batch is None else str(e.micro_batch)
+        if label and e.chunk:  # interleaved: micro-batch 3 of chunk 1 is "3c1", hatched
+            label = f"{label}c{e.chunk}"
         if label and not thin and width * px_per_ms >= CHAR_PX * (len(label) + 1):
             ax.text(x + width / 2, row - 0.07, label, ha="center", va="center", fontsize=7)
-    for (row, colour, thin), spans in bars.items():
+    for (row, colour, thin, chunk), spans in bars.items():
         y, height = (row + 0.2, 0.15) if thin else (row - 0.35, 0.55)
-        ax.broken_barh(spans, (y, height), facecolors=colour, edgecolor="white", lw=0.5)
+        hatch = CHUNK_HATCHES[chunk % len(CHUNK_HATCHES)]
+        ax.broken_barh(
+            spans, (y, height), facecolors=colour, edgecolor="white", lw=0.5, hatch=hatch
+        )
     ax.set_yticks(range(len(ranks)), [f"rank {r} (stage {stage_of[r]})" for r in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, total_ms)

@@ -173,23 +173,24 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
             "backward_s are 0 in every stage), so it has no predicted timeline; make the plan "
             "again with an autosbp that records them."
         )
+    p = plan.pipeline_stages  # interleaved, stages[c * p + d] is chunk c of stage d
     timeline = simulate(
-        len(stages),
-        plan.micro_batches,
-        lambda s: stages[s].forward_s,
-        lambda s: stages[s].backward_s,
-        lambda s: stages[s].send_s,
-    )
-    spans: list[tuple[int, str, int | None, float, float]] = []  # stage, kind, mb, start, end
+        p, plan.micro_batches, lambda s: stages[s].forward_s, lambda s: stages[s].backward_s,
+        lambda s: stages[s].send_s, virtual_stages=plan.virtual_stages,
+    )  # fmt: skip
+    # stage, kind, mb, start, end, chunk
+    spans: list[tuple[int, str, int | None, float, float, int]] = []
     for f in timeline.firings:
-        spans.append((f.stage, f.phase.value, f.micro_batch, f.start_s, f.end_s))
-        to = f.stage + 1 if f.phase is Phase.FORWARD else f.stage - 1
-        if 0 <= to < len(stages) and stages[min(f.stage, to)].send_s > 0:
-            end_s = f.end_s + stages[min(f.stage, to)].send_s  # send_s: stage s <-> s + 1
-            spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s))
-    for s, stage in enumerate(stages):
-        last = max(f.end_s for f in timeline.firings if f.stage == s)
-        spans.append((s, UPDATE, None, last, last + stage.update_s - stage.sync_hidden_s))
+        spans.append((f.stage, f.phase.value, f.micro_batch, f.start_s, f.end_s, f.chunk))
+        at = f.chunk * p + f.stage
+        to = at + 1 if f.phase is Phase.FORWARD else at - 1
+        if 0 <= to < len(stages) and stages[min(at, to)].send_s > 0:
+            end_s = f.end_s + stages[min(at, to)].send_s  # send_s: stage s <-> s + 1
+            spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s, f.chunk))
+    for s in range(p):
+        update_s = sum(c.update_s - c.sync_hidden_s for c in stages[s::p])  # all its chunks'
+        last = timeline.end_s(s)
+        spans.append((s, UPDATE, None, last, last + update_s, 0))
     events = [
         Event(rank, *span)
         for span in spans

@@ -10,6 +10,13 @@ from pathlib import Path
 import pytest
 
 from autosbp.plan import NodePlan, ParamPlan, Plan, StagePlan, load_plan, plan_problems, save_plan
+from autosbp.schedule import simulate
+from autosbp.timeline import (
+    draw_timelines,
+    predicted_events,
+    read_chrome_trace,
+    write_chrome_trace,
+)
 from tests.plan.test_plan_json import sample_plan
 
 
@@ -60,3 +67,49 @@ def test_an_interleaved_plan_round_trips(tmp_path: Path) -> None:
 )
 def test_the_checks_refuse_a_schedule_the_rules_cannot_run(plan: Plan, says: str) -> None:
     assert any(says in p for p in plan_problems(plan)), plan_problems(plan)
+
+
+# ---- the interleaved step drawn: the actor simulation is the oracle --------------------------
+def timed_plan() -> Plan:
+    """`interleaved_plan` (2 stages x 2 chunks, 4 micro-batches) with per-chunk times."""
+    plan = interleaved_plan(micro_batches=4)
+    stages = tuple(
+        dataclasses.replace(s, forward_s=1e-3 * (1 + v), backward_s=2e-3, send_s=1e-4,
+                            update_s=5e-4 * (1 + v), sync_hidden_s=1e-4)
+        for v, s in enumerate(plan.stages)
+    )  # fmt: skip
+    return dataclasses.replace(plan, stages=stages)
+
+
+def test_predicted_events_draw_each_chunk_as_the_simulation_runs_it(tmp_path: Path) -> None:
+    plan = timed_plan()
+    stages = plan.stages
+    timeline = simulate(
+        2, 4, lambda v: stages[v].forward_s, lambda v: stages[v].backward_s,
+        lambda v: stages[v].send_s, virtual_stages=2,
+    )  # fmt: skip
+    events = predicted_events(plan)
+    for rank in (0, 1):
+        want = sorted(
+            (f.start_s, f.phase.value, f.micro_batch, f.chunk)
+            for f in timeline.firings
+            if f.stage == rank
+        )
+        got = sorted(
+            (e.start_s, e.kind, e.micro_batch, e.chunk)
+            for e in events
+            if e.rank == rank and e.kind in ("forward", "backward")
+        )
+        assert got == want
+        (update,) = [e for e in events if e.rank == rank and e.kind == "update"]
+        chunks = stages[rank::2]  # its two chunks' update, less what their backward hid
+        assert update.end_s - update.start_s == pytest.approx(
+            sum(c.update_s - c.sync_hidden_s for c in chunks)
+        )
+    # every firing but the first stage's backward of chunk 0 and the last chunk's forward sends
+    assert len([e for e in events if e.kind == "send"]) == 2 * 4 * 3
+    back = read_chrome_trace(write_chrome_trace(tmp_path / "t.json", events, plan_digest="d"))
+    assert [e.chunk for e in back] == [e.chunk for e in events]
+    assert {e.chunk for e in back} == {0, 1}
+    draw_timelines(tmp_path / "t.png", events, title="interleaved")
+    assert (tmp_path / "t.png").stat().st_size > 0

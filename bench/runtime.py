@@ -18,6 +18,9 @@ Rows, each with its target:
   per stage) on the same model cut at the same place: each torch stage holds exactly the
   parameters the plan puts on that stage (checked), so the blocks are dealt as
   autosbp.planner.pipeline.split_stages deals them; target <= 1.0.
+- 2-stage interleaved 1F1B: our Engine under `megatron:tp=1,pp=2,dp=1,vp=2,mb=4` (2 chunks per
+  rank) vs torch.distributed.pipelining's `ScheduleInterleaved1F1B` on the same 4 chunks (a
+  `PipelineStage` per chunk, 2 per rank), on models of 4 blocks (one per chunk); target <= 1.0.
 
 How it measures: both sides live in the same processes; after `warmup` steps of each, they take
 turns step by step, so each pair of steps meets the same machine load (the cores may be shared).
@@ -82,6 +85,11 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         {"layers": 2, "hidden": 256, "heads": 4, "vocab": 2048, "seq": 64, "batch": 16},
     ),
 }
+# The interleaved row's: 4 blocks, one per chunk of 2 stages x 2 chunks.
+INTERLEAVED_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mlp-1024": MODELS["mlp-1024"],
+    "gpt-small-4l": ("gpt", {**MODELS["gpt-small"][1], "layers": 4}),
+}
 QUICK_MODELS = {
     "mlp-512": ("mlp", {"layers": 2, "hidden": 512, "features": 512, "outputs": 512, "batch": 64})
 }
@@ -98,6 +106,7 @@ class Comparison:
     micro_batches: int
     reference: Reference
     target_ratio: float
+    models: dict[str, tuple[str, dict[str, Any]]] | None = None  # None: the run's models
 
 
 COMPARISONS = (
@@ -107,6 +116,10 @@ COMPARISONS = (
     Comparison(
         "2-stage 1F1B vs Schedule1F1B", 2, "megatron:tp=1,pp=2,dp=1,mb=4", 4,
         Reference.PIPELINING, 1.0,
+    ),
+    Comparison(
+        "2-stage interleaved vs ScheduleInterleaved1F1B", 2, "megatron:tp=1,pp=2,dp=1,vp=2,mb=4",
+        4, Reference.INTERLEAVED, 1.0, INTERLEAVED_MODELS,
     ),
 )  # fmt: skip
 
@@ -153,7 +166,7 @@ def bench_worker(rank: int, world_size: int, job: Job) -> dict[str, Timing]:
             model, plan, lambda params: torch.optim.Adam(params, lr=LR), example_inputs=inputs,
             gathers=policy,
         )  # fmt: skip
-        if job.reference is Reference.PIPELINING:
+        if job.reference in (Reference.PIPELINING, Reference.INTERLEAVED):
             reference = pipelining_step(zoo_name, kwargs, inputs, plan, rank)
         else:
             reference = torch_step(zoo_name, kwargs, inputs, rank, world_size, job.reference)
@@ -303,8 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         (comparison, name, timing)
         for comparison in comparisons
-        for name, timing in run_row(models, comparison, args).items()
-    ]
+        for name, timing in run_row(
+            comparison.models or models,
+            comparison, args,
+        ).items()
+    ]  # fmt: skip
     command = "python bench/runtime.py " + " ".join(argv if argv is not None else sys.argv[1:])
     console.print(_table(rows, command.strip()))
     return 0

@@ -10,6 +10,7 @@ embedding from virtual stage 0 to the head on the last virtual stage every micro
 
 from __future__ import annotations
 
+import copy
 from functools import cache
 from typing import Any
 
@@ -22,6 +23,7 @@ from runtime.jobs import TrainSpec
 from runtime.verify.verdict import judge
 from tests.support.check_workers import run_checked
 from tests.support.memory_workers import measure_cases
+from tests.support.runtime_workers import run_cases
 
 STEPS = 3
 LR = 1e-2
@@ -44,7 +46,7 @@ def _plan(devices: int, model_args: tuple[tuple[str, Any], ...], strategy: str) 
     plan = auto_parallelize(
         module, inputs, profile="cpu-gloo", devices=devices, strategy=strategy, time_limit_s=30.0
     )
-    assert (plan.virtual_stages, plan.pipeline_stages) == (2, devices), "an interleaved plan"
+    assert plan.virtual_stages == 2 and len(plan.stages) == 2 * plan.pipeline_stages
     return plan.to_json()
 
 
@@ -77,3 +79,19 @@ def test_interleaved_peak_memory_is_the_predicted_peak() -> None:
         f"(measured {[int(r[0]['measured_bytes']) for r in per_rank]} bytes, "
         f"predicted {[int(r[0]['predicted_bytes']) for r in per_rank]})"
     )
+
+
+@pytest.mark.dist
+def test_interleaving_beside_parameter_gathers_is_refused() -> None:
+    """A weight stored split (S(0) over data parallelism) and read whole is gathered: the
+    runtime does not interleave that yet, and says so on every rank before any step."""
+    args = {**GPT, "layers": 4}
+    plan = copy.deepcopy(_plan(4, tuple(sorted(args.items())), "megatron:tp=1,pp=2,dp=2,vp=2,mb=2"))
+    plan["params"]["wpe.weight"].update(sbp="S(0)", optimizer_state_sbp="S(0)")
+    plan["nodes"]["p_wpe_weight"]["outputs"] = ["S(0)"]
+    case = {"id": "gathers", "model": "gpt", "model_kwargs": args, "plan": plan, "steps": 1,
+            "lr": LR}  # fmt: skip
+    per_rank = run_workers(run_cases, 4, ([case],), timeout_s=120.0)
+    for result in per_rank:
+        assert "ExecutionError" in result[0]["error"], result[0]
+        assert "gathers parameters" in result[0]["error"], result[0]

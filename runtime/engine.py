@@ -133,7 +133,7 @@ class Engine:
             self._build_program(meshes, stage_of, boundaries, gathers, chunk)
             for chunk in self.chunks
         ]
-        self.program = self.programs[0]  # interleaved plans gather no parameter: the only one
+        self.program = self.programs[0]  # its gathers: interleaved plans have none
         self._state_layouts = _state_layouts(plan, self.layouts)  # read by every checkpoint
         self.update = build_sharded_update(
             self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer
@@ -256,7 +256,8 @@ class Engine:
 
     def step(self, batch: Sequence[torch.Tensor]) -> float:
         """One training step on the global `batch` (the same tensors on every rank): this
-        stage's forward and backward of each micro-batch in its 1F1B order (`stage_orders`),
+        stage's forward and backward of each micro-batch (of each of its chunks, interleaved)
+        in the plan's schedule (`stage_orders`),
         activations and gradients exchanged with the other stages, gradients accumulated (each
         loss scaled by 1/micro-batches: the loss must be a mean over the batch), gradient sync,
         optimizer step. Returns the full loss (the mean over micro-batches) on every rank.

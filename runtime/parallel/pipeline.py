@@ -27,7 +27,7 @@ Invariants:
   device. Each micro-batch's loss is scaled by 1/micro-batches (a mean over the batch). Every
   rank returns the loss (broadcast from the loss's stage).
 - Every wait is bounded by the world's timeout.
-Reference: Narayanan et al. 2021 (1F1B); torch.distributed.pipelining (stages exchanging
+Reference: Narayanan et al. 2021 (1F1B, interleaved 1F1B); torch.distributed.pipelining (stages exchanging
 activations and gradients by isend/irecv).
 """
 

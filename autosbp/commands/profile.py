@@ -19,16 +19,28 @@ from rich.console import Console
 from rich.table import Table
 
 from costmodel.errors import ProfileError
+from costmodel.machine_profile import (
+    DEFAULT_PROFILE_ENV,
+    MACHINE_NPROC,
+    cached_machine_profile,
+    default_profile_name,
+)
 from costmodel.prices import CollectivePrice, bus_factor
 from costmodel.profile import CollectiveKind, DType, Profile
 from costmodel.profile_io import (
+    CACHE_DIR_ENV,
+    MACHINE_PROFILE,
     PROFILE_PATH_ENV,
     load_profile,
+    machine_profile_path,
     profile_dirs,
     save_profile,
     shipped_profiles,
 )
 from terminal.progress import activity
+
+FALLBACK_PROFILE = "cpu-gloo"  # shipped: the default where this machine's cannot be measured
+MACHINE_MEASURE_S = "5-15"  # measured: 4.4-7 s here (2 shared cores), more on a loaded machine
 
 if TYPE_CHECKING:  # the profiler pulls in torch: imported only when `profile` runs
     from costmodel.measure.items import ProfilerConfig
@@ -54,7 +66,13 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="fewer sizes and repeats (default: the full run)"
     )
-    parser.add_argument("--out", type=Path, required=True, help="profile JSON to write (+ .png)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="profile JSON to write (+ .png)")
+    where.add_argument(
+        "--refresh", action="store_true",
+        help="re-measure this machine's profile, the default of local CPU work, in its cache "
+        f"(${CACHE_DIR_ENV}, else $XDG_CACHE_HOME/autosbp/profiles or ~/.cache/autosbp/profiles)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -63,8 +81,82 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print(table)
         for path, reason in skipped:
             console.print(f"skipped {path}: {reason}", markup=False, soft_wrap=True)
+        console.print(_machine_line(), markup=False, soft_wrap=True)
+        return 0
+    if args.refresh:
+        if args.backend != "gloo" or args.devices_per_node not in (None, args.nproc):
+            raise ProfileError(
+                "--refresh measures this machine's CPU profile on gloo ranks of one node; drop "
+                "--backend and --devices-per-node (or write another profile with --out PATH)."
+            )
+        _config(args)  # the same refusals as --out (an odd --nproc)
+        start = time.monotonic()
+        _measure_machine(console, "re-measuring this machine's profile", args.quick, args.nproc)
+        console.print(
+            f"measured in {time.monotonic() - start:.1f} s: {machine_profile_path()}",
+            markup=False, soft_wrap=True,
+        )  # fmt: skip
         return 0
     return _run_profile(args, console)
+
+
+def default_profile(console: Console, *, may_measure: bool = True) -> str:
+    """The profile local CPU work uses when the command names none (`default_profile_name`):
+    this machine's, measured now (with a progress line) if it is not cached or the machine
+    changed. Without `may_measure` (under torchrun, whose ranks are all running already) a
+    missing one is not measured: the shipped cpu-gloo is used, and the line says how to measure."""
+    name = default_profile_name()
+    if name != MACHINE_PROFILE:
+        return name
+    cached = cached_machine_profile()
+    if cached.profile is not None:
+        return name
+    if not may_measure:
+        console.print(
+            f"note: this machine's profile is {cached.why_not}, so this plan is priced with the "
+            f"shipped {FALLBACK_PROFILE} (another machine's); run `autosbp profile --refresh` "
+            "once before torchrun to price this one.",
+            markup=False, soft_wrap=True,
+        )  # fmt: skip
+        return FALLBACK_PROFILE
+    console.print(
+        f"this machine's profile, the default for local CPU work, is {cached.why_not}: "
+        f"measuring it once (quick profiler on {MACHINE_NPROC} gloo ranks, about "
+        f"{MACHINE_MEASURE_S} s) into {cached.path}; `--profile {FALLBACK_PROFILE}` or "
+        f"{DEFAULT_PROFILE_ENV}={FALLBACK_PROFILE} skips it.",
+        markup=False, soft_wrap=True,
+    )  # fmt: skip
+    start = time.monotonic()
+    _measure_machine(console, "measuring this machine's profile", quick=True, nproc=MACHINE_NPROC)
+    console.print(f"this machine's profile measured in {time.monotonic() - start:.1f} s")
+    return name
+
+
+def _measure_machine(console: Console, what: str, quick: bool, nproc: int) -> None:
+    from costmodel.machine_profile import measure_machine_profile
+
+    with activity(console, what) as act:
+        measure_machine_profile(
+            lambda done, total, label: act.update(label, completed=done, total=total),
+            quick=quick, nproc=nproc,
+        )  # fmt: skip
+
+
+def _machine_line() -> str:
+    """What `autosbp profiles` says of this machine's cached profile."""
+    cached = cached_machine_profile()
+    if cached.profile is None or cached.profile.machine is None:
+        return (
+            f"{MACHINE_PROFILE}: this machine's profile is {cached.why_not}; it is measured the "
+            "first time local CPU work needs it (or `autosbp profile --refresh`)."
+        )
+    on = cached.profile.machine
+    host = f" on {on.host}" if on.host else ""
+    return (
+        f"{MACHINE_PROFILE}: this machine's profile (the default for local CPU work), measured "
+        f"{on.date}{host} by `{on.command}`: {on.fingerprint.describe()}; cached in "
+        f"{cached.path}"
+    )
 
 
 def _run_profile(args: argparse.Namespace, console: Console) -> int:

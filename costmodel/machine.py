@@ -140,8 +140,8 @@ def load_note(sample: LoadSample | None) -> str | None:
     if sample is None or not sample.loaded:
         return None
     return (
-        f"the machine was loaded: other work kept about {sample.others:.1f} of its "
-        f"{sample.cores} cores busy beside the job's {sample.ranks} ranks (1-minute load average "
-        f"{sample.before:.2f} before, {sample.after:.2f} after), so these times are not "
+        f"the machine was loaded: beside the job's {sample.ranks} ranks, other work ran about "
+        f"{sample.others:.1f} processes at a time on its {sample.cores} cores (1-minute load "
+        f"average {sample.before:.2f} before, {sample.after:.2f} after), so these times are not "
         "comparable with the prediction or with a run on a quiet machine"
     )

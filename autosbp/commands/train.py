@@ -29,6 +29,7 @@ from autosbp.commands.profile import FALLBACK_PROFILE, default_profile
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.plan import Plan, load_plan, replicated_warning
 from autosbp.plan.tables import shown
+from costmodel.machine import LoadSample, load_average, load_note, usable_cores
 from launching.backends import BACKENDS, device_and_backend
 from runtime.defaults import CHECKPOINT_EVERY, STALL_TIMEOUT_S
 from terminal.progress import activity
@@ -303,13 +304,16 @@ def train_and_report(
                 completed=done.done,
             )
 
+        load_before = load_average()
         result = train(spec, on_step)
+    here = plan.device_count if world is None else world.local_world_size
+    load = LoadSample(load_before, load_average(), usable_cores(), here)
     if not writes:
         return 0  # under torchrun, rank 0 reports the job (its records hold the checks)
     if trace is not None:
         write_chrome_trace(
             trace, list(result.events), plan_digest=plan.digest(),
-            metadata={"strategy": plan.strategy},
+            metadata={"strategy": plan.strategy, "load": load.to_json()},
         )  # fmt: skip
         console.print(f"Chrome trace of every firing written to {trace} (open it in Perfetto)")
     if timeline is not None:
@@ -320,6 +324,8 @@ def train_and_report(
         console.print(f"predicted vs measured timeline written to {timeline}")
     table = _step_table(result, spec.model, plan, check)
     console.print(table)
+    if (loaded := load_note(load)) is not None:
+        console.print(f"note: {loaded}.", soft_wrap=True)
     if check:
         verdict = result.verdict()
         if not verdict.passed:

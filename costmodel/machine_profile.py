@@ -13,7 +13,9 @@ same ops at 0.3-0.6x or 2x its prices, and every prediction inherits that error.
 measured here prices this machine.
 
 Invariants: a cached profile is used only while its fingerprint is this machine's (another CPU,
-core count, memory size or torch version re-measures it); a file that cannot be read counts as
+core count, memory size or torch version re-measures it), and one measured while other work
+loaded the machine only until it is quiet (then it is re-measured: a loaded machine measures
+slow, and the cache would keep that for good); a file that cannot be read counts as
 missing (re-measured), never as an error; the cache file is replaced atomically (`save_profile`),
 so a killed measurement leaves the previous profile or none, never half of one.
 """
@@ -28,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from costmodel.errors import ProfileError
-from costmodel.machine import Fingerprint, this_machine
+from costmodel.machine import LOADED_MIN, Fingerprint, LoadSample, load_average, this_machine
 from costmodel.profile import MeasuredOn, Profile
 from costmodel.profile_io import (
     MACHINE_PROFILE,
@@ -57,9 +59,12 @@ class CachedProfile:
     why_not: str = ""  # "" when fresh
 
 
-def cached_machine_profile(machine: Fingerprint | None = None) -> CachedProfile:
+def cached_machine_profile(
+    machine: Fingerprint | None = None, load_now: float | None = None
+) -> CachedProfile:
     """The cached profile of this machine (`machine`, by default `this_machine()`), if it
-    exists, reads and was measured on this machine."""
+    exists, reads, was measured on this machine, and not on a loaded machine that is quiet now
+    (`load_now`, by default the 1-minute load average)."""
     path = machine_profile_path()
     if not path.is_file():
         return CachedProfile(path, None, "not measured yet")
@@ -77,7 +82,24 @@ def cached_machine_profile(machine: Fingerprint | None = None) -> CachedProfile:
             f"measured on another machine ({profile.machine.fingerprint.describe()}; this one: "
             f"{here.describe()})",
         )
+    quiet_now = (load_average() if load_now is None else load_now) < LOADED_MIN
+    if measured_loaded(profile) and quiet_now:
+        return CachedProfile(path, None, f"{measured_loaded(profile)}, and it is quiet now")
     return CachedProfile(path, profile)
+
+
+def measured_loaded(profile: Profile) -> str:
+    """Why `profile` was measured on a loaded machine ("" if it was not, or is not known)."""
+    on = profile.machine
+    if on is None or on.load_1min is None:
+        return ""
+    ranks = int(profile.topology.devices_per_node.value)  # the ranks it measured, on one node
+    if not LoadSample(on.load_1min, on.load_1min, on.fingerprint.cores, ranks).loaded:
+        return ""
+    return (
+        f"measured while the machine was loaded (other work ran about {on.load_1min:.1f} "
+        f"processes at a time on its {on.fingerprint.cores} cores beside the {ranks} ranks)"
+    )
 
 
 def measure_machine_profile(
@@ -90,10 +112,11 @@ def measure_machine_profile(
     from costmodel.measure.profiler import measure
 
     command = f"autosbp profile --refresh --nproc {nproc}" + (" --quick" if quick else "")
-    machine = this_machine()  # before: what the numbers are measured under
+    machine, before = this_machine(), load_average()  # what the numbers are measured under
     config = ProfilerConfig.for_mode(nproc, "gloo", nproc, quick, command)
     measurements = measure(config, on_progress)
-    on = MeasuredOn(machine, measurements.started, command, _host())
+    others = LoadSample(before, load_average(), machine.cores, nproc).others
+    on = MeasuredOn(machine, measurements.started, command, _host(), round(others, 2))
     profile = replace(build_profile(measurements, MACHINE_PROFILE), machine=on)
     path = machine_profile_path()
     _remove_dead_writers(path)

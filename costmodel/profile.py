@@ -225,6 +225,7 @@ class MeasuredOn:
     date: str  # ISO 8601 date and time, UTC
     command: str  # the command that measured it
     host: str = ""  # the host name, for people ("" = not recorded); not part of the fingerprint
+    load_1min: float | None = None  # other work's 1-minute load average meanwhile (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)

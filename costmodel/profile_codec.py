@@ -203,15 +203,18 @@ def profile_from_dict(data: Mapping[str, Any], origin: str) -> Profile:
 
 def _measured_on(obj: Mapping[str, Any]) -> MeasuredOn:
     fingerprint = Fingerprint(obj["cpu"], obj["cores"], obj["memory_bytes"], obj["torch"])
-    return MeasuredOn(fingerprint, obj["date"], obj["command"], obj.get("host", ""))
+    return MeasuredOn(
+        fingerprint, obj["date"], obj["command"], obj.get("host", ""), obj.get("load_1min")
+    )
 
 
 def _machine_dict(on: MeasuredOn) -> dict[str, Any]:
     f = on.fingerprint
     where = {"host": on.host} if on.host else {}
+    load = {} if on.load_1min is None else {"load_1min": on.load_1min}
     return {
         "cpu": f.cpu, "cores": f.cores, "memory_bytes": f.memory_bytes, "torch": f.torch,
-        **where, "date": on.date, "command": on.command,
+        **where, **load, "date": on.date, "command": on.command,
     }  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from costmodel.machine_profile import (
     MACHINE_NPROC,
     cached_machine_profile,
     default_profile_name,
+    measured_loaded,
 )
 from costmodel.prices import CollectivePrice, bus_factor
 from costmodel.profile import CollectiveKind, DType, Profile
@@ -136,9 +137,17 @@ def _measure_machine(console: Console, what: str, quick: bool, nproc: int) -> No
     from costmodel.machine_profile import measure_machine_profile
 
     with activity(console, what) as act:
-        measure_machine_profile(
+        profile = measure_machine_profile(
             lambda done, total, label: act.update(label, completed=done, total=total),
             quick=quick, nproc=nproc,
+        )  # fmt: skip
+    loaded = measured_loaded(profile)
+    if loaded:
+        console.print(
+            f"note: {loaded}: its prices are slower than this machine's when quiet; it is "
+            "re-measured the first time it is needed on a quiet machine (or `autosbp profile "
+            "--refresh`).",
+            markup=False, soft_wrap=True,
         )  # fmt: skip
 
 
@@ -152,9 +161,10 @@ def _machine_line() -> str:
         )
     on = cached.profile.machine
     host = f" on {on.host}" if on.host else ""
+    load = "" if on.load_1min is None else f", other work's load {on.load_1min:.2f}"
     return (
         f"{MACHINE_PROFILE}: this machine's profile (the default for local CPU work), measured "
-        f"{on.date}{host} by `{on.command}`: {on.fingerprint.describe()}; cached in "
+        f"{on.date}{host} by `{on.command}`: {on.fingerprint.describe()}{load}; cached in "
         f"{cached.path}"
     )
 

@@ -24,7 +24,7 @@ from rich.console import Console
 from autosbp.cli import main
 from autosbp.commands.profile import default_profile
 from costmodel import load_profile, save_profile
-from costmodel.machine import Fingerprint, this_machine, usable_cores
+from costmodel.machine import LOADED_MIN, Fingerprint, this_machine, usable_cores
 from costmodel.machine_profile import (
     DEFAULT_PROFILE_ENV,
     cached_machine_profile,
@@ -131,6 +131,30 @@ def test_any_fingerprint_change_makes_the_cache_stale(machine_default: Path, fie
     assert cached_machine_profile(other).profile == stamped(other)  # fresh for that machine
 
 
+@pytest.mark.parametrize(
+    ("load_then", "load_now", "fresh"),
+    [
+        pytest.param(None, 0.0, True, id="load-not-recorded"),
+        pytest.param(0.1, 0.0, True, id="measured-quiet"),
+        pytest.param(6.8, 7.5, True, id="measured-loaded-still-loaded"),
+        pytest.param(6.8, 0.2, False, id="measured-loaded-quiet-now"),
+    ],
+)
+def test_a_profile_measured_on_a_loaded_machine_is_re_measured_once_quiet(
+    machine_default: Path, load_then: float | None, load_now: float, fresh: bool
+) -> None:
+    two_cores = dataclasses.replace(this_machine(), cores=2)  # 2 ranks measured on 2 cores
+    profile = stamped(two_cores)
+    assert profile.machine is not None
+    on = dataclasses.replace(profile.machine, load_1min=load_then)
+    save_profile(dataclasses.replace(profile, machine=on), machine_profile_path())
+    state = cached_machine_profile(two_cores, load_now=load_now)
+    assert (state.profile is not None) is fresh
+    if not fresh:
+        assert state.why_not.startswith("measured while the machine was loaded (other work ran")
+        assert state.why_not.endswith("and it is quiet now")
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(240)
@@ -147,12 +171,12 @@ def test_machine_change_re_measures(machine_default: Path) -> None:
     fresh = cached_machine_profile()
     assert fresh.profile is not None and fresh.profile.machine is not None
     assert fresh.profile.machine.fingerprint == this_machine()
-    assert fresh.profile.machine.date > STAMP
+    assert fresh.profile.machine.date > STAMP and fresh.profile.machine.load_1min is not None
     measured_by = fresh.profile.device.peak_flops.fp32.source.command
     assert measured_by == "autosbp profile --refresh --nproc 2 --quick"  # not cpu-gloo's
     assert not leftover.exists()
-    out, lines = console()
-    assert default_profile(out) == MACHINE_PROFILE and "measur" not in "".join(lines)
+    again = cached_machine_profile(load_now=LOADED_MIN)  # not quiet: whatever load it ran at
+    assert again.profile == fresh.profile  # kept: the next use reads it
 
 
 KILL = {

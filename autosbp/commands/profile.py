@@ -68,7 +68,10 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "--quick", action="store_true", help="fewer sizes and repeats (default: the full run)"
     )
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", type=Path, help="profile JSON to write (+ .png)")
+    where.add_argument(
+        "--out", type=Path,
+        help="profile JSON to write (+ .png) (default: none; --out or --refresh is required)",
+    )  # fmt: skip
     where.add_argument(
         "--refresh", action="store_true",
         help="re-measure this machine's profile, the default of local CPU work, in its cache "

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     model, inputs = load_from_args(args)
     if args.dtype is not None:  # the command built the model: it may cast it, real or meta
         inputs = in_dtype(model, inputs, args.dtype, owned=True)
-    profile = args.profile or default_profile(console)
+    profile = default_profile(console, args.profile)
     what = f"planning {printable(args.model)} for {args.devices} devices of {printable(profile)}"
     with activity(console, what) as act, time_limit_notes() as notes:
         plan = auto_parallelize(

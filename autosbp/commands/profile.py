@@ -104,12 +104,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     return _run_profile(args, console)
 
 
-def default_profile(console: Console, *, may_measure: bool = True) -> str:
-    """The profile local CPU work uses when the command names none (`default_profile_name`):
-    this machine's, measured now (with a progress line) if it is not cached or the machine
-    changed. Without `may_measure` (under torchrun, whose ranks are all running already) a
-    missing one is not measured: the shipped cpu-gloo is used, and the line says how to measure."""
-    name = default_profile_name()
+def default_profile(
+    console: Console, requested: str | None = None, *, may_measure: bool = True
+) -> str:
+    """The profile local CPU work uses: `requested` (--profile), else `default_profile_name()`;
+    where that is this machine's ("machine"), it is measured now (with a progress line) if it
+    is not cached or the machine changed. Without `may_measure` (under torchrun, whose ranks
+    all run already) a missing one is not measured: the shipped cpu-gloo is used, with a note
+    saying how to measure."""
+    name = requested or default_profile_name()
     if name != MACHINE_PROFILE:
         return name
     cached = cached_machine_profile()

@@ -251,7 +251,7 @@ def plan_for(
     from autosbp.zoo import load_model
     from launching.torchrun import torchrun_world
 
-    profile = profile or default_profile(console, may_measure=torchrun_world() is None)
+    profile = default_profile(console, profile, may_measure=torchrun_world() is None)
     what = f"planning {printable(model)} ({printable(plan_arg)}) for {nproc} processes on {profile}"
     with activity(console, what) as act:
         act.update("building the model")

@@ -230,10 +230,17 @@ def test_opt_out_never_measures(
     assert not machine_default.exists()  # neither measured nor cached
 
 
-def test_torchrun_does_not_measure(machine_default: Path) -> None:
+@pytest.mark.parametrize("requested", [None, MACHINE_PROFILE], ids=["default", "named"])
+def test_torchrun_does_not_measure(machine_default: Path, requested: str | None) -> None:
     out, lines = console()
-    assert default_profile(out, may_measure=False) == "cpu-gloo"
+    assert default_profile(out, requested, may_measure=False) == "cpu-gloo"
     assert "not measured yet" in "".join(lines) and not machine_default.exists()
+
+
+def test_a_named_profile_wins(machine_default: Path) -> None:
+    out, lines = console()
+    assert default_profile(out, "dgx-a100") == "dgx-a100" and lines == []
+    assert not machine_default.exists()
 
 
 def test_profiles_lists_the_cached_machine_profile(

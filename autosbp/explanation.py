@@ -151,13 +151,17 @@ def unknown_node(plan: Plan, query: str) -> str:
 
 def nodes_table(plan: Plan, names: list[str], title: str) -> Table:
     """A table of `names`' signatures: module path, op, node name, input and output SBPs."""
+    rows = [
+        (n.path or TOP, short_op(n.op), name, " ".join(n.inputs), " ".join(n.outputs))
+        for name, n in ((name, plan.nodes[name]) for name in names)
+    ]
     table = Table(title=title)
-    for column in ("module path", "op", "node", "inputs", "outputs"):
-        table.add_column(column, overflow="fold")  # a narrow terminal folds a name, whole
-    for name in names:
-        node = plan.nodes[name]
-        inputs, outputs = " ".join(node.inputs), " ".join(node.outputs)
-        table.add_row(node.path or TOP, short_op(node.op), name, inputs, outputs)
+    for column in ("module path", "op", "node"):  # names: the SBP lists wrap first
+        table.add_column(column, no_wrap=True, overflow="fold")  # then names fold, whole
+    for column in ("inputs", "outputs"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
     return table
 
 

@@ -179,11 +179,15 @@ def _plain(
             f"[{stamp}] {description}: {text}", markup=False, highlight=False, soft_wrap=True
         )
 
+    lock = threading.Lock()  # the caller's updates and the heartbeat's: one line per interval
+
     def show(act: Activity) -> None:
-        now = clock()
-        if now - last[0] >= PLAIN_INTERVAL_S:
+        with lock:
+            now = clock()
+            if now - last[0] < PLAIN_INTERVAL_S:
+                return
             last[0] = now
-            say(f"{act.line() or 'running'} ({format_duration(act.elapsed_s())} elapsed)")
+        say(f"{act.line() or 'running'} ({format_duration(act.elapsed_s())} elapsed)")
 
     say("started")
     act = Activity(description, total, show, clock)

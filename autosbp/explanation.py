@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+from rich.markup import escape
 from rich.table import Table
 
 from autosbp.errors import PlanError
@@ -51,17 +52,17 @@ class Explanation:
             other = f"{self.decided_at_path} " if self.decided_at_path else ""
             title += f", shared with {other}{self.decided_at} (tied blocks)"
         table = Table(
-            title=title,
+            title=escape(title),
             caption="step time if this node alone took the signature; every other choice kept",
         )
         for column in ("signature", "step time", "vs plan", "memory vs plan"):
             table.add_column(column, justify="right")
         for alt in self.alternatives:
             if alt.step_time_s is None:
-                table.add_row(alt.signature, "not combinable", "-", "-")
+                table.add_row(escape(alt.signature), "not combinable", "-", "-")
                 continue
             table.add_row(
-                alt.signature,
+                escape(alt.signature),
                 f"{alt.step_time_s * 1e3:.3f} ms",
                 f"{alt.step_time_s / self.step_time_s:.3f}x",
                 f"{alt.memory_delta_bytes / 2**20:+.2f} MiB",
@@ -161,7 +162,7 @@ def nodes_table(plan: Plan, names: list[str], title: str) -> Table:
     for column in ("inputs", "outputs"):
         table.add_column(column)
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(escape(cell) for cell in row))  # names from the file: shown, not obeyed
     return table
 
 

@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from autosbp.errors import PlanError
 from autosbp.plan import load_plan
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.node is None:
         names = [name for name, node in plan.nodes.items() if args.all or shown(node)]
         what = "every node" if args.all else "its ops (--all: with placeholders and views)"
-        title = f"{printable(plan.model_name)}: {what}, mesh {mesh}"
+        title = escape(f"{printable(plan.model_name)}: {what}, mesh {mesh}")
         console.print(nodes_table(plan, names, title))
         return 0
     found = find_nodes(plan, args.node, every=args.all)
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if len(found) == 1:
         console.print(explain(plan, found[0]).table())
         return 0
-    title = (
+    title = escape(
         f"{printable(args.node)}: {len(found)} ops on mesh {mesh} (`--node NODE` prices one's "
         "alternatives)"
     )

@@ -141,3 +141,15 @@ def test_a_plan_without_paths_loads_and_explains_by_name(planned, tmp_path, caps
     assert rows and all(row[0] == TOP for row in rows)
     assert main(["explain", str(old), "--node", "blocks.0.attn.qkv"]) == 2
     assert "written before plans recorded module paths" in " ".join(capsys.readouterr().err.split())
+
+
+def test_names_from_the_file_are_shown_not_obeyed(planned, tmp_path, capsys) -> None:
+    """A path holding rich markup (an edited plan) is printed as written, not as markup."""
+    path, _, _ = planned
+    data = json.loads(path.read_text())
+    data["nodes"]["linear"]["path"] = "blocks.[bold]x[/]"
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    assert "│ blocks.[bold]x[/] " in explain_out(str(edited))
+    assert main(["explain", str(edited), "--node", "blocks.[bold]x[/]"]) == 0
+    assert "blocks.[bold]x[/] linear (aten.linear.default)" in capsys.readouterr().out

@@ -36,8 +36,8 @@ from autosbp.timeline.trace import (
 )
 
 __all__ = [
-    "CHART_KIND", "COLOURS", "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS", "STEP_END", "UPDATE",
-    "Event", "Recorder", "SpanHook", "Trace", "check_chart", "check_drawable", "check_trace_plan",
+    "CHART_KIND", "COLOURS", "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS",
+    "STEP_END", "UPDATE", "Event", "Recorder", "SpanHook", "Trace", "check_chart", "check_drawable", "check_trace_plan",
     "draw_timelines", "last_step", "measured_step_s", "predicted_events", "read_chrome_trace",
     "read_trace", "span_s", "timeline_figure", "write_chrome_trace",
 ]  # fmt: skip

@@ -50,12 +50,20 @@ COLOURS = {  # matplotlib's tab10, one each
     "send": "tab:green",
     "recv": "tab:olive",
     UPDATE: "tab:brown",
+    # measured only: the communication of sharded parameters and ops (runtime.parallel.prefetch,
+    # runtime.execute.op_comm), which the plan prices inside forward and backward
+    "param_gather": "tab:cyan",
+    "param_regather": "tab:pink",
+    "grad_reduce": "tab:red",
+    "exchange": "tab:purple",
 }
 LEGEND = {UPDATE: "update (gradient sync + optimizer)"}  # a phase's legend text, if not its name
 MICRO_BATCH_LABEL = "n on a bar: micro-batch n"
 OTHER_COLOUR = "tab:gray"
-# Drawn as a thin band under the compute bar: a send overlaps the next firing on its rank.
-COMMUNICATION = frozenset({"send", "recv"})
+# Drawn as a thin band under the compute bar: communication overlaps the firings on its rank.
+COMMUNICATION = frozenset(
+    {"send", "recv", "param_gather", "param_regather", "grad_reduce", "exchange"}
+)
 WIDTH_IN, DPI = 12.0, 100  # the figure's width and resolution: 1200 pixels across
 PLOT_FRACTION = 0.8  # of the width, the axes' (the rest: rank labels and margins)
 CHAR_PX = 7.0  # a digit's width at the bars' 7-point font and DPI (7 pt = 9.7 px tall, ~0.7 wide)

@@ -228,7 +228,7 @@ def test_long_commands_are_never_silent(
     keep coming while it traces, each with the status and the time elapsed."""
     from autosbp.cli import main
 
-    monkeypatch.setattr("terminal.progress.PLAIN_INTERVAL_S", 0.2)
+    monkeypatch.setattr("terminal.progress.PLAIN_INTERVAL_S", 0.1)  # five intervals in one forward
     monkeypatch.chdir(tmp_path)
     (tmp_path / "slow.py").write_text(SLOW_MODEL)
     command, *flags = argv

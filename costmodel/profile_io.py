@@ -69,9 +69,10 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
     path = _resolve(name_or_path)
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ProfileError(
-            f"profile {path}: cannot be read ({exc.strerror}). Pass the path of a profile JSON "
+            f"profile {path}: cannot be read ({reason}). Pass the path of a profile JSON "
             "file (write one with `autosbp profile --out PATH`) or a shipped name: "
             f"{', '.join(sorted(shipped_profiles())) or 'none'}."
         ) from exc

@@ -324,7 +324,8 @@ def _profiles_table() -> tuple[Table, list[tuple[Path, str]]]:
         try:
             p = load_profile(path)
         except ProfileError as exc:  # another JSON file in an AUTOSBP_PROFILE_PATH folder
-            skipped.append((path, str(exc).removeprefix(f"profile {path}: ")))
+            cause = str(exc).removeprefix(f"profile {path}: ").split(". ", 1)[0].rstrip(".")
+            skipped.append((path, cause))
             continue
         nodes = "scalable" if p.topology.nodes is None else str(p.topology.max_nodes)
         table.add_row(

@@ -54,10 +54,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
         measured = trace.events
         loaded = load_note(LoadSample.from_json(trace.metadata.get("load")))
     if args.timeline is not None:  # refused before the simulation builds every rank's events
+        # The plan's own ranks: no trace of this plan has fewer, so the fix is the summary.
+        both = "" if measured is None else " and measured"
         check_chart(
             plan.device_count, 0,
-            fix="the predicted step is in the summary (`autosbp show PLAN` without --timeline)"
-            if measured is None else None,
+            fix=f"the predicted{both} step is in the summary (`autosbp show PLAN"
+            f"{'' if measured is None else ' --trace TRACE'}` without --timeline)",
         )  # fmt: skip
     predicted = predicted_events(plan, every_rank=args.timeline is not None)
     predicted_s = span_s(predicted)

@@ -245,7 +245,9 @@ def plan_for(
     if plan_arg.endswith(".json") or Path(plan_arg).is_file():
         plan = load_plan(plan_arg)  # consistent in itself, or refused
         plan.check_world(nproc)
-        check_job(plan, model, model_args, source=f"plan file {plan_arg}")
+        with activity(console, f"checking {printable(plan_arg)} against the model") as act:
+            act.update(f"capturing {printable(model)} on the meta device")  # seconds, for GPT-3
+            check_job(plan, model, model_args, source=f"plan file {plan_arg}")
         return plan
     from autosbp.planner.api import auto_parallelize
     from autosbp.zoo import load_model
@@ -260,7 +262,8 @@ def plan_for(
             module, inputs, profile=profile, devices=nproc, strategy=plan_arg, name=model,
             compare=compare, progress=act.update, time_limit_s=time_limit_s,
         )  # fmt: skip
-    check_job(plan, model, model_args, source=f"the {plan_arg} plan")  # is the model trainable?
+        act.update("checking the plan against the model")
+        check_job(plan, model, model_args, source=f"the {plan_arg} plan")  # is it trainable?
     loud = replicated_warning(plan)
     if loud:
         console.print("[bold red]warning:[/]", escape(printable(loud)))

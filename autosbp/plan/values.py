@@ -44,6 +44,10 @@ class NodePlan:
     # The collectives the op runs inside itself ("all_gather on d0", "send_recv on d1 backward":
     # `rules.exchanges` when planned); empty for almost every op, and in plans written before.
     exchanges: tuple[str, ...] = ()
+    # Where the user wrote it: the nn.Module path of an op ("blocks.0.attn.qkv"), the qualified
+    # name of a parameter or buffer ("blocks.0.attn.qkv.weight"); "" at the model's top level,
+    # for an input, and in plans written before paths were recorded.
+    path: str = ""
 
 
 @dataclass(frozen=True)
@@ -277,6 +281,7 @@ class Plan:
                     n.get("tied_to", ""),
                     n.get("recomputed", False),
                     tuple(n.get("exchanges", ())),
+                    n.get("path", ""),
                 )
                 for name, n in data["nodes"].items()
             },
@@ -343,6 +348,7 @@ def _node_json(node: NodePlan) -> dict[str, Any]:
         **({"tied_to": node.tied_to} if node.tied_to else {}),
         **({"recomputed": True} if node.recomputed else {}),
         **({"exchanges": list(node.exchanges)} if node.exchanges else {}),
+        **({"path": node.path} if node.path else {}),
     }
 
 

@@ -65,6 +65,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             tied_to="" if rep == name else rep,
             recomputed=recomputed(graph, name, solved.recompute),
             exchanges=tuple(e.describe() for e in exchanges(attrs, sig, mesh.shape)),
+            path=attrs.name or attrs.module_path,
         )
         if attrs.role is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])

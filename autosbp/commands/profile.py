@@ -41,7 +41,8 @@ from costmodel.profile_io import (
 from terminal.progress import activity
 
 FALLBACK_PROFILE = "cpu-gloo"  # shipped: the default where this machine's cannot be measured
-MACHINE_MEASURE_S = "5-15"  # measured: 4.4-7 s here (2 shared cores), more on a loaded machine
+# measured on 2 cores: 4.4 s (8 s with start-up) quiet; 8-9 s at load 5-10, 19 s at load 12
+MACHINE_MEASURE_S = "5-10 s on a quiet machine"
 
 if TYPE_CHECKING:  # the profiler pulls in torch: imported only when `profile` runs
     from costmodel.measure.items import ProfilerConfig
@@ -129,7 +130,7 @@ def default_profile(
     console.print(
         f"this machine's profile, the default for local CPU work, is {cached.why_not}: "
         f"measuring it once (quick profiler on {MACHINE_NPROC} gloo ranks, about "
-        f"{MACHINE_MEASURE_S} s) into {cached.path}; `--profile {FALLBACK_PROFILE}` or "
+        f"{MACHINE_MEASURE_S}) into {cached.path}; `--profile {FALLBACK_PROFILE}` or "
         f"{DEFAULT_PROFILE_ENV}={FALLBACK_PROFILE} skips it.",
         markup=False, soft_wrap=True,
     )  # fmt: skip

@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments, load_from_args
+from autosbp.commands.profile import default_profile
 from autosbp.errors import AutosbpError, PlanError
 from autosbp.plan import (
     Plan,
@@ -39,9 +40,9 @@ GIB = 2**30
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     add_model_arguments(parser, meta_by_default=True)
     parser.add_argument(
-        "--profile", default="cpu-gloo",
+        "--profile",
         help="a shipped profile name (`autosbp profiles`) or a profile JSON path (default: "
-        "cpu-gloo)",
+        "this machine's, measured the first time and cached; see `autosbp profiles`)",
     )  # fmt: skip
     parser.add_argument(
         "--devices", type=positive_int, required=True, help="number of devices to plan for"
@@ -137,14 +138,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     model, inputs = load_from_args(args)
     if args.dtype is not None:  # the command built the model: it may cast it, real or meta
         inputs = in_dtype(model, inputs, args.dtype, owned=True)
-    what = f"planning {printable(args.model)} for {args.devices} devices of {args.profile}"
+    profile = default_profile(console, args.profile)
+    what = f"planning {printable(args.model)} for {args.devices} devices of {printable(profile)}"
     with activity(console, what) as act, time_limit_notes() as notes:
         plan = auto_parallelize(
             model,
             inputs,
             name=args.model,
             micro_batches=args.micro_batches,
-            profile=args.profile,
+            profile=profile,
             devices=args.devices,
             memory_limit=None if args.memory_gib is None else int(args.memory_gib * GIB),
             global_batch=args.global_batch,

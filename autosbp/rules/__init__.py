@@ -77,6 +77,7 @@ __all__ = [
     "pinned_inputs",
     "signatures_1d",
     "warn_unknown_ops",
+    "work_fraction",
 ]
 
 
@@ -163,6 +164,16 @@ def exchanges(
     device (empty for almost every signature: their communication is boxing, on edges)."""
     rule = RULES.get(node.op)
     return () if rule is None else rule.exchanges(node, nd_signature, tuple(mesh_shape))
+
+
+def work_fraction(
+    node: Node, nd_signature: NdSignature | None, mesh_shape: Sequence[int], causal_skip: float
+) -> float:
+    """The fraction of its even share of the node's counted flops (`capturing.flops`) the
+    kernel computes under `nd_signature` (None: the least over every signature), on a device
+    whose attention kernel skips `causal_skip` of a causal mask's masked scores."""
+    rule = RULES.get(node.op)
+    return 1.0 if rule is None else rule.work(node, nd_signature, tuple(mesh_shape), causal_skip)
 
 
 def local_op(

@@ -222,10 +222,16 @@ def no_exchanges(node: Node, sig: NdSignature, mesh_shape: Shape) -> tuple[Excha
     return ()
 
 
+def full_work(node: Node, sig: NdSignature | None, mesh_shape: Shape, causal_skip: float) -> float:
+    """The default: the kernel computes its whole share of the op's counted flops."""
+    return 1.0
+
+
 SignatureFn: TypeAlias = Callable[[Node, int], list[Signature]]
 LocalOpFn: TypeAlias = Callable[[Node, NdSignature, Shape, Shape], LocalOp]
 ExchangesFn: TypeAlias = Callable[[Node, NdSignature, Shape], tuple[Exchange, ...]]
 CommLocalFn: TypeAlias = Callable[[Node, NdSignature, OpContext], LocalOp]
+WorkFn: TypeAlias = Callable[[Node, NdSignature | None, Shape, float], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,12 +240,16 @@ class OpRule:
 
     A signature for which `exchanges` lists collectives (`rules.comm.Exchange`) communicates
     inside the op: its kernel is `build_comm(node, sig, OpContext)`, built with this device's
-    groups; every other signature's is `build_local(node, sig, mesh_shape, coords)`."""
+    groups; every other signature's is `build_local(node, sig, mesh_shape, coords)`.
+    `work(node, sig, mesh_shape, causal_skip)`: the fraction of its even share of the node's
+    counted flops the kernel computes under `sig` (causal attention computes part of the dense
+    product; None for `sig`: the least over every signature, for lower bounds)."""
 
     signatures: SignatureFn
     build_local: LocalOpFn = plain_local_op
     exchanges: ExchangesFn = no_exchanges
     build_comm: CommLocalFn | None = None
+    work: WorkFn = full_work
 
 
 def default_local_op(

@@ -53,6 +53,7 @@ class RandomPrices:
     latency_s: dict[str, float]
     link_bytes_per_s: dict[str, float]
     overlap_efficiency: float
+    causal_skip = 0.0  # a class attribute, not drawn: a math attention kernel
 
     @classmethod
     def draw(cls, seed: int) -> RandomPrices:

@@ -190,7 +190,8 @@ def _context_parallel_space(
     mesh (the dims of size 1 left out); the data split on its batch dim over dp and on its
     sequence dim (dim 1) over cp; weights replicated over dp and cp and, with tp, every matrix
     split on the tp dim; every attention splits its sequence on the cp dim with keys and values
-    all-gathered inside it (`rules.context`); the ILP places the rest."""
+    all-gathered inside it (`rules.context`; the ring kernel, `rules.ring`, is auto's to
+    choose); the ILP places the rest."""
     dims = [("dp", dp), ("cp", cp), ("tp", tp)]
     kept = [(name, size) for name, size in dims if size > 1]
     shape = tuple(size for _, size in kept)
@@ -211,7 +212,7 @@ def _context_parallel_space(
     def allow(graph: OpGraph, name: str, sig: NdSignature) -> bool:
         attrs = graph.node(name)
         if attrs.op == "aten.scaled_dot_product_attention.default":
-            return at["cp"] in seq_mesh_dims(attrs, sig, shape)
+            return at["cp"] in seq_mesh_dims(attrs, sig, shape) and not sig.kernel
         return inner(graph, name, sig)
 
     mesh_ok: Callable[[Mesh], bool] = lambda m: m.shape == shape  # noqa: E731

@@ -14,7 +14,9 @@ Rows, for one mesh dim:
                            next row's kernel.
   sequence (L, context     query, key, value S(-2) -> S(-2): keys and values all-gathered
   parallelism)             inside the op, causal load-balanced (`context`, which holds the row,
-                           its exchanges and its kernel)
+                           its exchanges and its kernel); on one mesh dim without a mask, a
+                           second kernel of the same layouts passes them around a ring instead,
+                           each step beside the previous one's compute (`ring`, kernel "ring")
   linearity in value       query B, key B, value P, mask B -> P: out = softmax(q k^T) v
   E (head dim)             never split: the scores need the whole dot product before softmax
 dropout_p > 0 draws a random mask: the rows hold in distribution, not bit for bit.
@@ -31,8 +33,10 @@ skips: dense (work 1), also for a mask that is causal.
 
 from __future__ import annotations
 
-from autosbp.rules import context
+from autosbp.rules import context, ring
+from autosbp.rules.comm import Exchange, OpContext
 from autosbp.rules.core import (
+    LocalOp,
     NdSignature,
     Node,
     OpRule,
@@ -86,7 +90,21 @@ def sdpa_work(node: Node, sig: NdSignature | None, mesh_shape: Shape, causal_ski
     if sig is None:
         return kept
     computed = context.cp_computed(node, sig, mesh_shape)
+    if sig.kernel == ring.RING:  # plain matmuls: every score of the blocks it computes
+        return computed
     return computed - causal_skip * (computed - kept)
+
+
+def sdpa_exchanges(node: Node, sig: NdSignature, mesh_shape: Shape) -> tuple[Exchange, ...]:
+    if sig.kernel == ring.RING:
+        return ring.ring_exchanges(node, sig, mesh_shape)
+    return context.cp_exchanges(node, sig, mesh_shape)
+
+
+def build_sdpa_comm(node: Node, sig: NdSignature, ctx: OpContext) -> LocalOp:
+    if sig.kernel == ring.RING:
+        return ring.build_ring_attention(node, sig, ctx)
+    return context.build_cp_attention(node, sig, ctx)
 
 
 def rules() -> dict[str, OpRule]:
@@ -94,8 +112,9 @@ def rules() -> dict[str, OpRule]:
     return {
         "aten.scaled_dot_product_attention.default": OpRule(
             sdpa_signatures,
-            exchanges=context.cp_exchanges,
-            build_comm=context.build_cp_attention,
+            exchanges=sdpa_exchanges,
+            build_comm=build_sdpa_comm,
             work=sdpa_work,
+            variants=ring.ring_variants,
         )
     }

@@ -2,8 +2,9 @@
 
 Lives here: the sequence-split signature of SDPA (`cp_signatures`), what it exchanges
 (`cp_exchanges`, priced by `autosbp.planner.op_comm`) and its kernel (`build_cp_attention`).
-Lives elsewhere: SDPA's other rows (`attention`), the collectives on real groups
-(`runtime.execute.op_comm`), the vocabulary of communication inside an op (`comm`).
+Lives elsewhere: SDPA's other rows (`attention`), the row's second kernel, keys and values
+passed around a ring (`ring`), the collectives on real groups (`runtime.execute.op_comm`), the
+vocabulary of communication inside an op (`comm`).
 
 The row, for one mesh dim of n devices (Llama 3's choice, paper section 3.3.2):
   query, key, value S(-2) -> S(-2) (attn_mask, where given, split on its rows or B where it

@@ -12,6 +12,7 @@ context parallel rather than a gather before attention).
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,14 @@ from typing import Any
 import pytest
 
 from autosbp.capturing.export import capture_micro_batch
+from autosbp.errors import PlanError
+from autosbp.plan import Plan
 from autosbp.planner.api import auto_parallelize
 from autosbp.rules import NdSignature, exchanges, find_signature
 from autosbp.sbp import parse_nd_sbp
 from autosbp.zoo import ZOO_MODELS, load_model
 from launching.workers import run_workers
+from runtime.execute.signatures import read_signatures
 from runtime.jobs import TrainSpec
 from runtime.verify.verdict import judge
 from tests.support import real_models
@@ -97,3 +101,19 @@ def test_context_parallel_trains_like_one_device(world: int, model: str, strateg
     verdict = judge(checks)
     assert verdict.passed, verdict.text
     assert "matches single-device training" in verdict.text
+
+
+@pytest.mark.parametrize("strategy", ["megatron:cp=2", RING, "nonsense"], ids=str)
+def test_the_runtime_runs_the_kernel_the_plan_states(strategy: str) -> None:
+    module, inputs = load_model("gpt", GPT_ARGS)
+    plan = Plan.from_json(_plan("gpt", 2, strategy if strategy != "nonsense" else RING))
+    graph = capture_micro_batch(module, inputs, plan.micro_batches, name=plan.model_name)
+    attention = [n for n, node in plan.nodes.items() if "scaled_dot_product" in node.op]
+    if strategy == "nonsense":  # a statement no kernel of the layouts makes: refused
+        nodes = dict(plan.nodes)
+        nodes[attention[0]] = replace(nodes[attention[0]], exchanges=("all_reduce on mesh dim 0",))
+        with pytest.raises(PlanError, match="communicates inside the op"):
+            read_signatures(graph, replace(plan, nodes=nodes), tuple(plan.mesh_shape))
+        return
+    sigs = read_signatures(graph, plan, tuple(plan.mesh_shape))
+    assert {sigs[n].kernel for n in attention} == {"ring" if strategy == RING else ""}

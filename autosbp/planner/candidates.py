@@ -168,6 +168,29 @@ def node_strategies(
     )  # fmt: skip
 
 
+def without_dominated_kernels(found: NodeStrategies) -> NodeStrategies:
+    """Of several kernels of one layout (`NdSignature.kernel`), drop each that another beats or
+    ties on forward, total and held bytes: the layouts, hence every edge and every kept byte,
+    are the same, so it can never be the better choice (a smaller problem, the same optimum).
+    Applied after a hand plan's restriction (which may allow one kernel only)."""
+    if not any(sig.kernel for sig in found.candidates):
+        return found
+    held = found.held_bytes if found.held_bytes is not None else np.zeros(len(found.candidates))
+    cost = np.stack([found.forward_part_s(), found.compute_s, held], axis=1)
+    keep = [
+        i
+        for i, sig in enumerate(found.candidates)
+        if not any(
+            j != i
+            and (other.inputs, other.outputs) == (sig.inputs, sig.outputs)
+            and bool(np.all(cost[j] <= cost[i]))
+            and (bool(np.any(cost[j] < cost[i])) or j < i)
+            for j, other in enumerate(found.candidates)
+        )
+    ]
+    return found.restricted(keep) if len(keep) < len(found.candidates) else found
+
+
 def _parameter_strategies(
     name: str,
     meta: TensorMeta,

@@ -16,7 +16,7 @@ Rows, for one mesh dim:
   parallelism)             inside the op, causal load-balanced (`context`, which holds the row,
                            its exchanges and its kernel); on one mesh dim without a mask, a
                            second kernel of the same layouts passes them around a ring instead,
-                           each step beside the previous one's compute (`ring`, kernel "ring")
+                           each step's exchange beside that step's compute (`ring`)
   linearity in value       query B, key B, value P, mask B -> P: out = softmax(q k^T) v
   E (head dim)             never split: the scores need the whole dot product before softmax
 dropout_p > 0 draws a random mask: the rows hold in distribution, not bit for bit.

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.planner.api import ClusterPrices
-from autosbp.planner.candidates import BACKWARD_FACTOR, _forward_s
+from autosbp.planner.candidates import (
+    BACKWARD_FACTOR,
+    NodeStrategies,
+    _forward_s,
+    without_dominated_kernels,
+)
 from autosbp.planner.problem import price_graph
 from autosbp.rules import exchanges, find_signature, nd_signatures
 from autosbp.rules.context import seq_mesh_dims
@@ -33,7 +39,8 @@ def _attention(graph):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("devices", [2, 4], ids=str)
 def test_each_ring_step_hides_only_beside_one_steps_compute(devices: int) -> None:
-    prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=1))
+    # cpu-gloo: a math kernel (no causal skip), where the ring is not beaten on every count
+    prices = ClusterPrices(Cluster(load_profile("cpu-gloo"), nodes=2))
     mesh = Mesh((devices,), ("cp",), link_classes=("intra_node",))
     model, inputs = build_model(
         "gpt", device="meta", layers=1, hidden=64, heads=4, seq=64, vocab=128, batch=2
@@ -43,6 +50,7 @@ def test_each_ring_step_hides_only_beside_one_steps_compute(devices: int) -> Non
     found = price_graph(graph, mesh, prices).strategies[name]
     rings = [i for i, s in enumerate(found.candidates) if s.kernel == "ring"]
     assert len(rings) == 1  # the one sequence-split layout on a 1D mesh
+    assert prices.overlap_efficiency > 0
     (i,) = rings
     sig = found.candidates[i]
     declared = exchanges(attrs, sig, mesh.shape)
@@ -85,3 +93,28 @@ def test_no_ring_with_a_mask_or_on_two_sequence_dims() -> None:
     node = attention_node({"seed": 0, "shape": (1, 2, 2, 16, 8), "causal": True})
     both = [s for s in nd_signatures(node, (2, 2)) if len(seq_mesh_dims(node, s, (2, 2))) == 2]
     assert both and not any(s.kernel for s in both)
+
+
+def test_a_kernel_beaten_on_every_count_by_another_of_its_layout_is_dropped() -> None:
+    node = attention_node({"seed": 0, "shape": (1, 4, 2, 16, 8), "causal": True})
+    sigs = tuple(nd_signatures(node, (2,)))
+    gather = next(i for i, s in enumerate(sigs) if seq_mesh_dims(node, s, (2,)) and not s.kernel)
+    ring = next(i for i, s in enumerate(sigs) if s.kernel)
+    n = len(sigs)
+
+    def strategies(ring_cost: tuple[float, float, float]) -> NodeStrategies:
+        forward, total, held = np.ones(n), np.full(n, 3.0), np.ones(n)
+        forward[ring], total[ring], held[ring] = ring_cost
+        return NodeStrategies("sdpa", sigs, total, forward_s=forward, held_bytes=held)
+
+    # (forward, total, held) of the ring against the all-gather's (1, 3, 1): which stay
+    table = [
+        ((1.0, 3.0, 1.0), False, True),  # a tie: the rule's own kernel stays
+        ((2.0, 3.0, 1.0), False, True),
+        ((0.5, 3.5, 1.0), True, True),  # each better on one count: both stay
+        ((1.0, 2.0, 1.0), True, False),
+        ((1.0, 3.0, 0.5), True, False),
+    ]
+    for cost, ring_stays, gather_stays in table:
+        found = without_dominated_kernels(strategies(cost)).candidates
+        assert (sigs[ring] in found, sigs[gather] in found) == (ring_stays, gather_stays), cost

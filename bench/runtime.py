@@ -27,8 +27,8 @@ Rows, each with its target:
   sharding dispatch has no strategy for `aten._scaled_dot_product_flash_attention_for_cpu`
   (NotImplementedError), and under the math backend (`sdpa_kernel(SDPBackend.MATH)`) the causal
   mask, a plain tensor, meets the DTensor scores ("aten.add.Tensor got mixed torch.Tensor and
-  DTensor"); so this row has no torch peer. A second row runs the same plan restated with the
-  ring kernel (keys and values passed around the ring, each step beside the step's compute).
+  DTensor"); so this row has no torch peer. A second row runs `...,cp=2,ring=1`: the ring kernel
+  (keys and values passed around the ring, each step beside the step's compute).
 
 How it measures: both sides live in the same processes; after `warmup` steps of each, they take
 turns step by step, so each pair of steps meets the same machine load (the cores may be shared).
@@ -47,7 +47,6 @@ Lives elsewhere: torch's loops (bench/runtime_peers.py), the runtime (runtime/en
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import math
 import os
@@ -69,11 +68,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from autosbp.capturing.export import capture_micro_batch  # noqa: E402
-from autosbp.capturing.graph import OpGraph  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import plan_graph  # noqa: E402
-from autosbp.rules import NdSignature, exchanges  # noqa: E402
-from autosbp.sbp import parse_nd_sbp  # noqa: E402
 from autosbp.zoo import build_model  # noqa: E402
 from bench.runtime_peers import LR, Reference, pipelining_step, torch_step  # noqa: E402
 from launching.workers import run_workers  # noqa: E402
@@ -136,8 +132,13 @@ COMPARISONS = (
 CONTEXT = Comparison(
     "cp=2 vs whole sequence", 2, "megatron:tp=1,pp=1,dp=1,cp=2", 1, Reference.WHOLE, 0.75
 )
-CONTEXT_RING = Comparison(  # the same plan, every attention's kernel restated as the ring's
-    "cp=2 ring vs whole sequence", 2, "megatron:tp=1,pp=1,dp=1,cp=2", 1, Reference.WHOLE, 0.75
+CONTEXT_RING = Comparison(
+    "cp=2 ring vs whole sequence",
+    2,
+    "megatron:tp=1,pp=1,dp=1,cp=2,ring=1",
+    1,
+    Reference.WHOLE,
+    0.75,
 )
 
 
@@ -224,8 +225,6 @@ def _plans(
             global_batch=None, optimizer="adam", dtype="fp32", strategy=comparison.strategy,
             time_limit_s=60, micro_batches=comparison.micro_batches,
         )  # fmt: skip
-        if comparison is CONTEXT_RING:
-            plan = _restate_ring(plan, graph)
         plans[name] = plan.to_json()
     return plans
 
@@ -264,21 +263,6 @@ def context_rows(args: argparse.Namespace) -> list[tuple[Comparison, str, Timing
         for comparison in (CONTEXT, CONTEXT_RING)
         for name, t in run_row(CONTEXT_MODELS, comparison, args).items()
     ]
-
-
-def _restate_ring(plan: Plan, graph: OpGraph) -> Plan:
-    """`plan` with every sequence-split attention stating the ring kernel's exchanges (what
-    the runtime reads to run that kernel, `rules.find_signature`)."""
-    nodes = dict(plan.nodes)
-    for name, node in plan.nodes.items():
-        if not node.exchanges:
-            continue
-        attrs = graph.node(name)
-        layouts = tuple(map(parse_nd_sbp, node.inputs)), tuple(map(parse_nd_sbp, node.outputs))
-        ring = NdSignature(*layouts, kernel="ring")
-        stated = tuple(e.describe() for e in exchanges(attrs, ring, plan.mesh_shape))
-        nodes[name] = dataclasses.replace(node, exchanges=stated)
-    return dataclasses.replace(plan, nodes=nodes)
 
 
 def _threads(processes: int) -> int:

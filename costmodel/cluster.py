@@ -85,8 +85,8 @@ class Cluster:
     @property
     def causal_skip(self) -> float:
         """Fraction (0-1) of a causal attention's masked scores the device's kernel skips: the
-        profile's efficiency.causal_skip; 0.0 when the profile has none (a math kernel, which
-        computes every score under the mask)."""
+        profile's efficiency.causal_skip; 0.0 when the profile has none (priced as a math
+        kernel, which computes every score under the mask)."""
         skip = self.profile.efficiency.causal_skip
         return 0.0 if skip is None else skip.base
 

@@ -160,7 +160,7 @@ class Efficiency:
     # op's compute time and memory time that the other hides (1: roofline max; 0: their sum)
     causal_skip: Quantity | None = None  # ratio in [0, 1]: fraction of a causal attention's
     # masked scores its kernel does not compute (flash kernels skip masked blocks; a math
-    # kernel computes every score under the mask: 0, also when not stated)
+    # kernel computes every score under the mask: 0, also what an unstated one means)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,9 +26,10 @@ is_causal keeps a fraction k of the scores (top-left aligned, as torch's is_caus
 keys 0..i; k = (L+1)/2L for L = S); a kernel computes a fraction c of the dense product (1 on
 the whole sequence; the sequence-split kernel reads only the keys up to each half's last row:
 c = (2N+1)/4N on N chunks, keeping the same k, its halves balanced) and skips the profile's
-`causal_skip` s of what it computes but masks: work = c - s (c - k). A math kernel (CPU) has
-s = 0; flash kernels skip the blocks above the diagonal. An explicit mask is data no kernel
-skips: dense (work 1), also for a mask that is causal.
+`causal_skip` s of what it computes but masks: work = c - s (c - k). A math kernel has s = 0;
+flash kernels skip the blocks above the diagonal (torch 2.13's CPU flash kernel too, in part:
+the cpu-gloo profile does not state it, so 0). An explicit mask is data no kernel skips: dense
+(work 1), also for a mask that is causal.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from autosbp.capturing.rebatch import micro_batch_graphs
+from autosbp.errors import PlanError
 from autosbp.planner.api import ClusterPrices
 from autosbp.planner.candidates import (
     BACKWARD_FACTOR,
@@ -21,6 +22,7 @@ from autosbp.planner.candidates import (
     _forward_s,
     without_dominated_kernels,
 )
+from autosbp.planner.hand_plans import strategy_space
 from autosbp.planner.problem import price_graph
 from autosbp.rules import exchanges, find_signature, nd_signatures
 from autosbp.rules.context import seq_mesh_dims
@@ -118,3 +120,18 @@ def test_a_kernel_beaten_on_every_count_by_another_of_its_layout_is_dropped() ->
     for cost, ring_stays, gather_stays in table:
         found = without_dominated_kernels(strategies(cost)).candidates
         assert (sigs[ring] in found, sigs[gather] in found) == (ring_stays, gather_stays), cost
+
+
+def test_the_ring_is_asked_for_by_a_hand_plan_and_never_chosen_by_auto() -> None:
+    model, inputs = build_model(
+        "gpt", device="meta", layers=1, hidden=64, heads=4, seq=32, vocab=128, batch=2
+    )
+    graph = micro_batch_graphs(model, inputs, (1,), name="gpt")[1]
+    name, attrs = _attention(graph)
+    ring = next(s for s in nd_signatures(attrs, (2,)) if s.kernel)
+    auto = strategy_space("auto").allow
+    assert auto is not None and not auto(graph, name, ring)
+    asked = strategy_space("megatron:cp=2,ring=1").allow
+    assert asked is not None and asked(graph, name, ring)
+    with pytest.raises(PlanError, match="needs cp=C"):
+        strategy_space("megatron:tp=2,ring=1")

@@ -2,7 +2,7 @@
 device, on 2 and 4 gloo processes, for the zoo GPT (causal SDPA: keys and values all-gathered,
 the halves balanced by swaps) and Hugging Face Llama with grouped-query attention (its causal
 mask a tensor, split with the rows), under `megatron:cp=2` and `megatron:tp=2,cp=2`; and the
-zoo GPT's cp=2 plan restated with the ring kernel (`rules.ring`), which the runtime then runs.
+zoo GPT under `megatron:cp=2,ring=1` (the ring kernel, `rules.ring`).
 
 Oracle: the check's float64 single-device reference (runtime/verify/step_check.py), its verdict
 the assertion; and the plan itself, which must split every attention's sequence (what makes it
@@ -23,8 +23,6 @@ from autosbp.capturing.export import capture_micro_batch
 from autosbp.errors import PlanError
 from autosbp.plan import Plan
 from autosbp.planner.api import auto_parallelize
-from autosbp.rules import NdSignature, exchanges, find_signature
-from autosbp.sbp import parse_nd_sbp
 from autosbp.zoo import ZOO_MODELS, load_model
 from launching.workers import run_workers
 from runtime.execute.signatures import read_signatures
@@ -39,7 +37,7 @@ WORKER_TIMEOUT_S = 600.0
 LLAMA = f"{Path(real_models.__file__).resolve()}:llama"
 GPT_ARGS = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "batch": 4}
 HF = importlib.util.find_spec("transformers") is not None  # the Llama cases need it
-RING = "megatron:cp=2+ring"  # the cp=2 plan with every attention's kernel the ring's (`_plan`)
+RING = "megatron:cp=2,ring=1"  # every attention's kernel the ring's
 JOBS = {
     2: [("gpt", "megatron:cp=2"), ("gpt", RING), *([(LLAMA, "megatron:cp=2")] if HF else [])],
     4: [("gpt", "megatron:tp=2,cp=2"), *([(LLAMA, "megatron:tp=2,cp=2")] if HF else [])],
@@ -50,23 +48,8 @@ JOBS = {
 def _plan(model: str, devices: int, strategy: str) -> dict[str, Any]:
     args = GPT_ARGS if model in ZOO_MODELS else {}
     module, inputs = load_model(model, args)
-    hand = strategy.removesuffix("+ring")
-    plan = auto_parallelize(module, inputs, devices=devices, strategy=hand, time_limit_s=60)
-    out = plan.to_json()
-    if strategy != hand:  # the plan states the ring kernel's exchanges: the runtime runs it
-        graph = capture_micro_batch(module, inputs, plan.micro_batches, name=plan.model_name)
-        mesh_shape = tuple(plan.mesh_shape)
-        for name, node in out["nodes"].items():
-            if "scaled_dot_product" in node["op"]:
-                attrs = graph.node(name)
-                sig = find_signature(attrs, _layouts(node), tuple(node["exchanges"]), mesh_shape)
-                ring = NdSignature(sig.inputs, sig.outputs, "ring")  # type: ignore[union-attr]
-                node["exchanges"] = [e.describe() for e in exchanges(attrs, ring, mesh_shape)]
-    return out
-
-
-def _layouts(node: dict[str, Any]) -> tuple[tuple, tuple]:
-    return tuple(map(parse_nd_sbp, node["inputs"])), tuple(map(parse_nd_sbp, node["outputs"]))
+    plan = auto_parallelize(module, inputs, devices=devices, strategy=strategy, time_limit_s=60)
+    return plan.to_json()
 
 
 @cache

@@ -23,7 +23,10 @@ forward overlap the step's compute (`Exchange.overlaps`, `beside` = 1/n: one ste
 of backward are waited where autograd reaches them (not overlapped). The blocks are computed by
 plain matmuls (every score of a computed block, a causal square's masked half too: nothing is
 skipped inside a block, on any device) and keep their scores for backward, as a math SDPA does.
-Applies to one sequence-split mesh dim, no explicit mask, no dropout.
+Applies to one sequence-split mesh dim, no explicit mask, no dropout. Chosen only where a plan
+asks for it (`megatron:...,cp=C,ring=1`; auto keeps the rules' own kernels, `hand_plans`): the
+unfused blocks ran 2.5x slower than the all-gather kernel's SDPA on a CPU (bench/runtime.py),
+which a price by flops does not see.
 """
 
 from __future__ import annotations

@@ -18,6 +18,17 @@ Rows, each with its target:
   per stage) on the same model cut at the same place: each torch stage holds exactly the
   parameters the plan puts on that stage (checked), so the blocks are dealt as
   autosbp.planner.pipeline.split_stages deals them; target <= 1.0.
+- cp=2 (issue #30): our Engine under `megatron:tp=1,pp=1,dp=1,cp=2` (the sequence split in two,
+  causal attention's keys and values all-gathered, its halves balanced) on a long-sequence zoo
+  gpt (`CONTEXT_MODELS`) vs the same training on one process with the whole sequence (eager, run
+  on each rank at once: each rank is one such process, with its share of the cores); target
+  <= 0.75 (set here: each process does half the work, plus the exchanges). Torch's own
+  `context_parallel` (torch.distributed.tensor.experimental, torch 2.13) does not run on CPU: its
+  sharding dispatch has no strategy for `aten._scaled_dot_product_flash_attention_for_cpu`
+  (NotImplementedError), and under the math backend (`sdpa_kernel(SDPBackend.MATH)`) the causal
+  mask, a plain tensor, meets the DTensor scores ("aten.add.Tensor got mixed torch.Tensor and
+  DTensor"); so this row has no torch peer. A second row runs `...,cp=2,ring=1`: the ring kernel
+  (keys and values passed around the ring, each step beside the step's compute).
 
 How it measures: both sides live in the same processes; after `warmup` steps of each, they take
 turns step by step, so each pair of steps meets the same machine load (the cores may be shared).
@@ -82,6 +93,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         {"layers": 2, "hidden": 256, "heads": 4, "vocab": 2048, "seq": 64, "batch": 16},
     ),
 }
+# cp=2: attention-heavy (seq 1024, hidden 128: causal attention's dense product, 4 b h L^2 d,
+# is about 1.3x the linears' 24 b L c^2 per layer).
+CONTEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt-seq1024": (
+        "gpt",
+        {"layers": 2, "hidden": 128, "heads": 4, "vocab": 512, "seq": 1024, "batch": 2},
+    ),
+}
 QUICK_MODELS = {
     "mlp-512": ("mlp", {"layers": 2, "hidden": 512, "features": 512, "outputs": 512, "batch": 64})
 }
@@ -109,6 +128,18 @@ COMPARISONS = (
         Reference.PIPELINING, 1.0,
     ),
 )  # fmt: skip
+
+CONTEXT = Comparison(
+    "cp=2 vs whole sequence", 2, "megatron:tp=1,pp=1,dp=1,cp=2", 1, Reference.WHOLE, 0.75
+)
+CONTEXT_RING = Comparison(
+    "cp=2 ring vs whole sequence",
+    2,
+    "megatron:tp=1,pp=1,dp=1,cp=2,ring=1",
+    1,
+    Reference.WHOLE,
+    0.75,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +253,18 @@ def run_row(
     }
 
 
+def context_rows(args: argparse.Namespace) -> list[tuple[Comparison, str, Timing]]:
+    """The cp=2 rows (issue #30) on their own models, the all-gather kernel and the ring's: run
+    unless --only or --models names others."""
+    if args.only not in (None, CONTEXT.reference.value) or args.models:
+        return []
+    return [
+        (comparison, name, t)
+        for comparison in (CONTEXT, CONTEXT_RING)
+        for name, t in run_row(CONTEXT_MODELS, comparison, args).items()
+    ]
+
+
 def _threads(processes: int) -> int:
     """Threads per process on both sides: the cores shared out, as run_workers does."""
     return max(1, (os.cpu_count() or 1) // processes)
@@ -304,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         (comparison, name, timing)
         for comparison in comparisons
         for name, timing in run_row(models, comparison, args).items()
-    ]
+    ] + context_rows(args)
     command = "python bench/runtime.py " + " ".join(argv if argv is not None else sys.argv[1:])
     console.print(_table(rows, command.strip()))
     return 0

@@ -30,6 +30,7 @@ class Reference(Enum):
     DDP = "ddp"  # DistributedDataParallel, each rank half the batch
     FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard per block and the root, half the batch
     PIPELINING = "pipelining"  # torch.distributed.pipelining Schedule1F1B, one stage a rank
+    WHOLE = "whole"  # eager on every rank at once, each the whole batch and sequence: one process
 
 
 def torch_step(
@@ -41,14 +42,15 @@ def torch_step(
     reference: Reference,
 ) -> Callable[[], float]:
     """Torch's own training step on a fresh copy of the model: eager on one process; DDP or
-    FSDP2 with this rank's slice of the batch on several."""
+    FSDP2 with this rank's slice of the batch on several; WHOLE: eager, the whole batch, on
+    each rank."""
     model, _ = build_model(zoo_name, seed=0, **kwargs)
     local = inputs
     if reference is Reference.FSDP2:
         _fully_shard(model, world)
-    elif world > 1:
+    elif world > 1 and reference is not Reference.WHOLE:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    if world > 1:
+    if world > 1 and reference is not Reference.WHOLE:
         local = tuple(t.chunk(world)[rank] for t in inputs)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
 

@@ -6,7 +6,8 @@ frozen dataclasses a profile is made of. Lives elsewhere: JSON reading, validati
 
 Invariants: a `Profile` mirrors the JSON file one to one (numbers stay in the unit they were written
 in; `Quantity.base` converts), so save -> load is the identity; an optional field the file omits
-(device.transcendental_rate, efficiency.overlap, efficiency.memory_overlap, machine) is None, and stays
+(device.transcendental_rate, efficiency.overlap, efficiency.memory_overlap,
+efficiency.causal_skip, machine) is None, and stays
 omitted when saved; every `Quantity` has a `Source`; every link class a profile defines has all five collective kinds (send_recv is the p2p cost);
 the JSON shape and its rules are in costmodel/schemas/profile.schema.json.
 """
@@ -158,6 +159,9 @@ class Efficiency:
     # when it runs beside compute (of the shorter of the two; Galvatron's overlap coefficient)
     memory_overlap: Quantity | None = None  # ratio in [0, 1]: fraction of the shorter of an
     # op's compute time and memory time that the other hides (1: roofline max; 0: their sum)
+    causal_skip: Quantity | None = None  # ratio in [0, 1]: fraction of a causal attention's
+    # masked scores its kernel does not compute (flash kernels skip masked blocks; a math
+    # kernel computes every score under the mask: 0, also what an unstated one means)
 
 
 @dataclass(frozen=True, slots=True)

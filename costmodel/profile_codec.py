@@ -176,6 +176,7 @@ def profile_from_dict(data: Mapping[str, Any], origin: str) -> Profile:
         given["op_overhead"],
         given.get("overlap"),
         given.get("memory_overlap"),
+        given.get("causal_skip"),
     )
     nodes = None if topo["nodes"] == "scalable" else dec.quantity(topo["nodes"], "$.topology.nodes")
     topology = Topology(
@@ -308,6 +309,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             "op_overhead": enc.quantity(e.op_overhead),
             **enc.optional("overlap", e.overlap),
             **enc.optional("memory_overlap", e.memory_overlap),
+            **enc.optional("causal_skip", e.causal_skip),
         },
         "topology": {
             "devices_per_node": enc.quantity(t.devices_per_node),

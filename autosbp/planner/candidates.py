@@ -11,7 +11,9 @@ Model (every constant states where it comes from):
   inside the op (`op_comm.exchange_cost`, the one hook: forward and backward, exposed as the
   runtime runs them, and the bytes they hold); local flops = flops x the smallest
   local/global size ratio among the op's tensors (the share of the work one device does: 1/n for
-  data-, tensor- and contraction-split matmuls alike); local bytes = the local tensors' bytes.
+  data-, tensor- and contraction-split matmuls alike) x the fraction of it the kernel computes
+  (`rules.work_fraction`: causal attention computes part of the dense product it is counted
+  at, as much as the profile's `causal_skip` says); local bytes = the local tensors' bytes.
   Backward = BACKWARD_FACTOR x forward x the share of its floating inputs that require grad
   (`kept.Kept.backward_share`, below 1 under frozen weights) (2: a matmul's backward is two
   matmuls of the same size; Narayanan et al. 2021 section 3.3 count 3x forward for forward + backward).
@@ -60,7 +62,7 @@ from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta
 from autosbp.planner.boxing_prices import BoxingPricer, Prices
 from autosbp.planner.op_comm import exchange_cost
 from autosbp.planner.param_candidates import parameter_prices, with_zero_states
-from autosbp.rules import NdSignature, nd_signatures, pinned_inputs
+from autosbp.rules import NdSignature, nd_signatures, pinned_inputs, work_fraction
 from autosbp.sbp import Broadcast, NdSbp, local_shape
 
 __all__ = [
@@ -166,6 +168,29 @@ def node_strategies(
     )  # fmt: skip
 
 
+def without_dominated_kernels(found: NodeStrategies) -> NodeStrategies:
+    """Of several kernels of one layout (`NdSignature.kernel`), drop each that another beats or
+    ties on forward, total and held bytes: the layouts, hence every edge and every kept byte,
+    are the same, so it can never be the better choice (a smaller problem, the same optimum).
+    Applied after a hand plan's restriction (which may allow one kernel only)."""
+    if not any(sig.kernel for sig in found.candidates):
+        return found
+    held = found.held_bytes if found.held_bytes is not None else np.zeros(len(found.candidates))
+    cost = np.stack([found.forward_part_s(), found.compute_s, held], axis=1)
+    keep = [
+        i
+        for i, sig in enumerate(found.candidates)
+        if not any(
+            j != i
+            and (other.inputs, other.outputs) == (sig.inputs, sig.outputs)
+            and bool(np.all(cost[j] <= cost[i]))
+            and (bool(np.any(cost[j] < cost[i])) or j < i)
+            for j, other in enumerate(found.candidates)
+        )
+    ]
+    return found.restricted(keep) if len(keep) < len(found.candidates) else found
+
+
 def _parameter_strategies(
     name: str,
     meta: TensorMeta,
@@ -224,6 +249,7 @@ def _forward_s(
     dtype = attrs.outputs[0].dtype if attrs.outputs else torch.float32
     if returns_view(attrs.target):
         local_bytes = 0.0  # metadata only: the overhead floor prices it
+    share *= work_fraction(attrs, sig, mesh_shape, prices.causal_skip)
     special = attrs.transcendentals * share
     return prices.op_time_s(attrs.flops * share, local_bytes, dtype, special)
 

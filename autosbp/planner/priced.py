@@ -28,6 +28,7 @@ from autosbp.planner.candidates import (
     edge_matrix,
     node_strategies,
     sync_bucket_bytes,
+    without_dominated_kernels,
 )
 from autosbp.planner.kept import Kept, kept_for_backward
 from autosbp.planner.memory import candidate_bytes, pair_bytes
@@ -214,7 +215,8 @@ def price_graph(
             found = node_strategies(graph, name, pricer, bucket_bytes, again, share)
             if memo is not None and key is not None:
                 memo[key] = found
-        strategies[name] = _restricted(replace(found, name=name), graph, name, allow, zero)
+        allowed = _restricted(replace(found, name=name), graph, name, allow, zero)
+        strategies[name] = without_dominated_kernels(allowed)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
     return Priced(mesh, rep, strategies, graph, pricer, kept_memo)

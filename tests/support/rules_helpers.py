@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+import autosbp.capturing.ctc  # noqa: F401  (registers autosbp::ctc_loss)
 from autosbp.capturing.graph import OpNode
 from autosbp.rules import NdSignature, signatures_1d
 from autosbp.rules.core import as_tuple, resolve_refs
@@ -51,6 +52,16 @@ def ints(high: int, *shape: int) -> torch.Tensor:
 
 def mask(*shape: int) -> torch.Tensor:
     return torch.rand(*shape) > 0.5
+
+
+def ctc_args() -> tuple[Any, ...]:
+    """CTC per sample: log-probabilities (T 12, N 4, C 6), targets padded to 5 (-100 beyond each
+    row's length, as Wav2Vec2's labels), uneven input and target lengths, blank 0."""
+    log_probs = f(12, 4, 6).log_softmax(-1)
+    target_lengths = torch.tensor([5, 3, 4, 1])
+    targets = ints(5, 4, 5) + 1
+    targets[torch.arange(5) >= target_lengths[:, None]] = -100
+    return log_probs, targets, torch.tensor([12, 10, 12, 7]), target_lengths, 0, False
 
 
 def ignored(target: torch.Tensor) -> torch.Tensor:
@@ -343,6 +354,8 @@ CONV_AND_LOSS = [
     C("bce", aten.binary_cross_entropy.default, lambda: (f(8, 4).sigmoid(), f(8, 4).sigmoid(), pos(4))),
     C("bce-logits", aten.binary_cross_entropy_with_logits.default,
       lambda: (f(8, 4), f(8, 4).sigmoid(), None, pos(4)), expect=("(S(1), S(1), S(0) -> P)",)),
+    C("ctc", torch.ops.autosbp.ctc_loss.default, lambda: ctc_args(),
+      expect=("(S(1), S(0), S(0), S(0) -> S(0))",)),
 ]
 
 FACTORY = [

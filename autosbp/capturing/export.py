@@ -48,6 +48,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from autosbp.capturing.batches import split_micro_batches
 from autosbp.capturing.blocks import assign_blocks
 from autosbp.capturing.builder import GraphBuilder, tensors_of
+from autosbp.capturing.ctc import padded_ctc
 from autosbp.capturing.failures import explain_export_failure, torch_report_held_back
 from autosbp.capturing.graph import STRIDE_FREE, InputRef, OpGraph, Role, run_device
 from autosbp.capturing.training_ifs import (
@@ -156,6 +157,7 @@ def _export(
         with (
             torch_report_held_back(),
             _on_fake_cpu(model, args) as (fake_args, originals),
+            padded_ctc(absorbed),
             absorbing_ifs(absorbed),
         ):
             program = torch.export.export(model, fake_args, strict=False)

@@ -62,6 +62,7 @@ _FAMILY_OPS: dict[str, tuple[str, ...]] = {
         "binary_cross_entropy_with_logits",
         "binary_cross_entropy",
         "smooth_l1_loss",
+        "ctc_loss",  # autosbp::ctc_loss: a T x (2S + 1) lattice, about log_probs' T x C
     ),
     "embedding": ("embedding", "index_select", "gather", "index"),
     "reduction": (

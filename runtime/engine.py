@@ -128,8 +128,9 @@ class Engine:
         self.program = self._build_program(meshes, stage_of, boundaries, gathers)
         self._state_layouts = _state_layouts(plan, self.layouts)  # read by every checkpoint
         self.update = build_sharded_update(
-            self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer
-        )
+            self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer,
+            frozenset(n for n, p in plan.params.items() if p.gradient_sbp != p.sbp),
+        )  # fmt: skip
         self.grad_sync = self._build_grad_sync(meshes, self.program.gathers)
         self.optimizer = optimizer_factory(list(self.optimized.values()))
         self.recorder = recorder
@@ -247,7 +248,7 @@ class Engine:
             self.grad_sync.finish()
             self.update.scatter_gradients()
         loss = self.pipeline.share_loss(value)  # every rank has the loss of the last stage
-        bad = first_non_finite(loss, self.parameters, self.shards.trained)
+        bad = first_non_finite(loss, self.optimized, self.shards.trained)
         if bad is not None:
             if self.non_finite is NonFinite.STOP:
                 raise NonFiniteError(bad)

@@ -1,5 +1,5 @@
-"""The distributed optimizer (ZeRO-1): optimizer states split over the mesh dims where the
-weight is replicated, the weight itself kept whole.
+"""The distributed optimizer (ZeRO-1 and ZeRO-2): optimizer states (and with ZeRO-2 the
+gradients) split over the mesh dims where the weight is replicated, the weight kept whole.
 
 Lives here: `ShardedUpdate` (this rank's parameters whose plan puts their optimizer states in
 another layout than the weight's: the shard the optimizer steps, the gradient's conversion to
@@ -18,6 +18,14 @@ Invariants:
   shard (an fp32 tensor of its own in q: the master copy), and the shard is converted q -> p
   (an all-gather) into the parameter. All of it after backward, one collective per parameter
   each way, in graph order on every rank of the stage: what the planner prices, nothing hidden.
+- ZeRO-2 (the plan's `gradient_sbp` is q): the gradient is not held in p. As autograd
+  finishes a parameter's gradient of a micro-batch (a post-accumulate-grad hook), it is
+  converted dual(p) -> q at once (a reduce-scatter), added into the shard's fp32 gradient and
+  the parameter's freed: across micro-batches only the shard's gradient is held (1/n of the
+  parameter's per device). The conversions run in line in backward, one per parameter per
+  micro-batch, in autograd's order (the same on every rank of the stage: the same program);
+  nothing hidden, as the planner prices them (`param_candidates.parameter_prices`). After
+  backward only the gather q -> p remains.
 - The shard is the weight's piece in q at the start (the conversion p -> q: a local slice
   where q only splits what p replicates), so the update is the one an unsharded optimizer makes
   on those elements: exact for elementwise optimizers (SGD, Adam, AdamW), as the Engine's.
@@ -30,7 +38,7 @@ all-gather of the updated parameters).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +58,7 @@ class _Sharded:
     shard: torch.Tensor  # the optimizer's tensor, in q
     to_shard: TensorFn  # dual(p) -> q: the gradient
     to_param: TensorFn  # q -> p: the updated weight
+    in_backward: bool  # ZeRO-2: the gradient converted as backward makes it (`_scatter_now`)
 
 
 class ShardedUpdate:
@@ -58,6 +67,9 @@ class ShardedUpdate:
     def __init__(self, sharded: Mapping[str, _Sharded], layouts: Mapping[str, NdSbp]) -> None:
         self._sharded = dict(sharded)
         self.layouts = dict(layouts)  # name -> the layout of the tensor the optimizer steps
+        for entry in self._sharded.values():
+            if entry.in_backward:
+                entry.param.register_post_accumulate_grad_hook(_scatter_now(entry))
 
     @property
     def names(self) -> frozenset[str]:
@@ -83,6 +95,10 @@ class ShardedUpdate:
         """After backward: each sharded parameter's gradient converted into its shard's."""
         with torch.no_grad():
             for entry in self._sharded.values():
+                if entry.in_backward:  # ZeRO-2: done in backward (zeros where never reached)
+                    if entry.shard.grad is None:
+                        entry.shard.grad = torch.zeros_like(entry.shard)
+                    continue
                 if entry.param.grad is None:  # backward never reached it (or the first step)
                     entry.param.grad = torch.zeros_like(entry.param)
                 entry.shard.grad = entry.to_shard(entry.param.grad).to(entry.shard.dtype)
@@ -103,16 +119,36 @@ class ShardedUpdate:
         }  # fmt: skip
 
 
+def _scatter_now(entry: _Sharded) -> Callable[[torch.Tensor], None]:
+    """ZeRO-2's hook on `entry.param`: its micro-batch's gradient converted into the shard's
+    (added), the parameter's freed."""
+
+    def hook(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        with torch.no_grad():
+            piece = entry.to_shard(param.grad).to(entry.shard.dtype)
+            if entry.shard.grad is None:  # the first micro-batch's: a tensor of its own
+                own = piece.untyped_storage().data_ptr() != param.grad.untyped_storage().data_ptr()
+                entry.shard.grad = piece if own else piece.clone()
+            else:
+                entry.shard.grad.add_(piece)
+        param.grad = None
+
+    return hook
+
+
 def build_sharded_update(
     parameters: Mapping[str, torch.Tensor],
     layouts: Mapping[str, NdSbp],
     state_layouts: Mapping[str, NdSbp],
     shapes: Mapping[str, tuple[int, ...]],
     boxer: Boxer,
+    in_backward: frozenset[str] = frozenset(),
 ) -> ShardedUpdate:
     """This rank's `ShardedUpdate` for its stage's `parameters` (name -> local piece in
-    `layouts`), with their optimizer states in `state_layouts` (every stage's). A collective
-    over the stage's ranks (the first shards are cut by conversion), in graph order."""
+    `layouts`), with their optimizer states in `state_layouts` (every stage's), the gradients
+    of `in_backward` in them too (ZeRO-2). A collective over the stage's ranks (the first
+    shards are cut by conversion), in graph order."""
     sharded: dict[str, _Sharded] = {}
     for name, param in parameters.items():
         p, q = layouts[name], state_layouts[name]
@@ -127,5 +163,6 @@ def build_sharded_update(
             shard,
             boxer.chain(dual_nd_sbp(p), q, shape, param.dtype),
             boxer.chain(q, p, shape, torch.float32),
+            name in in_backward,
         )
     return ShardedUpdate(sharded, {name: state_layouts[name] for name in parameters})

@@ -42,9 +42,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from autosbp.boxing.steps import dual_nd_sbp
-from autosbp.sbp import NdSbp
+from autosbp.boxing.steps import dual_nd_sbp, local_box
+from autosbp.sbp import Mesh, NdSbp, Partial
 from runtime.execute.instructions import Boxer, TensorFn
 
 __all__ = ["ShardedUpdate", "build_sharded_update"]
@@ -56,8 +57,8 @@ class _Sharded:
 
     param: torch.Tensor  # this rank's piece of the weight, in p
     shard: torch.Tensor  # the optimizer's tensor, in q
-    to_shard: TensorFn  # dual(p) -> q: the gradient
-    to_param: TensorFn  # q -> p: the updated weight
+    to_shard: TensorFn  # dual(p) -> q: the gradient (may be a view of its input)
+    to_param: Callable[[torch.Tensor], None]  # q -> p: the updated shard written into `param`
     in_backward: bool  # ZeRO-2: the gradient converted as backward makes it (`_scatter_now`)
 
 
@@ -101,13 +102,14 @@ class ShardedUpdate:
                     continue
                 if entry.param.grad is None:  # backward never reached it (or the first step)
                     entry.param.grad = torch.zeros_like(entry.param)
-                entry.shard.grad = entry.to_shard(entry.param.grad).to(entry.shard.dtype)
+                piece = entry.to_shard(entry.param.grad)
+                entry.shard.grad = piece.to(entry.shard.dtype, copy=True)
 
     def gather_weights(self) -> None:
         """After the optimizer's step: each updated shard converted back into its parameter."""
         with torch.no_grad():
             for entry in self._sharded.values():
-                entry.param.copy_(entry.to_param(entry.shard))
+                entry.to_param(entry.shard)
 
     def gradients(self) -> dict[str, tuple[torch.Tensor, NdSbp]]:
         """Name -> (the synced gradient, its layout) of the sharded parameters, from the end of
@@ -126,10 +128,9 @@ def _scatter_now(entry: _Sharded) -> Callable[[torch.Tensor], None]:
     def hook(param: torch.Tensor) -> None:
         assert param.grad is not None
         with torch.no_grad():
-            piece = entry.to_shard(param.grad).to(entry.shard.dtype)
+            piece = entry.to_shard(param.grad)
             if entry.shard.grad is None:  # the first micro-batch's: a tensor of its own
-                own = piece.untyped_storage().data_ptr() != param.grad.untyped_storage().data_ptr()
-                entry.shard.grad = piece if own else piece.clone()
+                entry.shard.grad = piece.to(entry.shard.dtype, copy=True)
             else:
                 entry.shard.grad.add_(piece)
         param.grad = None
@@ -158,11 +159,58 @@ def build_sharded_update(
         with torch.no_grad():
             first = boxer.chain(p, q, shape, param.dtype)(param.detach())
         shard = first.to(torch.float32, copy=True).requires_grad_(True)
-        sharded[name] = _Sharded(
-            param,
-            shard,
-            boxer.chain(dual_nd_sbp(p), q, shape, param.dtype),
-            boxer.chain(q, p, shape, torch.float32),
-            name in in_backward,
-        )
+        to_shard, to_param = _conversions(param, p, q, shape, boxer)
+        sharded[name] = _Sharded(param, shard, to_shard, to_param, name in in_backward)
     return ShardedUpdate(sharded, {name: state_layouts[name] for name in parameters})
+
+
+def _slot(
+    p: NdSbp, q: NdSbp, shape: tuple[int, ...], mesh: Mesh, index: int
+) -> tuple[slice, ...] | None:
+    """Where the piece in q of the device at `index` lies inside its piece in p, or None where
+    on some device of the mesh it does not lie inside (q cuts a dim p cuts already, in
+    another order: the conversion moves data; every rank decides alike)."""
+    found = None
+    for k in range(mesh.size):
+        coords = mesh.coords(k)
+        outer, inner = local_box(shape, p, mesh, coords), local_box(shape, q, mesh, coords)
+        if any(a < o or b > e for (o, e), (a, b) in zip(outer, inner, strict=True)):
+            return None
+        if k == index:
+            found = tuple(slice(a - o, b - o) for (o, _), (a, b) in zip(outer, inner, strict=True))
+    return found
+
+
+def _conversions(
+    param: torch.Tensor, p: NdSbp, q: NdSbp, shape: tuple[int, ...], boxer: Boxer
+) -> tuple[TensorFn, Callable[[torch.Tensor], None]]:
+    """The gradient's conversion dual(p) -> q and the updated shard's q -> p into `param`.
+    With NCCL, a reduce-scatter and an all-gather. With gloo, whose reduce_scatter_tensor and
+    all_gather_into_tensor allocate three buffers the size of the whole tensor per call
+    (measured, torch 2.13's ProcessGroupGloo: unpriced transients that set the peak), the same
+    sums as in-place all-reduces: the gradient summed in place (the sync data parallelism
+    runs) and this rank's slot of it taken (a view); the shard written into its slot of the
+    zeroed parameter and the slots summed in place (exact: each element is one rank's value
+    plus zeros), wherever the shard is a slot of the parameter's piece (`_slot`)."""
+    mesh = boxer.mesh
+    slot = _slot(p, q, shape, mesh, mesh.device_ids.index(dist.get_rank()))
+    if dist.get_backend() != "gloo" or slot is None:
+        gather = boxer.chain(q, p, shape, torch.float32)
+
+        def copy_gathered(shard: torch.Tensor) -> None:
+            param.copy_(gather(shard))
+
+        return boxer.chain(dual_nd_sbp(p), q, shape, param.dtype), copy_gathered
+    where = slot
+    reduce = boxer.chain(dual_nd_sbp(p), p, shape, param.dtype, donate=True)
+    slots = tuple(Partial() if a != b else a for a, b in zip(p, q, strict=True))
+    sum_slots = boxer.chain(slots, p, shape, param.dtype, donate=True)
+
+    def write(shard: torch.Tensor) -> None:
+        param.zero_()
+        param[where].copy_(shard)
+        out = sum_slots(param)
+        if out.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+            param.copy_(out)
+
+    return lambda grad: reduce(grad)[where], write

@@ -12,12 +12,16 @@ gradients) on every parameter that has them; ZeRO-2's reduce-scatter priced per 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from autosbp.capturing.export import capture
 from autosbp.capturing.graph import OpNode, Role, TensorMeta
 from autosbp.errors import PlanError
+from autosbp.plan import Plan, check_plan
+from autosbp.planner.api import auto_parallelize
 from autosbp.planner.hand_plans import strategy_space
 from autosbp.planner.ilp import solve
 from autosbp.planner.ilp_problem import Problem
@@ -155,3 +159,24 @@ def test_zero2_scatters_every_micro_batch(micro_batches: int) -> None:
 def test_unknown_zero_stage_is_refused_clearly() -> None:
     with pytest.raises(PlanError, match="zero=3 is not known"):
         strategy_space("megatron:tp=1,pp=1,dp=2,zero=3")
+
+
+def test_gradient_layout_in_the_plan() -> None:
+    """A zero=2 plan states each split gradient's layout (its states'); a plan without the
+    field (written before it) reads every gradient as the parameter's; a third layout is
+    refused, naming the parameter."""
+    model, inputs = build_model("mlp", layers=1, hidden=8, batch=4)
+    data = auto_parallelize(
+        model, inputs, profile="cpu-gloo", devices=2, strategy="megatron:tp=1,pp=1,dp=2,zero=2",
+        time_limit_s=30.0,
+    ).to_json()  # fmt: skip
+    split = {n: p for n, p in data["params"].items() if p["gradient_sbp"] != p["sbp"]}
+    assert split and all(p["gradient_sbp"] == p["optimizer_state_sbp"] for p in split.values())
+    older = copy.deepcopy(data)
+    for p in older["params"].values():
+        del p["gradient_sbp"]
+    assert all(p.gradient_sbp == p.sbp for p in Plan.from_json(older).params.values())
+    name = next(iter(split))
+    data["params"][name]["gradient_sbp"] = "P"
+    with pytest.raises(PlanError, match=f"parameter '{name}': gradient layout P"):
+        check_plan(Plan.from_json(data))

@@ -342,4 +342,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path[0] = str(ROOT)  # as a script, bench/ would shadow the costmodel package
     sys.exit(main())

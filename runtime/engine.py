@@ -166,7 +166,7 @@ class Engine:
     ) -> GradSync:
         """Gradient sync of this stage's parameters (the gathers' schedule adds in the
         gradients it reduce-scatters itself: `deferred`)."""
-        synced = {n: t for n, t in self.parameters.items() if n not in self.update.names}
+        synced = {n: t for n, t in self.parameters.items() if n not in self.update.unsynced}
         return build_grad_sync(
             synced, self.layouts, self.shards.trained, meshes, self.mesh, self._timeout,
             self.plan.grad_bucket_bytes, deferred=scheduled.deferred if scheduled else (),
@@ -244,7 +244,7 @@ class Engine:
         self.grad_sync.zero_grad()  # bucketed gradients: zeroed views of their buckets
         self.update.zero_grad()  # ZeRO-1's: zeroed in place
         value = self.pipeline.run(split_micro_batches(batch, self.micro_batches))
-        with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's scatter
+        with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's slices
             self.grad_sync.finish()
             self.update.scatter_gradients()
         loss = self.pipeline.share_loss(value)  # every rank has the loss of the last stage

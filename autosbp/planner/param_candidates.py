@@ -124,29 +124,25 @@ def parameter_prices(
     """Per candidate (its layout p, its `states` layout q or None, its `gradients` layout: q
     or None), as `runtime.parallel.sharded_update` runs them: without q, the sync
     dual(p) -> p inside a bucket of `bucket_bytes` and the optimizer on p's shard; ZeRO-1, the
-    conversions dual(p) -> q and q -> p, one collective each per parameter after backward
-    (nothing hidden), and the optimizer on q's; ZeRO-2, the reduce-scatter dual(p) -> q in
-    every micro-batch's backward, in line (unbucketed: one collective per parameter as its
-    gradient is made, nothing hidden), the adds on q's shard, after the step's backward the
-    all-gather q -> p and the optimizer on q's shard."""
+    same bucketed sync (backward may hide it, as DDP's; the shard's gradient is then a slice
+    of the synced one), after backward the all-gather q -> p (one collective per parameter,
+    nothing hidden) and the optimizer on q's shard (as torch's ZeroRedundancyOptimizer over
+    DDP); ZeRO-2, the reduce-scatter dual(p) -> q in every micro-batch's backward, in line
+    (unbucketed: one collective per parameter as its gradient is made, nothing hidden), the
+    adds on q's shard, after the step's backward the all-gather and the optimizer on q's."""
     found = ParameterPrices([], [], [], [])
     for sig, q, g in zip(candidates, states, gradients, strict=True):
         p = sig.outputs[0]
-        scatter = sync_price(dual_nd_sbp(p), q, meta, 1) if q is not None else 0.0
+        bucketed = sync_price(dual_nd_sbp(p), p, meta, bucket_bytes)
+        found.sync_s.append(bucketed if g is None else 0.0)
         if q is None:
-            found.sync_s.append(sync_price(dual_nd_sbp(p), p, meta, bucket_bytes))
             found.update_s.append(optimizer_s(meta, p, prices, mesh_shape))
         else:
-            found.sync_s.append(0.0)
             gather = sync_price(q, p, meta, 1)
-            found.update_s.append(
-                (0.0 if g is not None else scatter)
-                + gather
-                + optimizer_s(meta, q, prices, mesh_shape)
-            )
-        found.scatter_s.append(scatter if g is not None else 0.0)
-        held = g if g is not None else p
-        found.accumulate_s.append(accumulate_s(meta, held, prices, mesh_shape))
+            found.update_s.append(gather + optimizer_s(meta, q, prices, mesh_shape))
+        scatter = sync_price(dual_nd_sbp(p), g, meta, 1) if g is not None else 0.0
+        found.scatter_s.append(scatter)
+        found.accumulate_s.append(accumulate_s(meta, g if g is not None else p, prices, mesh_shape))
     return found
 
 

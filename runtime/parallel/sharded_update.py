@@ -6,22 +6,23 @@ another layout than the weight's: the shard the optimizer steps, the gradient's 
 it after backward and the updated shard's conversion back to the weight's layout after the
 step) and `build_sharded_update`. Lives elsewhere: the choice of layouts and its price
 (`autosbp.planner.param_candidates`; the plan's `params[name].optimizer_state_sbp`), the
-gradient sync of every other parameter (`runtime.parallel.grad_sync`), the conversions
+bucketed gradient sync (`runtime.parallel.grad_sync`), the conversions
 (`runtime.execute.instructions.Boxer`).
 
 Invariants:
-- A parameter in layout p with states in q ends backward with its gradient in dual(p) (P where
-  p is B), unsynced: the buckets of `grad_sync` leave it out. After backward the gradient is
-  converted dual(p) -> q (a reduce-scatter where data parallelism would all-reduce) into the
-  gradient of the shard (the parameter's own gradient stays, zeroed before the next step's
-  backward: the planner counts it held, as DDP's buckets are), the optimizer steps the
-  shard (an fp32 tensor of its own in q: the master copy), and the shard is converted q -> p
-  (an all-gather) into the parameter. All of it after backward, one collective per parameter
-  each way, in graph order on every rank of the stage: what the planner prices, nothing hidden.
+- ZeRO-1: a parameter in layout p with states in q has its gradient synced dual(p) -> p by
+  the buckets of `grad_sync` like any other (DDP's all-reduce, overlapping the last
+  backward: as torch's ZeroRedundancyOptimizer over DDP runs it). After the sync the synced
+  gradient is converted p -> q (a local slice where q only splits what p replicates) into the
+  gradient of the shard (the parameter's own gradient stays, a view of its bucket: the
+  planner counts it held), the optimizer steps the shard (an fp32 tensor of its own in q:
+  the master copy), and the shard is converted q -> p (an all-gather) into the parameter:
+  one collective per parameter after the step, in graph order on every rank of the stage,
+  nothing hidden, as the planner prices it (`param_candidates.parameter_prices`).
 - ZeRO-2 (the plan's `gradient_sbp` is q): the gradient is not held in p. As autograd
   finishes a parameter's gradient of a micro-batch (a post-accumulate-grad hook), it is
-  converted dual(p) -> q at once (a reduce-scatter), added into the shard's fp32 gradient and
-  the parameter's freed: across micro-batches only the shard's gradient is held (1/n of the
+  converted dual(p) -> q at once (a reduce-scatter; the buckets of `grad_sync` leave the
+  parameter out), added into the shard's fp32 gradient and the parameter's freed: across micro-batches only the shard's gradient is held (1/n of the
   parameter's per device). The conversions run in line in backward, one per parameter per
   micro-batch, in autograd's order (the same on every rank of the stage: the same program);
   nothing hidden, as the planner prices them (`param_candidates.parameter_prices`). After
@@ -29,7 +30,8 @@ Invariants:
 - The shard is the weight's piece in q at the start (the conversion p -> q: a local slice
   where q only splits what p replicates), so the update is the one an unsharded optimizer makes
   on those elements: exact for elementwise optimizers (SGD, Adam, AdamW), as the Engine's.
-- A gradient backward never reached enters the conversion as zeros (every rank takes part).
+- A gradient backward never reached enters the conversion as zeros (every rank takes part;
+  ZeRO-2's shard gradient is then zeros).
   The parameter's gradient is then the synced one nowhere: `gradients` gives the shards'.
 Reference: Rajbhandari et al. 2020 (ZeRO, section 5.1, P_os); Megatron-LM's distributed
 optimizer (megatron/core/optimizer/distrib_optimizer.py: reduce-scatter, step on the shard,
@@ -60,6 +62,8 @@ class _Sharded:
     to_shard: TensorFn  # dual(p) -> q: the gradient (may be a view of its input)
     to_param: Callable[[torch.Tensor], None]  # q -> p: the updated shard written into `param`
     in_backward: bool  # ZeRO-2: the gradient converted as backward makes it (`_scatter_now`)
+    # ZeRO-1: p -> q of the gradient `grad_sync` synced (ZeRO-2: unused, `to_shard` runs)
+    slice_synced: TensorFn
 
 
 class ShardedUpdate:
@@ -75,6 +79,12 @@ class ShardedUpdate:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(self._sharded)
+
+    @property
+    def unsynced(self) -> frozenset[str]:
+        """The parameters the bucketed gradient sync leaves out: ZeRO-2's, whose gradients
+        this converts in backward."""
+        return frozenset(n for n, e in self._sharded.items() if e.in_backward)
 
     def optimized(self, parameters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Name -> the tensor the optimizer steps: the shard where states are sharded, else
@@ -93,7 +103,8 @@ class ShardedUpdate:
                     entry.param.grad.zero_()
 
     def scatter_gradients(self) -> None:
-        """After backward: each sharded parameter's gradient converted into its shard's."""
+        """After backward and the gradient sync: each ZeRO-1 parameter's synced gradient
+        converted into its shard's (ZeRO-2's were in backward)."""
         with torch.no_grad():
             for entry in self._sharded.values():
                 if entry.in_backward:  # ZeRO-2: done in backward (zeros where never reached)
@@ -102,7 +113,7 @@ class ShardedUpdate:
                     continue
                 if entry.param.grad is None:  # backward never reached it (or the first step)
                     entry.param.grad = torch.zeros_like(entry.param)
-                piece = entry.to_shard(entry.param.grad)
+                piece = entry.slice_synced(entry.param.grad)
                 entry.shard.grad = piece.to(entry.shard.dtype, copy=True)
 
     def gather_weights(self) -> None:
@@ -160,7 +171,10 @@ def build_sharded_update(
             first = boxer.chain(p, q, shape, param.dtype)(param.detach())
         shard = first.to(torch.float32, copy=True).requires_grad_(True)
         to_shard, to_param = _conversions(param, p, q, shape, boxer)
-        sharded[name] = _Sharded(param, shard, to_shard, to_param, name in in_backward)
+        sharded[name] = _Sharded(
+            param, shard, to_shard, to_param, name in in_backward,
+            boxer.chain(p, q, shape, param.dtype),
+        )  # fmt: skip
     return ShardedUpdate(sharded, {name: state_layouts[name] for name in parameters})
 
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from autosbp.boxing.steps import dual_nd_sbp, local_box
 from autosbp.sbp import Mesh, NdSbp, Partial
+from runtime.execute.collectives import group_ranks
 from runtime.execute.instructions import Boxer, TensorFn
 
 __all__ = ["ShardedUpdate", "build_sharded_update"]
@@ -219,8 +220,15 @@ def _conversions(
     reduce = boxer.chain(dual_nd_sbp(p), p, shape, param.dtype, donate=True)
     slots = tuple(Partial() if a != b else a for a, b in zip(p, q, strict=True))
     sum_slots = boxer.chain(slots, p, shape, param.dtype, donate=True)
+    sent = _broadcasts(param, p, q, shape, boxer)
+    group = boxer.groups.get(_members(boxer, p, q)) if sent is not None else None
 
     def write(shard: torch.Tensor) -> None:
+        if sent is not None:  # each member's slot broadcast into every member's parameter
+            param[where].copy_(shard)
+            for member, at in sent:
+                dist.broadcast(param[at], src=member, group=group)
+            return
         param.zero_()
         param[where].copy_(shard)
         out = sum_slots(param)
@@ -228,3 +236,32 @@ def _conversions(
             param.copy_(out)
 
     return lambda grad: reduce(grad)[where], write
+
+
+def _members(boxer: Boxer, p: NdSbp, q: NdSbp) -> tuple[int, ...]:
+    """The ranks along the one mesh dim where q splits what p replicates, through this rank."""
+    mesh = boxer.mesh
+    (d,) = [d for d, (a, b) in enumerate(zip(p, q, strict=True)) if a != b]
+    return group_ranks(mesh, d, mesh.coords(mesh.device_ids.index(dist.get_rank())))
+
+
+def _broadcasts(
+    param: torch.Tensor, p: NdSbp, q: NdSbp, shape: tuple[int, ...], boxer: Boxer
+) -> list[tuple[int, tuple[slice, ...]]] | None:
+    """(member rank, its slot in the parameter's piece) per member of the group q splits over,
+    where q differs from p on one mesh dim and every slot is a contiguous view (a split of
+    the piece's first dim): the gather as one broadcast per member into the parameter itself,
+    the bytes of an all-gather and no buffer (measured: gloo's broadcast allocates none).
+    Else None."""
+    mesh = boxer.mesh
+    dims = [d for d, (a, b) in enumerate(zip(p, q, strict=True)) if a != b]
+    if len(dims) != 1:
+        return None
+    coords = list(mesh.coords(mesh.device_ids.index(dist.get_rank())))
+    out = []
+    for k, member in enumerate(_members(boxer, p, q)):
+        at = _slot(p, q, shape, mesh, mesh.index((*coords[: dims[0]], k, *coords[dims[0] + 1 :])))
+        if at is None or not param[at].is_contiguous():
+            return None
+        out.append((member, at))
+    return out

@@ -8,7 +8,10 @@ profile's memory less the reserve).
 
 Lives here: the cases, one case planned in this process (`run_case`: capture, then the search,
 with its effort: status, gap, when it found each better plan), and the table of all of them,
-each case in a process of its own (its peak RSS its own). Lives elsewhere: the GPT-3 depth
+each case in a process of its own (its peak RSS its own); and the published layouts priced by
+our model (`python bench/frontier.py --published [--cases ...]`: each Table 1 row at its
+tp/pp with full recomputation, Llama 3 405B at TP8 PP16 with the distributed optimizer;
+predicted step and TFLOP/s per GPU beside the published ones). Lives elsewhere: the GPT-3 depth
 study and the hand-plan grid (`plan_speed`), the search (`autosbp.planner.search`).
 """
 

@@ -6,7 +6,8 @@ within their derived bounds), on plans whose optimizer states are split over dat
 (`megatron:...,zero=1`), and gradients too (`zero=2`: reduce-scattered in backward, accumulated
 on the shard over micro-batches): data parallel on 2 and 4 processes, with tensor parallelism
 and with a pipeline on 4. A runtime that steps the shards but never gathers them back into the
-weights fails (the check sees the updates missing). The plans state it: some parameter has a
+weights fails (the check sees the updates missing), and so does a ZeRO-2 that keeps only the last
+micro-batch's gradient in the shard (the check sees the gradients wrong). The plans state it: some parameter has a
 split state layout, and with zero=2 its gradient's layout is the same.
 Lives elsewhere: the planner's side (tests/planner/test_zero.py), peak memory
 (tests/runtime/test_memory.py), the runtime (runtime/parallel/sharded_update.py).
@@ -29,6 +30,9 @@ from tests.support.check_workers import run_checked
 LR = 1e-2
 STEPS = 3
 WORKER_TIMEOUT_S = 300.0
+# What the verdict names for each injected bug: the weights missing their update, or the
+# gradients missing all micro-batches but the last.
+FAULT_SEEN = {"no-gather": "update", "no-accumulate": "gradient"}
 # (processes, model, strategy, injected bug)
 JOBS: list[tuple[int, str, str, str]] = [
     (2, "mlp", "megatron:tp=1,pp=1,dp=2,zero=1", "none"),
@@ -40,6 +44,7 @@ JOBS: list[tuple[int, str, str, str]] = [
     (2, "mlp", "megatron:tp=1,pp=1,dp=2,mb=2,zero=2", "none"),
     (2, "gpt", "megatron:tp=1,pp=1,dp=2,mb=2,zero=2", "none"),
     (2, "mlp", "megatron:tp=1,pp=1,dp=2,zero=2", "no-gather"),
+    (2, "mlp", "megatron:tp=1,pp=1,dp=2,mb=2,zero=2", "no-accumulate"),
     (4, "mlp", "megatron:tp=1,pp=1,dp=4,zero=2", "none"),
     (4, "mlp", "megatron:tp=2,pp=1,dp=2,mb=2,zero=2", "none"),
     (4, "gpt", "megatron:tp=1,pp=2,dp=2,mb=2,zero=2", "none"),
@@ -85,4 +90,4 @@ def test_zero_trains_like_one_device(
     verdict = judge(checks)
     assert verdict.passed == (fault == "none"), verdict.text
     if fault != "none":
-        assert "update" in verdict.text, verdict.text
+        assert FAULT_SEEN[fault] in verdict.text, verdict.text

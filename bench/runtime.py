@@ -6,6 +6,10 @@ Rows, each with its target:
 - data parallel: our Engine under the planner's `dp` plan on 2 gloo processes vs torch
   DistributedDataParallel on the same model, the same global batch (each DDP rank takes its
   half), the same optimizer (Adam); target ratio <= 1.05.
+- dp with the distributed optimizer: our Engine under `megatron:tp=1,pp=1,dp=2,zero=1` (Adam's
+  states split over the 2 gloo processes: gradients reduce-scattered, updated shards
+  all-gathered) vs DDP with torch.distributed.optim.ZeroRedundancyOptimizer over Adam (each
+  rank steps its share of whole parameters and broadcasts them); target <= 1.05.
 - fsdp: our Engine under the planner's `fsdp` plan on 2 gloo processes vs torch FSDP2
   (`torch.distributed.fsdp.fully_shard` on each repeated block and the root,
   reshard_after_forward=True, its default prefetching), each rank half the batch, Adam; our
@@ -122,6 +126,10 @@ class Comparison:
 COMPARISONS = (
     Comparison("dp vs DDP", 2, "dp", 1, Reference.DDP, 1.05),
     Comparison("fsdp vs FSDP2", 2, "fsdp", 1, Reference.FSDP2, 1.05),
+    Comparison(
+        "dp zero=1 vs DDP + ZeroRedundancyOptimizer", 2, "megatron:tp=1,pp=1,dp=2,zero=1", 1,
+        Reference.DDP_ZERO, 1.05,
+    ),
     Comparison("1 process vs eager", 1, "auto", 1, Reference.EAGER, 1.05),
     Comparison(
         "2-stage 1F1B vs Schedule1F1B", 2, "megatron:tp=1,pp=2,dp=1,mb=4", 4,

@@ -1,6 +1,7 @@
 """Torch's own training loops that bench/runtime.py measures ours against, one per `Reference`.
 
-Lives here: eager (one process), DistributedDataParallel, FSDP2 (`fully_shard` per block and the
+Lives here: eager (one process), DistributedDataParallel (with Adam, or with
+ZeroRedundancyOptimizer over Adam), FSDP2 (`fully_shard` per block and the
 root) and torch.distributed.pipelining's Schedule1F1B on a stage cut where the plan cuts
 (`TorchStage`), each as a step function returning its loss. Lives elsewhere: the rows, the
 alternating measurement and the table (bench/runtime.py).
@@ -28,6 +29,9 @@ class Reference(Enum):
 
     EAGER = "eager"  # forward, backward, Adam in one process
     DDP = "ddp"  # DistributedDataParallel, each rank half the batch
+    # DDP with torch.distributed.optim.ZeroRedundancyOptimizer over Adam: each rank steps the
+    # states of its share of the parameters and broadcasts the updated ones (ZeRO-1)
+    DDP_ZERO = "ddp-zero"
     FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard per block and the root, half the batch
     PIPELINING = "pipelining"  # torch.distributed.pipelining Schedule1F1B, one stage a rank
     WHOLE = "whole"  # eager on every rank at once, each the whole batch and sequence: one process
@@ -52,7 +56,15 @@ def torch_step(
         model = torch.nn.parallel.DistributedDataParallel(model)
     if world > 1 and reference is not Reference.WHOLE:
         local = tuple(t.chunk(world)[rank] for t in inputs)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer: torch.optim.Optimizer
+    if reference is Reference.DDP_ZERO:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.Adam, lr=LR
+        )
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)

@@ -73,13 +73,22 @@ class ParamPlan:
     bytes count per micro-batch in flight); True frees it after the consumer's forward and
     converts the parameter again before that consumer's backward (FSDP's name; the conversion
     is priced once more per micro-batch). False in plans written before it was recorded, and
-    wherever no conversion copies the parameter."""
+    wherever no conversion copies the parameter. `gradient_sbp`: the layout the gradient is
+    accumulated and held in over the micro-batches of a step: the parameter's (`sbp`, summed
+    to it by the gradient sync), or its optimizer states' (ZeRO-2: each micro-batch's gradient
+    reduce-scattered into the shard's as backward makes it, the parameter's own freed); ""
+    (plans before it was recorded) reads as `sbp`."""
 
     sbp: str
     stage: int
     optimizer_state_sbp: str
     shape: tuple[int, ...] = ()
     reshard_after_forward: bool = False
+    gradient_sbp: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.gradient_sbp:
+            object.__setattr__(self, "gradient_sbp", self.sbp)
 
 
 @dataclass(frozen=True)
@@ -292,6 +301,7 @@ class Plan:
                     p["optimizer_state_sbp"],
                     tuple(p["shape"]),
                     p.get("reshard_after_forward", False),
+                    p.get("gradient_sbp", p["sbp"]),
                 )
                 for name, p in data["params"].items()
             },

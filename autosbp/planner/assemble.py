@@ -71,9 +71,11 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             sbp = format_nd_sbp(sig.outputs[0])
             again = _reshards(solved, solution, name, sig.outputs[0])
             shape = tuple(attrs.outputs[0].shape)
-            state = solved.strategies[rep].state_of(solution.choice[rep])
+            chose, i = solved.strategies[rep], solution.choice[rep]
+            state, grad = chose.state_of(i), chose.gradient_of(i)
             states = format_nd_sbp(state) if state is not None else sbp
-            params[attrs.name] = ParamPlan(sbp, stage, states, shape, reshard_after_forward=again)
+            grads = format_nd_sbp(grad) if grad is not None else sbp
+            params[attrs.name] = ParamPlan(sbp, stage, states, shape, again, grads)
     per_stage = mesh.size
     m = solved.micro_batches
     stages = tuple(
@@ -242,7 +244,8 @@ def alternatives(
             Alternative(
                 repr(found.candidates[i])
                 + (" reshard_after_forward" if found.regathers(i) else "")
-                + (f" states {format_nd_sbp(q)}" if (q := found.state_of(i)) else ""),
+                + (f" states {format_nd_sbp(q)}" if (q := found.state_of(i)) else "")
+                + (" gradient too" if found.gradient_of(i) is not None else ""),
                 float(objective[i]) if np.isfinite(objective[i]) else None,
                 int(mem[i] - mem[chosen]),
             )

@@ -35,9 +35,10 @@ class Space:
     mesh_ok: Callable[[Mesh], bool] = lambda mesh: True
     data_parallel: int = 1
     meshes: tuple[tuple[int, ...], ...] = ()  # shapes beyond the search's 1D and 2D ones
-    # optimizer states split over the mesh dims a weight is replicated on (ZeRO-1: True), never
-    # (False: every hand plan unless it says zero=1), or the search's choice per parameter (None)
-    zero: bool | None = False
+    # optimizer states split over the mesh dims a weight is replicated on (1: ZeRO-1; 2: ZeRO-2,
+    # the gradients too), never (0: every hand plan unless it says zero=1|2), or the search's
+    # choice per parameter (None)
+    zero: int | None = 0
 
 
 def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | None = None) -> Space:
@@ -71,10 +72,10 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             space = _context_parallel_space(tp, pp, dp, cp, modes, counts, ring)
         else:
             space = _megatron_space(tp, pp, dp, mb, ep, modes)
-        return replace(space, zero=zero == 1)
+        return replace(space, zero=zero)
     raise PlanError(
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
-        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C[,ring=1]][,zero=1]."
+        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C[,ring=1]][,zero=1|2]."
     )
 
 
@@ -120,7 +121,7 @@ def hand_strategies(devices: int, devices_per_node: int, blocks: int) -> list[st
 def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, int, int]:
     """(tp, pp, dp, mb, ep, cp, zero) of `megatron:tp=T,pp=P,dp=D,mb=M,ep=E,cp=C,zero=Z` (each
     optional: 1, mb searched, zero 0)."""
-    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4, ep=E, cp=C and zero=1 optional)"
+    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4, ep=E, cp=C and zero=1|2 optional)"
     try:
         fields = {
             k: int(v)
@@ -135,10 +136,11 @@ def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, in
     ring = fields.pop("ring", 0)
     if ring not in (0, 1) or (ring and fields.get("cp", 1) == 1):
         raise PlanError(f"{strategy!r}: ring=1 (ring attention) needs cp=C with C > 1; {example}.")
-    if zero not in (0, 1):
+    if zero not in (0, 1, 2):
         raise PlanError(
             f"{strategy!r}: zero={zero} is not known; zero=1 splits the optimizer states over "
-            "data parallelism (the distributed optimizer), zero=0 (the default) replicates them."
+            "data parallelism (the distributed optimizer), zero=2 the gradients too, zero=0 (the "
+            "default) replicates them."
         )
     if any(v < 1 for v in fields.values()):
         raise PlanError(f"{strategy!r}: degrees must be positive; {example}.")

@@ -22,6 +22,9 @@ Rows, each with its target:
   per stage) on the same model cut at the same place: each torch stage holds exactly the
   parameters the plan puts on that stage (checked), so the blocks are dealt as
   autosbp.planner.pipeline.split_stages deals them; target <= 1.0.
+- 2-stage interleaved 1F1B: our Engine under `megatron:tp=1,pp=2,dp=1,vp=2,mb=4` (2 chunks per
+  rank) vs torch.distributed.pipelining's `ScheduleInterleaved1F1B` on the same 4 chunks (a
+  `PipelineStage` per chunk, 2 per rank), on models of 4 blocks (one per chunk); target <= 1.0.
 - cp=2 (issue #30): our Engine under `megatron:tp=1,pp=1,dp=1,cp=2` (the sequence split in two,
   causal attention's keys and values all-gathered, its halves balanced) on a long-sequence zoo
   gpt (`CONTEXT_MODELS`) vs the same training on one process with the whole sequence (eager, run
@@ -105,6 +108,11 @@ CONTEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         {"layers": 2, "hidden": 128, "heads": 4, "vocab": 512, "seq": 1024, "batch": 2},
     ),
 }
+# The interleaved row's: 4 blocks, one per chunk of 2 stages x 2 chunks.
+INTERLEAVED_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mlp-1024": MODELS["mlp-1024"],
+    "gpt-small-4l": ("gpt", {**MODELS["gpt-small"][1], "layers": 4}),
+}
 QUICK_MODELS = {
     "mlp-512": ("mlp", {"layers": 2, "hidden": 512, "features": 512, "outputs": 512, "batch": 64})
 }
@@ -121,6 +129,7 @@ class Comparison:
     micro_batches: int
     reference: Reference
     target_ratio: float
+    models: dict[str, tuple[str, dict[str, Any]]] | None = None  # None: the run's models
 
 
 COMPARISONS = (
@@ -134,6 +143,10 @@ COMPARISONS = (
     Comparison(
         "2-stage 1F1B vs Schedule1F1B", 2, "megatron:tp=1,pp=2,dp=1,mb=4", 4,
         Reference.PIPELINING, 1.0,
+    ),
+    Comparison(
+        "2-stage interleaved vs ScheduleInterleaved1F1B", 2, "megatron:tp=1,pp=2,dp=1,vp=2,mb=4",
+        4, Reference.INTERLEAVED, 1.0, INTERLEAVED_MODELS,
     ),
 )  # fmt: skip
 
@@ -192,7 +205,7 @@ def bench_worker(rank: int, world_size: int, job: Job) -> dict[str, Timing]:
             model, plan, lambda params: torch.optim.Adam(params, lr=LR), example_inputs=inputs,
             gathers=policy,
         )  # fmt: skip
-        if job.reference is Reference.PIPELINING:
+        if job.reference in (Reference.PIPELINING, Reference.INTERLEAVED):
             reference = pipelining_step(zoo_name, kwargs, inputs, plan, rank)
         else:
             reference = torch_step(zoo_name, kwargs, inputs, rank, world_size, job.reference)
@@ -354,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         (comparison, name, timing)
         for comparison in comparisons
-        for name, timing in run_row(models, comparison, args).items()
+        for name, timing in run_row(comparison.models or models, comparison, args).items()
     ] + context_rows(args)
     command = "python bench/runtime.py " + " ".join(argv if argv is not None else sys.argv[1:])
     console.print(_table(rows, command.strip()))

@@ -68,9 +68,10 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategy",
         default="auto",
-        help="auto (the search), dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C] (M "
-        "micro-batches; E: expert-parallel degree, experts split over E of the D data-parallel "
-        "devices; C: context-parallel degree, the sequence split in attention) (default: auto)",
+        help="auto (the search), dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C][,vp=V] "
+        "(M micro-batches; E: expert-parallel degree, experts split over E of the D "
+        "data-parallel devices; C: context-parallel degree, the sequence split in attention; V: "
+        "model chunks per pipeline stage, interleaved 1F1B, M a multiple of P) (default: auto)",
     )
     parser.add_argument(
         "--recompute",

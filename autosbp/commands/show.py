@@ -71,7 +71,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(summary_table(plan))
     console.print(
-        f"predicted step {format_seconds(predicted_s)} ({len(plan.stages)} stage(s) x "
+        f"predicted step {format_seconds(predicted_s)} ({plan.pipeline_stages} stage(s)"
+        f"{f' of {plan.virtual_stages} chunks' if plan.virtual_stages > 1 else ''} x "
         f"{plan.micro_batches} micro-batch(es), simulated)",
         soft_wrap=True,
     )

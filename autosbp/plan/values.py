@@ -213,6 +213,11 @@ class Plan:
     # runtime buckets with it. Plans written before it was recorded: PRICED_GRAD_BUCKET_BYTES.
     grad_bucket_bytes: int = PRICED_GRAD_BUCKET_BYTES
     replicated: Replicated | None = None  # what runs whole on every device, and why
+    # The pipeline schedule (`schedule.SCHEDULES`) and the model chunks per stage (v): with
+    # v > 1, `stages` are the v x P virtual stages, c x P + d on stage d's devices. Plans
+    # written before it was recorded: 1F1B, v = 1.
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
     # The format this plan was written in: VERSION for new plans; a loaded plan keeps its own,
     # so that saving it again keeps what it meant (`plan.recompute.recomputed_nodes`).
     version: int = VERSION
@@ -256,7 +261,18 @@ class Plan:
             },
             "hand_plans": [asdict(h) for h in self.hand_plans],
             **({"replicated": asdict(self.replicated)} if self.replicated else {}),
+            **({"schedule": self._schedule_json()} if self.virtual_stages > 1 else {}),
         }
+
+    def _schedule_json(self) -> dict[str, Any]:
+        """Written where it is not the default (1F1B, v = 1), so that older plans' digests
+        and files stay as they were."""
+        return {"name": self.schedule, "virtual_stages": self.virtual_stages}
+
+    @property
+    def pipeline_stages(self) -> int:
+        """P: the stages that hold devices (`stages` holds v x P virtual stages)."""
+        return len(self.stages) // max(self.virtual_stages, 1)
 
     @classmethod
     def from_json(cls, data: Any, source: str = "plan") -> Plan:
@@ -276,6 +292,8 @@ class Plan:
                 for s in data["stages"]
             ),
             micro_batches=data["micro_batches"],
+            schedule=data.get("schedule", {}).get("name", "1f1b"),
+            virtual_stages=data.get("schedule", {}).get("virtual_stages", 1),
             grad_bucket_bytes=data.get("grad_bucket_bytes", PRICED_GRAD_BUCKET_BYTES),
             recompute=data["recompute"],
             global_batch=data["global_batch"],

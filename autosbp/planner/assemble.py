@@ -76,11 +76,11 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             states = format_nd_sbp(state) if state is not None else sbp
             grads = format_nd_sbp(grad) if grad is not None else sbp
             params[attrs.name] = ParamPlan(sbp, stage, states, shape, again, grads)
-    per_stage = mesh.size
+    per_stage, pipeline = mesh.size, solved.pipeline_stages
     m = solved.micro_batches
     stages = tuple(
-        StagePlan(
-            devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
+        StagePlan(  # virtual stage s (interleaved) runs on stage s % P's devices
+            devices=tuple(range((s % pipeline) * per_stage, (s % pipeline + 1) * per_stage)),
             mesh_shape=mesh.shape,
             blocks=split.blocks[s],
             step_time_s=m * (pred.forward_s[s] + pred.backward_s[s])
@@ -101,7 +101,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         model_name=graph.model_name,
         fingerprint=graph.fingerprint(),
         profile=ctx.profile,
-        device_count=mesh.size * split.num_stages,
+        device_count=mesh.size * pipeline,
         memory_limit_bytes=ctx.memory_limit_bytes,
         strategy=ctx.strategy,
         mesh_shape=mesh.shape,
@@ -125,6 +125,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         solver=solver_report(found),
         alternatives=alternatives(solved, solution),
         replicated=replicated_of(graph, nodes, mesh.shape),
+        virtual_stages=solved.virtual_stages,
     )
 
 

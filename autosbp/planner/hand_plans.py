@@ -39,6 +39,9 @@ class Space:
     # the gradients too), never (0: every hand plan unless it says zero=1|2), or the search's
     # choice per parameter (None)
     zero: int | None = 0
+    # model chunks per pipeline stage (interleaved 1F1B, `vp=V`): `stage_counts` then count
+    # the v x P virtual stages, and the search counts each device v times (`search`)
+    virtual_stages: int = 1
 
 
 def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | None = None) -> Space:
@@ -63,6 +66,7 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     if strategy == "fsdp":
         return Space((1,), modes, allow=_fully_sharded(), mesh_ok=lambda m: m.ndim == 1)
     if strategy.startswith("megatron:"):
+        strategy, vp = _virtual_stages(strategy)
         tp, pp, dp, mb, ep, cp, zero = _megatron_degrees(strategy)
         if cp > 1:
             if ep > 1:
@@ -72,10 +76,12 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             space = _context_parallel_space(tp, pp, dp, cp, modes, counts, ring)
         else:
             space = _megatron_space(tp, pp, dp, mb, ep, modes)
+        if vp > 1:
+            space = replace(space, stage_counts=(pp * vp,), virtual_stages=vp)
         return replace(space, zero=zero)
     raise PlanError(
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
-        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C[,ring=1]][,zero=1|2]."
+        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C[,ring=1]][,zero=1|2][,vp=V]."
     )
 
 
@@ -116,6 +122,22 @@ def hand_strategies(devices: int, devices_per_node: int, blocks: int) -> list[st
         if tp * pp > 1 and devices % (tp * pp) == 0
     ]
     return ["dp", "fsdp", *megatron]
+
+
+def _virtual_stages(strategy: str) -> tuple[str, int]:
+    """`strategy` without its `vp=V` (model chunks per stage, Megatron's
+    virtual_pipeline_model_parallel_size; 1 where absent), and V."""
+    items = strategy.removeprefix("megatron:").split(",")
+    kept = [item for item in items if not item.startswith("vp=")]
+    given = [item.removeprefix("vp=") for item in items if item.startswith("vp=")]
+    if not given:
+        return strategy, 1
+    if len(given) > 1 or not given[0].isdigit() or int(given[0]) < 1:
+        raise PlanError(
+            f"{strategy!r}: vp must be given once, a positive integer (the model chunks each "
+            "pipeline stage holds, e.g. megatron:tp=1,pp=2,dp=1,vp=2)."
+        )
+    return "megatron:" + ",".join(kept), int(given[0])
 
 
 def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, int, int]:

@@ -47,21 +47,23 @@ MAX_DRAWN_SPANS = 100_000
 MAX_DRAWN_RANKS = 128
 
 
-_Record = tuple[str, int | None, float, float]  # what a Recorder keeps: kind, mb, start, end
+_Record = tuple[str, int | None, int, float, float]  # a Recorder keeps: kind, mb, chunk, start, end
 
 
 class SpanHook(Protocol):
     """What the runtime wraps each actor firing in: a `Recorder`, or any object with `span`
     (a training job also reports its progress there: runtime.jobs)."""
 
-    def span(self, kind: str, micro_batch: int | None = None) -> AbstractContextManager[None]: ...
+    def span(
+        self, kind: str, micro_batch: int | None = None, chunk: int = 0
+    ) -> AbstractContextManager[None]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
     """One span on one rank: `kind` is "forward", "backward", "send", "recv", "grad_sync",
     "optimizer" (runtime), "update" (predicted) or anything else; `micro_batch` None for
-    per-step work."""
+    per-step work; `chunk` the model chunk an interleaved stage ran it for (0 otherwise)."""
 
     rank: int
     stage: int
@@ -69,6 +71,7 @@ class Event:
     micro_batch: int | None
     start_s: float
     end_s: float
+    chunk: int = 0
 
 
 class Recorder:
@@ -86,10 +89,10 @@ class Recorder:
         self._spans: list[_Record] = []
         self._step_begin = 0  # index of the first span after the last mark_step()
 
-    def span(self, kind: str, micro_batch: int | None = None) -> _Span:
+    def span(self, kind: str, micro_batch: int | None = None, chunk: int = 0) -> _Span:
         """`with recorder.span("forward", 3): ...` records the time the body takes (not
         recorded when the body raises)."""
-        return _Span(self._spans, kind, micro_batch)
+        return _Span(self._spans, kind, micro_batch, chunk)
 
     def mark_step(self) -> list[Event]:
         """End a step: return its events (those since the previous mark). Nothing is dropped."""
@@ -104,23 +107,26 @@ class Recorder:
 
     def _to_events(self, spans: list[_Record]) -> list[Event]:
         o = self.origin_s
-        return [Event(self.rank, self.stage, k, mb, s - o, e - o) for k, mb, s, e in spans]
+        return [Event(self.rank, self.stage, k, mb, s - o, e - o, c) for k, mb, c, s, e in spans]
 
 
 class _Span:
     """The context manager of `Recorder.span`: a slotted class, 2-3x cheaper than @contextmanager."""
 
-    __slots__ = ("_kind", "_micro_batch", "_spans", "_start_s")
+    __slots__ = ("_chunk", "_kind", "_micro_batch", "_spans", "_start_s")
 
-    def __init__(self, spans: list[_Record], kind: str, micro_batch: int | None) -> None:
-        self._spans, self._kind, self._micro_batch = spans, kind, micro_batch
+    def __init__(
+        self, spans: list[_Record], kind: str, micro_batch: int | None, chunk: int
+    ) -> None:
+        self._spans, self._kind, self._micro_batch, self._chunk = spans, kind, micro_batch, chunk
 
     def __enter__(self) -> None:
         self._start_s = perf_counter()
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
-            self._spans.append((self._kind, self._micro_batch, self._start_s, perf_counter()))
+            record = (self._kind, self._micro_batch, self._chunk, self._start_s, perf_counter())
+            self._spans.append(record)
 
 
 # ---- predicted and measured steps -----------------------------------------------------------
@@ -167,23 +173,24 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
             "backward_s are 0 in every stage), so it has no predicted timeline; make the plan "
             "again with an autosbp that records them."
         )
+    p = plan.pipeline_stages  # interleaved, stages[c * p + d] is chunk c of stage d
     timeline = simulate(
-        len(stages),
-        plan.micro_batches,
-        lambda s: stages[s].forward_s,
-        lambda s: stages[s].backward_s,
-        lambda s: stages[s].send_s,
-    )
-    spans: list[tuple[int, str, int | None, float, float]] = []  # stage, kind, mb, start, end
+        p, plan.micro_batches, lambda s: stages[s].forward_s, lambda s: stages[s].backward_s,
+        lambda s: stages[s].send_s, virtual_stages=plan.virtual_stages,
+    )  # fmt: skip
+    # stage, kind, mb, start, end, chunk
+    spans: list[tuple[int, str, int | None, float, float, int]] = []
     for f in timeline.firings:
-        spans.append((f.stage, f.phase.value, f.micro_batch, f.start_s, f.end_s))
-        to = f.stage + 1 if f.phase is Phase.FORWARD else f.stage - 1
-        if 0 <= to < len(stages) and stages[min(f.stage, to)].send_s > 0:
-            end_s = f.end_s + stages[min(f.stage, to)].send_s  # send_s: stage s <-> s + 1
-            spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s))
-    for s, stage in enumerate(stages):
-        last = max(f.end_s for f in timeline.firings if f.stage == s)
-        spans.append((s, UPDATE, None, last, last + stage.update_s - stage.sync_hidden_s))
+        spans.append((f.stage, f.phase.value, f.micro_batch, f.start_s, f.end_s, f.chunk))
+        at = f.chunk * p + f.stage
+        to = at + 1 if f.phase is Phase.FORWARD else at - 1
+        if 0 <= to < len(stages) and stages[min(at, to)].send_s > 0:
+            end_s = f.end_s + stages[min(at, to)].send_s  # send_s: stage s <-> s + 1
+            spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s, f.chunk))
+    for s in range(p):
+        update_s = sum(c.update_s - c.sync_hidden_s for c in stages[s::p])  # all its chunks'
+        last = timeline.end_s(s)
+        spans.append((s, UPDATE, None, last, last + update_s, 0))
     events = [
         Event(rank, *span)
         for span in spans

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -69,9 +70,14 @@ def capture_by_repeats(
     path, container = found
     start = time.perf_counter()
     graphs: dict[int, OpGraph] = {}
+    said: list[warnings.WarningMessage] = []  # the last export's warnings, said once at the end
     for depth in _DEPTHS:
         try:
-            with _cut_to(container, _picks(len(container._modules), depth)):
+            with (
+                _cut_to(container, _picks(len(container._modules), depth)),
+                warnings.catch_warnings(record=True) as said,
+            ):
+                warnings.simplefilter("always")
                 graphs[depth] = capture_whole(model, args, name)
         except CaptureError:  # the whole export says it with the user's full model
             return None
@@ -84,6 +90,8 @@ def capture_by_repeats(
     except NotRepeatedError as exc:
         _log.info("capture: exporting `%s` whole: %s", name, exc)
         return None
+    for warning in said:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     graph = family.graph_at(len(container._modules))
     graph.meta["capture_s"] = time.perf_counter() - start
     graph.meta["repeated_from"] = _DEPTHS

@@ -140,3 +140,20 @@ def test_an_input_passed_twice_rebatches() -> None:
     graphs = micro_batch_graphs(model, (ids, ids), (1, 2, 4, 8))
     assert "rebatched_from" in graphs[4].meta
     assert graphs[1].fingerprint() == export.capture(model, (ids, ids.clone())).fingerprint()
+
+
+class _UnruledLayer(_PlainLayer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * torch.prod(x).tanh()  # prod: no SBP rule
+
+
+def test_an_unknown_op_is_warned_of_once() -> None:
+    """The shallow exports' warnings are said once, as the whole export says them."""
+    from autosbp.rules import UnknownOpWarning
+
+    model, inputs = _Stack([1.0] * LAYERS), (torch.randn(2, 4),)
+    model.layers = nn.ModuleList(_UnruledLayer(i, 1.0) for i in range(LAYERS))
+    with pytest.warns(UnknownOpWarning) as said:
+        got = export.capture(model, inputs)
+    assert got.meta["repeated_from"] == (3, 4, 5)
+    assert len([w for w in said if issubclass(w.category, UnknownOpWarning)]) == 1

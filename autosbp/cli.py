@@ -24,7 +24,7 @@ from terminal.text import printable
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("capture", "autosbp.commands.capture", "capture a model and summarize its operator graph"),
     ("plan", "autosbp.commands.plan", "find the fastest plan that fits and write it as JSON"),
-    ("explain", "autosbp.commands.plan", "show the signatures a plan chose"),
+    ("explain", "autosbp.commands.explain", "show the signatures a plan chose, by module path"),
     (
         "show",
         "autosbp.commands.show",

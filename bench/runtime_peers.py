@@ -1,6 +1,7 @@
 """Torch's own training loops that bench/runtime.py measures ours against, one per `Reference`.
 
-Lives here: eager (one process), DistributedDataParallel, FSDP2 (`fully_shard` per block and the
+Lives here: eager (one process), DistributedDataParallel (with Adam, or with
+ZeroRedundancyOptimizer over Adam), FSDP2 (`fully_shard` per block and the
 root) and torch.distributed.pipelining's Schedule1F1B (ScheduleInterleaved1F1B for an
 interleaved plan: a stage per chunk, several a rank) on a stage cut where the plan cuts
 (`TorchStage`), each as a step function returning its loss. Lives elsewhere: the rows, the
@@ -29,8 +30,12 @@ class Reference(Enum):
 
     EAGER = "eager"  # forward, backward, Adam in one process
     DDP = "ddp"  # DistributedDataParallel, each rank half the batch
+    # DDP with torch.distributed.optim.ZeroRedundancyOptimizer over Adam: each rank steps the
+    # states of its share of the parameters and broadcasts the updated ones (ZeRO-1)
+    DDP_ZERO = "ddp-zero"
     FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard per block and the root, half the batch
     PIPELINING = "pipelining"  # torch.distributed.pipelining Schedule1F1B, one stage a rank
+    WHOLE = "whole"  # eager on every rank at once, each the whole batch and sequence: one process
     INTERLEAVED = "interleaved"  # its ScheduleInterleaved1F1B, the plan's chunks on each rank
 
 
@@ -43,16 +48,25 @@ def torch_step(
     reference: Reference,
 ) -> Callable[[], float]:
     """Torch's own training step on a fresh copy of the model: eager on one process; DDP or
-    FSDP2 with this rank's slice of the batch on several."""
+    FSDP2 with this rank's slice of the batch on several; WHOLE: eager, the whole batch, on
+    each rank."""
     model, _ = build_model(zoo_name, seed=0, **kwargs)
     local = inputs
     if reference is Reference.FSDP2:
         _fully_shard(model, world)
-    elif world > 1:
+    elif world > 1 and reference is not Reference.WHOLE:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    if world > 1:
+    if world > 1 and reference is not Reference.WHOLE:
         local = tuple(t.chunk(world)[rank] for t in inputs)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer: torch.optim.Optimizer
+    if reference is Reference.DDP_ZERO:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.Adam, lr=LR
+        )
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)

@@ -136,8 +136,9 @@ class Engine:
         self.program = self.programs[0]  # its gathers: interleaved plans have none
         self._state_layouts = _state_layouts(plan, self.layouts)  # read by every checkpoint
         self.update = build_sharded_update(
-            self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer
-        )
+            self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer,
+            frozenset(n for n, p in plan.params.items() if p.gradient_sbp != p.sbp),
+        )  # fmt: skip
         self.grad_sync = self._build_grad_sync(meshes, self.program.gathers)
         self.optimizer = optimizer_factory(list(self.optimized.values()))
         self.recorder = recorder
@@ -176,7 +177,7 @@ class Engine:
     ) -> GradSync:
         """Gradient sync of this stage's parameters (the gathers' schedule adds in the
         gradients it reduce-scatters itself: `deferred`)."""
-        synced = {n: t for n, t in self.parameters.items() if n not in self.update.names}
+        synced = {n: t for n, t in self.parameters.items() if n not in self.update.unsynced}
         return build_grad_sync(
             synced, self.layouts, self.shards.trained, meshes, self.mesh, self._timeout,
             self.plan.grad_bucket_bytes, deferred=scheduled.deferred if scheduled else (),
@@ -266,11 +267,11 @@ class Engine:
         self.grad_sync.zero_grad()  # bucketed gradients: zeroed views of their buckets
         self.update.zero_grad()  # ZeRO-1's: zeroed in place
         value = self.pipeline.run(split_micro_batches(batch, self.micro_batches))
-        with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's scatter
+        with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's slices
             self.grad_sync.finish()
             self.update.scatter_gradients()
         loss = self.pipeline.share_loss(value)  # every rank has the loss of the last stage
-        bad = first_non_finite(loss, self.parameters, self.shards.trained)
+        bad = first_non_finite(loss, self.optimized, self.shards.trained)
         if bad is not None:
             if self.non_finite is NonFinite.STOP:
                 raise NonFiniteError(bad)

@@ -13,7 +13,10 @@ Invariants:
 - Elsewhere (piped, redirected, a CI log): plain lines "[HH:MM:SS] description: status", one
   when the action starts, one when it ends (with its duration, "done" or "stopped"), and in
   between at most one per `PLAIN_INTERVAL_S` (the latest status at that moment), so a log of a
-  long action stays readable and a silent minute never happens while it reports.
+  long action stays readable. A heartbeat thread repeats the latest status when no update
+  came for `PLAIN_INTERVAL_S` (one call that blocks for long, an export, a search in other
+  processes), so no action is silent for longer, whether or not it reports (with a clock of
+  the caller's, a test's, the lines are the updates' alone).
 - The ETA is the remaining count at the rate measured since the first count seen (so a job's
   start-up before its first step does not bias it); none before two counts are seen.
 - Text reaching the terminal is the caller's: names from input files go through
@@ -22,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -175,18 +179,42 @@ def _plain(
             f"[{stamp}] {description}: {text}", markup=False, highlight=False, soft_wrap=True
         )
 
+    lock = threading.Lock()  # the caller's updates and the heartbeat's: one line per interval
+
     def show(act: Activity) -> None:
-        now = clock()
-        if now - last[0] >= PLAIN_INTERVAL_S:
+        with lock:
+            now = clock()
+            if now - last[0] < PLAIN_INTERVAL_S:
+                return
             last[0] = now
-            say(f"{act.line() or 'running'} ({format_duration(act.elapsed_s())} elapsed)")
+        say(f"{act.line() or 'running'} ({format_duration(act.elapsed_s())} elapsed)")
 
     say("started")
     act = Activity(description, total, show, clock)
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(act, stop), daemon=True)
+    if clock is time.monotonic:
+        beat.start()
     try:
         yield act
     except BaseException:
+        _end(beat, stop)
         say(f"stopped after {act.elapsed_s():.1f} s")
         raise
+    _end(beat, stop)
     done = f", {act.line()}" if act.completed is not None else ""
     say(f"done in {act.elapsed_s():.1f} s{done}")
+
+
+def _end(beat: threading.Thread, stop: threading.Event) -> None:
+    """The heartbeat stopped, so that no line follows the last."""
+    stop.set()
+    if beat.is_alive():
+        beat.join()
+
+
+def _heartbeat(act: Activity, stop: threading.Event) -> None:
+    """Until `stop`: the latest status again (`Activity.update` with nothing new), each time
+    `PLAIN_INTERVAL_S` passes; the plain display prints it only if no line came in that time."""
+    while not stop.wait(PLAIN_INTERVAL_S / 4):
+        act.update()

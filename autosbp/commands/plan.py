@@ -1,6 +1,6 @@
-"""`autosbp plan MODEL ...`: find a plan and write it as JSON; `autosbp explain plan.json`.
+"""`autosbp plan MODEL ...`: find a plan and write it as JSON.
 
-Lives here: the two commands' arguments and output, and where a plan is written (`default_out`,
+Lives here: the command's arguments and output, and where a plan is written (`default_out`,
 `refuse_replacing`: never over another model's or strategy's plan without --force). Lives
 elsewhere: the search (`planner`),
 the plan format (`plan`), model loading (`zoo`), the model arguments (`commands.capture`: the
@@ -18,10 +18,10 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments, load_from_args
+from autosbp.commands.profile import default_profile
 from autosbp.errors import AutosbpError, PlanError
 from autosbp.plan import (
     Plan,
@@ -38,17 +38,11 @@ GIB = 2**30
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
-    if name == "explain":
-        parser.add_argument(
-            "plan", metavar="PLAN", help="a plan JSON file written by `autosbp plan`"
-        )
-        parser.add_argument("--node", help="show one node's signature (default: every parameter)")
-        return
     add_model_arguments(parser, meta_by_default=True)
     parser.add_argument(
-        "--profile", default="cpu-gloo",
+        "--profile",
         help="a shipped profile name (`autosbp profiles`) or a profile JSON path (default: "
-        "cpu-gloo)",
+        "this machine's, measured the first time and cached; see `autosbp profiles`)",
     )  # fmt: skip
     parser.add_argument(
         "--devices", type=positive_int, required=True, help="number of devices to plan for"
@@ -138,8 +132,6 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    if args.command == "explain":
-        return _explain(args, console)
     from autosbp.planner.api import auto_parallelize, in_dtype
 
     out = args.out or default_out(args.model, args.strategy, args.devices)
@@ -147,14 +139,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     model, inputs = load_from_args(args)
     if args.dtype is not None:  # the command built the model: it may cast it, real or meta
         inputs = in_dtype(model, inputs, args.dtype, owned=True)
-    what = f"planning {printable(args.model)} for {args.devices} devices of {args.profile}"
+    profile = default_profile(console, args.profile)
+    what = f"planning {printable(args.model)} for {args.devices} devices of {printable(profile)}"
     with activity(console, what) as act, time_limit_notes() as notes:
         plan = auto_parallelize(
             model,
             inputs,
             name=args.model,
             micro_batches=args.micro_batches,
-            profile=args.profile,
+            profile=profile,
             devices=args.devices,
             memory_limit=None if args.memory_gib is None else int(args.memory_gib * GIB),
             global_batch=args.global_batch,
@@ -271,21 +264,3 @@ def refuse_replacing(path: Path, plan: Plan, *, force: bool) -> None:
         f"{printable(plan.model_name)} for {plan.device_count} devices. Pass another --out, or "
         "--force to replace it."
     )
-
-
-def _explain(args: argparse.Namespace, console: Console) -> int:
-    plan = load_plan(Path(args.plan))
-    if args.node is not None:
-        from autosbp.explanation import explain
-
-        console.print(explain(plan, args.node).table())
-        return 0
-    table = Table(
-        title=f"{plan.model_name}: signatures on mesh {'x'.join(map(str, plan.mesh_shape))}"
-    )
-    for column in ("node", "op", "inputs", "outputs"):
-        table.add_column(column)
-    for name, node in plan.nodes.items():
-        table.add_row(name, node.op, " ".join(node.inputs), " ".join(node.outputs))
-    console.print(table)
-    return 0

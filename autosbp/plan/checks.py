@@ -193,6 +193,12 @@ def _layouts(plan: Plan) -> list[str]:
             problem = _state_problem(p.sbp, p.optimizer_state_sbp, p.shape, plan.mesh_shape)
             if problem:
                 out.append(f"parameter {name!r}: {problem.rstrip('.')}")
+        if p.gradient_sbp not in (p.sbp, p.optimizer_state_sbp):
+            out.append(
+                f"parameter {name!r}: gradient layout {p.gradient_sbp} is neither the "
+                f"parameter's {p.sbp} nor its optimizer states' {p.optimizer_state_sbp} (the "
+                "two layouts the runtime accumulates gradients in); write one of them"
+            )
     return out
 
 

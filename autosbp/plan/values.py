@@ -44,6 +44,10 @@ class NodePlan:
     # The collectives the op runs inside itself ("all_gather on d0", "send_recv on d1 backward":
     # `rules.exchanges` when planned); empty for almost every op, and in plans written before.
     exchanges: tuple[str, ...] = ()
+    # Where the user wrote it: the nn.Module path of an op ("blocks.0.attn.qkv"), the qualified
+    # name of a parameter or buffer ("blocks.0.attn.qkv.weight"); "" at the model's top level,
+    # for an input, and in plans written before paths were recorded.
+    path: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,13 +73,22 @@ class ParamPlan:
     bytes count per micro-batch in flight); True frees it after the consumer's forward and
     converts the parameter again before that consumer's backward (FSDP's name; the conversion
     is priced once more per micro-batch). False in plans written before it was recorded, and
-    wherever no conversion copies the parameter."""
+    wherever no conversion copies the parameter. `gradient_sbp`: the layout the gradient is
+    accumulated and held in over the micro-batches of a step: the parameter's (`sbp`, summed
+    to it by the gradient sync), or its optimizer states' (ZeRO-2: each micro-batch's gradient
+    reduce-scattered into the shard's as backward makes it, the parameter's own freed); ""
+    (plans before it was recorded) reads as `sbp`."""
 
     sbp: str
     stage: int
     optimizer_state_sbp: str
     shape: tuple[int, ...] = ()
     reshard_after_forward: bool = False
+    gradient_sbp: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.gradient_sbp:
+            object.__setattr__(self, "gradient_sbp", self.sbp)
 
 
 @dataclass(frozen=True)
@@ -295,6 +308,7 @@ class Plan:
                     n.get("tied_to", ""),
                     n.get("recomputed", False),
                     tuple(n.get("exchanges", ())),
+                    n.get("path", ""),
                 )
                 for name, n in data["nodes"].items()
             },
@@ -305,6 +319,7 @@ class Plan:
                     p["optimizer_state_sbp"],
                     tuple(p["shape"]),
                     p.get("reshard_after_forward", False),
+                    p.get("gradient_sbp", p["sbp"]),
                 )
                 for name, p in data["params"].items()
             },
@@ -361,6 +376,7 @@ def _node_json(node: NodePlan) -> dict[str, Any]:
         **({"tied_to": node.tied_to} if node.tied_to else {}),
         **({"recomputed": True} if node.recomputed else {}),
         **({"exchanges": list(node.exchanges)} if node.exchanges else {}),
+        **({"path": node.path} if node.path else {}),
     }
 
 

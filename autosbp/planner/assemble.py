@@ -65,14 +65,17 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             tied_to="" if rep == name else rep,
             recomputed=recomputed(graph, name, solved.recompute),
             exchanges=tuple(e.describe() for e in exchanges(attrs, sig, mesh.shape)),
+            path=attrs.name or attrs.module_path,
         )
         if attrs.role is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])
             again = _reshards(solved, solution, name, sig.outputs[0])
             shape = tuple(attrs.outputs[0].shape)
-            state = solved.strategies[rep].state_of(solution.choice[rep])
+            chose, i = solved.strategies[rep], solution.choice[rep]
+            state, grad = chose.state_of(i), chose.gradient_of(i)
             states = format_nd_sbp(state) if state is not None else sbp
-            params[attrs.name] = ParamPlan(sbp, stage, states, shape, reshard_after_forward=again)
+            grads = format_nd_sbp(grad) if grad is not None else sbp
+            params[attrs.name] = ParamPlan(sbp, stage, states, shape, again, grads)
     per_stage, pipeline = mesh.size, solved.pipeline_stages
     m = solved.micro_batches
     stages = tuple(
@@ -248,7 +251,8 @@ def alternatives(
             Alternative(
                 repr(found.candidates[i])
                 + (" reshard_after_forward" if found.regathers(i) else "")
-                + (f" states {format_nd_sbp(q)}" if (q := found.state_of(i)) else ""),
+                + (f" states {format_nd_sbp(q)}" if (q := found.state_of(i)) else "")
+                + (" gradient too" if found.gradient_of(i) is not None else ""),
                 float(objective[i]) if np.isfinite(objective[i]) else None,
                 int(mem[i] - mem[chosen]),
             )

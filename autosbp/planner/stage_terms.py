@@ -100,6 +100,8 @@ class StageTerms:
             assert found.accumulate_s is not None
             share = (micro_batches - 1) / micro_batches  # per micro-batch, m of them
             self.busy[s].node(r, n * share * found.accumulate_s)
+        if found.scatter_s is not None:  # ZeRO-2: every micro-batch's backward, in line
+            self.busy[s].node(r, n * found.scatter_s)
 
     def add_edges(self, tied, priced, recompute: str, p2p: P2P) -> None:
         """Boxing on every edge (time, and the copies kept for backward), and each tensor sent

@@ -10,7 +10,7 @@ elsewhere: when the runtime records (runtime/engine.py), how long a firing shoul
 
 from __future__ import annotations
 
-from autosbp.timeline.chart import COLOURS, draw_timelines
+from autosbp.timeline.chart import CHART_KIND, COLOURS, draw_timelines, timeline_figure
 from autosbp.timeline.events import (
     MAX_DRAWN_RANKS,
     MAX_DRAWN_SPANS,
@@ -36,8 +36,8 @@ from autosbp.timeline.trace import (
 )
 
 __all__ = [
-    "COLOURS", "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS", "STEP_END", "UPDATE",
-    "Event", "Recorder", "SpanHook", "Trace", "check_chart", "check_drawable", "check_trace_plan",
+    "CHART_KIND", "COLOURS", "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS",
+    "STEP_END", "UPDATE", "Event", "Recorder", "SpanHook", "Trace", "check_chart", "check_drawable", "check_trace_plan",
     "draw_timelines", "last_step", "measured_step_s", "predicted_events", "read_chrome_trace",
-    "read_trace", "span_s", "write_chrome_trace",
+    "read_trace", "span_s", "timeline_figure", "write_chrome_trace",
 ]  # fmt: skip

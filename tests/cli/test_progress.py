@@ -7,7 +7,9 @@ runs it as the README writes it."""
 from __future__ import annotations
 
 import io
+import itertools
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -176,3 +178,66 @@ def test_sigterm_stops_a_job_saying_so(tmp_path: Path) -> None:
     assert job.returncode == 128 + signal.SIGTERM, out + err
     assert "terminated (SIGTERM)" in err and "stopped after" in out, out + err
     assert "Traceback" not in err and "leaked semaphore" not in err, err
+
+
+def test_a_call_that_blocks_still_gets_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heartbeat: no update for a long while (one blocking call), yet the latest status is
+    said again each interval, and nothing after the last line."""
+    monkeypatch.setattr("terminal.progress.PLAIN_INTERVAL_S", 0.2)
+    console, buffer = plain_console()
+    with activity(console, "capturing m") as act:
+        act.update("tracing on fake tensors")
+        time.sleep(1.0)  # five intervals without an update
+    lines = buffer.getvalue().splitlines()
+    assert lines[0].endswith("capturing m: started") and "done in" in lines[-1], lines
+    beats = [line for line in lines[1:-1] if "tracing on fake tensors (0:0" in line]
+    assert len(beats) >= 2 and len(beats) == len(lines) - 2, lines
+
+
+SLOW_MODEL = """
+import time
+
+import torch
+from torch import nn
+
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        time.sleep(0.5)  # a forward that traces slowly, as a large model's export does
+        return self.fc(x).pow(2).mean()
+
+
+def build():
+    return Slow(), (torch.randn(8, 4),)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["capture"], ["plan", "--devices", "2", "--compare", "--out", "p.json"]],
+    ids=["capture", "plan-compare"],
+)
+def test_long_commands_are_never_silent(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """`capture` and `plan --compare` of a model whose export takes several intervals: lines
+    keep coming while it traces, each with the status and the time elapsed."""
+    from autosbp.cli import main
+
+    monkeypatch.setattr("terminal.progress.PLAIN_INTERVAL_S", 0.1)  # five intervals in one forward
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    command, *flags = argv
+    assert main([command, f"{tmp_path}/slow.py:build", *flags]) == 0
+    out = capsys.readouterr().out
+    progress = [line for line in out.splitlines() if re.match(STAMP, line)]
+    between = progress[1:-1]
+    assert between and all(line.endswith("elapsed)") for line in between), progress
+    assert progress[-1].split(": ", 1)[1].startswith("done in"), progress
+    # the same status said twice in a row: no update came, the heartbeat said it again
+    said = [re.sub(STAMP, "", line).rsplit(" (", 1)[0] for line in between]
+    assert any(a == b for a, b in itertools.pairwise(said)), progress

@@ -90,7 +90,7 @@ def test_interleaving_beside_parameter_gathers_is_refused() -> None:
     runtime does not interleave that yet, and says so on every rank before any step."""
     args = {**GPT, "layers": 4}
     plan = copy.deepcopy(_plan(4, tuple(sorted(args.items())), "megatron:tp=1,pp=2,dp=2,vp=2,mb=2"))
-    plan["params"]["wpe.weight"].update(sbp="S(0)", optimizer_state_sbp="S(0)")
+    plan["params"]["wpe.weight"].update(sbp="S(0)", optimizer_state_sbp="S(0)", gradient_sbp="S(0)")
     plan["nodes"]["p_wpe_weight"]["outputs"] = ["S(0)"]
     case = {"id": "gathers", "model": "gpt", "model_kwargs": args, "plan": plan, "steps": 1,
             "lr": LR}  # fmt: skip

@@ -38,6 +38,8 @@ CHECKED: list[tuple[int, dict[str, Any], str]] = [
     (2, {**GPT, "layers": 4}, "megatron:tp=1,pp=2,dp=1,vp=2,mb=4"),
     (2, {**GPT, "layers": 4, "tied": True}, "megatron:tp=1,pp=2,dp=1,vp=2,mb=2"),
     (4, {**GPT, "layers": 8}, "megatron:tp=1,pp=4,dp=1,vp=2,mb=4"),
+    # beside ZeRO-2 (gradients reduce-scattered over dp in every chunk's backward)
+    (4, {**GPT, "layers": 4}, "megatron:tp=1,pp=2,dp=2,vp=2,mb=2,zero=2"),
 ]
 # Wide enough that a peak is hundreds of kB (test_memory.py's reason).
 WIDE = {"layers": 4, "hidden": 64, "heads": 2, "vocab": 128, "seq": 16, "batch": 4}

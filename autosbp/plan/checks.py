@@ -106,12 +106,9 @@ def _devices(plan: Plan) -> list[str]:
             f"{size * len(pipeline)} devices, but the plan is for {count}"
         )
     for s, stage in enumerate(plan.stages[len(pipeline) :], start=len(pipeline)):
-        if stage.devices != pipeline[s % len(pipeline)].devices:
-            out.append(
-                f"virtual stage {s} lists devices {list(stage.devices)}, but chunk "
-                f"{s // len(pipeline)} of stage {s % len(pipeline)} runs on "
-                f"{list(pipeline[s % len(pipeline)].devices)}"
-            )
+        if stage.devices != (want := pipeline[s % len(pipeline)].devices):
+            where = f"chunk {s // len(pipeline)} of stage {s % len(pipeline)} runs on {list(want)}"
+            out.append(f"virtual stage {s} lists devices {list(stage.devices)}, but {where}")
     for s, stage in enumerate(plan.stages):
         if stage.mesh_shape != plan.mesh_shape:
             out.append(
@@ -135,10 +132,9 @@ def _devices(plan: Plan) -> list[str]:
 
 def _schedule(plan: Plan) -> list[str]:
     """A schedule the actor rules give, and v chunks on each of the plan's stages."""
-    v = plan.virtual_stages
     if plan.schedule not in SCHEDULES:
         return [f"schedule {plan.schedule!r} is not one autosbp runs (known: {list(SCHEDULES)})"]
-    if v < 1 or len(plan.stages) % v:
+    if (v := plan.virtual_stages) < 1 or len(plan.stages) % v:
         return [f"{len(plan.stages)} stages do not hold {v} model chunks per pipeline stage"]
     reason = check_interleaving(plan.pipeline_stages, v, plan.micro_batches)
     return [reason] if reason else []

@@ -6,7 +6,7 @@ Lives elsewhere: the search (`search`), the plan format (`plan`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,21 +186,27 @@ def breakdown(found: Found) -> dict[str, float]:
     """Where the step goes on its busiest stage: compute (with recomputation) and boxing for all
     micro-batches (the parameters' conversions in full, what the blocks' compute hides of them
     apart), the per-step gradient sync + optimizer (what backward does not hide of it; the
-    hidden part apart), and the rest of the step (pipeline bubble and transfers)."""
+    hidden part apart), and the rest of the step (pipeline bubble and transfers). Interleaved,
+    a stage's figures are the sums over its chunks."""
     solved, choice, pred = found.problem, found.solution.choice, found.prediction
-    costs = solved.stage_costs
-    s = max(range(solved.split.num_stages), key=lambda k: costs.busy[k].value(choice))
+    costs, p = solved.stage_costs, solved.pipeline_stages
+    chunks = [range(d, solved.split.num_stages, p) for d in range(p)]
+    busiest = max(chunks, key=lambda cs: sum(costs.busy[k].value(choice) for k in cs))
     m = solved.micro_batches
-    compute = m * Costs(costs.busy[s].node_costs).value(choice)
-    comm = m * Costs({}, costs.busy[s].edge_costs).value(choice)
-    hidden = m * pred.gather_hidden_s[s]
-    update = pred.update_s[s] - pred.sync_hidden_s[s]
+
+    def total(value: Callable[[int], float]) -> float:
+        return sum(value(k) for k in busiest)
+
+    compute = m * total(lambda k: Costs(costs.busy[k].node_costs).value(choice))
+    comm = m * total(lambda k: Costs({}, costs.busy[k].edge_costs).value(choice))
+    hidden = m * total(lambda k: pred.gather_hidden_s[k])
+    update = total(lambda k: pred.update_s[k] - pred.sync_hidden_s[k])
     return {
         "compute_s": compute,
         "comm_s": comm,
         "param_comm_hidden_s": hidden,
         "optimizer_and_grad_sync_s": update,
-        "grad_sync_hidden_s": pred.sync_hidden_s[s],
+        "grad_sync_hidden_s": total(lambda k: pred.sync_hidden_s[k]),
         "bubble_and_transfer_s": max(0.0, pred.step_time_s - compute - comm + hidden - update),
     }
 

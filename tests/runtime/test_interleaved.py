@@ -38,6 +38,8 @@ CHECKED: list[tuple[int, dict[str, Any], str]] = [
     (2, {**GPT, "layers": 4}, "megatron:tp=1,pp=2,dp=1,vp=2,mb=4"),
     (2, {**GPT, "layers": 4, "tied": True}, "megatron:tp=1,pp=2,dp=1,vp=2,mb=2"),
     (4, {**GPT, "layers": 8}, "megatron:tp=1,pp=4,dp=1,vp=2,mb=4"),
+    # beside ZeRO-2 (gradients reduce-scattered over dp in every chunk's backward)
+    (4, {**GPT, "layers": 4}, "megatron:tp=1,pp=2,dp=2,vp=2,mb=2,zero=2"),
 ]
 # Wide enough that a peak is hundreds of kB (test_memory.py's reason).
 WIDE = {"layers": 4, "hidden": 64, "heads": 2, "vocab": 128, "seq": 16, "batch": 4}
@@ -90,7 +92,7 @@ def test_interleaving_beside_parameter_gathers_is_refused() -> None:
     runtime does not interleave that yet, and says so on every rank before any step."""
     args = {**GPT, "layers": 4}
     plan = copy.deepcopy(_plan(4, tuple(sorted(args.items())), "megatron:tp=1,pp=2,dp=2,vp=2,mb=2"))
-    plan["params"]["wpe.weight"].update(sbp="S(0)", optimizer_state_sbp="S(0)")
+    plan["params"]["wpe.weight"].update(sbp="S(0)", optimizer_state_sbp="S(0)", gradient_sbp="S(0)")
     plan["nodes"]["p_wpe_weight"]["outputs"] = ["S(0)"]
     case = {"id": "gathers", "model": "gpt", "model_kwargs": args, "plan": plan, "steps": 1,
             "lr": LR}  # fmt: skip

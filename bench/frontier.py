@@ -239,12 +239,14 @@ INTERLEAVED: dict[str, int] = {
 # Llama 3 405B (Dubey et al. 2024, Table 4, section 3.3; frontier.md): TP8 PP16, the rest data
 # parallel, 16M tokens per batch (2048 sequences of 8192, one per micro-batch: 32 micro-batches
 # per rank at DP64, 16 at DP128), weights, gradients and optimizer states sharded over data
-# parallelism with weights not resharded after forward (zero=2 here: states and gradients
-# sharded, weights whole in the step), a schedule modified from interleaved 1F1B (v unstated:
-# v=2 assumed, `INTERLEAVED`); recomputation unstated (the search's choice: memory decides);
-# published TFLOP/s per GPU.
+# parallelism with weights not resharded after forward, a schedule modified from interleaved
+# 1F1B (v unstated: v=2 assumed, `INTERLEAVED`); recomputation unstated (the search's choice:
+# memory decides). The sharding priced: zero=1, Megatron-Core's distributed optimizer (states
+# sharded, one reduce-scatter of gradients per step); our zero=2 shards gradients too but
+# reduce-scatters them every micro-batch in line with backward (+7.4 s at 8192 with v=1), a
+# price Llama 3's overlapped sharding does not pay in full. Published TFLOP/s per GPU.
 LLAMA3_LAYOUTS = {"llama3-405b/8192": (8, 16, 430), "llama3-405b/16384": (8, 16, 400)}
-LLAMA3_ZERO = 2
+LLAMA3_ZERO = 1
 
 
 def published_strategy(name: str, tp: int, pp: int, devices: int, batch: int, zero: int) -> str:

@@ -10,7 +10,8 @@ Lives here: the cases, one case planned in this process (`run_case`: capture, th
 with its effort: status, gap, when it found each better plan), and the table of all of them,
 each case in a process of its own (its peak RSS its own); and the published layouts priced by
 our model (`python bench/frontier.py --published [--cases ...]`: each Table 1 row at its
-tp/pp with full recomputation, Llama 3 405B at TP8 PP16 with the distributed optimizer;
+tp/pp with full recomputation and the interleaving `INTERLEAVED` assumes, Llama 3 405B at
+TP8 PP16 interleaved with gradients and optimizer states sharded;
 predicted step and TFLOP/s per GPU beside the published ones). Lives elsewhere: the GPT-3 depth
 study and the hand-plan grid (`plan_speed`), the search (`autosbp.planner.search`).
 """
@@ -226,16 +227,26 @@ TABLE1_TFLOPS = {
     "1.7B": 137, "3.6B": 138, "7.5B": 142, "18.4B": 135, "39.1B": 138, "76.1B": 140,
     "145.6B": 148, "310.1B": 155, "529.6B": 163, "1008B": 163,
 }  # fmt: skip
-# Which rows ran the interleaved schedule, and with how many chunks per device (Narayanan et al.
-# 2021 section 2.2.2 introduces it): the reference notes say the paper's text decides and that
-# it is not confirmed here, so no row states one yet. Once read (and once hand plans take
-# `vp=V`), it is set here alone: `published_strategy` appends it.
-INTERLEAVED: dict[str, int] = {}
-# Llama 3 405B (Dubey et al. 2024, Table 4): TP8 PP16, the rest data parallel, 16M tokens per
-# batch (2048 sequences of 8192), the distributed optimizer (states and gradients sharded over
-# data parallelism: zero=1 here, the part of it our hand plans express with weights kept);
-# published TFLOP/s per GPU.
+# Which rows ran the interleaved schedule, and with how many chunks per device v (Narayanan et
+# al. 2021 section 2.2.2 introduces it): /work/shared/reference/frontier.md is silent ("to be
+# read in its text, not confirmed here"). Assumed: every pipelined row interleaved, v the least
+# divisor > 1 of its layers per stage (the least interleaving that splits stages evenly; the
+# schedule needs the micro-batches per rank a multiple of pp, which every row meets).
+INTERLEAVED: dict[str, int] = {
+    "39.1B": 2, "76.1B": 3, "145.6B": 2, "310.1B": 2, "529.6B": 3, "1008B": 2,
+    "llama3-405b": 2,
+}  # fmt: skip
+# Llama 3 405B (Dubey et al. 2024, Table 4, section 3.3; frontier.md): TP8 PP16, the rest data
+# parallel, 16M tokens per batch (2048 sequences of 8192, one per micro-batch: 32 micro-batches
+# per rank at DP64, 16 at DP128), weights, gradients and optimizer states sharded over data
+# parallelism with weights not resharded after forward, a schedule modified from interleaved
+# 1F1B (v unstated: v=2 assumed, `INTERLEAVED`); recomputation unstated (the search's choice:
+# memory decides). The sharding priced: zero=1, Megatron-Core's distributed optimizer (states
+# sharded, one reduce-scatter of gradients per step); our zero=2 shards gradients too but
+# reduce-scatters them every micro-batch in line with backward (+7.4 s at 8192 with v=1), a
+# price Llama 3's overlapped sharding does not pay in full. Published TFLOP/s per GPU.
 LLAMA3_LAYOUTS = {"llama3-405b/8192": (8, 16, 430), "llama3-405b/16384": (8, 16, 400)}
+LLAMA3_ZERO = 1
 
 
 def published_strategy(name: str, tp: int, pp: int, devices: int, batch: int, zero: int) -> str:
@@ -273,7 +284,7 @@ def published_row(name: str) -> dict[str, Any]:
         row = name.split("/")[0]
         (tp, pp), published, zero, recompute = TABLE1_LAYOUTS[row], TABLE1_TFLOPS[row], 0, "full"
     else:
-        (tp, pp, published), zero, recompute = LLAMA3_LAYOUTS[name], 1, "auto"
+        (tp, pp, published), zero, recompute = LLAMA3_LAYOUTS[name], LLAMA3_ZERO, "auto"
     strategy = published_strategy(name.split("/")[0], tp, pp, case.devices, case.batch, zero)
     model, inputs = build(case)
     parameters = sum(p.numel() for p in model.parameters())

@@ -6,8 +6,6 @@ loss bit for bit (same kernels, same order), and the same buffer updates.
 
 from __future__ import annotations
 
-import time
-
 import networkx as nx
 import pytest
 import torch
@@ -256,15 +254,14 @@ def test_unknown_ops_lists_ops_of_the_graph() -> None:
 
 
 @pytest.mark.slow
-def test_gpt3_175b_captures_on_meta_within_a_minute() -> None:
+def test_gpt3_175b_captures_on_meta() -> None:
+    """The whole 96-layer GPT-3 captures on meta, nothing materialized (its capture time is a
+    figure of bench/plan_speed.py, not asserted here)."""
     layers, hidden, vocab, seq = 96, 12288, 51200, 2048
     model, inputs = build_model(
         "gpt", device="meta", layers=layers, hidden=hidden, heads=96, vocab=vocab, seq=seq, batch=1
     )
-    start = time.perf_counter()
     g = capture(model, inputs)
-    elapsed_s = time.perf_counter() - start
-    assert elapsed_s < 60, f"capture took {elapsed_s:.1f} s"
     assert all(p.is_meta for p in model.parameters())
     per_block = 12 * hidden * hidden + 13 * hidden  # qkv, proj, fc, fc2 weights+biases, 2 LNs
     numel = sum(a.outputs[0].numel for _, a in g.parameters())

@@ -92,6 +92,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             sync_hidden_s=pred.sync_hidden_s[s],
             prefetch_blocks=PREFETCH_BLOCKS if solved.stage_costs.hides(s) else 0,
             gather_hidden_s=pred.gather_hidden_s[s],
+            grad_sync_s=pred.sync_s[s],
         )
         for s in range(split.num_stages)
     )

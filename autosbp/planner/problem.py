@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError
 from autosbp.planner.candidates import NodeStrategies, Prices
+from autosbp.planner.finite_check import check_reduce_s
 from autosbp.planner.ilp import bound_or_solve, solve_below
 from autosbp.planner.ilp_problem import Problem, Solution
 from autosbp.planner.objective import StageCosts, objective_terms
@@ -88,6 +89,7 @@ def build_problem(
     blocks = tuple(len(b) for b in split.blocks)
     terms = StageTerms(blocks, priced.blocks_identical())
     terms.add_nodes(tied, priced, optimizer, micro_batches, recompute)
+    terms.add_check(check_reduce_s(prices, mesh, split.num_stages, stage_link))
     keys = list(dict.fromkeys(priced.representative.values()))
     sizes = {r: len(priced.strategies[r].candidates) for r in keys}
     # Where the nodes alone overflow a stage (each at its fewest bytes), no choice fits: the
@@ -150,8 +152,8 @@ class Prediction:
     """A solved problem priced as the actor system runs it (`schedule.simulate`): per stage its
     per-micro-batch forward/backward (what stays exposed of the parameters' conversions
     included, `gather_hidden_s` of them hidden behind the blocks' compute), transfer to the
-    next stage and per-step update (seconds), the part of the update's sync that the last
-    backward hides, and peak bytes; the step time is when the last stage finishes its update."""
+    next stage and per-step update (seconds; `sync_s` of it the gradient sync, the rest the
+    optimizer's), the part of the update's sync that the last backward hides, and peak bytes; the step time is when the last stage finishes its update."""
 
     step_time_s: float
     forward_s: tuple[float, ...]
@@ -162,6 +164,7 @@ class Prediction:
     peak_bytes: tuple[float, ...]
     bubble_s: tuple[float, ...]
     gather_hidden_s: tuple[float, ...] = ()  # per micro-batch, forward + backward
+    sync_s: tuple[float, ...] = ()  # of update_s, the gradient sync (the rest: the optimizer)
 
 
 def predict(mp: MeshProblem, solution: Solution) -> Prediction:
@@ -189,8 +192,9 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
     peaks = tuple(mem.used_bytes(choice) for mem in costs.memory)
     bubbles = tuple(timeline.bubble_s(s) for s in range(mp.split.num_stages))
     gathers = tuple(f + b for f, b in zip(forward_hidden, backward_hidden, strict=True))
+    sync = tuple(c.value(choice) for c in costs.sync)
     return Prediction(
-        max(ends), exposed_fwd, exposed_bwd, send, update, hidden, peaks, bubbles, gathers
+        max(ends), exposed_fwd, exposed_bwd, send, update, hidden, peaks, bubbles, gathers, sync
     )
 
 

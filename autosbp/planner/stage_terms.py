@@ -97,6 +97,15 @@ class StageTerms:
             share = (micro_batches - 1) / micro_batches  # per micro-batch, m of them
             self.busy[s].node(r, n * share * found.accumulate_s)
 
+    def add_check(self, reduce_s: float) -> None:
+        """The non-finite check's all-reduce, once per step on every stage's update
+        (`finite_check.check_reduce_s`): added to every candidate of the stage's first
+        parameter, a constant every choice pays (a stage without parameters skips no check,
+        but has no update to hold it: left out)."""
+        for acc in self.update:
+            if acc.nodes:
+                acc.node(next(iter(acc.nodes)), reduce_s)
+
     def add_edges(self, tied, priced, recompute: str, p2p: P2P) -> None:
         """Boxing on every edge (time, and the copies kept for backward), and each tensor sent
         to a later stage (time and memory)."""

@@ -11,9 +11,10 @@ records (runtime/engine.py), how long a firing should take (planner).
 Invariants: times are seconds from an origin (the recorder's creation, or the predicted step's
 start, when every rank enters it); a rank's step ends with its "optimizer" span, so `last_step`
 can cut a multi-step trace without step markers in the file. Predicted events use the runtime's
-kinds ("forward", "backward", "send") plus "update": gradient sync and optimizer as one span
-after the last backward, the stage's `update_s` less the sync that backward hides
-(`sync_hidden_s`).
+kinds: "forward", "backward", "send", then after the last backward "grad_sync" (the stage's
+`grad_sync_s` less what backward hides, `sync_hidden_s`) and "optimizer" (the rest of
+`update_s`). A plan written before the update was split (`grad_sync_s` None) has one "update"
+span there instead: `update_s` less `sync_hidden_s`.
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ from autosbp.errors import PlanError
 from autosbp.schedule import Phase, simulate
 
 if TYPE_CHECKING:
-    from autosbp.plan import Plan
+    from autosbp.plan import Plan, StagePlan
 
 __all__ = [
-    "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS", "STEP_END", "UPDATE", "Event",
-    "Recorder", "SpanHook", "check_chart", "check_drawable", "last_step", "measured_step_s",
+    "GRAD_SYNC", "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS", "STEP_END",
+    "UPDATE", "Event", "Recorder", "SpanHook", "check_chart", "check_drawable", "last_step", "measured_step_s",
     "predicted_events", "span_s",
 ]  # fmt: skip
 
-UPDATE = "update"  # the predicted gradient sync + optimizer span (see the header)
-STEP_END = "optimizer"  # the measured span that ends a rank's step
+UPDATE = "update"  # an old plan's predicted gradient sync + optimizer span (see the header)
+GRAD_SYNC = "grad_sync"  # the runtime's gradient-sync span, and the predicted one
+STEP_END = "optimizer"  # the measured (and predicted) span that ends a rank's step
 # What `show` agrees to simulate and draw. The simulation takes about 12 us per firing here
 # (measured: 80,000 firings in 0.96 s), so its bound is about a second; drawing takes about
 # 40 us per span (20,000 spans in 0.8 s) and a row per rank stops being readable (or fitting
@@ -158,7 +160,8 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
     """One step of `plan` as the actor simulation runs it, on every rank (rank = device id;
     with `every_rank` False, on the first rank of each stage: the others repeat it): forward
     and backward firings, a "send" after each firing whose output goes to another stage, and
-    an "update" after each stage's last backward. Sorted by rank, then start."""
+    after each stage's last backward its "grad_sync" and "optimizer" (one "update" for a plan
+    written before the split). Sorted by rank, then start."""
     check_drawable(plan)
     stages = plan.stages
     if all(s.forward_s == 0 and s.backward_s == 0 for s in stages):
@@ -183,13 +186,23 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
             spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s))
     for s, stage in enumerate(stages):
         last = max(f.end_s for f in timeline.firings if f.stage == s)
-        spans.append((s, UPDATE, None, last, last + stage.update_s - stage.sync_hidden_s))
+        spans += [(s, kind, None, start, end) for kind, start, end in _update_spans(stage, last)]
     events = [
         Event(rank, *span)
         for span in spans
         for rank in (stages[span[0]].devices if every_rank else stages[span[0]].devices[:1])
     ]
     return sorted(events, key=lambda e: (e.rank, e.start_s, e.kind))
+
+
+def _update_spans(stage: StagePlan, last_s: float) -> list[tuple[str, float, float]]:
+    """A stage's update after its last backward ends at `last_s`: (kind, start, end) of its
+    exposed gradient sync and its optimizer, or of one "update" (a plan without the split)."""
+    end_s = last_s + stage.update_s - stage.sync_hidden_s
+    if stage.grad_sync_s is None:
+        return [(UPDATE, last_s, end_s)]
+    synced_s = last_s + max(stage.grad_sync_s - stage.sync_hidden_s, 0.0)
+    return [(GRAD_SYNC, last_s, synced_s), (STEP_END, synced_s, max(end_s, synced_s))]
 
 
 def last_step(events: list[Event]) -> list[Event]:

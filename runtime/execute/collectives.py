@@ -37,6 +37,7 @@ from runtime.execute.groups import ProcessGroups
 
 __all__ = [
     "Started",
+    "StartedChain",
     "all_gather_along",
     "execute_boxing",
     "group_ranks",
@@ -209,6 +210,37 @@ def _all_to_all(
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
     return Started(work, lambda: torch.cat(recv.unbind(0), dim=src_dim))
+
+
+class StartedChain:
+    """A chain of steps started on this rank (FSDP's gathers and reduce-scatters,
+    `runtime.parallel.prefetch`): its leading local steps done, its first collective running
+    asynchronously; `result` waits for it and runs the rest synchronously (no autograd)."""
+
+    def __init__(self, x: torch.Tensor, steps: Sequence[BoxingStep], groups: ProcessGroups) -> None:
+        with torch.no_grad():
+            k = 0
+            while k < len(steps) and steps[k].kind is StepKind.LOCAL:
+                x = run_step(x, steps[k], groups)
+                k += 1
+            self._started = start_step(x, steps[k], groups) if k < len(steps) else None
+        # Once a collective runs, it holds what it reads: keeping `x` too would hold a
+        # gradient's full copy until the deferred reduce-scatter finishes.
+        self._value = x if self._started is None else None
+        self._rest, self._groups = tuple(steps[k + 1 :]), groups
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        """Wait for the running collective (if any); `result` then finds it done."""
+        if self._started is not None and self._started.work is not None:
+            self._started.work.wait(timeout)
+
+    def result(self, timeout: datetime.timedelta) -> torch.Tensor:
+        with torch.no_grad():
+            x = self._started.result(timeout) if self._started is not None else self._value
+            assert x is not None
+            for step in self._rest:
+                x = run_step(x, step, self._groups)
+        return x
 
 
 def _send_recv(x: torch.Tensor, step: BoxingStep, rank: int) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""The runtime's non-finite check is priced in the update (`autosbp.planner.finite_check`).
+
+The check (`runtime.verify.finite.first_non_finite`) reads every local gradient once (a
+max-norm) and all-reduces one integer over the world, each step. Oracles: the profile's own
+prices, asked here directly: per parameter candidate, its update less the sync and optimizer
+`param_candidates.parameter_prices` gives is the roofline read of its local gradient; per
+stage, the predicted update less its parameters' updates is one 8-byte all-reduce over the
+world.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from autosbp.capturing.export import capture
+from autosbp.capturing.graph import Role
+from autosbp.planner.boxing_prices import BoxingPricer
+from autosbp.planner.candidates import sync_bucket_bytes
+from autosbp.planner.param_candidates import parameter_prices
+from autosbp.planner.problem import build_problem, predict, solve_mesh
+from autosbp.sbp import Mesh, local_shape
+from tests.planner.test_planner import TinyNet, a100_prices
+
+MESHES = [((2,), ("intra_node",)), ((2, 2), ("inter_node", "intra_node"))]
+
+
+def _problem(shape: tuple[int, ...], links: tuple[str, ...]):
+    graph = capture(TinyNet(), [torch.randn(8, 8), torch.randn(8, 4)])
+    mesh = Mesh(shape, link_classes=links)
+    prices = a100_prices()
+    mp = build_problem(graph, mesh, prices, optimizer="adam", memory_limit_bytes=None)
+    return graph, mesh, prices, mp
+
+
+@pytest.mark.parametrize(("shape", "links"), MESHES, ids=["mesh2", "mesh2x2"])
+def test_each_parameter_candidate_pays_the_read_of_its_gradient(shape, links) -> None:
+    graph, mesh, prices, mp = _problem(shape, links)
+    pricer, bucket = BoxingPricer(prices, mesh), sync_bucket_bytes(graph)
+    params = [n for n in mp.strategies if graph.node(n).role is Role.PARAMETER]
+    assert params
+    for name in params:
+        found, meta = mp.strategies[name], graph.node(name).outputs[0]
+        states = [found.state_of(i) for i in range(len(found.candidates))]
+        sync, update, _ = parameter_prices(
+            meta, found.candidates, states, pricer.bucketed_time_s, prices, mesh.shape, bucket
+        )
+        for i, sig in enumerate(found.candidates):
+            local = math.prod(local_shape(meta.shape, sig.outputs[0], mesh.shape))
+            read_s = prices.op_time_s(local, local * meta.dtype.itemsize, meta.dtype)
+            assert read_s > 0
+            check_s = found.compute_s[i] - sync[i] - update[i]
+            assert check_s == pytest.approx(read_s, rel=1e-9), (name, i)
+
+
+@pytest.mark.parametrize(("shape", "links"), MESHES, ids=["mesh2", "mesh2x2"])
+def test_the_predicted_update_holds_one_all_reduce_of_the_check(shape, links) -> None:
+    graph, mesh, prices, mp = _problem(shape, links)
+    got = solve_mesh(mp, time_limit_s=30)
+    assert got is not None
+    prediction = predict(mp, got)
+    params = [n for n in mp.problem.node_costs if graph.node(n).role is Role.PARAMETER]
+    updates_s = sum(mp.strategies[n].compute_s[got.choice[n]] for n in params)
+    reduce_s = prices.collective_time_s("all_reduce", 8, mesh.size, links[0])
+    assert reduce_s > 0
+    assert prediction.update_s[0] - updates_s == pytest.approx(reduce_s, rel=1e-9)
+    # the split the plan records: the sync, and the optimizer's part holding the check
+    assert 0 <= prediction.sync_s[0] <= prediction.update_s[0] - reduce_s

@@ -29,7 +29,8 @@ Invariants:
   transpose `linear` saves) is packed as a handle (`torch.autograd.graph.saved_tensors_hooks`),
   so the weight dies after its last forward reader; unpacking gathers it again (once per
   micro-batch, shared by every handle) and views it as the saved tensor was.
-- The backward of a gather is its dual chain (an all-gather's is a reduce-scatter). Where
+- The backward of a gather is its dual chain (an all-gather's is a reduce-scatter), run on
+  the gradient given up to it (on gloo, all-reduced in place: no copy of it). Where
   every read of a parameter goes through scheduled gathers, its reduce-scatters run
   asynchronously: started in backward, finished (and added into the parameter's gradient)
   when backward starts the next unit's, and all at the end of the micro-batch's backward
@@ -352,13 +353,18 @@ class GatherSchedule:
         for a deferred parameter, started now and added into the gradient later (None)."""
         dual = tuple(dual_step(step) for step in reversed(gather.steps))
         if not gather.deferred_grad:
-            return StartedChain(grad.contiguous(), dual, self.grad_groups).result(self.timeout)
-        done = [r for r in self._reducing if r.gather.unit != gather.unit]
-        self._finish_reduces(done)  # the unit backward left: FSDP2 waits for it here
+            return StartedChain(grad.contiguous(), dual, self.grad_groups, donate=True).result(
+                self.timeout
+            )
+        # The unit backward left: FSDP2 waits for it here. No name holds the finished ones, so
+        # their collectives' buffers are gone before the next reduce-scatter copies its input.
+        self._finish_reduces([r for r in self._reducing if r.gather.unit != gather.unit])
         self.counts.deferred_reduces += 1
         span = self.open_span("grad_reduce", None)
         self._reducing.append(
-            _Reduce(gather, StartedChain(grad.contiguous(), dual, self.grad_groups), span)
+            _Reduce(
+                gather, StartedChain(grad.contiguous(), dual, self.grad_groups, donate=True), span
+            )
         )
         return None
 

@@ -73,10 +73,14 @@ def worlds() -> Callable[[int], dict[str, list[dict[str, float]]]]:
     return cases_by_world(measure_cases, _cases, WORKER_TIMEOUT_S)
 
 
-# fsdp of mlp-wide on 4 ranks measured 1.09-1.22 while a unit's gathers were started before
-# the previous unit's were waited for: that unit's gloo staging buffer (a second copy of each
-# gathered weight) lived beside the next unit's. The gathers now wait in FSDP2's order
-# (`runtime.parallel.prefetch`): 1.085 on every rank, its peak in backward.
+# fsdp of mlp-wide on 4 ranks measured 1.09-1.22 (an xfail) from collective buffers the
+# runtime held needlessly (`runtime.parallel.prefetch`): a unit's gathers started before the
+# previous unit's were waited for, so that unit's gloo staging copy lived beside the next's
+# (now FSDP2's order: wait, then prefetch); and each deferred reduce-scatter cloned the whole
+# gradient (gloo's reduce-scatter is an all-reduce of a copy), a clone its worker thread let
+# go of only some time after the wait, so one unit's sat beside the next's (1.085-1.285 by
+# the race); the gradient is now all-reduced in place (`collectives._reduce_scatter_in_place`).
+# Measured since: 1.064-1.066 on every rank over 12 rank-runs.
 
 
 @pytest.mark.dist

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError
 from autosbp.planner.candidates import NodeStrategies, Prices
-from autosbp.planner.finite_check import check_reduce_s
+from autosbp.planner.finite_check import check_step_s
 from autosbp.planner.ilp import bound_or_solve, solve_below
 from autosbp.planner.ilp_problem import Problem, Solution
 from autosbp.planner.objective import StageCosts, objective_terms
@@ -89,7 +89,7 @@ def build_problem(
     blocks = tuple(len(b) for b in split.blocks)
     terms = StageTerms(blocks, priced.blocks_identical())
     terms.add_nodes(tied, priced, optimizer, micro_batches, recompute)
-    terms.add_check(check_reduce_s(prices, mesh, split.num_stages, stage_link))
+    terms.add_check(check_step_s(prices, mesh, split.num_stages, stage_link))
     keys = list(dict.fromkeys(priced.representative.values()))
     sizes = {r: len(priced.strategies[r].candidates) for r in keys}
     # Where the nodes alone overflow a stage (each at its fewest bytes), no choice fits: the

@@ -99,7 +99,7 @@ class StageTerms:
 
     def add_check(self, reduce_s: float) -> None:
         """The non-finite check's all-reduce, once per step on every stage's update
-        (`finite_check.check_reduce_s`): added to every candidate of the stage's first
+        (`finite_check.check_step_s`): added to every candidate of the stage's first
         parameter, a constant every choice pays (a stage without parameters skips no check,
         but has no update to hold it: left out)."""
         for acc in self.update:

@@ -1,11 +1,11 @@
 """The runtime's non-finite check is priced in the update (`autosbp.planner.finite_check`).
 
-The check (`runtime.verify.finite.first_non_finite`) reads every local gradient once (a
-max-norm) and all-reduces one integer over the world, each step. Oracles: the profile's own
-prices, asked here directly: per parameter candidate, its update less the sync and optimizer
-`param_candidates.parameter_prices` gives is the roofline read of its local gradient; per
-stage, the predicted update less its parameters' updates is one 8-byte all-reduce over the
-world.
+The check (`runtime.verify.finite.first_non_finite`) reads every local gradient once (one
+fused max-norm op) and all-reduces one integer over the world, each step. Oracles: the
+profile's own prices, asked here directly: per parameter candidate, its update less the sync
+and optimizer `param_candidates.parameter_prices` gives is a streaming read of its local
+gradient; per stage, the predicted update less its parameters' updates is the op's floor
+and one 8-byte all-reduce over the world.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def test_each_parameter_candidate_pays_the_read_of_its_gradient(shape, links) ->
         )
         for i, sig in enumerate(found.candidates):
             local = math.prod(local_shape(meta.shape, sig.outputs[0], mesh.shape))
-            read_s = prices.op_time_s(local, local * meta.dtype.itemsize, meta.dtype)
+            # the profile's streaming read of those bytes (its memory rate, no per-op floor)
+            n = 1 << 30
+            read_s = local * prices.op_time_s(n, n * meta.dtype.itemsize, meta.dtype) / n
             assert read_s > 0
             check_s = found.compute_s[i] - sync[i] - update[i]
             assert check_s == pytest.approx(read_s, rel=1e-9), (name, i)
@@ -63,7 +65,8 @@ def test_the_predicted_update_holds_one_all_reduce_of_the_check(shape, links) ->
     prediction = predict(mp, got)
     params = [n for n in mp.problem.node_costs if graph.node(n).role is Role.PARAMETER]
     updates_s = sum(mp.strategies[n].compute_s[got.choice[n]] for n in params)
-    reduce_s = prices.collective_time_s("all_reduce", 8, mesh.size, links[0])
+    reduce_s = prices.op_time_s(0, 0, torch.float32)  # the fused norm's one floor
+    reduce_s += prices.collective_time_s("all_reduce", 8, mesh.size, links[0])
     assert reduce_s > 0
     assert prediction.update_s[0] - updates_s == pytest.approx(reduce_s, rel=1e-9)
     # the split the plan records: the sync, and the optimizer's part holding the check

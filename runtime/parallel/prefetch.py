@@ -167,9 +167,8 @@ class _Pass:
             self.next_unit += 1
 
     def wait_unit(self, unit: int) -> None:
-        """Wait for every gather of `unit` still in flight (before starting the ones ahead: the
-        runtime then holds this unit's weights and the next ones' in flight, as priced, not
-        this unit's collective buffers beside theirs)."""
+        """Wait for `unit`'s gathers in flight (before starting the ones ahead: so this unit's
+        collective buffers are gone before theirs are made)."""
         for gather in self.schedule.units[unit]:
             if gather.index in self.started:
                 self.started[gather.index].wait(self.schedule.timeout)
@@ -356,8 +355,7 @@ class GatherSchedule:
             return StartedChain(grad.contiguous(), dual, self.grad_groups, donate=True).result(
                 self.timeout
             )
-        # The unit backward left: FSDP2 waits for it here. No name holds the finished ones, so
-        # their collectives' buffers are gone before the next reduce-scatter copies its input.
+        # The unit backward left (FSDP2 waits here), held by no name: its buffers go first.
         self._finish_reduces([r for r in self._reducing if r.gather.unit != gather.unit])
         self.counts.deferred_reduces += 1
         span = self.open_span("grad_reduce", None)

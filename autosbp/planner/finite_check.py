@@ -11,9 +11,9 @@ Model: `torch._foreach_norm(ord=inf)` is one fused op over every local gradient:
 each once and writes a scalar. Per parameter, its gradient's local bytes at the profile's
 memory rate (`op_time_s` of a read far above any per-op floor, divided out: the rate of a
 streaming read); per stage, the op's floor once (`op_time_s` of nothing) and the all-reduce,
-which carries 8 bytes, so it costs the profile's price of a tiny all-reduce over every device
-of the job: across stages where there are several (the link between them), else across the
-stage mesh's outermost dim (its devices farthest apart).
+which carries 8 bytes: latency-bound, so priced as its two hops, a tiny all-reduce over the
+stage's mesh (its outermost dim's link: its devices farthest apart) and one over the stages
+(the link between them), never as one group larger than a stage or the stage count.
 """
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ def gradient_check_s(
 def check_step_s(prices: Prices, mesh: Mesh, num_stages: int, stage_link: str) -> float:
     """Once per step and stage: the fused norm's floor, and the all-reduce over every device of
     `num_stages` stages on meshes like `mesh` (none on one device)."""
-    floor_s = prices.op_time_s(0.0, 0.0, torch.float32)
-    world = mesh.size * num_stages
-    if world == 1:
-        return floor_s
-    link = stage_link if num_stages > 1 else mesh.link_classes[0]
-    return floor_s + prices.collective_time_s("all_reduce", CHECK_BYTES, world, link)
+    total_s = prices.op_time_s(0.0, 0.0, torch.float32)
+    if mesh.size > 1:
+        total_s += prices.collective_time_s(
+            "all_reduce", CHECK_BYTES, mesh.size, mesh.link_classes[0]
+        )
+    if num_stages > 1:
+        total_s += prices.collective_time_s("all_reduce", CHECK_BYTES, num_stages, stage_link)
+    return total_s

@@ -20,18 +20,24 @@ from autosbp.capturing.graph import Role
 from autosbp.planner.boxing_prices import BoxingPricer
 from autosbp.planner.candidates import sync_bucket_bytes
 from autosbp.planner.param_candidates import parameter_prices
+from autosbp.planner.pipeline import split_stages
 from autosbp.planner.problem import build_problem, predict, solve_mesh
 from autosbp.sbp import Mesh, local_shape
-from tests.planner.test_planner import TinyNet, a100_prices
+from autosbp.zoo import build_model
+from tests.planner.test_planner import a100_prices
 
 MESHES = [((2,), ("intra_node",)), ((2, 2), ("inter_node", "intra_node"))]
 
 
-def _problem(shape: tuple[int, ...], links: tuple[str, ...]):
-    graph = capture(TinyNet(), [torch.randn(8, 8), torch.randn(8, 4)])
+def _problem(shape: tuple[int, ...], links: tuple[str, ...], stages: int = 1):
+    model, inputs = build_model("mlp", layers=2, hidden=16, features=8, outputs=4, batch=8)
+    graph = capture(model, inputs)  # 2 blocks: 2 stages can split it
     mesh = Mesh(shape, link_classes=links)
     prices = a100_prices()
-    mp = build_problem(graph, mesh, prices, optimizer="adam", memory_limit_bytes=None)
+    mp = build_problem(
+        graph, mesh, prices, optimizer="adam", memory_limit_bytes=None,
+        split=split_stages(graph, stages), stage_link="inter_node",
+    )  # fmt: skip
     return graph, mesh, prices, mp
 
 
@@ -57,17 +63,26 @@ def test_each_parameter_candidate_pays_the_read_of_its_gradient(shape, links) ->
             assert check_s == pytest.approx(read_s, rel=1e-9), (name, i)
 
 
+@pytest.mark.parametrize("stages", [1, 2], ids=["1stage", "2stages"])
 @pytest.mark.parametrize(("shape", "links"), MESHES, ids=["mesh2", "mesh2x2"])
-def test_the_predicted_update_holds_one_all_reduce_of_the_check(shape, links) -> None:
-    graph, mesh, prices, mp = _problem(shape, links)
+def test_the_predicted_update_holds_one_all_reduce_of_the_check(shape, links, stages) -> None:
+    graph, mesh, prices, mp = _problem(shape, links, stages)
     got = solve_mesh(mp, time_limit_s=30)
     assert got is not None
     prediction = predict(mp, got)
-    params = [n for n in mp.problem.node_costs if graph.node(n).role is Role.PARAMETER]
-    updates_s = sum(mp.strategies[n].compute_s[got.choice[n]] for n in params)
-    reduce_s = prices.op_time_s(0, 0, torch.float32)  # the fused norm's one floor
-    reduce_s += prices.collective_time_s("all_reduce", 8, mesh.size, links[0])
-    assert reduce_s > 0
-    assert prediction.update_s[0] - updates_s == pytest.approx(reduce_s, rel=1e-9)
-    # the split the plan records: the sync, and the optimizer's part holding the check
-    assert 0 <= prediction.sync_s[0] <= prediction.update_s[0] - reduce_s
+    # the fused norm's one floor, the all-reduce over the stage's mesh, then over the stages
+    check_s = prices.op_time_s(0, 0, torch.float32)
+    check_s += prices.collective_time_s("all_reduce", 8, mesh.size, links[0])
+    if stages > 1:
+        check_s += prices.collective_time_s("all_reduce", 8, stages, "inter_node")
+    assert check_s > 0
+    for s in range(stages):  # every parameter of the stage, tied copies too, as chosen
+        params = [
+            n for n in graph.order
+            if graph.node(n).role is Role.PARAMETER and mp.split.stage_of[n] == s
+        ]  # fmt: skip
+        choice = {n: got.choice[mp.representative[n]] for n in params}
+        updates_s = sum(mp.strategies[n].compute_s[choice[n]] for n in params)
+        assert prediction.update_s[s] - updates_s == pytest.approx(check_s, rel=1e-9)
+        # the split the plan records: the sync, and the optimizer's part holding the check
+        assert 0 <= prediction.sync_s[s] <= prediction.update_s[s] - check_s

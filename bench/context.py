@@ -10,7 +10,9 @@ vocabulary 128256, bf16, Adam. Rotary embeddings are left out (elementwise ops b
 Hugging Face's Llama builds a (batch, 1, L, L) mask tensor that at L = 131072 would be priced
 as 2^34 elements per sequence, which the published run never materializes). TFLOP/s per GPU:
 6 x parameters x tokens (+ attention's 12 x layers x hidden x seq per token, the causal half)
-per step, over the predicted step and the GPUs: the model FLOPs the paper counts.
+per step, over the predicted step and the GPUs: the model FLOPs the paper counts. Causal
+attention is priced at what the profile's flash kernel computes (dgx-h100's
+efficiency.causal_skip, `rules.work_fraction`), not at the dense product capture counts.
 Lives elsewhere: the frontier's planning table (`plan_speed.py`, `frontier.py`).
 """
 

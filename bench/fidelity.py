@@ -2,9 +2,13 @@
 
 Run: python bench/fidelity.py [--steps 6] [--warmup 2] [--rounds 2] [--quick] [--profile P]
 
+Profile: by default local CPU work's (`costmodel.machine_profile.default_profile_name`): this
+machine's own, measured by the quick profiler first if it is not cached or the machine changed
+(`--profile cpu-gloo` predicts with the shipped profile, measured on another machine).
+
 What it measures ("Actor runtime" issue: the cost model must predict what the runtime does):
 - per case (a zoo model at one size, a device count, a strategy, a recomputation mode):
-  `plan_graph` on the cpu-gloo profile (on the graph of one micro-batch where the strategy names
+  `plan_graph` on the profile (on the graph of one micro-batch where the strategy names
   a micro-batch count), then `runtime.engine.Engine.step` of that plan on as many local gloo
   processes, `warmup` + `steps` steps, with a `timeline.Recorder` on every rank. The measured
   step time is the median of rank 0's timed steps over every round. Printed: predicted and
@@ -80,8 +84,14 @@ from bench.fidelity_measure import (  # noqa: E402
     measure,
 )
 from costmodel import Cluster, load_profile  # noqa: E402
+from costmodel.machine_profile import (  # noqa: E402
+    cached_machine_profile,
+    default_profile_name,
+    measure_machine_profile,
+)
+from costmodel.profile_io import MACHINE_PROFILE  # noqa: E402
 
-PROFILE = "cpu-gloo"
+PROFILE = "cpu-gloo"  # the shipped CPU profile (bench/moe.py's); fidelity's default: this machine's
 TARGET_REL_ERROR = 0.15  # the issue's target for the median |relative error|
 PLANNER_TIME_LIMIT_S = 60.0  # plan_graph's default
 MIB = 2**20
@@ -297,6 +307,20 @@ def drift_lines(probes: dict[tuple[int, str], float], profile: str, rows: list[R
 
 
 # ------------------------------------------------------------------------------ driver
+def machine_default(console: Console) -> str:
+    """Local CPU work's default profile, this machine's measured now if it is not cached."""
+    name = default_profile_name()
+    cached = cached_machine_profile() if name == MACHINE_PROFILE else None
+    if cached is not None and cached.profile is None:
+        began = time.perf_counter()
+        console.print(f"this machine's profile is {cached.why_not}: measuring it (quick)")
+        measure_machine_profile()
+        console.print(f"measured in {time.perf_counter() - began:.1f} s: {cached.path}")
+    elif cached is not None and cached.profile is not None and cached.profile.machine:
+        console.print(f"profile {name}: measured {cached.profile.machine.date} ({cached.path})")
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="timed steps per plan and round")
@@ -304,11 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs of every case")
     parser.add_argument("--quick", action="store_true", help="two small plans (a smoke test)")
     parser.add_argument(
-        "--profile", default=PROFILE, help=f"profile NAME|PATH to predict with (default {PROFILE})"
+        "--profile",
+        help="profile NAME|PATH to predict with (default: this machine's, measured if needed)",
     )
     args = parser.parse_args(argv)
     console = Console(width=max(Console().width, 200))
     began, load_before = time.perf_counter(), os.getloadavg()
+    args.profile = args.profile or machine_default(console)
     planned = []
     for size, devices, strategy, recompute in QUICK_CASES if args.quick else CASES:
         case = Case(size, devices, strategy, recompute)

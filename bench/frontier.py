@@ -8,7 +8,11 @@ profile's memory less the reserve).
 
 Lives here: the cases, one case planned in this process (`run_case`: capture, then the search,
 with its effort: status, gap, when it found each better plan), and the table of all of them,
-each case in a process of its own (its peak RSS its own). Lives elsewhere: the GPT-3 depth
+each case in a process of its own (its peak RSS its own); and the published layouts priced by
+our model (`python bench/frontier.py --published [--cases ...]`: each Table 1 row at its
+tp/pp with full recomputation and the interleaving `INTERLEAVED` assumes, Llama 3 405B at
+TP8 PP16 interleaved with gradients and optimizer states sharded;
+predicted step and TFLOP/s per GPU beside the published ones). Lives elsewhere: the GPT-3 depth
 study and the hand-plan grid (`plan_speed`), the search (`autosbp.planner.search`).
 """
 
@@ -210,3 +214,147 @@ def print_anytime(rows: list[dict[str, Any]], say: Callable[[str], None] = print
             f"{row['case']:<19} {row['found'][0][0]:>12.1f} {within(0.05):>8} "
             f"{within(0.01):>8} {best:>7.2f}"
         )
+
+
+# ------------------------------------------------------------------ the published layouts
+# (tp, pp) per Table 1 row (Narayanan et al. 2021; /work/shared/reference/frontier.md), each row
+# with full recomputation and one sequence per micro-batch per data-parallel rank.
+TABLE1_LAYOUTS = {
+    "1.7B": (1, 1), "3.6B": (2, 1), "7.5B": (4, 1), "18.4B": (8, 1), "39.1B": (8, 2),
+    "76.1B": (8, 4), "145.6B": (8, 8), "310.1B": (8, 16), "529.6B": (8, 35), "1008B": (8, 64),
+}  # fmt: skip
+TABLE1_TFLOPS = {
+    "1.7B": 137, "3.6B": 138, "7.5B": 142, "18.4B": 135, "39.1B": 138, "76.1B": 140,
+    "145.6B": 148, "310.1B": 155, "529.6B": 163, "1008B": 163,
+}  # fmt: skip
+# Which rows ran the interleaved schedule, and with how many chunks per device v (Narayanan et
+# al. 2021 section 2.2.2 introduces it): /work/shared/reference/frontier.md is silent ("to be
+# read in its text, not confirmed here"). Assumed: every pipelined row interleaved, v the least
+# divisor > 1 of its layers per stage (the least interleaving that splits stages evenly; the
+# schedule needs the micro-batches per rank a multiple of pp, which every row meets).
+INTERLEAVED: dict[str, int] = {
+    "39.1B": 2, "76.1B": 3, "145.6B": 2, "310.1B": 2, "529.6B": 3, "1008B": 2,
+    "llama3-405b": 2,
+}  # fmt: skip
+# Llama 3 405B (Dubey et al. 2024, Table 4, section 3.3; frontier.md): TP8 PP16, the rest data
+# parallel, 16M tokens per batch (2048 sequences of 8192, one per micro-batch: 32 micro-batches
+# per rank at DP64, 16 at DP128), weights, gradients and optimizer states sharded over data
+# parallelism with weights not resharded after forward, a schedule modified from interleaved
+# 1F1B (v unstated: v=2 assumed, `INTERLEAVED`); recomputation unstated (the search's choice:
+# memory decides). The sharding priced: zero=1, Megatron-Core's distributed optimizer (states
+# sharded, one reduce-scatter of gradients per step); our zero=2 shards gradients too but
+# reduce-scatters them every micro-batch in line with backward (+7.4 s at 8192 with v=1), a
+# price Llama 3's overlapped sharding does not pay in full. Published TFLOP/s per GPU.
+LLAMA3_LAYOUTS = {"llama3-405b/8192": (8, 16, 430), "llama3-405b/16384": (8, 16, 400)}
+LLAMA3_ZERO = 1
+
+
+def published_strategy(name: str, tp: int, pp: int, devices: int, batch: int, zero: int) -> str:
+    """The hand plan of a published layout: one sequence per micro-batch per data-parallel
+    rank (batch / dp micro-batches), the row's interleaving where `INTERLEAVED` states it."""
+    dp = devices // (tp * pp)
+    strategy = f"megatron:tp={tp},pp={pp},dp={dp},mb={batch // dp}"
+    strategy += f",zero={zero}" if zero else ""
+    return strategy + (f",vp={INTERLEAVED[name]}" if name in INTERLEAVED else "")
+
+
+def model_flops(case: Case, parameters: int) -> float:
+    """Flops of one training step as the publications count them: Table 1's
+    96 B s l h^2 (1 + s/6h + V/16lh) (full recomputation's extra forward included) for the
+    GPTs; for Llama 3, 6 N per token plus attention's 12 l h s per token (no recomputation),
+    N the parameter count."""
+    s = case.shape
+    seq, layers, hidden, vocab = s["seq"], s["layers"], s["hidden"], s["vocab"]
+    if case.model == "gpt":
+        extra = 1 + seq / (6 * hidden) + vocab / (16 * layers * hidden)
+        return 96 * case.batch * seq * layers * hidden**2 * extra
+    tokens = case.batch * seq
+    return tokens * (6 * parameters + 12 * layers * hidden * seq)
+
+
+def published_row(name: str) -> dict[str, Any]:
+    """One published layout priced by our model: the hand plan at the layout (full
+    recomputation for Table 1; the search's choice of recomputation for Llama 3), its
+    predicted step and TFLOP/s per GPU beside the published TFLOP/s and the step it implies."""
+    from autosbp.capturing.rebatch import micro_batch_graphs
+    from autosbp.planner.api import plan_graphs
+
+    case = CASES[name]
+    if case.model == "gpt":
+        row = name.split("/")[0]
+        (tp, pp), published, zero, recompute = TABLE1_LAYOUTS[row], TABLE1_TFLOPS[row], 0, "full"
+    else:
+        (tp, pp, published), zero, recompute = LLAMA3_LAYOUTS[name], LLAMA3_ZERO, "auto"
+    strategy = published_strategy(name.split("/")[0], tp, pp, case.devices, case.batch, zero)
+    model, inputs = build(case)
+    parameters = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    count = int(strategy.split("mb=")[1].split(",")[0])
+    graphs = micro_batch_graphs(model, inputs, (count,), name=name)
+    capture_s = time.perf_counter() - start
+    plan = plan_graphs(
+        graphs, profile=case.profile, devices=case.devices, memory_limit=None,
+        global_batch=case.batch, optimizer="adam", dtype="bf16", strategy=strategy,
+        time_limit_s=300, recompute=recompute,
+    )  # fmt: skip
+    flops = model_flops(case, parameters)
+    step = plan.predicted.step_time_s
+    published_step = flops / (case.devices * published * 1e12)
+    return {
+        "case": name, "strategy": strategy.removeprefix("megatron:"), "recompute": plan.recompute,
+        "capture_s": capture_s, "step_s": step, "published_step_s": published_step,
+        "tflops": flops / (case.devices * step) / 1e12, "published_tflops": published,
+        "peak_gib": max(s.peak_memory_bytes for s in plan.stages) / 2**30,
+    }  # fmt: skip
+
+
+def print_published(rows: list[dict[str, Any]], say: Callable[[str], None] = print) -> None:
+    say(
+        f"{'case':<19} {'layout':<34} {'recompute':>9} {'step s':>7} {'published s':>11} "
+        f"{'ratio':>6} {'TFLOP/s':>7} {'published':>9} {'peak GiB':>8} {'capture s':>9}"
+    )
+    for r in rows:
+        if "error" in r:
+            say(f"{r['case']:<19} failed: {r['error'][:110]}")
+            continue
+        say(
+            f"{r['case']:<19} {r['strategy']:<34} {r['recompute']:>9} {r['step_s']:>7.2f} "
+            f"{r['published_step_s']:>11.2f} {r['step_s'] / r['published_step_s']:>6.3f} "
+            f"{r['tflops']:>7.1f} {r['published_tflops']:>9} {r['peak_gib']:>8.1f} "
+            f"{r['capture_s']:>9.1f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`--published [--cases NAME ...]`: the published layouts' table, each row in a process
+    of its own (`--row NAME` prints one row's JSON)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The published layouts priced by our model.")
+    parser.add_argument("--published", action="store_true", help="the published layouts' table")
+    parser.add_argument("--cases", nargs="*", help="names of CASES (default: every published)")
+    parser.add_argument("--row", help="one row, as JSON (what --published runs per case)")
+    args = parser.parse_args(argv)
+    if args.row:
+        print(json.dumps(published_row(args.row)))
+        return 0
+    names = args.cases or [n for n in CASES if n != "gpt3-175b/1024"]
+    rows = []
+    for name in names:
+        command = [sys.executable, str(Path(__file__).resolve()), "--row", name]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            rows.append({"case": name, "error": (done.stderr.strip().splitlines() or ["?"])[-1]})
+        else:
+            rows.append(json.loads(lines[-1]))
+        print(f"done {name}", file=sys.stderr, flush=True)
+    print_published(rows)
+    flags = f" --cases {' '.join(names)}" if args.cases else ""
+    print(f"regenerate: python bench/frontier.py --published{flags}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path[0] = str(ROOT)  # as a script, bench/ would shadow the costmodel package
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""The real-model table: every model of tests/support/real_models.py through every step a user takes.
+"""The real-model table: every model of tests/support/real_models.py and real_model_families.py
+through every step a user takes.
 
 Steps (one column each): capture on meta and on the CPU with the same fingerprint; plan on 4
 cpu-gloo processes and on 64 DGX A100 GPUs with the hand plans priced beside (`--compare`);
@@ -26,8 +27,8 @@ from autosbp.capturing.export import capture
 from autosbp.planner.api import auto_parallelize
 from launching.workers import run_workers
 from tests.models.test_real_models import STRATEGIES
+from tests.support.real_model_families import BUILDERS
 from tests.support.real_model_workers import train_checked
-from tests.support.real_models import BUILDERS
 
 STEPS = 2
 COLUMNS = ("capture meta = cpu", "plan cpu-gloo 4", "plan dgx-a100 64", "auto", "fsdp", "tp=2")

@@ -6,6 +6,10 @@ Rows, each with its target:
 - data parallel: our Engine under the planner's `dp` plan on 2 gloo processes vs torch
   DistributedDataParallel on the same model, the same global batch (each DDP rank takes its
   half), the same optimizer (Adam); target ratio <= 1.05.
+- dp with the distributed optimizer: our Engine under `megatron:tp=1,pp=1,dp=2,zero=1` (Adam's
+  states split over the 2 gloo processes: gradients reduce-scattered, updated shards
+  all-gathered) vs DDP with torch.distributed.optim.ZeroRedundancyOptimizer over Adam (each
+  rank steps its share of whole parameters and broadcasts them); target <= 1.05.
 - fsdp: our Engine under the planner's `fsdp` plan on 2 gloo processes vs torch FSDP2
   (`torch.distributed.fsdp.fully_shard` on each repeated block and the root,
   reshard_after_forward=True, its default prefetching), each rank half the batch, Adam; our
@@ -18,6 +22,20 @@ Rows, each with its target:
   per stage) on the same model cut at the same place: each torch stage holds exactly the
   parameters the plan puts on that stage (checked), so the blocks are dealt as
   autosbp.planner.pipeline.split_stages deals them; target <= 1.0.
+- 2-stage interleaved 1F1B: our Engine under `megatron:tp=1,pp=2,dp=1,vp=2,mb=4` (2 chunks per
+  rank) vs torch.distributed.pipelining's `ScheduleInterleaved1F1B` on the same 4 chunks (a
+  `PipelineStage` per chunk, 2 per rank), on models of 4 blocks (one per chunk); target <= 1.0.
+- cp=2 (issue #30): our Engine under `megatron:tp=1,pp=1,dp=1,cp=2` (the sequence split in two,
+  causal attention's keys and values all-gathered, its halves balanced) on a long-sequence zoo
+  gpt (`CONTEXT_MODELS`) vs the same training on one process with the whole sequence (eager, run
+  on each rank at once: each rank is one such process, with its share of the cores); target
+  <= 0.75 (set here: each process does half the work, plus the exchanges). Torch's own
+  `context_parallel` (torch.distributed.tensor.experimental, torch 2.13) does not run on CPU: its
+  sharding dispatch has no strategy for `aten._scaled_dot_product_flash_attention_for_cpu`
+  (NotImplementedError), and under the math backend (`sdpa_kernel(SDPBackend.MATH)`) the causal
+  mask, a plain tensor, meets the DTensor scores ("aten.add.Tensor got mixed torch.Tensor and
+  DTensor"); so this row has no torch peer. A second row runs `...,cp=2,ring=1`: the ring kernel
+  (keys and values passed around the ring, each step beside the step's compute).
 
 How it measures: both sides live in the same processes; after `warmup` steps of each, they take
 turns step by step, so each pair of steps meets the same machine load (the cores may be shared).
@@ -82,6 +100,19 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         {"layers": 2, "hidden": 256, "heads": 4, "vocab": 2048, "seq": 64, "batch": 16},
     ),
 }
+# cp=2: attention-heavy (seq 1024, hidden 128: causal attention's dense product, 4 b h L^2 d,
+# is about 1.3x the linears' 24 b L c^2 per layer).
+CONTEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt-seq1024": (
+        "gpt",
+        {"layers": 2, "hidden": 128, "heads": 4, "vocab": 512, "seq": 1024, "batch": 2},
+    ),
+}
+# The interleaved row's: 4 blocks, one per chunk of 2 stages x 2 chunks.
+INTERLEAVED_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mlp-1024": MODELS["mlp-1024"],
+    "gpt-small-4l": ("gpt", {**MODELS["gpt-small"][1], "layers": 4}),
+}
 QUICK_MODELS = {
     "mlp-512": ("mlp", {"layers": 2, "hidden": 512, "features": 512, "outputs": 512, "batch": 64})
 }
@@ -98,17 +129,38 @@ class Comparison:
     micro_batches: int
     reference: Reference
     target_ratio: float
+    models: dict[str, tuple[str, dict[str, Any]]] | None = None  # None: the run's models
 
 
 COMPARISONS = (
     Comparison("dp vs DDP", 2, "dp", 1, Reference.DDP, 1.05),
     Comparison("fsdp vs FSDP2", 2, "fsdp", 1, Reference.FSDP2, 1.05),
+    Comparison(
+        "dp zero=1 vs DDP + ZeroRedundancyOptimizer", 2, "megatron:tp=1,pp=1,dp=2,zero=1", 1,
+        Reference.DDP_ZERO, 1.05,
+    ),
     Comparison("1 process vs eager", 1, "auto", 1, Reference.EAGER, 1.05),
     Comparison(
         "2-stage 1F1B vs Schedule1F1B", 2, "megatron:tp=1,pp=2,dp=1,mb=4", 4,
         Reference.PIPELINING, 1.0,
     ),
+    Comparison(
+        "2-stage interleaved vs ScheduleInterleaved1F1B", 2, "megatron:tp=1,pp=2,dp=1,vp=2,mb=4",
+        4, Reference.INTERLEAVED, 1.0, INTERLEAVED_MODELS,
+    ),
 )  # fmt: skip
+
+CONTEXT = Comparison(
+    "cp=2 vs whole sequence", 2, "megatron:tp=1,pp=1,dp=1,cp=2", 1, Reference.WHOLE, 0.75
+)
+CONTEXT_RING = Comparison(
+    "cp=2 ring vs whole sequence",
+    2,
+    "megatron:tp=1,pp=1,dp=1,cp=2,ring=1",
+    1,
+    Reference.WHOLE,
+    0.75,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +205,7 @@ def bench_worker(rank: int, world_size: int, job: Job) -> dict[str, Timing]:
             model, plan, lambda params: torch.optim.Adam(params, lr=LR), example_inputs=inputs,
             gathers=policy,
         )  # fmt: skip
-        if job.reference is Reference.PIPELINING:
+        if job.reference in (Reference.PIPELINING, Reference.INTERLEAVED):
             reference = pipelining_step(zoo_name, kwargs, inputs, plan, rank)
         else:
             reference = torch_step(zoo_name, kwargs, inputs, rank, world_size, job.reference)
@@ -220,6 +272,18 @@ def run_row(
         )
         for name in models
     }
+
+
+def context_rows(args: argparse.Namespace) -> list[tuple[Comparison, str, Timing]]:
+    """The cp=2 rows (issue #30) on their own models, the all-gather kernel and the ring's: run
+    unless --only or --models names others."""
+    if args.only not in (None, CONTEXT.reference.value) or args.models:
+        return []
+    return [
+        (comparison, name, t)
+        for comparison in (CONTEXT, CONTEXT_RING)
+        for name, t in run_row(CONTEXT_MODELS, comparison, args).items()
+    ]
 
 
 def _threads(processes: int) -> int:
@@ -303,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         (comparison, name, timing)
         for comparison in comparisons
-        for name, timing in run_row(models, comparison, args).items()
-    ]
+        for name, timing in run_row(comparison.models or models, comparison, args).items()
+    ] + context_rows(args)
     command = "python bench/runtime.py " + " ".join(argv if argv is not None else sys.argv[1:])
     console.print(_table(rows, command.strip()))
     return 0

@@ -1,7 +1,9 @@
 """Torch's own training loops that bench/runtime.py measures ours against, one per `Reference`.
 
-Lives here: eager (one process), DistributedDataParallel, FSDP2 (`fully_shard` per block and the
-root) and torch.distributed.pipelining's Schedule1F1B on a stage cut where the plan cuts
+Lives here: eager (one process), DistributedDataParallel (with Adam, or with
+ZeroRedundancyOptimizer over Adam), FSDP2 (`fully_shard` per block and the
+root) and torch.distributed.pipelining's Schedule1F1B (ScheduleInterleaved1F1B for an
+interleaved plan: a stage per chunk, several a rank) on a stage cut where the plan cuts
 (`TorchStage`), each as a step function returning its loss. Lives elsewhere: the rows, the
 alternating measurement and the table (bench/runtime.py).
 """
@@ -28,8 +30,13 @@ class Reference(Enum):
 
     EAGER = "eager"  # forward, backward, Adam in one process
     DDP = "ddp"  # DistributedDataParallel, each rank half the batch
+    # DDP with torch.distributed.optim.ZeroRedundancyOptimizer over Adam: each rank steps the
+    # states of its share of the parameters and broadcasts the updated ones (ZeRO-1)
+    DDP_ZERO = "ddp-zero"
     FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard per block and the root, half the batch
     PIPELINING = "pipelining"  # torch.distributed.pipelining Schedule1F1B, one stage a rank
+    WHOLE = "whole"  # eager on every rank at once, each the whole batch and sequence: one process
+    INTERLEAVED = "interleaved"  # its ScheduleInterleaved1F1B, the plan's chunks on each rank
 
 
 def torch_step(
@@ -41,16 +48,25 @@ def torch_step(
     reference: Reference,
 ) -> Callable[[], float]:
     """Torch's own training step on a fresh copy of the model: eager on one process; DDP or
-    FSDP2 with this rank's slice of the batch on several."""
+    FSDP2 with this rank's slice of the batch on several; WHOLE: eager, the whole batch, on
+    each rank."""
     model, _ = build_model(zoo_name, seed=0, **kwargs)
     local = inputs
     if reference is Reference.FSDP2:
         _fully_shard(model, world)
-    elif world > 1:
+    elif world > 1 and reference is not Reference.WHOLE:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    if world > 1:
+    if world > 1 and reference is not Reference.WHOLE:
         local = tuple(t.chunk(world)[rank] for t in inputs)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer: torch.optim.Optimizer
+    if reference is Reference.DDP_ZERO:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.Adam, lr=LR
+        )
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
@@ -81,28 +97,46 @@ def pipelining_step(
 ) -> Callable[[], float]:
     """torch.distributed.pipelining's training step on this rank's stage of a fresh copy of the
     model (the stage's parameters as `plan` places them): `Schedule1F1B` over the plan's
-    micro-batches, then Adam on the stage. Returns the mean micro-batch loss on the last stage,
+    micro-batches, or `ScheduleInterleaved1F1B` over this rank's chunks where the plan
+    interleaves, then Adam on the stage. Returns the mean micro-batch loss on the last stage,
     NaN on the others."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+    )
 
     model, _ = build_model(zoo_name, seed=0, **kwargs)
-    index = next(s for s, stage in enumerate(plan.stages) if rank in stage.devices)
     count = len(plan.stages)
-    owned = {name for name, param in plan.params.items() if param.stage == index}
-    module = TorchStage(model, zoo_name, owned, first=index == 0, last=index == count - 1)
-    stage = PipelineStage(module, index, count, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, plan.micro_batches, loss_fn=STAGE_PARTS[zoo_name][2])
-    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
+    indices = [s for s, stage in enumerate(plan.stages) if rank in stage.devices]
+    modules = [
+        TorchStage(
+            model, zoo_name, {n for n, p in plan.params.items() if p.stage == index},
+            first=index == 0, last=index == count - 1,
+        )
+        for index in indices
+    ]  # fmt: skip
+    stages = [
+        PipelineStage(module, index, count, torch.device("cpu"))
+        for module, index in zip(modules, indices, strict=True)
+    ]
+    loss_fn = STAGE_PARTS[zoo_name][2]
+    schedule: Any = (
+        ScheduleInterleaved1F1B(stages, plan.micro_batches, loss_fn=loss_fn)
+        if plan.virtual_stages > 1
+        else Schedule1F1B(stages[0], plan.micro_batches, loss_fn=loss_fn)
+    )
+    optimizer = torch.optim.Adam([p for m in modules for p in m.parameters()], lr=LR)
+    first, last = any(m.first for m in modules), any(m.last for m in modules)
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        if module.first:
-            schedule.step(inputs[0])
-        elif module.last:  # the targets feed the loss
-            schedule.step(target=inputs[-1], losses=losses, return_outputs=False)
+        data = (inputs[0],) if first else ()
+        if last:  # the targets feed the loss
+            schedule.step(*data, target=inputs[-1], losses=losses, return_outputs=False)
         else:
-            schedule.step()
+            schedule.step(*data)
         optimizer.step()
         return float(torch.stack(losses).detach().mean()) if losses else math.nan
 

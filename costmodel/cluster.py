@@ -82,6 +82,14 @@ class Cluster:
         overlap = self.profile.efficiency.overlap
         return 0.0 if overlap is None else overlap.base
 
+    @property
+    def causal_skip(self) -> float:
+        """Fraction (0-1) of a causal attention's masked scores the device's kernel skips: the
+        profile's efficiency.causal_skip; 0.0 when the profile has none (priced as a math
+        kernel, which computes every score under the mask)."""
+        skip = self.profile.efficiency.causal_skip
+        return 0.0 if skip is None else skip.base
+
     def op_time_s(
         self, flops: float, nbytes: float, dtype: DType | str, transcendentals: float = 0.0
     ) -> float:

@@ -6,7 +6,8 @@ frozen dataclasses a profile is made of. Lives elsewhere: JSON reading, validati
 
 Invariants: a `Profile` mirrors the JSON file one to one (numbers stay in the unit they were written
 in; `Quantity.base` converts), so save -> load is the identity; an optional field the file omits
-(device.transcendental_rate, efficiency.overlap, efficiency.memory_overlap) is None, and stays
+(device.transcendental_rate, efficiency.overlap, efficiency.memory_overlap,
+efficiency.causal_skip, machine) is None, and stays
 omitted when saved; every `Quantity` has a `Source`; every link class a profile defines has all five collective kinds (send_recv is the p2p cost);
 the JSON shape and its rules are in costmodel/schemas/profile.schema.json.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from costmodel.errors import ProfileError
+from costmodel.machine import Fingerprint
 from costmodel.units import to_base
 
 PROFILE_FORMAT = "autosbp.profile"
@@ -157,6 +159,9 @@ class Efficiency:
     # when it runs beside compute (of the shorter of the two; Galvatron's overlap coefficient)
     memory_overlap: Quantity | None = None  # ratio in [0, 1]: fraction of the shorter of an
     # op's compute time and memory time that the other hides (1: roofline max; 0: their sum)
+    causal_skip: Quantity | None = None  # ratio in [0, 1]: fraction of a causal attention's
+    # masked scores its kernel does not compute (flash kernels skip masked blocks; a math
+    # kernel computes every score under the mask: 0, also what an unstated one means)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +222,17 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class MeasuredOn:
+    """The machine a measured profile describes, and where, when and how it was measured."""
+
+    fingerprint: Fingerprint
+    date: str  # ISO 8601 date and time, UTC
+    command: str  # the command that measured it
+    host: str = ""  # the host name, for people ("" = not recorded); not part of the fingerprint
+    load_1min: float | None = None  # other work's 1-minute load average meanwhile (None: unknown)
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     """A hardware profile: one device kind, its node topology, and its link classes."""
 
@@ -226,6 +242,7 @@ class Profile:
     efficiency: Efficiency
     topology: Topology
     links: tuple[Link, ...]  # in LinkClass order
+    machine: MeasuredOn | None = None  # a machine's own profile says which (None: not stated)
 
     def __repr__(self) -> str:  # the full tree is in the JSON; this is for logs and errors
         links = ", ".join(c.value for c in self.link_classes)

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from costmodel.errors import ProfileError
+from costmodel.machine import Fingerprint
 from costmodel.profile import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
@@ -29,6 +30,7 @@ from costmodel.profile import (
     Efficiency,
     Link,
     LinkClass,
+    MeasuredOn,
     MeasuredTable,
     PeakFlops,
     Profile,
@@ -174,6 +176,7 @@ def profile_from_dict(data: Mapping[str, Any], origin: str) -> Profile:
         given["op_overhead"],
         given.get("overlap"),
         given.get("memory_overlap"),
+        given.get("causal_skip"),
     )
     nodes = None if topo["nodes"] == "scalable" else dec.quantity(topo["nodes"], "$.topology.nodes")
     topology = Topology(
@@ -193,7 +196,27 @@ def profile_from_dict(data: Mapping[str, Any], origin: str) -> Profile:
             "add links.inter_node (measured across hosts, or from the NIC spec), or set "
             'topology.nodes to {"value": 1, "unit": "nodes", ...}',
         )
-    return Profile(data["name"], data.get("description", ""), device, efficiency, topology, links)
+    machine = _measured_on(data["machine"]) if "machine" in data else None
+    return Profile(
+        data["name"], data.get("description", ""), device, efficiency, topology, links, machine
+    )
+
+
+def _measured_on(obj: Mapping[str, Any]) -> MeasuredOn:
+    fingerprint = Fingerprint(obj["cpu"], obj["cores"], obj["memory_bytes"], obj["torch"])
+    return MeasuredOn(
+        fingerprint, obj["date"], obj["command"], obj.get("host", ""), obj.get("load_1min")
+    )
+
+
+def _machine_dict(on: MeasuredOn) -> dict[str, Any]:
+    f = on.fingerprint
+    where = {"host": on.host} if on.host else {}
+    load = {} if on.load_1min is None else {"load_1min": on.load_1min}
+    return {
+        "cpu": f.cpu, "cores": f.cores, "memory_bytes": f.memory_bytes, "torch": f.torch,
+        **where, **load, "date": on.date, "command": on.command,
+    }  # fmt: skip
 
 
 def _check_leaves(data: Mapping[str, Any], origin: str) -> None:
@@ -286,6 +309,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             "op_overhead": enc.quantity(e.op_overhead),
             **enc.optional("overlap", e.overlap),
             **enc.optional("memory_overlap", e.memory_overlap),
+            **enc.optional("causal_skip", e.causal_skip),
         },
         "topology": {
             "devices_per_node": enc.quantity(t.devices_per_node),
@@ -302,6 +326,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     head = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": profile.name}
     if profile.description:
         head["description"] = profile.description
+    if profile.machine is not None:
+        head["machine"] = _machine_dict(profile.machine)
     if enc.shared:
         head["sources"] = enc.shared
     return {**head, **body}

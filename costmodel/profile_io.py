@@ -1,6 +1,7 @@
 """Find, read, validate and write hardware profile files.
 
-Lives here: `load_profile` (a shipped name or a path), `save_profile`, `shipped_profiles`, and the
+Lives here: `load_profile` (a shipped name or a path), `save_profile` (atomic), `shipped_profiles`,
+where this machine's profile is cached (`cache_dir`, `machine_profile_path`), and the
 translation of JSON and JSON Schema failures into one-paragraph `ProfileError`s (file, JSON path,
 problem, expected, fix). Lives elsewhere: dict <-> dataclass conversion and the semantic checks
 (`profile_codec`), the schema itself (costmodel/schemas/profile.schema.json, package data).
@@ -8,7 +9,8 @@ problem, expected, fix). Lives elsewhere: dict <-> dataclass conversion and the 
 Shipped profiles are the JSON files in `costmodel/profiles/`, package data: a wheel, an editable
 install and a source checkout all see them. Directories listed in the environment variable
 AUTOSBP_PROFILE_PATH (os.pathsep-separated) are searched first (a file there named like a shipped
-one replaces it). A path always works.
+one replaces it). The name "machine" is this machine's measured profile, cached per user
+(`cache_dir`; measured and kept fresh by `costmodel.machine_profile`). A path always works.
 
 Invariants: nothing is loaded without passing the schema and the codec's checks; the format name
 and version are checked before the schema, so an old or future file says so instead of listing
@@ -17,6 +19,7 @@ field errors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from functools import cache
@@ -32,6 +35,8 @@ if TYPE_CHECKING:
     from jsonschema.exceptions import ValidationError
 
 PROFILE_PATH_ENV = "AUTOSBP_PROFILE_PATH"
+CACHE_DIR_ENV = "AUTOSBP_CACHE_DIR"
+MACHINE_PROFILE = "machine"  # the name of this machine's measured, cached profile
 SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # package data
 _LINE_WIDTH = 100  # columns; longer objects and lists are spread over lines
 _QUANTITY_HINT = 'every number is written {"value": ..., "unit": ..., "source": ...}'
@@ -78,14 +83,39 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
 
 
 def save_profile(profile: Profile, path: str | os.PathLike[str]) -> Path:
-    """Write `profile` as JSON (validated against the schema first); returns the path."""
+    """Write `profile` as JSON (validated against the schema first), atomically: a temporary
+    file beside it, then a rename, so a kill or a full disk never leaves half a profile."""
     out = Path(path)
     data = profile_to_dict(profile)
     _check_schema(data, f"{out} (being saved)")
     profile_from_dict(data, f"{out} (being saved)")  # NaN or an overflowed fit: not written
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_format_json(data) + "\n", encoding="utf-8")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # a name per writer: no two share one
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(_format_json(data) + "\n", encoding="utf-8")
+        os.replace(tmp, out)
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # a read-only folder refuses the cleanup too
+            tmp.unlink(missing_ok=True)
+        raise ProfileError(
+            f"profile {out}: cannot be written ({exc.strerror or exc}). Fix: choose a path in a "
+            "writable directory with free space."
+        ) from None
     return out
+
+
+def cache_dir() -> Path:
+    """The per-user folder this machine's measured profile is cached in: $AUTOSBP_CACHE_DIR,
+    else $XDG_CACHE_HOME/autosbp/profiles, else ~/.cache/autosbp/profiles (made when written)."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg if xdg else Path.home() / ".cache") / "autosbp/profiles"
+
+
+def machine_profile_path() -> Path:
+    """Where this machine's profile is cached (see `costmodel.machine_profile`)."""
+    return cache_dir() / f"{MACHINE_PROFILE}.json"
 
 
 def _resolve(name_or_path: str | os.PathLike[str]) -> Path:
@@ -95,6 +125,15 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> Path:
     shipped = shipped_profiles()
     if text in shipped:
         return shipped[text]
+    if text == MACHINE_PROFILE:
+        cached = machine_profile_path()
+        if cached.is_file():
+            return cached
+        raise ProfileError(
+            f"profile {MACHINE_PROFILE!r}: this machine's profile is not measured yet (no "
+            f"{cached}). Fix: run `autosbp profile --refresh` (a few seconds), or pass a shipped "
+            f"profile: {', '.join(sorted(shipped)) or 'none'}."
+        )
     where = ", ".join(str(d) for d in profile_dirs()) or f"{SHIPPED_PROFILES_DIR} (missing)"
     raise ProfileError(
         f"no shipped profile named {text!r} (searched {where}; available: "

@@ -46,6 +46,7 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.errors import ExecutionError, NonFiniteError
 from autosbp.plan import Plan, check_plan
 from autosbp.plan.recompute import recomputed_nodes
+from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh, NdSbp, parse_nd_sbp
 from autosbp.schedule import stage_orders
 from autosbp.timeline import SpanHook
@@ -53,7 +54,7 @@ from runtime.execute.groups import build_groups, world_timeout
 from runtime.execute.instructions import Boxer
 from runtime.execute.program import Program, Value, build_program
 from runtime.execute.signatures import read_signatures
-from runtime.parallel.gathers import GatherPolicy, plan_gather_policy
+from runtime.parallel.gathers import GatherPolicy, gathers_parameters, plan_gather_policy
 from runtime.parallel.grad_sync import GradSync, build_grad_sync
 from runtime.parallel.pipeline import (
     LossBoxing,
@@ -113,6 +114,8 @@ class Engine:
         self.rank = dist.get_rank()
         meshes = stage_meshes(plan)
         self.stage, self.index = locate(meshes, self.rank)
+        # The (virtual) stages this rank runs: its stage, and interleaved its v chunks.
+        self.chunks = tuple(range(self.stage, len(meshes), plan.pipeline_stages))
         self.mesh = meshes[self.stage]
         self.coords = self.mesh.coords(self.index)
         self.signatures = read_signatures(graph, plan, self.mesh.shape)
@@ -125,19 +128,26 @@ class Engine:
         self._timeout = world_timeout()
         stage_of = node_stages(plan)
         boundaries = stage_boundaries(graph, stage_of)
-        self.program = self._build_program(meshes, stage_of, boundaries, gathers)
+        _check_schedule(plan, graph, self.signatures, self.boxer)
+        self.programs = [
+            self._build_program(meshes, stage_of, boundaries, gathers, chunk)
+            for chunk in self.chunks
+        ]
+        self.program = self.programs[0]  # its gathers: interleaved plans have none
         self._state_layouts = _state_layouts(plan, self.layouts)  # read by every checkpoint
         self.update = build_sharded_update(
-            self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer
-        )
+            self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer,
+            frozenset(n for n, p in plan.params.items() if p.gradient_sbp != p.sbp),
+        )  # fmt: skip
         self.grad_sync = self._build_grad_sync(meshes, self.program.gathers)
         self.optimizer = optimizer_factory(list(self.optimized.values()))
         self.recorder = recorder
         self._span = recorder.span if recorder is not None else _no_span
         self.pipeline = self._build_pipeline(meshes, stage_of, boundaries)
         _connect_gathers(self.program.gathers, recorder, self.grad_sync)
-        if self.program.op_comm is not None:  # exchanges inside ops are spans too
-            self.program.op_comm.span_hook = recorder
+        for program in self.programs:
+            if program.op_comm is not None:  # exchanges inside ops are spans too
+                program.op_comm.span_hook = recorder
 
     # ---- the parts, each built by one call -------------------------------------------------
 
@@ -147,15 +157,17 @@ class Engine:
         stage_of: Mapping[str, int],
         boundaries: Boundaries,
         gathers: GatherPolicy | None,
+        stage: int,
     ) -> Program:
-        """This stage's program: what it receives and sends, what it recomputes (the plan's
-        nodes) and how it gathers parameters (the plan's policy, or `gathers`)."""
+        """`stage`'s program (this rank's, or one of its chunks): what it receives and sends,
+        what it recomputes (the plan's nodes) and how it gathers parameters (the plan's
+        policy, or `gathers`)."""
         graph, signatures = self.graph, self.signatures
-        policy = gathers or plan_gather_policy(self.plan, self.stage)
-        received, sent = stage_values(boundaries, self.stage)
+        policy = gathers or plan_gather_policy(self.plan, stage)
+        received, sent = stage_values(boundaries, stage)
         return build_program(
             graph, signatures, self.state, self.coords, self.boxer,
-            stage_of=stage_of, stage=self.stage, received=received, sent=sent,
+            stage_of=stage_of, stage=stage, received=received, sent=sent,
             recomputed=recomputed_nodes(self.plan, graph),
             gathering=gather_setup(graph, signatures, self.boxer, meshes, policy, self._timeout),
         )  # fmt: skip
@@ -165,7 +177,7 @@ class Engine:
     ) -> GradSync:
         """Gradient sync of this stage's parameters (the gathers' schedule adds in the
         gradients it reduce-scatters itself: `deferred`)."""
-        synced = {n: t for n, t in self.parameters.items() if n not in self.update.names}
+        synced = {n: t for n, t in self.parameters.items() if n not in self.update.unsynced}
         return build_grad_sync(
             synced, self.layouts, self.shards.trained, meshes, self.mesh, self._timeout,
             self.plan.grad_bucket_bytes, deferred=scheduled.deferred if scheduled else (),
@@ -174,15 +186,26 @@ class Engine:
     def _build_pipeline(
         self, meshes: Sequence[Mesh], stage_of: Mapping[str, int], boundaries: Boundaries
     ) -> Pipeline:
-        """The stage's firings in its 1F1B order (`stage_orders`), its traffic with the other
-        stages, the loss's seed, and the rank that tells every rank the loss."""
-        links = build_links(self.graph, self.signatures, boundaries, meshes, self.stage, self.index)
+        """The stage's firings in the plan's schedule (`stage_orders`), each chunk's traffic
+        with the other stages, the loss's seed, and the rank that tells every rank the loss."""
+        plan, graph = self.plan, self.graph
+        transfers = [
+            Transfers(
+                build_links(graph, self.signatures, boundaries, meshes, chunk, self.index),
+                self._timeout, self._span,
+            )
+            for chunk in self.chunks
+        ]  # fmt: skip
         loss_stage = meshes[stage_of["output"]] if "output" in stage_of else meshes[-1]
+        layout = next((p.loss_layout for p in self.programs if p.loss_layout is not None), None)
+        order = stage_orders(
+            plan.pipeline_stages, self.micro_batches, virtual_stages=plan.virtual_stages
+        )[self.stage]
         return Pipeline(
-            program=self.program,
-            transfers=Transfers(links, self._timeout, self._span),
-            order=stage_orders(len(meshes), self.micro_batches)[self.stage],
-            loss=LossBoxing.build(self.boxer, self.program.loss_layout),
+            programs=self.programs,
+            transfers=transfers,
+            order=order,
+            loss=LossBoxing.build(self.boxer, layout),
             micro_batches=self.micro_batches,
             arm=self.grad_sync.arm,
             loss_root=loss_stage.device_ids[0],
@@ -234,7 +257,8 @@ class Engine:
 
     def step(self, batch: Sequence[torch.Tensor]) -> float:
         """One training step on the global `batch` (the same tensors on every rank): this
-        stage's forward and backward of each micro-batch in its 1F1B order (`stage_orders`),
+        stage's forward and backward of each micro-batch (of each of its chunks, interleaved)
+        in the plan's schedule (`stage_orders`),
         activations and gradients exchanged with the other stages, gradients accumulated (each
         loss scaled by 1/micro-batches: the loss must be a mean over the batch), gradient sync,
         optimizer step. Returns the full loss (the mean over micro-batches) on every rank.
@@ -243,12 +267,12 @@ class Engine:
         self.grad_sync.zero_grad()  # bucketed gradients: zeroed views of their buckets
         self.update.zero_grad()  # ZeRO-1's: zeroed in place
         value = self.pipeline.run(split_micro_batches(batch, self.micro_batches))
-        with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's scatter
+        with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's slices
             self.grad_sync.finish()
             self.update.scatter_gradients()
         loss = self.pipeline.share_loss(value)  # every rank has the loss of the last stage
         with self._span("optimizer"):  # the check, then the update (priced as one)
-            bad = first_non_finite(loss, self.parameters, self.shards.trained)
+            bad = first_non_finite(loss, self.optimized, self.shards.trained)
             if bad is None:
                 self.optimizer.step()
                 self.update.gather_weights()
@@ -282,6 +306,21 @@ def _check_world(plan: Plan) -> None:
         )
     agree_on_plan(plan)
     plan.check_world(dist.get_world_size())
+
+
+def _check_schedule(
+    plan: Plan, graph: OpGraph, signatures: Mapping[str, NdSignature], boxer: Boxer
+) -> None:
+    """ExecutionError for a schedule this runtime cannot run: interleaving beside parameter
+    gathers (each chunk would prefetch on its own; every rank decides alike, from the whole
+    graph)."""
+    if plan.virtual_stages > 1 and gathers_parameters(graph, signatures, boxer):
+        raise ExecutionError(
+            f"the plan interleaves {plan.virtual_stages} model chunks per stage and gathers "
+            "parameters (an FSDP/ZeRO-3 layout); the runtime does not run both together yet. "
+            "Make the plan with vp=1, or with layouts that keep each parameter whole or split "
+            "without gathers (megatron:...,vp=V without fsdp)."
+        )
 
 
 def _checked_graph(
@@ -320,5 +359,5 @@ def _connect_gathers(
 
 
 @contextlib.contextmanager
-def _no_span(kind: str, micro_batch: int | None = None) -> Iterator[None]:
+def _no_span(kind: str, micro_batch: int | None = None, chunk: int = 0) -> Iterator[None]:
     yield

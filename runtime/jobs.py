@@ -131,7 +131,8 @@ def plan_optimizer(kind: str, lr: float) -> Callable[[Any], torch.optim.Optimize
 
 def check_spec(spec: TrainSpec, plan: Plan) -> None:
     """What a job refuses before any process starts: a plan's optimizer it cannot train with,
-    and checkpoints without Adam (a checkpoint counts the steps trained by Adam's `step`)."""
+    checkpoints without Adam (a checkpoint counts the steps trained by Adam's `step`) and of an
+    interleaved plan."""
     plan_optimizer(plan.optimizer, spec.lr)
     if spec.checkpoint_dir is not None and plan.optimizer != "adam":
         raise ExecutionError(
@@ -139,6 +140,10 @@ def check_spec(spec: TrainSpec, plan: Plan) -> None:
             f"Adam's step), but the plan is for {plan.optimizer}; train without "
             "--checkpoint-dir, or make the plan with `autosbp plan --optimizer adam`."
         )
+    if spec.checkpoint_dir is not None:
+        from runtime.state.checkpoint_load import refuse_interleaved
+
+        refuse_interleaved(plan.virtual_stages, "save")
 
 
 def train(spec: TrainSpec, on_step: Callable[[StepProgress], None] | None = None) -> TrainResult:
@@ -353,13 +358,13 @@ class _Progress:
         self.step = 0
 
     def span(
-        self, kind: str, micro_batch: int | None = None
+        self, kind: str, micro_batch: int | None = None, chunk: int = 0
     ) -> contextlib.AbstractContextManager[None]:
         of = "" if micro_batch is None else f" of micro-batch {micro_batch}"
         report_progress(f"step {self.step}: {kind}{of}")
         if self.recorder is None:
             return contextlib.nullcontext()
-        return self.recorder.span(kind, micro_batch)
+        return self.recorder.span(kind, micro_batch, chunk)
 
 
 def _resume(engine: Any, spec: TrainSpec) -> int:

@@ -11,7 +11,9 @@ Lives here, one module per responsibility:
 - `flops`: op families, flop and transcendental counts by formula;
 - `blocks`: which nodes belong to repeated block k (transformer layer k);
 - `batches`: cutting a batch into micro-batches (shared with the runtime);
-- `rebatch`: the graph at any batch size from two captures.
+- `rebatch`: the graph at any batch size from two captures;
+- `repeats`, `depth_family`: the graph of a model with many alike layers from exports of 3, 4
+  and 5 of them (what `capture` tries first).
 Lives elsewhere: which SBP signatures an op has (`rules`), prices and plans (`planner`), the
 distributed interpreter (`runtime`). Capture knows nothing of the planner or the pipeline
 schedule: nothing here imports them.

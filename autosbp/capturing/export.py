@@ -6,7 +6,9 @@ the model is on, then `builder.GraphBuilder`'s nodes, the tied parameters and th
 cannot run) and `run_graph`, the reference interpreter of a captured graph. Lives elsewhere:
 the node/edge vocabulary (`graph`), one node per fx node in canonical form (`builder`), export
 failures as messages (`failures`), flop formulas and op families (`flops`), repeated blocks
-(`blocks`), SBP rules (`rules`), the distributed interpreter (`runtime`).
+(`blocks`), a model of many alike layers from shallow exports (`repeats`: tried first; the
+whole export where it returns None), SBP rules (`rules`), the distributed interpreter
+(`runtime`).
 
 Invariants:
 - The graph does not depend on the model's device: export sees fake tensors on one device
@@ -21,6 +23,10 @@ Invariants:
   stats) stay in place, so interpreting the nodes in `order` computes the loss and buffer
   updates exactly; in-place writes into activations are functional where that is exact
   (`builder`).
+- Each example input is its own placeholder, even one tensor passed twice (`(ids, ids)` as ids
+  and labels): the graph does not depend on how the inputs alias (micro-batches do not).
+- A model of >= `repeats.MIN_LAYERS` alike layers is built from exports of 3, 4 and 5 of them,
+  equal to the whole export (`repeats`); its `program` is None.
 - A tied parameter (one tensor under two names) is one PARAMETER node, under the name export
   feeds its uses from; `meta["tied"]` maps the other names to it.
 - `OpGraph.meta`: "constants" (lifted constant tensors by name, real values: made in forward
@@ -48,8 +54,10 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from autosbp.capturing.batches import split_micro_batches
 from autosbp.capturing.blocks import assign_blocks
 from autosbp.capturing.builder import GraphBuilder, tensors_of
+from autosbp.capturing.ctc import padded_ctc
 from autosbp.capturing.failures import explain_export_failure, torch_report_held_back
 from autosbp.capturing.graph import STRIDE_FREE, InputRef, OpGraph, Role, run_device
+from autosbp.capturing.repeats import capture_by_repeats
 from autosbp.capturing.training_ifs import (
     Absorbed,
     absorbing_ifs,
@@ -72,13 +80,21 @@ def capture(
     name = name or type(model).__name__
     args = _check_inputs(model, example_inputs, name)
     start = time.perf_counter()
+    opgraph = capture_by_repeats(model, args, name, _capture_whole)
+    if opgraph is None:  # no repeated layers, or not provably repeated: every layer exported
+        opgraph = _capture_whole(model, args, name)
+    opgraph.meta["capture_s"] = time.perf_counter() - start
+    return opgraph
+
+
+def _capture_whole(model: nn.Module, args: tuple[torch.Tensor, ...], name: str) -> OpGraph:
+    """`capture` by one export of the whole model."""
     absorbed = Absorbed()
     program = _export(model, args, name, absorbed)
     _check_loss(program, name)
     check_assumptions(absorbed, model, args, name)
     opgraph = _build_opgraph(program, model, name)
     opgraph.meta["absorbed"] = absorbed.lines()
-    opgraph.meta["capture_s"] = time.perf_counter() - start
     return opgraph
 
 
@@ -156,6 +172,7 @@ def _export(
         with (
             torch_report_held_back(),
             _on_fake_cpu(model, args) as (fake_args, originals),
+            padded_ctc(absorbed),
             absorbing_ifs(absorbed),
         ):
             program = torch.export.export(model, fake_args, strict=False)
@@ -212,7 +229,11 @@ def _on_fake_cpu(
                     if tensor is not None:
                         swapped.append((table, key, tensor))
                         table[key] = fake(tensor)
-        yield tuple(fake(a) for a in args), originals
+        # each input its own fake, even one passed twice ((ids, ids) as inputs and labels):
+        # export would feed both uses from one placeholder, so the graph would depend on the
+        # aliasing of inputs, which micro-batching undoes (and rebatching would refuse)
+        fresh = [a.view(a.shape) for a in args]  # held here: their ids stay theirs
+        yield tuple(fake(a) for a in fresh), originals
     finally:
         for table, key, tensor in reversed(swapped):
             table[key] = tensor

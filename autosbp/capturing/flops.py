@@ -11,6 +11,9 @@ Conventions (one multiply-add = 2 flops, fp32 or not):
              Bias adds are not counted (they are O(out_numel) next to O(out_numel * k)).
   attention  SDPA: 4 * b * h * s_q * s_kv * d (QK^T and PV), NOT halved for `is_causal`: the
              same convention as torch.utils.flop_counter, and what a dense kernel executes.
+             What a kernel computes of it (a flash kernel skips causal's masked blocks, the
+             sequence-split kernel reads only the keys its rows see) is priced apart, per
+             signature and profile: `rules.work_fraction`.
   conv       2 * out_numel * (c_in / groups) * prod(kernel) = 2 * out_numel * prod(w.shape[1:]).
   norm, softmax, loss: a few flops per input element (`_PER_ELEMENT` below, derived by counting
              the passes: e.g. layer norm = mean, variance, subtract, scale, shift).
@@ -59,6 +62,7 @@ _FAMILY_OPS: dict[str, tuple[str, ...]] = {
         "binary_cross_entropy_with_logits",
         "binary_cross_entropy",
         "smooth_l1_loss",
+        "ctc_loss",  # autosbp::ctc_loss: a T x (2S + 1) lattice, about log_probs' T x C
     ),
     "embedding": ("embedding", "index_select", "gather", "index"),
     "reduction": (

@@ -154,7 +154,7 @@ class OpGraph:
 
     def node(self, name: str) -> OpNode:
         """The data of node `name`."""
-        node: OpNode = self.graph.nodes[name][_NODE]
+        node: OpNode = self.graph._node[name][_NODE]  # the node view's lookup, without its checks
         return node
 
     def nodes(self, role: Role | None = None) -> Iterator[tuple[str, OpNode]]:

@@ -38,14 +38,14 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 from torch.overrides import TorchFunctionMode
 
 from autosbp.errors import CaptureError
 
-__all__ = ["Absorbed", "absorbing_ifs", "check_assumptions", "drop_dead_code"]
+__all__ = ["Absorbed", "absorbing_ifs", "check_assumptions", "drop_dead_code", "user_line"]
 
 # (draw on the left) comparison -> its value for every draw in [0, 1), or None if it depends
 _COMPARE: dict[Any, Callable[[float], bool | None]] = {
@@ -63,6 +63,7 @@ _ALIASES = {
     torch.ge: torch.Tensor.ge,
 }  # fmt: skip
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_MODE_FILES = {__file__, str(Path(__file__).with_name("ctc.py"))}  # frames of capture's modes
 
 
 @dataclass
@@ -71,10 +72,13 @@ class Absorbed:
 
     draws: list[tuple[str, str, str]] = field(default_factory=list)
     assumed: list[tuple[str, str, str]] = field(default_factory=list)
+    rewritten: list[tuple[str, str, str]] = field(default_factory=list)
+    """Calls capture traced in another form of the same values (`capturing.ctc`)."""
 
     def lines(self) -> list[str]:
         """One line per absorbed statement, for capture's report."""
-        rows = [f"{where} `{code}`: {how}" for where, code, how in [*self.draws, *self.assumed]]
+        every = [*self.draws, *self.assumed, *self.rewritten]
+        rows = [f"{where} `{code}`: {how}" for where, code, how in every]
         return list(dict.fromkeys(rows))  # a line run once per layer is said once
 
 
@@ -109,14 +113,14 @@ class _Absorbing(TorchFunctionMode):
             compare, left, right = _MIRROR[compare], right, left
         if id(left) not in self._draws or not _is_number(right):
             return None
-        where, code = _user_line()
+        where, code = user_line()
         value = _COMPARE[compare](float(right))
         if value is None:
             raise CaptureError(
                 f"{where} `{code}` compares a random draw with {right}: whether the branch runs "
-                "is decided anew every step (LayerDrop), and one graph holds one path. Plan and "
-                "train with the probability at 0 (e.g. `layerdrop=0.0` in the model's config); "
-                "at 0 the branch never runs and capture drops it."
+                "is decided anew every step (LayerDrop), and one graph holds one path (a layer "
+                f"skipped per step is not supported). Fix: {_setting(float(right))} before "
+                "building the model; at 0 the branch never runs and capture drops it."
             )
         self.absorbed.draws.append((where, code, f"always {value} (a draw in [0, 1) vs {right})"))
         return value
@@ -136,21 +140,39 @@ class _Absorbing(TorchFunctionMode):
         return bool(func(*args))
 
 
+def _setting(probability: float) -> str:
+    """What to set to 0: the model config's LayerDrop fields of this value, else the attribute
+    of the module (`self`) at the user's line that holds it."""
+    frame = _user_frame()
+    owner = frame.f_locals.get("self") if frame is not None else None
+    config = getattr(owner, "config", None)
+    fields = [
+        k for k, v in vars(config).items() if "layer" in k and "drop" in k and v == probability
+    ] if config is not None and hasattr(config, "__dict__") else []  # fmt: skip
+    if fields:
+        settings = " and ".join(f"`{k}=0.0`" for k in fields)
+        return f"set {settings} in the model's `{type(config).__name__}`"
+    held = [k for k, v in vars(owner).items() if v == probability] if owner is not None else []
+    if held:
+        return f"set `{type(owner).__name__}.{held[0]}` to 0.0 (it holds {probability})"
+    return "set the model's LayerDrop probability to 0.0 (e.g. `layerdrop=0.0` in its config)"
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _user_frame() -> FrameType | None:
-    """The innermost frame outside torch and this module: the model's code."""
+    """The innermost frame outside torch and capture's modes: the model's code."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and (
-        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__
+        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename in _MODE_FILES
     ):
         frame = frame.f_back
     return frame
 
 
-def _user_line() -> tuple[str, str]:
+def user_line() -> tuple[str, str]:
     frame = _user_frame()
     if frame is None:
         return "<unknown>", ""
@@ -235,15 +257,40 @@ def drop_dead_code(program: ExportedProgram, absorbed: Absorbed) -> None:
     random op is impure, so export keeps it) and the ops that computed an assumed check's
     condition, so the graph computes no value it does not use. Ops that write in place or
     assert stay."""
-    if not absorbed.draws and not absorbed.assumed:
+    if not absorbed.draws and not absorbed.assumed and not absorbed.rewritten:
         return
     graph = program.graph_module.graph
+    erased: set[fx.Node] = set()
     for node in reversed(list(graph.nodes)):
-        if node.op != "call_function" or node.users:
+        if node.op != "call_function" or node in erased:
             continue
-        if node.target in _DRAW_OPS or not node.is_impure():
+        checks = _size_checks_only(node)
+        if checks is not None:  # its size checked, its value read by nothing
+            for check in reversed([n for n in graph.nodes if n in checks]):
+                graph.erase_node(check)
+            erased |= checks
+        if not node.users and (node.target in _DRAW_OPS or not node.is_impure()):
             graph.erase_node(node)
     program.graph_module.recompile()
 
 
+def _size_checks_only(node: fx.Node) -> set[fx.Node] | None:
+    """The nodes downstream of `node` when all they do is check its size (export's runtime
+    assertions on a data-dependent size: `sym_size`, comparisons, `_assert_scalar`), else None."""
+    seen: set[fx.Node] = set()
+    todo = list(node.users)
+    while todo:
+        user = todo.pop()
+        if user in seen:
+            continue
+        if user.op != "call_function" or (
+            isinstance(user.target, torch._ops.OpOverload) and user.target not in _SIZE_CHECKS
+        ):
+            return None
+        seen.add(user)
+        todo.extend(user.users)
+    return seen or None
+
+
 _DRAW_OPS = (torch.ops.aten.rand.default, torch.ops.aten.rand.generator)
+_SIZE_CHECKS = (torch.ops.aten.sym_size.int, torch.ops.aten._assert_scalar.default)

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.plan import print_notes, time_limit_notes
+from autosbp.commands.profile import default_profile
 from autosbp.commands.train import plan_for, train_and_report, train_spec
 from autosbp.plan import (
     Plan,
@@ -63,10 +64,11 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     name, model_args = DEMO_MODEL
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    console.rule(f"1. plan a small GPT for {args.nproc} CPU processes (profile cpu-gloo)")
+    profile = default_profile(console)
+    console.rule(f"1. plan a small GPT for {args.nproc} CPU processes (profile {profile})")
     with time_limit_notes() as notes:
         plan = plan_for(
-            name, model_args, "auto", args.nproc, "cpu-gloo", console, compare=True,
+            name, model_args, "auto", args.nproc, profile, console, compare=True,
             time_limit_s=args.time_limit_s,
         )  # fmt: skip
     console.print(summary_table(plan))

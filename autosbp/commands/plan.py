@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments, load_from_args
+from autosbp.commands.profile import default_profile
 from autosbp.errors import AutosbpError, PlanError
 from autosbp.plan import (
     Plan,
@@ -39,9 +40,9 @@ GIB = 2**30
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     add_model_arguments(parser, meta_by_default=True)
     parser.add_argument(
-        "--profile", default="cpu-gloo",
+        "--profile",
         help="a shipped profile name (`autosbp profiles`) or a profile JSON path (default: "
-        "cpu-gloo)",
+        "this machine's, measured the first time and cached; see `autosbp profiles`)",
     )  # fmt: skip
     parser.add_argument(
         "--devices", type=positive_int, required=True, help="number of devices to plan for"
@@ -67,9 +68,10 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategy",
         default="auto",
-        help="auto (the search), dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C] (M "
-        "micro-batches; E: expert-parallel degree, experts split over E of the D data-parallel "
-        "devices; C: context-parallel degree, the sequence split in attention) (default: auto)",
+        help="auto (the search), dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C][,vp=V] "
+        "(M micro-batches; E: expert-parallel degree, experts split over E of the D "
+        "data-parallel devices; C: context-parallel degree, the sequence split in attention; V: "
+        "model chunks per pipeline stage, interleaved 1F1B, M a multiple of P) (default: auto)",
     )
     parser.add_argument(
         "--recompute",
@@ -137,14 +139,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     model, inputs = load_from_args(args)
     if args.dtype is not None:  # the command built the model: it may cast it, real or meta
         inputs = in_dtype(model, inputs, args.dtype, owned=True)
-    what = f"planning {printable(args.model)} for {args.devices} devices of {args.profile}"
+    profile = default_profile(console, args.profile)
+    what = f"planning {printable(args.model)} for {args.devices} devices of {printable(profile)}"
     with activity(console, what) as act, time_limit_notes() as notes:
         plan = auto_parallelize(
             model,
             inputs,
             name=args.model,
             micro_batches=args.micro_batches,
-            profile=args.profile,
+            profile=profile,
             devices=args.devices,
             memory_limit=None if args.memory_gib is None else int(args.memory_gib * GIB),
             global_batch=args.global_batch,

@@ -19,16 +19,30 @@ from rich.console import Console
 from rich.table import Table
 
 from costmodel.errors import ProfileError
+from costmodel.machine_profile import (
+    DEFAULT_PROFILE_ENV,
+    MACHINE_NPROC,
+    cached_machine_profile,
+    default_profile_name,
+    measured_loaded,
+)
 from costmodel.prices import CollectivePrice, bus_factor
 from costmodel.profile import CollectiveKind, DType, Profile
 from costmodel.profile_io import (
+    CACHE_DIR_ENV,
+    MACHINE_PROFILE,
     PROFILE_PATH_ENV,
     load_profile,
+    machine_profile_path,
     profile_dirs,
     save_profile,
     shipped_profiles,
 )
 from terminal.progress import activity
+
+FALLBACK_PROFILE = "cpu-gloo"  # shipped: the default where this machine's cannot be measured
+# measured on 2 cores: 4.4 s (8 s with start-up) quiet; 8-9 s at load 5-10, 19 s at load 12
+MACHINE_MEASURE_S = "5-10 s on a quiet machine"
 
 if TYPE_CHECKING:  # the profiler pulls in torch: imported only when `profile` runs
     from costmodel.measure.items import ProfilerConfig
@@ -54,7 +68,16 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="fewer sizes and repeats (default: the full run)"
     )
-    parser.add_argument("--out", type=Path, required=True, help="profile JSON to write (+ .png)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--out", type=Path,
+        help="profile JSON to write (+ .png) (default: none; --out or --refresh is required)",
+    )  # fmt: skip
+    where.add_argument(
+        "--refresh", action="store_true",
+        help="re-measure this machine's profile, the default of local CPU work, in its cache "
+        f"(${CACHE_DIR_ENV}, else $XDG_CACHE_HOME/autosbp/profiles or ~/.cache/autosbp/profiles)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -63,8 +86,94 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print(table)
         for path, reason in skipped:
             console.print(f"skipped {path}: {reason}", markup=False, soft_wrap=True)
+        console.print(_machine_line(), markup=False, soft_wrap=True)
+        return 0
+    if args.refresh:
+        if args.backend != "gloo" or args.devices_per_node not in (None, args.nproc):
+            raise ProfileError(
+                "--refresh measures this machine's CPU profile on gloo ranks of one node; drop "
+                "--backend and --devices-per-node (or write another profile with --out PATH)."
+            )
+        _config(args)  # the same refusals as --out (an odd --nproc)
+        start = time.monotonic()
+        _measure_machine(console, "re-measuring this machine's profile", args.quick, args.nproc)
+        console.print(
+            f"measured in {time.monotonic() - start:.1f} s: {machine_profile_path()}",
+            markup=False, soft_wrap=True,
+        )  # fmt: skip
         return 0
     return _run_profile(args, console)
+
+
+def default_profile(
+    console: Console, requested: str | None = None, *, may_measure: bool = True
+) -> str:
+    """The profile local CPU work uses: `requested` (--profile), else `default_profile_name()`;
+    where that is this machine's ("machine"), it is measured now (with a progress line) if it
+    is not cached or the machine changed. Without `may_measure` (under torchrun, whose ranks
+    all run already) a missing one is not measured: the shipped cpu-gloo is used, with a note
+    saying how to measure."""
+    name = requested or default_profile_name()
+    if name != MACHINE_PROFILE:
+        return name
+    cached = cached_machine_profile()
+    if cached.profile is not None:
+        return name
+    if not may_measure:
+        console.print(
+            f"note: this machine's profile is {cached.why_not}, so this plan is priced with the "
+            f"shipped {FALLBACK_PROFILE} (another machine's); run `autosbp profile --refresh` "
+            "once before torchrun to price this one.",
+            markup=False, soft_wrap=True,
+        )  # fmt: skip
+        return FALLBACK_PROFILE
+    console.print(
+        f"this machine's profile, the default for local CPU work, is {cached.why_not}: "
+        f"measuring it once (quick profiler on {MACHINE_NPROC} gloo ranks, about "
+        f"{MACHINE_MEASURE_S}) into {cached.path}; `--profile {FALLBACK_PROFILE}` or "
+        f"{DEFAULT_PROFILE_ENV}={FALLBACK_PROFILE} skips it.",
+        markup=False, soft_wrap=True,
+    )  # fmt: skip
+    start = time.monotonic()
+    _measure_machine(console, "measuring this machine's profile", quick=True, nproc=MACHINE_NPROC)
+    console.print(f"this machine's profile measured in {time.monotonic() - start:.1f} s")
+    return name
+
+
+def _measure_machine(console: Console, what: str, quick: bool, nproc: int) -> None:
+    from costmodel.machine_profile import measure_machine_profile
+
+    with activity(console, what) as act:
+        profile = measure_machine_profile(
+            lambda done, total, label: act.update(label, completed=done, total=total),
+            quick=quick, nproc=nproc,
+        )  # fmt: skip
+    loaded = measured_loaded(profile)
+    if loaded:
+        console.print(
+            f"note: {loaded}: its prices are slower than this machine's when quiet; it is "
+            "re-measured the first time it is needed on a quiet machine (or `autosbp profile "
+            "--refresh`).",
+            markup=False, soft_wrap=True,
+        )  # fmt: skip
+
+
+def _machine_line() -> str:
+    """What `autosbp profiles` says of this machine's cached profile."""
+    cached = cached_machine_profile()
+    if cached.profile is None or cached.profile.machine is None:
+        return (
+            f"{MACHINE_PROFILE}: this machine's profile is {cached.why_not}; it is measured the "
+            "first time local CPU work needs it (or `autosbp profile --refresh`)."
+        )
+    on = cached.profile.machine
+    host = f" on {on.host}" if on.host else ""
+    load = "" if on.load_1min is None else f", other work's load {on.load_1min:.2f}"
+    return (
+        f"{MACHINE_PROFILE}: this machine's profile (the default for local CPU work), measured "
+        f"{on.date}{host} by `{on.command}`: {on.fingerprint.describe()}{load}; cached in "
+        f"{cached.path}"
+    )
 
 
 def _run_profile(args: argparse.Namespace, console: Console) -> int:

@@ -3,7 +3,8 @@ step beside a measured one, and both as a timeline chart.
 
 Lives here: the command's arguments and output. Lives elsewhere: the timelines, trace files and
 the chart, the sizes they refuse, the one definition of a measured step and the refusal of a
-trace of another plan (`timeline`), the plan format and its checks (`plan`).
+trace of another plan (`timeline`), the plan format and its checks (`plan`), whether the machine
+was loaded while the trace was recorded (`costmodel.machine`: train writes it in the trace).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rich.console import Console
 
 from autosbp.errors import PlanError
 from autosbp.plan import format_seconds, load_plan, summary_table
+from costmodel.machine import LoadSample, load_note
 from terminal.text import printable
 
 
@@ -45,11 +47,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     )
 
     plan = load_plan(Path(args.plan))  # consistent in itself, or refused
-    measured = None
+    measured, loaded = None, None
     if args.trace is not None:
         trace = read_trace(Path(args.trace))
         check_trace_plan(trace, plan, args.trace, args.plan)
         measured = trace.events
+        loaded = load_note(LoadSample.from_json(trace.metadata.get("load")))
     if args.timeline is not None:  # refused before the simulation builds every rank's events
         # The plan's own ranks: no trace of this plan has fewer, so the fix is the summary.
         both = "" if measured is None else " and measured"
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(summary_table(plan))
     console.print(
-        f"predicted step {format_seconds(predicted_s)} ({len(plan.stages)} stage(s) x "
+        f"predicted step {format_seconds(predicted_s)} ({plan.pipeline_stages} stage(s)"
+        f"{f' of {plan.virtual_stages} chunks' if plan.virtual_stages > 1 else ''} x "
         f"{plan.micro_batches} micro-batch(es), simulated)",
         soft_wrap=True,
     )
@@ -78,6 +82,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             f"rank): {measured_s / predicted_s:.2f}x the prediction",
             soft_wrap=True,
         )
+        if loaded is not None:
+            console.print(f"note: while it trained, {loaded}.", soft_wrap=True, markup=False)
     if args.timeline is not None:
         title = printable(
             f"{plan.model_name}: {plan.strategy} plan on {plan.device_count} x {plan.profile}"

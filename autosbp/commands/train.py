@@ -25,9 +25,11 @@ from rich.table import Table
 from autosbp.commands import positive_float, positive_int
 from autosbp.commands.capture import add_model_arguments
 from autosbp.commands.preflight import check_job
+from autosbp.commands.profile import FALLBACK_PROFILE, default_profile
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.plan import Plan, load_plan, replicated_warning
 from autosbp.plan.tables import shown
+from costmodel.machine import LoadSample, load_average, load_note, usable_cores
 from launching.backends import BACKENDS, device_and_backend
 from runtime.defaults import CHECKPOINT_EVERY, STALL_TIMEOUT_S
 from terminal.progress import activity
@@ -53,8 +55,9 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C] (default: auto)",
     )
     parser.add_argument(
-        "--profile", default="cpu-gloo",
-        help="profile used when --plan is a strategy (default: cpu-gloo)",
+        "--profile",
+        help="profile used when --plan is a strategy (default: with --device cpu, this "
+        "machine's, measured the first time and cached; with cuda, cpu-gloo)",
     )  # fmt: skip
     parser.add_argument(
         "--steps", type=positive_int, default=10, help="training steps (default: 10)"
@@ -158,9 +161,8 @@ def _train_command(
             "some updates; pass one of them."
         )
     first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume, console)
-    plan = on_rank0(
-        lambda: plan_for(args.model, model_args, args.plan, nproc, args.profile, console)
-    )
+    profile = args.profile or (None if device == "cpu" else FALLBACK_PROFILE)
+    plan = on_rank0(lambda: plan_for(args.model, model_args, args.plan, nproc, profile, console))
     if first >= args.steps:
         console.print(
             f"{args.checkpoint_dir} holds {first} trained steps, and --steps is {args.steps}: "
@@ -234,7 +236,7 @@ def plan_for(
     model_args: dict,
     plan_arg: str,
     nproc: int,
-    profile: str,
+    profile: str | None,  # None: local CPU work's default (`commands.profile.default_profile`)
     console: Console,
     *,
     compare: bool = False,
@@ -249,7 +251,9 @@ def plan_for(
         return plan
     from autosbp.planner.api import auto_parallelize
     from autosbp.zoo import load_model
+    from launching.torchrun import torchrun_world
 
+    profile = default_profile(console, profile, may_measure=torchrun_world() is None)
     what = f"planning {printable(model)} ({printable(plan_arg)}) for {nproc} processes on {profile}"
     with activity(console, what) as act:
         act.update("building the model")
@@ -303,13 +307,16 @@ def train_and_report(
                 completed=done.done,
             )
 
+        load_before = load_average()
         result = train(spec, on_step)
+    here = plan.device_count if world is None else world.local_world_size
+    load = LoadSample(load_before, load_average(), usable_cores(), here)
     if not writes:
         return 0  # under torchrun, rank 0 reports the job (its records hold the checks)
     if trace is not None:
         write_chrome_trace(
             trace, list(result.events), plan_digest=plan.digest(),
-            metadata={"strategy": plan.strategy},
+            metadata={"strategy": plan.strategy, "load": load.to_json()},
         )  # fmt: skip
         console.print(f"Chrome trace of every firing written to {trace} (open it in Perfetto)")
     if timeline is not None:
@@ -320,6 +327,8 @@ def train_and_report(
         console.print(f"predicted vs measured timeline written to {timeline}")
     table = _step_table(result, spec.model, plan, check)
     console.print(table)
+    if (loaded := load_note(load)) is not None:
+        console.print(f"note: {loaded}.", soft_wrap=True)
     if check:
         verdict = result.verdict()
         if not verdict.passed:

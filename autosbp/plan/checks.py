@@ -9,7 +9,9 @@ the Engine (every rank, against its own graph). Lives elsewhere: what JSON and i
 
 The plan alone:
 - mesh: one dim name and one known link class per mesh dim;
-- devices: stages of the plan's mesh shape that split devices 0..N-1 between them, each once;
+- devices: stages of the plan's mesh shape that split devices 0..N-1 between them, each once
+  (interleaved, v chunks each: virtual stage c x P + d on stage d's devices);
+- schedule: one the actor rules give (`schedule`), its micro-batches a multiple of P when v > 1;
 - stages: each holds a node, every node's stage exists;
 - SBPs: one entry per mesh dim; each parameter's layout (and its optimizer state's, which the
   runtime keeps in the parameter's layout) splits only dims its shape has, evenly;
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING
 from autosbp.errors import PlanError, SbpError
 from autosbp.plan.values import Plan
 from autosbp.sbp import Broadcast, Split, check_nd_sbp, format_nd_sbp, local_shape, parse_nd_sbp
+from autosbp.schedule import SCHEDULES, check_interleaving
 from costmodel.profile import LinkClass
 from terminal.text import printable
 
@@ -93,12 +96,19 @@ def _mesh(plan: Plan) -> list[str]:
 
 
 def _devices(plan: Plan) -> list[str]:
-    size, count, out = math.prod(plan.mesh_shape), plan.device_count, []
-    if size * len(plan.stages) != count:
+    size, count, out = math.prod(plan.mesh_shape), plan.device_count, _schedule(plan)
+    if out:
+        return out
+    pipeline = plan.stages[: plan.pipeline_stages]
+    if size * len(pipeline) != count:
         out.append(
-            f"{len(plan.stages)} stage(s) of mesh {list(plan.mesh_shape)} hold "
-            f"{size * len(plan.stages)} devices, but the plan is for {count}"
+            f"{len(pipeline)} stage(s) of mesh {list(plan.mesh_shape)} hold "
+            f"{size * len(pipeline)} devices, but the plan is for {count}"
         )
+    for s, stage in enumerate(plan.stages[len(pipeline) :], start=len(pipeline)):
+        if stage.devices != (want := pipeline[s % len(pipeline)].devices):
+            where = f"chunk {s // len(pipeline)} of stage {s % len(pipeline)} runs on {list(want)}"
+            out.append(f"virtual stage {s} lists devices {list(stage.devices)}, but {where}")
     for s, stage in enumerate(plan.stages):
         if stage.mesh_shape != plan.mesh_shape:
             out.append(
@@ -109,15 +119,25 @@ def _devices(plan: Plan) -> list[str]:
         outside = [d for d in stage.devices if not 0 <= d < count]
         if outside:
             out.append(f"stage {s} lists devices {outside}, outside 0..{count - 1}")
-    seen = Counter(d for stage in plan.stages for d in stage.devices)
+    seen = Counter(d for stage in pipeline for d in stage.devices)
     twice = sorted(d for d, n in seen.items() if n > 1)
     if twice:
         out.append(f"devices {twice} are listed more than once (a device runs one stage, once)")
-    if count <= size * len(plan.stages):  # else reported above; the list could be huge
+    if count <= size * len(pipeline):  # else reported above; the list could be huge
         missing = [d for d in range(count) if d not in seen]
         if missing:
             out.append(f"devices {_names(missing)} are in no stage")
     return out
+
+
+def _schedule(plan: Plan) -> list[str]:
+    """A schedule the actor rules give, and v chunks on each of the plan's stages."""
+    if plan.schedule not in SCHEDULES:
+        return [f"schedule {plan.schedule!r} is not one autosbp runs (known: {list(SCHEDULES)})"]
+    if (v := plan.virtual_stages) < 1 or len(plan.stages) % v:
+        return [f"{len(plan.stages)} stages do not hold {v} model chunks per pipeline stage"]
+    reason = check_interleaving(plan.pipeline_stages, v, plan.micro_batches)
+    return [reason] if reason else []
 
 
 def _stages(plan: Plan) -> list[str]:
@@ -169,6 +189,12 @@ def _layouts(plan: Plan) -> list[str]:
             problem = _state_problem(p.sbp, p.optimizer_state_sbp, p.shape, plan.mesh_shape)
             if problem:
                 out.append(f"parameter {name!r}: {problem.rstrip('.')}")
+        if p.gradient_sbp not in (p.sbp, p.optimizer_state_sbp):
+            out.append(
+                f"parameter {name!r}: gradient layout {p.gradient_sbp} is neither the "
+                f"parameter's {p.sbp} nor its optimizer states' {p.optimizer_state_sbp} (the "
+                "two layouts the runtime accumulates gradients in); write one of them"
+            )
     return out
 
 

@@ -73,13 +73,22 @@ class ParamPlan:
     bytes count per micro-batch in flight); True frees it after the consumer's forward and
     converts the parameter again before that consumer's backward (FSDP's name; the conversion
     is priced once more per micro-batch). False in plans written before it was recorded, and
-    wherever no conversion copies the parameter."""
+    wherever no conversion copies the parameter. `gradient_sbp`: the layout the gradient is
+    accumulated and held in over the micro-batches of a step: the parameter's (`sbp`, summed
+    to it by the gradient sync), or its optimizer states' (ZeRO-2: each micro-batch's gradient
+    reduce-scattered into the shard's as backward makes it, the parameter's own freed); ""
+    (plans before it was recorded) reads as `sbp`."""
 
     sbp: str
     stage: int
     optimizer_state_sbp: str
     shape: tuple[int, ...] = ()
     reshard_after_forward: bool = False
+    gradient_sbp: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.gradient_sbp:
+            object.__setattr__(self, "gradient_sbp", self.sbp)
 
 
 @dataclass(frozen=True)
@@ -209,6 +218,11 @@ class Plan:
     # runtime buckets with it. Plans written before it was recorded: PRICED_GRAD_BUCKET_BYTES.
     grad_bucket_bytes: int = PRICED_GRAD_BUCKET_BYTES
     replicated: Replicated | None = None  # what runs whole on every device, and why
+    # The pipeline schedule (`schedule.SCHEDULES`) and the model chunks per stage (v): with
+    # v > 1, `stages` are the v x P virtual stages, c x P + d on stage d's devices. Plans
+    # written before it was recorded: 1F1B, v = 1.
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
     # The format this plan was written in: VERSION for new plans; a loaded plan keeps its own,
     # so that saving it again keeps what it meant (`plan.recompute.recomputed_nodes`).
     version: int = VERSION
@@ -252,7 +266,18 @@ class Plan:
             },
             "hand_plans": [asdict(h) for h in self.hand_plans],
             **({"replicated": asdict(self.replicated)} if self.replicated else {}),
+            **({"schedule": self._schedule_json()} if self.virtual_stages > 1 else {}),
         }
+
+    def _schedule_json(self) -> dict[str, Any]:
+        """Written where it is not the default (1F1B, v = 1), so that older plans' digests
+        and files stay as they were."""
+        return {"name": self.schedule, "virtual_stages": self.virtual_stages}
+
+    @property
+    def pipeline_stages(self) -> int:
+        """P: the stages that hold devices (`stages` holds v x P virtual stages)."""
+        return len(self.stages) // max(self.virtual_stages, 1)
 
     @classmethod
     def from_json(cls, data: Any, source: str = "plan") -> Plan:
@@ -272,6 +297,8 @@ class Plan:
                 for s in data["stages"]
             ),
             micro_batches=data["micro_batches"],
+            schedule=data.get("schedule", {}).get("name", "1f1b"),
+            virtual_stages=data.get("schedule", {}).get("virtual_stages", 1),
             grad_bucket_bytes=data.get("grad_bucket_bytes", PRICED_GRAD_BUCKET_BYTES),
             recompute=data["recompute"],
             global_batch=data["global_batch"],
@@ -297,6 +324,7 @@ class Plan:
                     p["optimizer_state_sbp"],
                     tuple(p["shape"]),
                     p.get("reshard_after_forward", False),
+                    p.get("gradient_sbp", p["sbp"]),
                 )
                 for name, p in data["params"].items()
             },

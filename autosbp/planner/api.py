@@ -57,6 +57,10 @@ class ClusterPrices:
     def overlap_efficiency(self) -> float:
         return float(self.cluster.overlap_efficiency)
 
+    @property
+    def causal_skip(self) -> float:
+        return float(self.cluster.causal_skip)
+
 
 def auto_parallelize(
     model: torch.nn.Module,

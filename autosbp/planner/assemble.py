@@ -6,7 +6,7 @@ Lives elsewhere: the search (`search`), the plan format (`plan`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,14 +71,16 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             sbp = format_nd_sbp(sig.outputs[0])
             again = _reshards(solved, solution, name, sig.outputs[0])
             shape = tuple(attrs.outputs[0].shape)
-            state = solved.strategies[rep].state_of(solution.choice[rep])
+            chose, i = solved.strategies[rep], solution.choice[rep]
+            state, grad = chose.state_of(i), chose.gradient_of(i)
             states = format_nd_sbp(state) if state is not None else sbp
-            params[attrs.name] = ParamPlan(sbp, stage, states, shape, reshard_after_forward=again)
-    per_stage = mesh.size
+            grads = format_nd_sbp(grad) if grad is not None else sbp
+            params[attrs.name] = ParamPlan(sbp, stage, states, shape, again, grads)
+    per_stage, pipeline = mesh.size, solved.pipeline_stages
     m = solved.micro_batches
     stages = tuple(
-        StagePlan(
-            devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
+        StagePlan(  # virtual stage s (interleaved) runs on stage s % P's devices
+            devices=tuple(range((s % pipeline) * per_stage, (s % pipeline + 1) * per_stage)),
             mesh_shape=mesh.shape,
             blocks=split.blocks[s],
             step_time_s=m * (pred.forward_s[s] + pred.backward_s[s])
@@ -100,7 +102,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         model_name=graph.model_name,
         fingerprint=graph.fingerprint(),
         profile=ctx.profile,
-        device_count=mesh.size * split.num_stages,
+        device_count=mesh.size * pipeline,
         memory_limit_bytes=ctx.memory_limit_bytes,
         strategy=ctx.strategy,
         mesh_shape=mesh.shape,
@@ -124,6 +126,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         solver=solver_report(found),
         alternatives=alternatives(solved, solution),
         replicated=replicated_of(graph, nodes, mesh.shape),
+        virtual_stages=solved.virtual_stages,
     )
 
 
@@ -184,21 +187,27 @@ def breakdown(found: Found) -> dict[str, float]:
     """Where the step goes on its busiest stage: compute (with recomputation) and boxing for all
     micro-batches (the parameters' conversions in full, what the blocks' compute hides of them
     apart), the per-step gradient sync + optimizer (what backward does not hide of it; the
-    hidden part apart), and the rest of the step (pipeline bubble and transfers)."""
+    hidden part apart), and the rest of the step (pipeline bubble and transfers). Interleaved,
+    a stage's figures are the sums over its chunks."""
     solved, choice, pred = found.problem, found.solution.choice, found.prediction
-    costs = solved.stage_costs
-    s = max(range(solved.split.num_stages), key=lambda k: costs.busy[k].value(choice))
+    costs, p = solved.stage_costs, solved.pipeline_stages
+    chunks = [range(d, solved.split.num_stages, p) for d in range(p)]
+    busiest = max(chunks, key=lambda cs: sum(costs.busy[k].value(choice) for k in cs))
     m = solved.micro_batches
-    compute = m * Costs(costs.busy[s].node_costs).value(choice)
-    comm = m * Costs({}, costs.busy[s].edge_costs).value(choice)
-    hidden = m * pred.gather_hidden_s[s]
-    update = pred.update_s[s] - pred.sync_hidden_s[s]
+
+    def total(value: Callable[[int], float]) -> float:
+        return sum(value(k) for k in busiest)
+
+    compute = m * total(lambda k: Costs(costs.busy[k].node_costs).value(choice))
+    comm = m * total(lambda k: Costs({}, costs.busy[k].edge_costs).value(choice))
+    hidden = m * total(lambda k: pred.gather_hidden_s[k])
+    update = total(lambda k: pred.update_s[k] - pred.sync_hidden_s[k])
     return {
         "compute_s": compute,
         "comm_s": comm,
         "param_comm_hidden_s": hidden,
         "optimizer_and_grad_sync_s": update,
-        "grad_sync_hidden_s": pred.sync_hidden_s[s],
+        "grad_sync_hidden_s": total(lambda k: pred.sync_hidden_s[k]),
         "bubble_and_transfer_s": max(0.0, pred.step_time_s - compute - comm + hidden - update),
     }
 
@@ -243,7 +252,8 @@ def alternatives(
             Alternative(
                 repr(found.candidates[i])
                 + (" reshard_after_forward" if found.regathers(i) else "")
-                + (f" states {format_nd_sbp(q)}" if (q := found.state_of(i)) else ""),
+                + (f" states {format_nd_sbp(q)}" if (q := found.state_of(i)) else "")
+                + (" gradient too" if found.gradient_of(i) is not None else ""),
                 float(objective[i]) if np.isfinite(objective[i]) else None,
                 int(mem[i] - mem[chosen]),
             )

@@ -26,6 +26,7 @@ from autosbp.planner.problem import MIP_GAP, MeshProblem
 from autosbp.planner.space import (
     Config,
 )
+from autosbp.schedule import check_interleaving
 
 # A configuration whose LP bound is below this share of the best plan so far dives to its LP
 # bound (2) at once, and below the second share on to its MIP (the docstring).
@@ -194,8 +195,12 @@ class BestFirst:
         counts, every = ev.counts(), 0
         for num_stages in space.stage_counts:
             meshes = ev.meshes(num_stages)
+            pipeline, v = num_stages // space.virtual_stages, space.virtual_stages
             for count in counts:
-                if num_stages > 1 and count < num_stages:
+                if pipeline > 1 and count < pipeline:
+                    continue
+                if (reason := check_interleaving(pipeline, v, count)) is not None:
+                    ev.refusals.refuse(f"{count} micro-batches: {reason}")
                     continue
                 ours = [m for m in meshes if self.owns(Config(num_stages, m, count, "none"))]
                 every += len(meshes) * len(space.recompute)

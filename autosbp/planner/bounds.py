@@ -23,6 +23,7 @@ import torch
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.planner.candidates import BACKWARD_FACTOR, NodeStrategies, Prices, returns_view
 from autosbp.planner.pipeline import recomputed
+from autosbp.rules import work_fraction
 
 
 def compute_floors(
@@ -36,15 +37,17 @@ def compute_floors(
     signature on `devices` devices can take (one value: its flops and bytes spread evenly; a
     signature's local share is never smaller, and the roofline only grows with flops and
     bytes). `backward_share`: per node, the share of backward that runs, as its candidates are
-    priced (`kept.Kept.backward_share`; 1 where absent)."""
+    priced (`kept.Kept.backward_share`; 1 where absent). The flops are those the least working
+    kernel computes (`rules.work_fraction` of no signature: causal attention's kept scores)."""
     shares = backward_share or {}
     floors: dict[str, np.ndarray] = {}
     for name, attrs in graph.nodes(Role.COMPUTE):
         if (attrs.flops or attrs.bytes) and (only is None or name in only):
             dtype = attrs.outputs[0].dtype if attrs.outputs else torch.float32
             moved = 0.0 if returns_view(attrs.target) else attrs.bytes / devices
-            special = attrs.transcendentals / devices
-            forward = prices.op_time_s(attrs.flops / devices, moved, dtype, special)
+            share = work_fraction(attrs, None, (), prices.causal_skip) / devices
+            special = attrs.transcendentals * share
+            forward = prices.op_time_s(attrs.flops * share, moved, dtype, special)
             floors[name] = np.array([forward * (1.0 + BACKWARD_FACTOR * shares.get(name, 1.0))])
     return floors
 

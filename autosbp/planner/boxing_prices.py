@@ -45,6 +45,11 @@ class Prices(Protocol):
         """The fraction of communication time that running beside compute hides, in [0, 1]."""
         ...
 
+    @property
+    def causal_skip(self) -> float:
+        """The fraction of a causal attention's masked scores the kernel skips, in [0, 1]."""
+        ...
+
 
 class BoxingPricer:
     """Boxing time between two layouts of one tensor on a mesh, cached: a GPT-3 search asks for

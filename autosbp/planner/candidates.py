@@ -11,7 +11,9 @@ Model (every constant states where it comes from):
   inside the op (`op_comm.exchange_cost`, the one hook: forward and backward, exposed as the
   runtime runs them, and the bytes they hold); local flops = flops x the smallest
   local/global size ratio among the op's tensors (the share of the work one device does: 1/n for
-  data-, tensor- and contraction-split matmuls alike); local bytes = the local tensors' bytes.
+  data-, tensor- and contraction-split matmuls alike) x the fraction of it the kernel computes
+  (`rules.work_fraction`: causal attention computes part of the dense product it is counted
+  at, as much as the profile's `causal_skip` says); local bytes = the local tensors' bytes.
   Backward = BACKWARD_FACTOR x forward x the share of its floating inputs that require grad
   (`kept.Kept.backward_share`, below 1 under frozen weights) (2: a matmul's backward is two
   matmuls of the same size; Narayanan et al. 2021 section 3.3 count 3x forward for forward + backward).
@@ -40,8 +42,10 @@ Model (every constant states where it comes from):
   non-finite check of its local gradient (`finite_check`); with micro-batches,
   each backward after the first adds its gradient into the accumulated one (autograd's
   AccumulateGrad: read both, write one), priced per micro-batch by the builder.
-- ZeRO-1: a replicated layout has each candidate again with its optimizer states split
-  (`NodeStrategies.state`), priced by `param_candidates.parameter_prices`.
+- ZeRO-1 and ZeRO-2: a replicated layout has each candidate again with its optimizer states
+  split (`NodeStrategies.state`), and once more with its gradient accumulated split too
+  (`NodeStrategies.gradient`: reduce-scattered in every micro-batch's backward,
+  `NodeStrategies.scatter_s`), priced by `param_candidates.parameter_prices`.
 Node times of compute ops are per micro-batch; parameter times are per step: the problem builder
 scales them.
 """
@@ -62,7 +66,7 @@ from autosbp.planner.boxing_prices import BoxingPricer, Prices
 from autosbp.planner.finite_check import gradient_check_s
 from autosbp.planner.op_comm import exchange_cost
 from autosbp.planner.param_candidates import parameter_prices, with_zero_states
-from autosbp.rules import NdSignature, nd_signatures, pinned_inputs
+from autosbp.rules import NdSignature, nd_signatures, pinned_inputs, work_fraction
 from autosbp.sbp import Broadcast, NdSbp, local_shape
 
 __all__ = [
@@ -92,6 +96,10 @@ class NodeStrategies:
     held_bytes: np.ndarray | None = None  # compute ops: what exchanges hold until backward
     # parameters only: per candidate, its optimizer states' layout (None: the parameter's own)
     state: tuple[NdSbp | None, ...] | None = None
+    # parameters only: per candidate, the layout its gradient is accumulated in (ZeRO-2: the
+    # states'; None: the parameter's own), and what each micro-batch's backward adds for it
+    gradient: tuple[NdSbp | None, ...] | None = None
+    scatter_s: np.ndarray | None = None
 
     def restricted(self, keep: Sequence[int]) -> NodeStrategies:
         """Only the candidates at `keep`."""
@@ -101,10 +109,11 @@ class NodeStrategies:
 
         candidates = tuple(self.candidates[i] for i in keep)
         state = tuple(self.state[i] for i in keep) if self.state is not None else None
+        grad = tuple(self.gradient[i] for i in keep) if self.gradient is not None else None
         return NodeStrategies(
             self.name, candidates, self.compute_s[keep], pick(self.sync_s),
             pick(self.accumulate_s), self.pinned, pick(self.regather), pick(self.forward_s),
-            pick(self.held_bytes), state,
+            pick(self.held_bytes), state, grad, pick(self.scatter_s),
         )  # fmt: skip
 
     def forward_part_s(self) -> np.ndarray:
@@ -118,6 +127,11 @@ class NodeStrategies:
         """Candidate `index`'s optimizer-state layout where it differs from the parameter's
         (ZeRO-1), else None."""
         return self.state[index] if self.state is not None else None
+
+    def gradient_of(self, index: int) -> NdSbp | None:
+        """Candidate `index`'s gradient layout where it differs from the parameter's (ZeRO-2),
+        else None."""
+        return self.gradient[index] if self.gradient is not None else None
 
     def regathers(self, index: int) -> bool:
         """Does candidate `index` free its converted copies after forward (FSDP's
@@ -168,6 +182,29 @@ def node_strategies(
     )  # fmt: skip
 
 
+def without_dominated_kernels(found: NodeStrategies) -> NodeStrategies:
+    """Of several kernels of one layout (`NdSignature.kernel`), drop each that another beats or
+    ties on forward, total and held bytes: the layouts, hence every edge and every kept byte,
+    are the same, so it can never be the better choice (a smaller problem, the same optimum).
+    Applied after a hand plan's restriction (which may allow one kernel only)."""
+    if not any(sig.kernel for sig in found.candidates):
+        return found
+    held = found.held_bytes if found.held_bytes is not None else np.zeros(len(found.candidates))
+    cost = np.stack([found.forward_part_s(), found.compute_s, held], axis=1)
+    keep = [
+        i
+        for i, sig in enumerate(found.candidates)
+        if not any(
+            j != i
+            and (other.inputs, other.outputs) == (sig.inputs, sig.outputs)
+            and bool(np.all(cost[j] <= cost[i]))
+            and (bool(np.any(cost[j] < cost[i])) or j < i)
+            for j, other in enumerate(found.candidates)
+        )
+    ]
+    return found.restricted(keep) if len(keep) < len(found.candidates) else found
+
+
 def _parameter_strategies(
     name: str,
     meta: TensorMeta,
@@ -187,18 +224,23 @@ def _parameter_strategies(
         if regatherable and not all(isinstance(x, Broadcast) for x in s.outputs[0])
     )
     regather = [False] * len(candidates) + [True] * len(again)
-    candidates, regather, states = with_zero_states(
+    candidates, regather, states, grads = with_zero_states(
         candidates + again, regather, meta.shape, mesh_shape
     )
-    sync, update, accumulate = parameter_prices(
-        meta, candidates, states, pricer.bucketed_time_s, pricer.prices, mesh_shape, bucket_bytes
-    )
-    sync_s = np.array(sync)
+    found = parameter_prices(
+        meta, candidates, states, grads, pricer.bucketed_time_s, pricer.prices, mesh_shape,
+        bucket_bytes,
+    )  # fmt: skip
+    sync_s = np.array(found.sync_s)
+    zero2 = any(g is not None for g in grads)
     check = [gradient_check_s(meta, s.outputs[0], pricer.prices, mesh_shape) for s in candidates]
     return NodeStrategies(
-        name, candidates, sync_s + np.array(update) + check, sync_s, np.array(accumulate),
+        name, candidates, sync_s + np.array(found.update_s) + check, sync_s,
+        np.array(found.accumulate_s),
         regather=np.array(regather, dtype=bool),
         state=tuple(states) if any(q is not None for q in states) else None,
+        gradient=tuple(grads) if zero2 else None,
+        scatter_s=np.array(found.scatter_s) if zero2 else None,
     )  # fmt: skip
 
 
@@ -227,6 +269,7 @@ def _forward_s(
     dtype = attrs.outputs[0].dtype if attrs.outputs else torch.float32
     if returns_view(attrs.target):
         local_bytes = 0.0  # metadata only: the overhead floor prices it
+    share *= work_fraction(attrs, sig, mesh_shape, prices.causal_skip)
     special = attrs.transcendentals * share
     return prices.op_time_s(attrs.flops * share, local_bytes, dtype, special)
 

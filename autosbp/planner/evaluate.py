@@ -340,6 +340,7 @@ class Evaluator:
             micro_batches=config.count, split=stages.split, recompute=config.recompute,
             stage_link=r.link_of((config.num_stages, config.mesh.size), 0),
             priced=self.priced_of(config), tied=stages.tied,
+            virtual_stages=r.space.virtual_stages,
         )  # fmt: skip
 
     def found(self, mp: MeshProblem, solution: Solution) -> Found:

@@ -1,5 +1,5 @@
 """Hand plans as restrictions of the search: `dp`, `fsdp`, `megatron:tp=..,pp=..,dp=..[,cp=..]`
-(and `auto`, no restriction) become a `Space`: the stage counts, meshes, micro-batch counts,
+(and `auto`: every rule's own kernel, no other restriction) become a `Space`: the stage counts, meshes, micro-batch counts,
 recomputation modes and candidate signatures the search may choose from.
 
 Lives here: `strategy_space` (parse a strategy), `hand_strategies` (the usual hand plans for a
@@ -35,9 +35,13 @@ class Space:
     mesh_ok: Callable[[Mesh], bool] = lambda mesh: True
     data_parallel: int = 1
     meshes: tuple[tuple[int, ...], ...] = ()  # shapes beyond the search's 1D and 2D ones
-    # optimizer states split over the mesh dims a weight is replicated on (ZeRO-1: True), never
-    # (False: every hand plan unless it says zero=1), or the search's choice per parameter (None)
-    zero: bool | None = False
+    # optimizer states split over the mesh dims a weight is replicated on (1: ZeRO-1; 2: ZeRO-2,
+    # the gradients too), never (0: every hand plan unless it says zero=1|2), or the search's
+    # choice per parameter (None)
+    zero: int | None = 0
+    # model chunks per pipeline stage (interleaved 1F1B, `vp=V`): `stage_counts` then count
+    # the v x P virtual stages, and the search counts each device v times (`search`)
+    virtual_stages: int = 1
 
 
 def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | None = None) -> Space:
@@ -53,7 +57,7 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             f"recompute {recompute!r} is not known; use auto, {', '.join(RECOMPUTE_MODES)}."
         )
     if strategy == "auto":
-        return Space(tuple(range(1, (max_stages or 1) + 1)), modes, zero=None)
+        return Space(tuple(range(1, (max_stages or 1) + 1)), modes, allow=_own_kernels, zero=None)
     if strategy == "dp":
         return Space(
             (1,), modes, allow=_allow(param=lambda nd, shape: _replicated(nd)),
@@ -62,18 +66,22 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     if strategy == "fsdp":
         return Space((1,), modes, allow=_fully_sharded(), mesh_ok=lambda m: m.ndim == 1)
     if strategy.startswith("megatron:"):
+        strategy, vp = _virtual_stages(strategy)
         tp, pp, dp, mb, ep, cp, zero = _megatron_degrees(strategy)
         if cp > 1:
             if ep > 1:
                 raise PlanError(f"{strategy!r}: cp and ep together are not supported; drop one.")
             counts = (mb,) if mb is not None else None
-            space = _context_parallel_space(tp, pp, dp, cp, modes, counts)
+            ring = "ring=1" in strategy.removeprefix("megatron:").split(",")
+            space = _context_parallel_space(tp, pp, dp, cp, modes, counts, ring)
         else:
             space = _megatron_space(tp, pp, dp, mb, ep, modes)
-        return replace(space, zero=zero == 1)
+        if vp > 1:
+            space = replace(space, stage_counts=(pp * vp,), virtual_stages=vp)
+        return replace(space, zero=zero)
     raise PlanError(
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
-        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C][,zero=1]."
+        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C[,ring=1]][,zero=1|2][,vp=V]."
     )
 
 
@@ -116,10 +124,26 @@ def hand_strategies(devices: int, devices_per_node: int, blocks: int) -> list[st
     return ["dp", "fsdp", *megatron]
 
 
+def _virtual_stages(strategy: str) -> tuple[str, int]:
+    """`strategy` without its `vp=V` (model chunks per stage, Megatron's
+    virtual_pipeline_model_parallel_size; 1 where absent), and V."""
+    items = strategy.removeprefix("megatron:").split(",")
+    kept = [item for item in items if not item.startswith("vp=")]
+    given = [item.removeprefix("vp=") for item in items if item.startswith("vp=")]
+    if not given:
+        return strategy, 1
+    if len(given) > 1 or not given[0].isdigit() or int(given[0]) < 1:
+        raise PlanError(
+            f"{strategy!r}: vp must be given once, a positive integer (the model chunks each "
+            "pipeline stage holds, e.g. megatron:tp=1,pp=2,dp=1,vp=2)."
+        )
+    return "megatron:" + ",".join(kept), int(given[0])
+
+
 def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, int, int]:
     """(tp, pp, dp, mb, ep, cp, zero) of `megatron:tp=T,pp=P,dp=D,mb=M,ep=E,cp=C,zero=Z` (each
     optional: 1, mb searched, zero 0)."""
-    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4, ep=E, cp=C and zero=1 optional)"
+    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4, ep=E, cp=C and zero=1|2 optional)"
     try:
         fields = {
             k: int(v)
@@ -127,14 +151,18 @@ def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, in
         }
     except ValueError:
         raise PlanError(f"cannot read {strategy!r}; {example}.") from None
-    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb", "ep", "cp", "zero"})
+    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb", "ep", "cp", "zero", "ring"})
     if unknown:
         raise PlanError(f"{strategy!r} has unknown degree(s) {unknown}; {example}.")
     zero = fields.pop("zero", 0)
-    if zero not in (0, 1):
+    ring = fields.pop("ring", 0)
+    if ring not in (0, 1) or (ring and fields.get("cp", 1) == 1):
+        raise PlanError(f"{strategy!r}: ring=1 (ring attention) needs cp=C with C > 1; {example}.")
+    if zero not in (0, 1, 2):
         raise PlanError(
             f"{strategy!r}: zero={zero} is not known; zero=1 splits the optimizer states over "
-            "data parallelism (the distributed optimizer), zero=0 (the default) replicates them."
+            "data parallelism (the distributed optimizer), zero=2 the gradients too, zero=0 (the "
+            "default) replicates them."
         )
     if any(v < 1 for v in fields.values()):
         raise PlanError(f"{strategy!r}: degrees must be positive; {example}.")
@@ -184,13 +212,20 @@ def _expert_parallel_space(
 
 
 def _context_parallel_space(
-    tp: int, pp: int, dp: int, cp: int, modes: tuple[str, ...], counts: tuple[int, ...] | None
+    tp: int,
+    pp: int,
+    dp: int,
+    cp: int,
+    modes: tuple[str, ...],
+    counts: tuple[int, ...] | None,
+    ring: bool = False,
 ) -> Space:
     """`megatron:...,cp=C`: Llama 3's and Megatron-Core's context parallelism. A dp x cp x tp
     mesh (the dims of size 1 left out); the data split on its batch dim over dp and on its
     sequence dim (dim 1) over cp; weights replicated over dp and cp and, with tp, every matrix
     split on the tp dim; every attention splits its sequence on the cp dim with keys and values
-    all-gathered inside it (`rules.context`); the ILP places the rest."""
+    all-gathered inside it (`rules.context`), or with ring=1 passed around a ring (`rules.ring`);
+    the ILP places the rest."""
     dims = [("dp", dp), ("cp", cp), ("tp", tp)]
     kept = [(name, size) for name, size in dims if size > 1]
     shape = tuple(size for _, size in kept)
@@ -211,7 +246,8 @@ def _context_parallel_space(
     def allow(graph: OpGraph, name: str, sig: NdSignature) -> bool:
         attrs = graph.node(name)
         if attrs.op == "aten.scaled_dot_product_attention.default":
-            return at["cp"] in seq_mesh_dims(attrs, sig, shape)
+            kernel = "ring" if ring else ""
+            return at["cp"] in seq_mesh_dims(attrs, sig, shape) and sig.kernel == kernel
         return inner(graph, name, sig)
 
     mesh_ok: Callable[[Mesh], bool] = lambda m: m.shape == shape  # noqa: E731
@@ -238,7 +274,7 @@ def _fully_sharded() -> Allow:
         if graph.node(name).role is not Role.COMPUTE:
             return stored(graph, name, sig)
         weights = graph.weight_only
-        return all(
+        return not sig.kernel and all(
             producer is None or producer[0] not in weights or _replicated(nd)
             for producer, nd in zip(graph.producers(name), sig.inputs, strict=True)
         )
@@ -263,6 +299,14 @@ def _allow(param: Callable | None = None, data: Callable | None = None) -> Allow
             if data is not None:
                 return bool(data(nd))
             return all(isinstance(s, Split) and s.dim == 0 for s in nd)
-        return True
+        return not sig.kernel
 
     return allow
+
+
+def _own_kernels(graph: OpGraph, name: str, sig: NdSignature) -> bool:
+    """Auto's restriction: every rule's own kernel, none of the variants (`NdSignature.kernel`:
+    ring attention's plain-math blocks ran 2.5x slower than the all-gather kernel's SDPA on
+    this CPU, bench/runtime.py, which the flop-based price does not see); a hand plan asks for
+    a variant (`megatron:...,cp=C,ring=1`)."""
+    return not sig.kernel

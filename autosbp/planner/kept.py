@@ -154,11 +154,9 @@ def _rebatched(
 ) -> Kept | None:
     """`like` with this graph's edge keys (their tensors) and intermediates' bytes; None where
     an edge key does not map one to one (then the caller reads the graph afresh)."""
-    keys: dict[tuple, tuple] = {}
-    for u, v in graph.graph.edges:
-        key = twin_key(graph, rep, u, v)
-        if keys.setdefault(key[:3], key) != key:
-            return None
+    keys, extras = _graph_terms(graph, rep, flags)
+    if keys is None:
+        return None
     try:
         uses: dict[Hashable, tuple[KeptUse, ...]] = {
             keys[_head(k)]: found for k, found in like.uses.items()
@@ -168,7 +166,34 @@ def _rebatched(
         }
     except KeyError:
         return None
-    return replace(like, uses=uses, recomputed_uses=again, extra_bytes=_extras(graph, rep, flags))
+    return replace(like, uses=uses, recomputed_uses=again, extra_bytes=extras)
+
+
+# The last graphs' edge keys and extras (`_graph_terms`): every mode of a micro-batch count reads
+# the same ones. Keyed by id, the graph held beside them so the id stays its own.
+_TERMS: dict[int, tuple[OpGraph, Mapping[str, str], Mapping, tuple]] = {}
+_TERMS_KEPT = 4
+
+
+def _graph_terms(
+    graph: OpGraph, rep: Mapping[str, str], flags: Mapping[tuple[str, int], bool]
+) -> tuple[dict[tuple, tuple] | None, dict[str, int]]:
+    """Each edge twin's key by its head (None where two twins share a head) and `_extras`."""
+    found = _TERMS.get(id(graph))
+    if found is not None and found[0] is graph and found[1] is rep and found[2] is flags:
+        return found[3]
+    table: dict[tuple, tuple] = {}
+    unique = True
+    for u, v in graph.graph.edges:
+        key = twin_key(graph, rep, u, v)
+        if table.setdefault(key[:3], key) != key:
+            unique = False
+            break
+    terms = (table if unique else None, _extras(graph, rep, flags))
+    if len(_TERMS) >= _TERMS_KEPT:
+        _TERMS.pop(next(iter(_TERMS)))
+    _TERMS[id(graph)] = (graph, rep, flags, terms)
+    return terms
 
 
 def _head(key: Hashable) -> tuple:

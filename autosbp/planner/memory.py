@@ -16,7 +16,9 @@ autograd saves, as `kept` derives it, where Korthikanti et al. 2022 section 4 co
   layout (`param_candidates.zero_state_layout`), value and gradient by the parameter's layout,
   states, the fp32 shard the optimizer updates (the master copy, made in fp32 training too)
   and its fp32 gradient (held from the reduce-scatter to the next step) by the states' layout,
-  as `runtime.parallel.sharded_update` holds them;
+  as `runtime.parallel.sharded_update` holds them; with its gradient in that layout too
+  (ZeRO-2) the gradient in the parameter's layout is not held (each is reduce-scattered into
+  the shard's as backward makes it and freed);
 - a kept output counts its local tensor in the node's layout; a kept intermediate (a norm's
   mean, a dropout mask) its whole bytes times the node's share of the work (the smallest
   local/global ratio of its tensors, as `candidates` prices the work);
@@ -59,9 +61,11 @@ def candidate_bytes(
     outputs: frozenset[int] = frozenset(),
     extra_bytes: int = 0,
     state: NdSbp | None = None,
+    gradient: NdSbp | None = None,
 ) -> float:
     """Bytes one device keeps for this node under `signature` with one micro-batch in flight:
-    a parameter's states (optimizer states in `state` where given: ZeRO-1), a buffer's or
+    a parameter's states (optimizer states in `state` where given: ZeRO-1; its gradient too
+    where `gradient` is given, the same layout: ZeRO-2), a buffer's or
     input's tensor, or a compute node's kept `outputs` and intermediates (`extra_bytes`, whole;
     `kept.Kept` says which)."""
     role = attrs.role
@@ -71,8 +75,9 @@ def candidate_bytes(
         if state is None:
             return float(local * parameter_bytes_per_element(meta.dtype, optimizer))
         shard = math.prod(local_shape(meta.shape, state, mesh_shape))
+        held = 1 if gradient is not None else 2  # ZeRO-2 holds no gradient in p across a step
         return float(
-            local * 2 * meta.dtype.itemsize + shard * (8 + 4 * OPTIMIZER_STATES[optimizer])
+            local * held * meta.dtype.itemsize + shard * (8 + 4 * OPTIMIZER_STATES[optimizer])
         )
     if role is Role.BUFFER or role is Role.INPUT:
         return local_bytes(attrs.outputs[0], signature.outputs[0], mesh_shape)

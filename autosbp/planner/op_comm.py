@@ -12,8 +12,9 @@ Model:
   in forward or backward as declared;
 - an exchange the runtime waits for before computing (`overlaps` False: the all-gather of keys
   and values, the swaps of context parallelism) is exposed whole; one it runs beside the op's
-  compute is hidden up to the profile's overlap efficiency a: exposed = t - a min(t, c), with
-  c the op's compute in that direction (the remaining overlapping exchanges share c);
+  compute is hidden up to the profile's overlap efficiency a: exposed = t - a min(t, b c), with
+  c the op's compute in that direction, b the exchange's `beside` share of it (a ring step:
+  its step's compute) and the remaining overlapping exchanges sharing what is left of c;
 - `held_bytes` stay alive from the op's forward to its backward (a gathered copy autograd
   saves): counted like the node's kept outputs, per micro-batch in flight, where the node is
   not recomputed (a recomputed node gathers again in backward: held while its run recomputes).
@@ -71,7 +72,7 @@ def _exposed_s(declared: Sequence[Exchange], mesh: Mesh, prices: Prices, compute
     for e in declared:
         t = _time_s(e, mesh, prices)
         if e.overlaps:
-            beside = min(t, hideable)  # the compute it runs beside
+            beside = min(t, hideable, e.beside * compute_s)  # the compute it runs beside
             hideable -= beside
             t -= prices.overlap_efficiency * beside
         exposed += t

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -29,8 +30,8 @@ from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, NdSbp, Split, local_shape, split_factors
 
 __all__ = [
-    "OPTIMIZER_BYTES_PER_ELEMENT", "OPTIMIZER_FLOPS_PER_ELEMENT", "accumulate_s", "optimizer_s",
-    "parameter_prices", "with_zero_states", "zero_state_layout",
+    "OPTIMIZER_BYTES_PER_ELEMENT", "OPTIMIZER_FLOPS_PER_ELEMENT", "ParameterPrices",
+    "accumulate_s", "optimizer_s", "parameter_prices", "with_zero_states", "zero_state_layout",
 ]  # fmt: skip
 
 # Adam on an fp32 master copy reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per
@@ -74,19 +75,22 @@ def with_zero_states(
     regather: Sequence[bool],
     shape: Sequence[int],
     mesh_shape: Sequence[int],
-) -> tuple[tuple[NdSignature, ...], list[bool], list[NdSbp | None]]:
-    """`candidates` (with their `regather` flags), then each again whose layout has a ZeRO-1
-    state layout: (candidates, regather flags, state layout per candidate, None: the
-    parameter's own)."""
+) -> tuple[tuple[NdSignature, ...], list[bool], list[NdSbp | None], list[NdSbp | None]]:
+    """`candidates` (with their `regather` flags), then each whose layout has a ZeRO state
+    layout q twice more: with its states in q (ZeRO-1), and with its states and gradient in q
+    (ZeRO-2). Returns (candidates, regather flags, state layout per candidate, gradient layout
+    per candidate; None: the parameter's own)."""
     twins = [
         (i, zero_state_layout(sig.outputs[0], shape, mesh_shape))
         for i, sig in enumerate(candidates)
     ]
     twins = [(i, q) for i, q in twins if q is not None]
+    both = [*twins, *twins]
     return (
-        (*candidates, *(candidates[i] for i, _ in twins)),
-        [*regather, *(regather[i] for i, _ in twins)],
-        [*([None] * len(candidates)), *(q for _, q in twins)],
+        (*candidates, *(candidates[i] for i, _ in both)),
+        [*regather, *(regather[i] for i, _ in both)],
+        [*([None] * len(candidates)), *(q for _, q in both)],
+        [*([None] * (len(candidates) + len(twins))), *(q for _, q in twins)],
     )
 
 
@@ -94,32 +98,52 @@ def with_zero_states(
 SyncPrice = Callable[[NdSbp, NdSbp, TensorMeta, int], float]
 
 
+@dataclass(frozen=True, slots=True)
+class ParameterPrices:
+    """Per candidate of one parameter (`parameter_prices`): `sync_s` the per-step sync backward
+    may hide, `update_s` the rest of the step's update, `accumulate_s` one micro-batch's
+    gradient add (every micro-batch's but the first), `scatter_s` what every micro-batch's
+    backward adds in line (ZeRO-2's reduce-scatter; 0 elsewhere)."""
+
+    sync_s: list[float]
+    update_s: list[float]
+    accumulate_s: list[float]
+    scatter_s: list[float]
+
+
 def parameter_prices(
     meta: TensorMeta,
     candidates: Sequence[NdSignature],
     states: Sequence[NdSbp | None],
+    gradients: Sequence[NdSbp | None],
     sync_price: SyncPrice,
     prices: _OpPrices,
     mesh_shape: tuple[int, ...],
     bucket_bytes: int,
-) -> tuple[list[float], list[float], list[float]]:
-    """Per candidate (its layout p, its `states` layout q or None): the sync backward may hide
-    (dual(p) -> p inside a bucket of `bucket_bytes`), the rest of the step's update (the
-    optimizer on its shard; with q, the conversions dual(p) -> q and q -> p, one collective
-    each per parameter after backward, as `runtime.parallel.sharded_update` runs them), and
-    one micro-batch's gradient add."""
-    sync, update = [], []
-    for sig, q in zip(candidates, states, strict=True):
+) -> ParameterPrices:
+    """Per candidate (its layout p, its `states` layout q or None, its `gradients` layout: q
+    or None), as `runtime.parallel.sharded_update` runs them: without q, the sync
+    dual(p) -> p inside a bucket of `bucket_bytes` and the optimizer on p's shard; ZeRO-1, the
+    same bucketed sync (backward may hide it, as DDP's; the shard's gradient is then a slice
+    of the synced one), after backward the all-gather q -> p (one collective per parameter,
+    nothing hidden) and the optimizer on q's shard (as torch's ZeroRedundancyOptimizer over
+    DDP); ZeRO-2, the reduce-scatter dual(p) -> q in every micro-batch's backward, in line
+    (unbucketed: one collective per parameter as its gradient is made, nothing hidden), the
+    adds on q's shard, after the step's backward the all-gather and the optimizer on q's."""
+    found = ParameterPrices([], [], [], [])
+    for sig, q, g in zip(candidates, states, gradients, strict=True):
         p = sig.outputs[0]
+        bucketed = sync_price(dual_nd_sbp(p), p, meta, bucket_bytes)
+        found.sync_s.append(bucketed if g is None else 0.0)
         if q is None:
-            sync.append(sync_price(dual_nd_sbp(p), p, meta, bucket_bytes))
-            update.append(optimizer_s(meta, p, prices, mesh_shape))
+            found.update_s.append(optimizer_s(meta, p, prices, mesh_shape))
         else:
-            sync.append(0.0)
-            convert = sync_price(dual_nd_sbp(p), q, meta, 1) + sync_price(q, p, meta, 1)
-            update.append(convert + optimizer_s(meta, q, prices, mesh_shape))
-    accumulate = [accumulate_s(meta, s.outputs[0], prices, mesh_shape) for s in candidates]
-    return sync, update, accumulate
+            gather = sync_price(q, p, meta, 1)
+            found.update_s.append(gather + optimizer_s(meta, q, prices, mesh_shape))
+        scatter = sync_price(dual_nd_sbp(p), g, meta, 1) if g is not None else 0.0
+        found.scatter_s.append(scatter)
+        found.accumulate_s.append(accumulate_s(meta, g if g is not None else p, prices, mesh_shape))
+    return found
 
 
 def optimizer_s(

@@ -37,6 +37,7 @@ from autosbp.capturing.graph import OpGraph, OpNode, Role
 from autosbp.errors import PlanError
 from autosbp.rules import mutated_inputs
 from autosbp.rules.core import HIDDEN_WRITES
+from autosbp.schedule import Phase, simulate
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 # What an attention core may hold between its two products (cheap ops of few flops per element).
@@ -109,6 +110,32 @@ def _check_forward(graph: OpGraph, stage: Mapping[str, int]) -> None:
 def in_flight(stage: int, num_stages: int) -> int:
     """Micro-batches whose activations stage `stage` holds at once under 1F1B (schedule quotas)."""
     return num_stages - stage
+
+
+def interleaved_in_flight(
+    num_stages: int, virtual_stages: int, micro_batches: int
+) -> tuple[int, ...]:
+    """Per virtual stage (chunk c of stage d: c x P + d), the micro-batches whose activations
+    chunk c holds at the moment stage d holds the most chunk activations under interleaved
+    1F1B (`schedule.simulate`, unit durations): the chunks' in-flight counts that add up to
+    the stage's peak (exact where the chunks' activations are alike, as equal blocks are)."""
+    p, v = num_stages, virtual_stages
+    timeline = simulate(p, micro_batches, lambda _: 1.0, lambda _: 2.0, virtual_stages=v)
+    out = [0] * (p * v)
+    for d in range(p):
+        events = sorted(
+            (f.end_s if f.phase is Phase.BACKWARD else f.start_s,
+             -1 if f.phase is Phase.BACKWARD else 1, f.chunk)
+            for f in timeline.firings if f.stage == d
+        )  # fmt: skip
+        alive, best = [0] * v, [0] * v
+        for _, delta, chunk in events:  # a backward's end frees before a forward starts
+            alive[chunk] += delta
+            if sum(alive) > sum(best):
+                best = list(alive)
+        for c in range(v):
+            out[c * p + d] = best[c]
+    return tuple(out)
 
 
 def recomputed(graph: OpGraph, name: str, mode: str) -> bool:

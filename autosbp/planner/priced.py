@@ -28,6 +28,7 @@ from autosbp.planner.candidates import (
     edge_matrix,
     node_strategies,
     sync_bucket_bytes,
+    without_dominated_kernels,
 )
 from autosbp.planner.kept import Kept, kept_for_backward
 from autosbp.planner.memory import candidate_bytes, pair_bytes
@@ -128,6 +129,7 @@ class Priced:
                     outputs=outputs,
                     extra_bytes=extra,
                     state=found.state_of(i),
+                    gradient=found.gradient_of(i),
                 )
                 for i, sig in enumerate(found.candidates)
             ]
@@ -184,7 +186,7 @@ def price_graph(
     representative: dict[str, str] | None = None,
     memo: dict[Hashable, NodeStrategies] | None = None,
     kept_memo: dict[str, Kept] | None = None,
-    zero: bool | None = False,
+    zero: int | None = 0,
 ) -> Priced:
     """Candidates of every representative node (`reduce.tie_blocks`, or `representative` where
     given); edges on first use. `pricer`: a boxing pricer of `mesh` to reuse (its chains serve
@@ -192,8 +194,8 @@ def price_graph(
     parameter's depend only on its tensor, the mesh, the sync bucket and whether a consumer
     keeps it, `_parameter_key`); `kept_memo`: what backward keeps, shared by every mesh of
     `graph` (with the same `representative`); `zero`: parameters' optimizer states split where
-    they can be (True: ZeRO-1), never (False, the default), or the ILP's choice per parameter
-    (None)."""
+    they can be (1: ZeRO-1; 2: ZeRO-2, gradients too), never (0, the default), or the ILP's
+    choice per parameter (None)."""
     pricer = pricer or BoxingPricer(prices, mesh)
     rep = representative or tie_blocks(graph)
     kept_memo = {} if kept_memo is None else kept_memo
@@ -214,10 +216,18 @@ def price_graph(
             found = node_strategies(graph, name, pricer, bucket_bytes, again, share)
             if memo is not None and key is not None:
                 memo[key] = found
-        strategies[name] = _restricted(replace(found, name=name), graph, name, allow, zero)
+        allowed = _restricted(replace(found, name=name), graph, name, allow, zero)
+        strategies[name] = without_dominated_kernels(allowed)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
     return Priced(mesh, rep, strategies, graph, pricer, kept_memo)
+
+
+def _zero_stage(found: NodeStrategies, i: int) -> int:
+    """The ZeRO stage of candidate `i`: 2 (states and gradient split), 1 (states), 0."""
+    if found.gradient_of(i) is not None:
+        return 2
+    return 1 if found.state_of(i) is not None else 0
 
 
 def _parameter_key(
@@ -232,12 +242,12 @@ def _parameter_key(
 
 
 def _restricted(
-    found: NodeStrategies, graph: OpGraph, name: str, allow: Allow | None, zero: bool | None
+    found: NodeStrategies, graph: OpGraph, name: str, allow: Allow | None, zero: int | None
 ) -> NodeStrategies:
     """The candidates a hand plan allows node `name`. A parameter the plan would split but
     whose dims the mesh does not divide (a (1,)-shaped bias) stays replicated rather than
-    making the plan impossible. `zero` (`price_graph`): True keeps, of a layout that has ZeRO-1
-    states, that twin only."""
+    making the plan impossible. `zero` (`price_graph`): of a layout that has ZeRO twins, 1 keeps
+    its ZeRO-1 twin only, 2 its ZeRO-2 twin, 0 its own."""
     keep = [i for i, sig in enumerate(found.candidates) if allow is None or allow(graph, name, sig)]
     if not keep and graph.node(name).role is Role.PARAMETER:
         keep = [
@@ -250,7 +260,7 @@ def _restricted(
         keep = [
             i
             for i in keep
-            if (found.state[i] is not None)
-            == (zero and (found.candidates[i], found.regathers(i)) in sharded)
+            if (found.candidates[i], found.regathers(i)) not in sharded
+            or _zero_stage(found, i) == zero
         ]
     return found if keep == list(range(len(found.candidates))) else found.restricted(keep)

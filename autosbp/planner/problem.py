@@ -19,6 +19,7 @@ update run one after another on each device.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from autosbp.capturing.graph import OpGraph
@@ -28,7 +29,7 @@ from autosbp.planner.finite_check import check_step_s
 from autosbp.planner.ilp import bound_or_solve, solve_below
 from autosbp.planner.ilp_problem import Problem, Solution
 from autosbp.planner.objective import StageCosts, objective_terms
-from autosbp.planner.pipeline import StageSplit, split_stages
+from autosbp.planner.pipeline import StageSplit, interleaved_in_flight, split_stages
 from autosbp.planner.priced import Allow, Priced, price_graph
 from autosbp.planner.reduce import TiedStages, tie_graph, tie_stages
 from autosbp.planner.stage_terms import P2P, StageTerms
@@ -51,6 +52,13 @@ class MeshProblem:
     micro_batches: int = 1
     recompute: str = "none"
     graph: OpGraph | None = None
+    # Interleaved 1F1B: `split`'s stages are v x P virtual stages, c x P + d on stage d's
+    # devices (the search's device count then counts each device v times).
+    virtual_stages: int = 1
+
+    @property
+    def pipeline_stages(self) -> int:
+        return self.split.num_stages // self.virtual_stages
 
     def choice_of(self, solution: Solution, name: str) -> NdSignature:
         return self.strategies[name].candidates[solution.choice[self.representative[name]]]
@@ -70,6 +78,7 @@ def build_problem(
     stage_link: str = "inter_node",
     priced: Priced | None = None,
     tied: TiedStages | None = None,
+    virtual_stages: int = 1,
 ) -> MeshProblem:
     """The ILP of `graph` (one micro-batch) with `split`'s stages, each on a mesh like `mesh`.
 
@@ -81,13 +90,22 @@ def build_problem(
     the compute of identical blocks (`schedule.hidden_gather_s`) and the gradient sync the
     last backward (`schedule.hidden_sync_s`). Memory: one constraint per stage, what backward
     keeps x the micro-batches in flight there (`stage_terms`), on node candidates and on edge
-    pairs (the converted copies kept, unless a parameter re-gathers them).
+    pairs (the converted copies kept, unless a parameter re-gathers them). Interleaved
+    (`virtual_stages` v > 1: `split` holds v x P virtual stages), each virtual stage keeps the
+    micro-batches its chunk holds at its device's peak (`pipeline.interleaved_in_flight`) and
+    the objective is 1F1B's over the virtual stages (a bound of the choice; `predict` runs the
+    interleaved schedule).
     """
     split = split or split_stages(graph, 1)
     priced = priced or price_graph(graph, mesh, prices, allow)
     tied = tied or tie_stages(tie_graph(graph, priced.representative), split)
     blocks = tuple(len(b) for b in split.blocks)
-    terms = StageTerms(blocks, priced.blocks_identical())
+    kept = None
+    if virtual_stages > 1:
+        kept = interleaved_in_flight(
+            split.num_stages // virtual_stages, virtual_stages, micro_batches
+        )
+    terms = StageTerms(blocks, priced.blocks_identical(), kept)
     terms.add_nodes(tied, priced, optimizer, micro_batches, recompute)
     terms.add_check(check_step_s(prices, mesh, split.num_stages, stage_link))
     keys = list(dict.fromkeys(priced.representative.values()))
@@ -108,7 +126,7 @@ def build_problem(
     problem = Problem(node_costs, edge_costs, constraints, max_terms)
     return MeshProblem(
         mesh, priced.strategies, problem, priced.representative, split, stage_costs,
-        micro_batches, recompute, graph,
+        micro_batches, recompute, graph, virtual_stages,
     )  # fmt: skip
 
 
@@ -149,7 +167,8 @@ def solve_mesh(
 
 @dataclass(frozen=True)
 class Prediction:
-    """A solved problem priced as the actor system runs it (`schedule.simulate`): per stage its
+    """A solved problem priced as the actor system runs it (`schedule.simulate`; interleaved,
+    `peak_bytes` and `bubble_s` are each virtual stage's device's, all its chunks): per stage its
     per-micro-batch forward/backward (what stays exposed of the parameters' conversions
     included, `gather_hidden_s` of them hidden behind the blocks' compute), transfer to the
     next stage and per-step update (seconds; `sync_s` of it the gradient sync, the rest the
@@ -181,16 +200,23 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
     forward_hidden, backward_hidden = gathers_hidden(costs, choice)
     exposed_fwd = tuple(f - h for f, h in zip(fwd, forward_hidden, strict=True))
     exposed_bwd = tuple(b - h for b, h in zip(bwd, backward_hidden, strict=True))
+    p, v = mp.pipeline_stages, mp.virtual_stages
     timeline = simulate(
-        mp.split.num_stages, mp.micro_batches, exposed_fwd.__getitem__,
-        exposed_bwd.__getitem__, send.__getitem__,
+        p, mp.micro_batches, exposed_fwd.__getitem__, exposed_bwd.__getitem__,
+        send.__getitem__, virtual_stages=v,
     )  # fmt: skip
+
+    def device(values: Sequence[float], s: int) -> float:
+        """Of virtual stage s: the sum over its device's chunks."""
+        return sum(values[c * p + s % p] for c in range(v))
+
     ends = [
-        max(f.end_s for f in timeline.firings if f.stage == s) + update[s] - hidden[s]
+        timeline.end_s(s % p) + device(update, s) - device(hidden, s)
         for s in range(mp.split.num_stages)
     ]
-    peaks = tuple(mem.used_bytes(choice) for mem in costs.memory)
-    bubbles = tuple(timeline.bubble_s(s) for s in range(mp.split.num_stages))
+    used = [mem.used_bytes(choice) for mem in costs.memory]
+    peaks = tuple(device(used, s) for s in range(mp.split.num_stages))
+    bubbles = tuple(timeline.bubble_s(s % p) for s in range(mp.split.num_stages))
     gathers = tuple(f + b for f, b in zip(forward_hidden, backward_hidden, strict=True))
     sync = tuple(c.value(choice) for c in costs.sync)
     return Prediction(

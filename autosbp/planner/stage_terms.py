@@ -41,8 +41,12 @@ class StageTerms:
     """Per stage, the sums of a configuration (see `StageCosts`). `blocks[s]` is the number of
     repeated blocks of stage s; `identical`: the graph's blocks are all alike (tied)."""
 
-    def __init__(self, blocks: tuple[int, ...], identical: bool) -> None:
+    def __init__(
+        self, blocks: tuple[int, ...], identical: bool, kept: tuple[int, ...] | None = None
+    ) -> None:
         self.num_stages = len(blocks)
+        # Micro-batches in flight per stage: 1F1B's, or the schedule's (`kept`, interleaved).
+        self.in_flight = kept or tuple(in_flight(s, self.num_stages) for s in range(len(blocks)))
         self.blocks, self.identical = blocks, identical
         self.busy, self.forward, self.send, self.update, self.sync = (
             [_Acc() for _ in blocks] for _ in range(5)
@@ -65,7 +69,7 @@ class StageTerms:
     def add_nodes(self, tied, priced, optimizer: str, micro_batches: int, recompute: str) -> None:
         for (r, s, read_outside), n in tied.nodes.items():
             attrs, found = priced.graph.node(r), priced.strategies[r]
-            k = in_flight(s, self.num_stages)
+            k = self.in_flight[s]
             self.kinds[s][("node", r, read_outside)] += n
             if attrs.role is Role.PARAMETER:
                 self._add_parameter(r, s, n, found, micro_batches)
@@ -96,6 +100,8 @@ class StageTerms:
             assert found.accumulate_s is not None
             share = (micro_batches - 1) / micro_batches  # per micro-batch, m of them
             self.busy[s].node(r, n * share * found.accumulate_s)
+        if found.scatter_s is not None:  # ZeRO-2: every micro-batch's backward, in line
+            self.busy[s].node(r, n * found.scatter_s)
 
     def add_check(self, reduce_s: float) -> None:
         """The non-finite check's all-reduce, once per step on every stage's update
@@ -127,12 +133,12 @@ class StageTerms:
                 rows = regather[:, None]
                 extra = np.where(rows, kept.forward_s, 0.0)  # converted again before backward
                 self.busy[sv].edge(key, n * extra)
-                k = in_flight(sv, self.num_stages)
+                k = self.in_flight[sv]
                 held = n * k * np.where(rows, 0.0, kept.bytes)
                 alive = w * (1 + PREFETCH_BLOCKS) * np.where(rows, kept.bytes, 0.0)
                 self.memory[sv].edge(key, held + alive)
             else:
-                self.memory[sv].edge(key, n * in_flight(sv, self.num_stages) * kept.bytes)
+                self.memory[sv].edge(key, n * self.in_flight[sv] * kept.bytes)
                 extra = np.zeros_like(both)
             in_block = consumer.block is not None and self.identical
             if graph.node(u).role is Role.PARAMETER and in_block:
@@ -142,7 +148,7 @@ class StageTerms:
             self.kinds[sv - 1][("send", rep[u], out_idx, graph.node(u).outputs[out_idx])] += 1
             local = p2p.local_bytes(priced.strategies[u], out_idx, graph.node(u).outputs[out_idx])
             self.send[sv - 1].node(rep[u], p2p.time_s(local))
-            self.memory[sv].node(rep[u], local * in_flight(sv, self.num_stages))
+            self.memory[sv].node(rep[u], local * self.in_flight[sv])
 
     def stage_costs(
         self, sizes: dict[str, int], overlap: float, memory_limit_bytes: float | None

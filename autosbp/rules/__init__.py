@@ -69,6 +69,7 @@ __all__ = [
     "UnknownOpWarning",
     "derives_splits",
     "exchanges",
+    "find_signature",
     "has_rule",
     "local_call",
     "local_op",
@@ -77,6 +78,7 @@ __all__ = [
     "pinned_inputs",
     "signatures_1d",
     "warn_unknown_ops",
+    "work_fraction",
 ]
 
 
@@ -124,12 +126,35 @@ def nd_signatures(node: Node, mesh_shape: Sequence[int]) -> list[NdSignature]:
 
 def _product(node: Node, mesh_shape: tuple[int, ...]) -> tuple[NdSignature, ...]:
     lists = [signatures_1d(node, size) for size in mesh_shape]
+    rule = RULES.get(node.op)
     out: dict[NdSignature, None] = {}
     for combo in itertools.product(*lists):
         nd = NdSignature.from_1d(combo)
         if nd not in out and _admissible(node, nd.inputs, nd.outputs, mesh_shape):
             out[nd] = None
+            if rule is not None and rule.variants is not None:
+                out.update(dict.fromkeys(rule.variants(node, nd, mesh_shape)))
     return tuple(out)
+
+
+def find_signature(
+    node: Node,
+    layouts: tuple[tuple[NdSbp, ...], tuple[NdSbp, ...]],
+    stated: tuple[str, ...],
+    mesh_shape: Sequence[int],
+) -> NdSignature | None:
+    """The offered nd-signature with these (inputs, outputs) layouts whose exchanges a plan
+    states as `stated` (`Exchange.describe`): of several kernels of one layout, the plan's; the
+    rule's own where none states them (the caller compares); None where no signature has
+    these layouts."""
+    inputs, outputs = layouts
+    offered = [
+        s for s in nd_signatures(node, mesh_shape) if (s.inputs, s.outputs) == (inputs, outputs)
+    ]
+    for sig in offered:
+        if tuple(e.describe() for e in exchanges(node, sig, mesh_shape)) == stated:
+            return sig
+    return offered[0] if offered else None
 
 
 # (op, args, kwargs, inputs, outputs, mesh shape) -> signatures; cleared when it grows past the
@@ -163,6 +188,16 @@ def exchanges(
     device (empty for almost every signature: their communication is boxing, on edges)."""
     rule = RULES.get(node.op)
     return () if rule is None else rule.exchanges(node, nd_signature, tuple(mesh_shape))
+
+
+def work_fraction(
+    node: Node, nd_signature: NdSignature | None, mesh_shape: Sequence[int], causal_skip: float
+) -> float:
+    """The fraction of its even share of the node's counted flops (`capturing.flops`) the
+    kernel computes under `nd_signature` (None: the least over every signature), on a device
+    whose attention kernel skips `causal_skip` of a causal mask's masked scores."""
+    rule = RULES.get(node.op)
+    return 1.0 if rule is None else rule.work(node, nd_signature, tuple(mesh_shape), causal_skip)
 
 
 def local_op(

@@ -26,6 +26,7 @@ paper section 3.3.2 (context parallelism by all-gathered keys and values).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
@@ -49,8 +50,10 @@ class Exchange:
     op's backward (the adjoint of a forward one, e.g. the reduce-scatter of an all-gather's
     gradient); `overlaps` that the runtime runs it beside the op's own compute (priced hidden
     up to the profile's overlap efficiency), False where the kernel waits for it before
-    computing; `held_bytes` what it allocates that stays alive until the op's backward (a
-    gathered tensor autograd saves), counted in the node's memory.
+    computing, and `beside` the share of that compute it can run beside (1: all of it; a ring
+    step's exchange: the one step's compute it overlaps); `held_bytes` what it allocates that
+    stays alive until the op's backward (a gathered tensor autograd saves), counted in the
+    node's memory.
     """
 
     kind: str
@@ -59,13 +62,20 @@ class Exchange:
     backward: bool = False
     overlaps: bool = False
     held_bytes: float = 0.0
+    beside: float = 1.0
 
     def __post_init__(self) -> None:
         assert self.kind in EXCHANGE_KINDS, f"exchange kind {self.kind!r}"
 
     def describe(self) -> str:
-        """How a plan states it: "all_gather on mesh dim 0", "... (backward)"."""
-        return f"{self.kind} on mesh dim {self.mesh_dim}" + (" (backward)" if self.backward else "")
+        """How a plan states it: "all_gather on mesh dim 0", "... (backward)", "...
+        (overlapped)"."""
+        text = f"{self.kind} on mesh dim {self.mesh_dim}"
+        return (
+            text
+            + (" (backward)" if self.backward else "")
+            + (" (overlapped)" if self.overlaps else "")
+        )
 
 
 class OpComm(Protocol):
@@ -80,6 +90,13 @@ class OpComm(Protocol):
     def swap(self, x: torch.Tensor, mesh_dim: int, peer: int) -> torch.Tensor:
         """`x` sent to the group's member `peer` and what `peer` sent back (itself where `peer`
         is this device); backward: the same swap of the gradient."""
+        ...
+
+    def shift(self, x: torch.Tensor, mesh_dim: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """One ring step, started: `x` sent to the next member of the group (in group order,
+        the last to the first), and the tensor the previous member sends, to read only once the
+        returned wait has been called (compute may run in between); backward: the gradient
+        shifted back the other way (waited)."""
         ...
 
 

@@ -2,8 +2,9 @@
 
 Lives here: the sequence-split signature of SDPA (`cp_signatures`), what it exchanges
 (`cp_exchanges`, priced by `autosbp.planner.op_comm`) and its kernel (`build_cp_attention`).
-Lives elsewhere: SDPA's other rows (`attention`), the collectives on real groups
-(`runtime.execute.op_comm`), the vocabulary of communication inside an op (`comm`).
+Lives elsewhere: SDPA's other rows (`attention`), the row's second kernel, keys and values
+passed around a ring (`ring`), the collectives on real groups (`runtime.execute.op_comm`), the
+vocabulary of communication inside an op (`comm`).
 
 The row, for one mesh dim of n devices (Llama 3's choice, paper section 3.3.2):
   query, key, value S(-2) -> S(-2) (attn_mask, where given, split on its rows or B where it
@@ -34,6 +35,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from autosbp.capturing.graph import InputRef
 from autosbp.rules.comm import Exchange, OpComm, OpContext
@@ -82,6 +84,17 @@ def seq_mesh_dims(node: Node, sig: NdSignature, mesh_shape: Shape) -> tuple[int,
         for m, size in enumerate(mesh_shape)
         if size > 1 and sig.inputs[q][m] == S(seq) and sig.inputs[k][m] == S(seq)
     )
+
+
+def cp_computed(node: Node, sig: NdSignature, mesh_shape: Shape) -> float:
+    """The fraction of its even share of the dense scores the kernel computes: causal on N
+    chunks, each half reads the keys up to its last row, (2c+1 + 2(N-1-c)+2) halves of keys of
+    the 4N a dense share reads: (2N+1)/4N; 1 otherwise (every key, or not the row)."""
+    dims = seq_mesh_dims(node, sig, mesh_shape)
+    if not dims or not bound_args(node)["is_causal"]:
+        return 1.0
+    chunks = math.prod(mesh_shape[m] for m in dims)
+    return (2 * chunks + 1) / (4 * chunks)
 
 
 def cp_exchanges(node: Node, sig: NdSignature, mesh_shape: Shape) -> tuple[Exchange, ...]:
@@ -185,16 +198,15 @@ def _attend(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of query rows starting at global row `first_row` (causal; None: not causal) against
-    the whole sequence's keys: only the keys up to the last row are read, and the mask is the
-    causal one of those global rows."""
+    the whole sequence's keys: only the keys up to the last row are read, under the causal mask
+    of those global rows, lower-right aligned (`causal_lower_right`: a flash kernel skips its
+    masked blocks where torch dispatches to one; the math kernel, on CPU, materializes it)."""
     if first_row is None:
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
         )
-    rows = q.shape[-2]
-    end = first_row + rows
-    mask = torch.ones(rows, end, dtype=torch.bool, device=q.device).tril(diagonal=first_row)
+    end = first_row + q.shape[-2]
     return F.scaled_dot_product_attention(
-        q, keys[..., :end, :], values[..., :end, :], attn_mask=mask, scale=scale,
-        enable_gqa=enable_gqa,
+        q, keys[..., :end, :], values[..., :end, :], attn_mask=causal_lower_right(q.shape[-2], end),
+        scale=scale, enable_gqa=enable_gqa,
     )  # fmt: skip

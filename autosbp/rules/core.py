@@ -46,10 +46,14 @@ class Signature:
 
 @dataclass(frozen=True, slots=True)
 class NdSignature:
-    """All mesh dims: the nD SBP of every tensor input and output (what the planner prices)."""
+    """All mesh dims: the nD SBP of every tensor input and output (what the planner prices).
+    `kernel` names another kernel for the same layouts ("" for the rule's own; an op whose rule
+    has `variants`, e.g. "ring" for context-parallel attention), told apart in a plan by the
+    exchanges it states."""
 
     inputs: tuple[NdSbp, ...]
     outputs: tuple[NdSbp, ...]
+    kernel: str = ""
 
     @classmethod
     def from_1d(cls, per_mesh_dim: Sequence[Signature]) -> NdSignature:
@@ -67,7 +71,7 @@ class NdSignature:
     def __repr__(self) -> str:
         ins = ", ".join(format_nd_sbp(s) for s in self.inputs)
         outs = ", ".join(format_nd_sbp(s) for s in self.outputs)
-        return f"({ins} -> {outs})"
+        return f"({ins} -> {outs}" + (f" [{self.kernel}])" if self.kernel else ")")
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,10 +226,17 @@ def no_exchanges(node: Node, sig: NdSignature, mesh_shape: Shape) -> tuple[Excha
     return ()
 
 
+def full_work(node: Node, sig: NdSignature | None, mesh_shape: Shape, causal_skip: float) -> float:
+    """The default: the kernel computes its whole share of the op's counted flops."""
+    return 1.0
+
+
 SignatureFn: TypeAlias = Callable[[Node, int], list[Signature]]
 LocalOpFn: TypeAlias = Callable[[Node, NdSignature, Shape, Shape], LocalOp]
 ExchangesFn: TypeAlias = Callable[[Node, NdSignature, Shape], tuple[Exchange, ...]]
 CommLocalFn: TypeAlias = Callable[[Node, NdSignature, OpContext], LocalOp]
+WorkFn: TypeAlias = Callable[[Node, NdSignature | None, Shape, float], float]
+VariantsFn: TypeAlias = Callable[[Node, NdSignature, Shape], list[NdSignature]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,12 +245,19 @@ class OpRule:
 
     A signature for which `exchanges` lists collectives (`rules.comm.Exchange`) communicates
     inside the op: its kernel is `build_comm(node, sig, OpContext)`, built with this device's
-    groups; every other signature's is `build_local(node, sig, mesh_shape, coords)`."""
+    groups; every other signature's is `build_local(node, sig, mesh_shape, coords)`.
+    `work(node, sig, mesh_shape, causal_skip)`: the fraction of its even share of the node's
+    counted flops the kernel computes under `sig` (causal attention computes part of the dense
+    product; None for `sig`: the least over every signature, for lower bounds).
+    `variants(node, sig, mesh_shape)`: other kernels of an admissible nd-signature's layouts
+    (`NdSignature.kernel`), offered beside it."""
 
     signatures: SignatureFn
     build_local: LocalOpFn = plain_local_op
     exchanges: ExchangesFn = no_exchanges
     build_comm: CommLocalFn | None = None
+    work: WorkFn = full_work
+    variants: VariantsFn | None = None
 
 
 def default_local_op(

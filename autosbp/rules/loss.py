@@ -1,4 +1,4 @@
-"""Losses: cross_entropy_loss, and elementwise losses that reduce (mse, l1, smooth_l1, bce).
+"""Losses: cross_entropy_loss, elementwise losses that reduce (mse, l1, smooth_l1, bce), CTC.
 
 Lives here: the rows of losses and their local kernels for a batch split under reduction='mean'.
 Lives elsewhere: log_softmax (`reduction`), the loss as the graph's output (`boundary`).
@@ -20,6 +20,10 @@ Rows, for one mesh dim (reduction: 0 none, 1 mean, 2 sum):
                              beyond the loss's P -> B: the target is tiny beside the logits.
   elementwise losses         split any dim of the broadcast shape; inputs follow by broadcasting.
                              none -> S; sum -> P; mean -> P rescaled by local / global count.
+  autosbp::ctc_loss           per sample (`capturing.ctc`): log_probs (T, N, C) S(1), targets
+       (per sample, padded)  (N, S), input and target lengths (N,) S(0) -> S(0): each sample's
+                             alignment sums over its own row alone. T and C stay whole (the
+                             forward recursion runs along T, normalised over C).
 """
 
 from __future__ import annotations
@@ -156,10 +160,16 @@ ELEMENTWISE_LOSSES = (
 )
 
 
+def ctc_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
+    by_sample = {"log_probs": S(1), "targets": S(0), "input_lengths": S(0), "target_lengths": S(0)}
+    return [all_broadcast(node), make_signature(node, by_sample, (S(0),))]
+
+
 def rules() -> dict[str, OpRule]:
     """This family's rows of the registry."""
     table = {
-        "aten.cross_entropy_loss.default": OpRule(cross_entropy_signatures, cross_entropy_local)
+        "aten.cross_entropy_loss.default": OpRule(cross_entropy_signatures, cross_entropy_local),
+        "autosbp.ctc_loss.default": OpRule(ctc_signatures),
     }
     table.update(
         dict.fromkeys(

@@ -1,4 +1,4 @@
-"""Normalizations: layer_norm / native_layer_norm / rms_norm, and batch_norm in its forms.
+"""Normalizations: layer_norm / native_layer_norm / rms_norm, group_norm, batch_norm in its forms.
 
 Lives here: the rules of ops that normalize with statistics computed over some dims. Lives
 elsewhere: the pieces of a hand-written RMSNorm (pow, mean, rsqrt, mul: `pointwise`,
@@ -14,6 +14,12 @@ Rows, for one mesh dim:
                      dims are NOT split: a local batch would normalize by local statistics. In
                      eval mode (training=False) the op is elementwise given the running stats:
                      batch and spatial splits are added.
+  group_norm         batch dim 0 split: x S(0), weight and bias B -> S(0) (statistics per
+                     sample and group). Groups of one channel (num_groups = channels, as
+                     Wav2Vec2's feature encoder): x S(1), weight, bias S(0) -> S(1), each device
+                     normalizing its channels with num_groups = its channel count. Larger
+                     groups are not split by channel (a split of two mesh dims could cut one).
+                     Spatial dims never split: the statistics need them whole. No P.
 BatchNorm semantics under a plan (training): the statistics of each micro-batch as a whole,
 across every data-parallel device (SyncBatchNorm's, within a micro-batch): data parallel gathers
 the micro-batch or splits channels, never normalizes a device's share by its own statistics.
@@ -29,16 +35,20 @@ References: OneFlow layer_norm_op.cpp; torch/distributed/tensor/_ops/_math_ops.p
 from __future__ import annotations
 
 from autosbp.rules.core import (
+    LocalOp,
+    NdSignature,
     Node,
     OpRule,
+    Shape,
     Signature,
     all_broadcast,
     bound_args,
+    default_local_op,
     in_shapes,
     make_signature,
     out_shapes,
 )
-from autosbp.sbp import B, S, Sbp
+from autosbp.sbp import B, S, Sbp, local_shape
 
 LAYER_NORMS = ("aten.layer_norm.default", "aten.native_layer_norm.default", "aten.rms_norm.default")
 
@@ -83,8 +93,29 @@ def _batch_norm_outputs(node: Node, out: Sbp, per_channel: Sbp) -> tuple[Sbp, ..
     return (out, *(per_channel if len(s) == 1 else B for s in shapes[1:]))
 
 
+def group_norm_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
+    shape = in_shapes(node)[0]
+    sigs = [all_broadcast(node)]
+    if len(shape) < 2:
+        return sigs
+    sigs.append(make_signature(node, {"input": S(0), "weight": B, "bias": B}, (S(0),)))
+    if bound_args(node)["num_groups"] == shape[1]:  # one channel per group
+        sigs.append(make_signature(node, {"input": S(1), "weight": S(0), "bias": S(0)}, (S(1),)))
+    return sigs
+
+
+def group_norm_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shape) -> LocalOp:
+    """A channel split keeps one channel per group: num_groups = the device's channel count."""
+    shape = in_shapes(node)[0]
+    channels = local_shape(shape, sig.inputs[0], mesh_shape)[1]
+    if channels == shape[1]:
+        return default_local_op(node)
+    return default_local_op(node, {"num_groups": channels})
+
+
 def rules() -> dict[str, OpRule]:
     """This family's rows of the registry."""
     table = dict.fromkeys(LAYER_NORMS, OpRule(layer_norm_signatures))
+    table["aten.group_norm.default"] = OpRule(group_norm_signatures, group_norm_local)
     table.update(dict.fromkeys(BATCH_NORMS, OpRule(batch_norm_signatures)))
     return table

@@ -191,6 +191,11 @@ class SimulatedComm:
         group, pieces = self._post(mesh_dim, x)
         return pieces[group[peer]]
 
+    def shift(self, x: torch.Tensor, mesh_dim: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        group, pieces = self._post(mesh_dim, x)
+        previous = group[(group.index(self.index) - 1) % len(group)]
+        return pieces[previous], lambda: None
+
 
 def _cut(
     piece: torch.Tensor, sbp: Split | Broadcast | Partial, size: int, gen: torch.Generator

@@ -137,7 +137,7 @@ POINTWISE: dict[str, Linearity] = {
             min.other max.other where.ScalarOther where.ScalarSelf where.Scalar __and__.Tensor
             __or__.Tensor hardswish.default hardswish_.default hardsigmoid.default
             hardsigmoid_.default hardtanh_.default clamp_.default floor_divide.default
-            masked_fill_.Tensor fill.Scalar fill_.Scalar remainder.Scalar
+            masked_fill_.Tensor fill.Scalar fill_.Scalar remainder.Scalar div.Tensor_mode
             """
         ),
         _L.NONE,

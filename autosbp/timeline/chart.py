@@ -16,7 +16,9 @@ Readability, by construction:
   its own clock: ranks enter a step at different moments), so no bar runs past the step time
   in the panel's title; a predicted step starts on every rank at 0;
 - the numbers written on bars (where they fit) are micro-batch indices, as the legend says;
-  axes are titled with their units.
+  axes are titled with their units;
+- the chunks of an interleaved stage are told apart by hatching (chunk 0 plain) and a "c1"
+  after the micro-batch.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ OTHER_COLOUR = "tab:gray"
 COMMUNICATION = frozenset(
     {"send", "recv", "param_gather", "param_regather", "grad_reduce", "exchange"}
 )
+# Chunks of an interleaved stage: chunk 0 plain, the others hatched (one pattern each, in turn).
+CHUNK_HATCHES = (None, "//", "..", "xx")
 WIDTH_IN, DPI = 12.0, 100  # the figure's width and resolution: 1200 pixels across
 PLOT_FRACTION = 0.8  # of the width, the axes' (the rest: rank labels and margins)
 CHAR_PX = 7.0  # a digit's width at the bars' 7-point font and DPI (7 pt = 9.7 px tall, ~0.7 wide)
@@ -168,18 +172,23 @@ def _draw_panel(ax: Any, events: list[Event], total_ms: float) -> None:
     row_of = {rank: row for row, rank in enumerate(ranks)}
     stage_of = {e.rank: e.stage for e in events}
     px_per_ms = WIDTH_IN * DPI * PLOT_FRACTION / total_ms
-    bars: dict[tuple[int, str, bool], list[tuple[float, float]]] = defaultdict(list)
+    bars: dict[tuple[int, str, bool, int], list[tuple[float, float]]] = defaultdict(list)
     for e in events:
         row, kind = row_of[e.rank], e.kind
         x, width = e.start_s * 1e3, (e.end_s - e.start_s) * 1e3
         thin = kind in COMMUNICATION
-        bars[(row, COLOURS.get(kind, OTHER_COLOUR), thin)].append((x, width))
+        bars[(row, COLOURS.get(kind, OTHER_COLOUR), thin, e.chunk)].append((x, width))
         label = "" if e.micro_batch is None else str(e.micro_batch)
+        if label and e.chunk:  # interleaved: micro-batch 3 of chunk 1 is "3c1", hatched
+            label = f"{label}c{e.chunk}"
         if label and not thin and width * px_per_ms >= CHAR_PX * (len(label) + 1):
             ax.text(x + width / 2, row - 0.07, label, ha="center", va="center", fontsize=7)
-    for (row, colour, thin), spans in bars.items():
+    for (row, colour, thin, chunk), spans in bars.items():
         y, height = (row + 0.2, 0.15) if thin else (row - 0.35, 0.55)
-        ax.broken_barh(spans, (y, height), facecolors=colour, edgecolor="white", lw=0.5)
+        hatch = CHUNK_HATCHES[chunk % len(CHUNK_HATCHES)]
+        ax.broken_barh(
+            spans, (y, height), facecolors=colour, edgecolor="white", lw=0.5, hatch=hatch
+        )
     ax.set_yticks(range(len(ranks)), [f"rank {r} (stage {stage_of[r]})" for r in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, total_ms)

@@ -20,6 +20,7 @@ span there instead: `update_s` less `sync_hidden_s`.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from time import perf_counter
@@ -49,21 +50,23 @@ MAX_DRAWN_SPANS = 100_000
 MAX_DRAWN_RANKS = 128
 
 
-_Record = tuple[str, int | None, float, float]  # what a Recorder keeps: kind, mb, start, end
+_Record = tuple[str, int | None, int, float, float]  # a Recorder keeps: kind, mb, chunk, start, end
 
 
 class SpanHook(Protocol):
     """What the runtime wraps each actor firing in: a `Recorder`, or any object with `span`
     (a training job also reports its progress there: runtime.jobs)."""
 
-    def span(self, kind: str, micro_batch: int | None = None) -> AbstractContextManager[None]: ...
+    def span(
+        self, kind: str, micro_batch: int | None = None, chunk: int = 0
+    ) -> AbstractContextManager[None]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
     """One span on one rank: `kind` is "forward", "backward", "send", "recv", "grad_sync",
     "optimizer" (runtime), "update" (predicted) or anything else; `micro_batch` None for
-    per-step work."""
+    per-step work; `chunk` the model chunk an interleaved stage ran it for (0 otherwise)."""
 
     rank: int
     stage: int
@@ -71,6 +74,7 @@ class Event:
     micro_batch: int | None
     start_s: float
     end_s: float
+    chunk: int = 0
 
 
 class Recorder:
@@ -88,10 +92,10 @@ class Recorder:
         self._spans: list[_Record] = []
         self._step_begin = 0  # index of the first span after the last mark_step()
 
-    def span(self, kind: str, micro_batch: int | None = None) -> _Span:
+    def span(self, kind: str, micro_batch: int | None = None, chunk: int = 0) -> _Span:
         """`with recorder.span("forward", 3): ...` records the time the body takes (not
         recorded when the body raises)."""
-        return _Span(self._spans, kind, micro_batch)
+        return _Span(self._spans, kind, micro_batch, chunk)
 
     def mark_step(self) -> list[Event]:
         """End a step: return its events (those since the previous mark). Nothing is dropped."""
@@ -106,23 +110,26 @@ class Recorder:
 
     def _to_events(self, spans: list[_Record]) -> list[Event]:
         o = self.origin_s
-        return [Event(self.rank, self.stage, k, mb, s - o, e - o) for k, mb, s, e in spans]
+        return [Event(self.rank, self.stage, k, mb, s - o, e - o, c) for k, mb, c, s, e in spans]
 
 
 class _Span:
     """The context manager of `Recorder.span`: a slotted class, 2-3x cheaper than @contextmanager."""
 
-    __slots__ = ("_kind", "_micro_batch", "_spans", "_start_s")
+    __slots__ = ("_chunk", "_kind", "_micro_batch", "_spans", "_start_s")
 
-    def __init__(self, spans: list[_Record], kind: str, micro_batch: int | None) -> None:
-        self._spans, self._kind, self._micro_batch = spans, kind, micro_batch
+    def __init__(
+        self, spans: list[_Record], kind: str, micro_batch: int | None, chunk: int
+    ) -> None:
+        self._spans, self._kind, self._micro_batch, self._chunk = spans, kind, micro_batch, chunk
 
     def __enter__(self) -> None:
         self._start_s = perf_counter()
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
-            self._spans.append((self._kind, self._micro_batch, self._start_s, perf_counter()))
+            record = (self._kind, self._micro_batch, self._chunk, self._start_s, perf_counter())
+            self._spans.append(record)
 
 
 # ---- predicted and measured steps -----------------------------------------------------------
@@ -170,23 +177,23 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
             "backward_s are 0 in every stage), so it has no predicted timeline; make the plan "
             "again with an autosbp that records them."
         )
+    p = plan.pipeline_stages  # interleaved, stages[c * p + d] is chunk c of stage d
     timeline = simulate(
-        len(stages),
-        plan.micro_batches,
-        lambda s: stages[s].forward_s,
-        lambda s: stages[s].backward_s,
-        lambda s: stages[s].send_s,
-    )
-    spans: list[tuple[int, str, int | None, float, float]] = []  # stage, kind, mb, start, end
+        p, plan.micro_batches, lambda s: stages[s].forward_s, lambda s: stages[s].backward_s,
+        lambda s: stages[s].send_s, virtual_stages=plan.virtual_stages,
+    )  # fmt: skip
+    # stage, kind, mb, start, end, chunk
+    spans: list[tuple[int, str, int | None, float, float, int]] = []
     for f in timeline.firings:
-        spans.append((f.stage, f.phase.value, f.micro_batch, f.start_s, f.end_s))
-        to = f.stage + 1 if f.phase is Phase.FORWARD else f.stage - 1
-        if 0 <= to < len(stages) and stages[min(f.stage, to)].send_s > 0:
-            end_s = f.end_s + stages[min(f.stage, to)].send_s  # send_s: stage s <-> s + 1
-            spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s))
-    for s, stage in enumerate(stages):
-        last = max(f.end_s for f in timeline.firings if f.stage == s)
-        spans += [(s, kind, None, start, end) for kind, start, end in _update_spans(stage, last)]
+        spans.append((f.stage, f.phase.value, f.micro_batch, f.start_s, f.end_s, f.chunk))
+        at = f.chunk * p + f.stage
+        to = at + 1 if f.phase is Phase.FORWARD else at - 1
+        if 0 <= to < len(stages) and stages[min(at, to)].send_s > 0:
+            end_s = f.end_s + stages[min(at, to)].send_s  # send_s: stage s <-> s + 1
+            spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s, f.chunk))
+    for s in range(p):
+        last = timeline.end_s(s)  # then the update of all its chunks
+        spans += [(s, kind, None, a, b, 0) for kind, a, b in _update_spans(stages[s::p], last)]
     events = [
         Event(rank, *span)
         for span in spans
@@ -195,13 +202,16 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
     return sorted(events, key=lambda e: (e.rank, e.start_s, e.kind))
 
 
-def _update_spans(stage: StagePlan, last_s: float) -> list[tuple[str, float, float]]:
-    """A stage's update after its last backward ends at `last_s`: (kind, start, end) of its
-    exposed gradient sync and its optimizer, or of one "update" (a plan without the split)."""
-    end_s = last_s + stage.update_s - stage.sync_hidden_s
-    if stage.grad_sync_s is None:
+def _update_spans(chunks: Sequence[StagePlan], last_s: float) -> list[tuple[str, float, float]]:
+    """A device's update after its last backward ends at `last_s`, over its stage's chunks
+    (one but for interleaved plans): (kind, start, end) of its exposed gradient sync and its
+    optimizer, or of one "update" (a plan without the split)."""
+    end_s = last_s + sum(c.update_s - c.sync_hidden_s for c in chunks)
+    syncs = [c.grad_sync_s for c in chunks]
+    if any(g is None for g in syncs):
         return [(UPDATE, last_s, end_s)]
-    synced_s = last_s + max(stage.grad_sync_s - stage.sync_hidden_s, 0.0)
+    exposed = sum(max(g - c.sync_hidden_s, 0.0) for g, c in zip(syncs, chunks) if g is not None)
+    synced_s = last_s + exposed
     return [(GRAD_SYNC, last_s, synced_s), (STEP_END, synced_s, max(end_s, synced_s))]
 
 

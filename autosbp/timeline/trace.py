@@ -70,7 +70,7 @@ def write_chrome_trace(
             "dur": (e.end_s - e.start_s) * 1e6,
             "pid": e.rank,
             "tid": 0,
-            "args": {"stage": e.stage, "micro_batch": e.micro_batch},
+            "args": {"stage": e.stage, "micro_batch": e.micro_batch, "chunk": e.chunk},
         }
         for e in events
     ]
@@ -126,6 +126,7 @@ def _event(raw: Any, index: int, path: Path) -> Event | None:
             None if mb is None else int(mb),
             start_s,
             start_s + float(raw["dur"]) / 1e6,
+            int(raw["args"].get("chunk", 0)),  # traces written before chunks: 0
         )
     except (KeyError, TypeError, ValueError) as exc:
         problem = f"no {exc}" if isinstance(exc, KeyError) else str(exc)

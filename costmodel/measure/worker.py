@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import platform
 import re
 import statistics
 import time
@@ -24,6 +23,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from costmodel.machine import cpu_model
 from costmodel.measure.items import GroupShape, Item, ProfilerConfig
 from costmodel.profile import CollectiveKind, DType
 
@@ -79,7 +79,7 @@ def _device_info(device: Any, torch: Any) -> dict[str, Any]:
         name, memory = props.name, int(props.total_memory)
         how = "torch.cuda.get_device_properties(device).total_memory"
     else:
-        name = _cpu_model()
+        name = cpu_model()
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         how = "os.sysconf: physical memory pages x page size, shared by the ranks of the host"
     return {
@@ -89,17 +89,6 @@ def _device_info(device: Any, torch: Any) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux: no /proc; platform gives a coarser name
-        pass
-    return platform.processor() or platform.machine() or "CPU"
 
 
 def _make_call(

@@ -11,15 +11,17 @@ Invariants: each collective runs on the group along its mesh dim through this ra
 the group `build_groups` made for the mesh (never a new one); forward and backward are each
 other's adjoints (all-gather <-> reduce-scatter, a swap <-> the same swap), so autograd
 through a kernel is exact; a wait longer than the timeout raises (gloo and NCCL), never hangs.
-The kernel runs synchronously: it waits for each collective before it computes, as
-`rules.comm.Exchange.overlaps` False prices it.
+The all-gathers and swaps run synchronously: the kernel waits for each before it computes, as
+`rules.comm.Exchange.overlaps` False prices them; a ring step (`shift`) is started and waited
+by the kernel after the step's compute (gloo and NCCL run it meanwhile), as `overlaps` True
+prices it; its backward is waited where autograd reaches it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -73,6 +75,41 @@ class GroupComm:
         """`rules.comm.OpComm.swap`: backward swaps the gradient back."""
         return _Swap.apply(x, mesh_dim, peer, self)
 
+    def shift(self, x: torch.Tensor, mesh_dim: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """`rules.comm.OpComm.shift`: started (isend to the next member, irecv from the previous),
+        waited by the returned call, each wait bounded; backward shifts the gradient back."""
+        pending: list[Any] = []
+        received = _Shift.apply(x, mesh_dim, self, pending)
+
+        def wait() -> None:
+            with self.span():
+                for work in pending:
+                    work.wait(self.timeout)
+            pending.clear()  # the sent buffer, held until here, may go
+
+        return received, wait
+
+    def shift_raw(
+        self, x: torch.Tensor, mesh_dim: int, step: int, pending: list[Any] | None = None
+    ) -> torch.Tensor:
+        """`x` to the member `step` places on in group order, from the one `step` places back;
+        started into `pending` where given (with the buffer it sends), else waited."""
+        ranks, group = self.group(mesh_dim)
+        me = ranks.index(dist.get_rank())
+        send, recv = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
+        ops = [
+            dist.P2POp(dist.isend, send, ranks[(me + step) % len(ranks)], group),
+            dist.P2POp(dist.irecv, recv, ranks[(me - step) % len(ranks)], group),
+        ]
+        works = dist.batch_isend_irecv(ops)
+        if pending is not None:
+            pending.extend([*works, _Held(send)])
+            return recv
+        with self.span():
+            for work in works:
+                work.wait(self.timeout)
+        return recv
+
     def gather_raw(self, x: torch.Tensor, dim: int, mesh_dim: int) -> torch.Tensor:
         ranks, group = self.group(mesh_dim)
         with self.span():
@@ -108,6 +145,29 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         return ctx.comm.scatter_raw(grad, ctx.dim, ctx.mesh_dim), None, None, None
+
+
+class _Held:
+    """A buffer an exchange in flight sends, kept alive until it is waited for."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        del timeout  # nothing to wait for: holding it was the point
+
+
+class _Shift(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, mesh_dim: int, comm: GroupComm, pending: list[Any]
+    ) -> Any:
+        ctx.mesh_dim, ctx.comm = mesh_dim, comm
+        return comm.shift_raw(x, mesh_dim, 1, pending)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.comm.shift_raw(grad, ctx.mesh_dim, -1), None, None, None
 
 
 class _Swap(torch.autograd.Function):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import PlanError
 from autosbp.plan import Plan
-from autosbp.rules import NdSignature, exchanges, nd_signatures
+from autosbp.rules import NdSignature, exchanges, find_signature
 from autosbp.sbp import parse_nd_sbp
 
 __all__ = ["read_signatures"]
@@ -25,7 +25,9 @@ def read_signatures(
     graph: OpGraph, plan: Plan, mesh_shape: tuple[int, ...]
 ) -> dict[str, NdSignature]:
     """Every node's nd-signature from the plan, checked: same ops, and a signature the rules
-    offer for the node on this mesh (a plan edited by hand cannot run something wrong)."""
+    offer for the node on this mesh (a plan edited by hand cannot run something wrong); of
+    several kernels of the plan's layouts (`NdSignature.kernel`), the one whose exchanges it
+    states."""
     missing = [name for name in graph.order if name not in plan.nodes]
     if missing:
         raise PlanError(
@@ -35,11 +37,13 @@ def read_signatures(
     out: dict[str, NdSignature] = {}
     for name, attrs in graph.nodes():
         node_plan = plan.nodes[name]
-        sig = NdSignature(
+        layouts = (
             tuple(parse_nd_sbp(s) for s in node_plan.inputs),
             tuple(parse_nd_sbp(s) for s in node_plan.outputs),
         )
-        if node_plan.op != attrs.op or sig not in nd_signatures(attrs, mesh_shape):
+        found = find_signature(attrs, layouts, node_plan.exchanges, mesh_shape)
+        sig = found or NdSignature(*layouts)
+        if node_plan.op != attrs.op or found is None:
             raise PlanError(
                 f"the plan gives node {name!r} ({attrs.op}, module "
                 f"`{attrs.module_path or '<top>'}`) the signature {sig!r} for op "

@@ -17,14 +17,17 @@ Invariants:
 - A value crossing stages keeps its layout: device i of one stage sends its local piece to
   device i of the other (every stage has the same mesh shape), and the gradient comes back the
   same way. Values travel in `stage_boundaries` order, which is also the order of the program's
-  imports and exports; gradients only for floating values (tag 1; values tag 0).
+  imports and exports; gradients only for floating values, each pair of stages and direction on
+  its own tag (`boundary_tag`).
+- Interleaved (v model chunks per rank), each chunk is a stage of its own (its program, its
+  traffic); the firing order says which chunk fires, and the loss is on the chunk that holds it.
 - The loss (layout L, on its stage) is boxed to P on every mesh dim before backward, and every
   rank seeds 1: the backward of that boxing (B -> P keeps the seed on coordinate 0 of each B
   mesh dim) makes the seeds sum to exactly one, so a replicated loss is not counted once per
   device. Each micro-batch's loss is scaled by 1/micro-batches (a mean over the batch). Every
   rank returns the loss (broadcast from the loss's stage).
 - Every wait is bounded by the world's timeout.
-Reference: Narayanan et al. 2021 (1F1B); torch.distributed.pipelining (stages exchanging
+Reference: Narayanan et al. 2021 (1F1B, interleaved 1F1B); torch.distributed.pipelining (stages exchanging
 activations and gradients by isend/irecv).
 """
 
@@ -42,7 +45,7 @@ from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.plan import Plan
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Mesh, NdSbp, P, local_shape
-from autosbp.schedule import Phase
+from autosbp.schedule import Phase, Step
 from runtime.execute.instructions import Boxer
 from runtime.execute.program import Program, Value
 
@@ -51,6 +54,7 @@ __all__ = [
     "LossBoxing",
     "Pipeline",
     "Transfers",
+    "boundary_tag",
     "build_links",
     "locate",
     "node_stages",
@@ -60,7 +64,7 @@ __all__ = [
 ]
 
 Span = Callable[..., AbstractContextManager[None]]  # `SpanHook.span`: (kind, micro-batch)
-Peers = tuple[tuple[int, tuple[TensorMeta, ...]], ...]  # (peer rank, local metas), in order
+Peers = tuple[tuple[int, int, tuple[TensorMeta, ...]], ...]  # (peer rank, tag, local metas)
 
 
 def stage_meshes(plan: Plan) -> list[Mesh]:
@@ -103,6 +107,11 @@ def stage_boundaries(
     return out
 
 
+def boundary_tag(src: int, dst: int, num_stages: int) -> int:
+    """The tag of values from stage `src` to stage `dst` (their gradients: + 1)."""
+    return 2 * (src * num_stages + dst)
+
+
 def stage_values(
     boundaries: Mapping[tuple[int, int], Sequence[Value]], stage: int
 ) -> tuple[list[Value], list[Value]]:
@@ -135,7 +144,9 @@ def build_links(
     index: int,
 ) -> Links:
     """Device `index` of one stage talks to device `index` of another: a value keeps its layout
-    across stages (every stage has the same mesh shape), so each sends its own local piece."""
+    across stages (every stage has the same mesh shape), so each sends its own local piece.
+    Each pair of (virtual) stages has its own tags (`boundary_tag`): interleaved, two ranks
+    exchange the values of several pairs, each in its own order."""
 
     def local(value: Value) -> TensorMeta:
         node, out = value
@@ -146,16 +157,18 @@ def build_links(
     values_in, values_out = [], []
     for (src, dst), values in sorted(boundaries.items()):
         metas = tuple(local(v) for v in values)
+        tag = boundary_tag(src, dst, len(meshes))
         if dst == stage:
-            values_in.append((meshes[src].device_ids[index], metas))
+            values_in.append((meshes[src].device_ids[index], tag, metas))
         if src == stage:
-            values_out.append((meshes[dst].device_ids[index], metas))
+            values_out.append((meshes[dst].device_ids[index], tag, metas))
 
-    def floating(links: list[tuple[int, tuple[TensorMeta, ...]]]) -> Peers:
+    def floating(links: list[tuple[int, int, tuple[TensorMeta, ...]]]) -> Peers:
         kept = [
-            (peer, tuple(m for m in metas if m.dtype.is_floating_point)) for peer, metas in links
+            (peer, tag + 1, tuple(m for m in metas if m.dtype.is_floating_point))
+            for peer, tag, metas in links
         ]
-        return tuple((peer, metas) for peer, metas in kept if metas)
+        return tuple(link for link in kept if link[2])
 
     return Links(tuple(values_in), tuple(values_out), floating(values_out), floating(values_in))
 
@@ -176,10 +189,10 @@ class Transfers:
             return []
         out = []
         with self.span("recv", mb):
-            for peer, metas in links:
+            for peer, tag, metas in links:
                 for meta in metas:
                     buffer = torch.empty(meta.shape, dtype=meta.dtype)
-                    _p2p(dist.irecv, buffer, peer, int(backward)).wait(self.timeout)
+                    _p2p(dist.irecv, buffer, peer, tag).wait(self.timeout)
                     if not backward and buffer.is_floating_point():
                         buffer.requires_grad_(True)
                     out.append(buffer)
@@ -188,11 +201,11 @@ class Transfers:
     def send(self, tensors: Sequence[torch.Tensor], *, backward: bool) -> None:
         links = self.links.grads_out if backward else self.links.values_out
         position = 0
-        for peer, metas in links:
+        for peer, tag, metas in links:
             for _ in metas:
                 tensor = tensors[position].detach().contiguous()
                 position += 1
-                self.pending.append((_p2p(dist.isend, tensor, peer, int(backward)), tensor))
+                self.pending.append((_p2p(dist.isend, tensor, peer, tag), tensor))
         assert position == len(tensors), f"sent {position} of {len(tensors)} values"
 
     def wait(self) -> None:
@@ -224,14 +237,15 @@ InFlight = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]
 
 @dataclass
 class Pipeline:
-    """This stage's part of one step: `order` (its firing order: (phase, micro-batch) pairs)
-    of `program`'s forwards and their backwards, the values and gradients exchanged through
+    """This rank's part of one step: `order` (its firing order: (phase, chunk, micro-batch))
+    of the forwards of `programs` (one per chunk the rank holds, in chunk order: one without
+    interleaving) and their backwards, each chunk's values and gradients exchanged through its
     `transfers`; `arm` runs right before the last backward (gradient sync), and `loss_root` is
     the first rank of the loss's stage."""
 
-    program: Program
-    transfers: Transfers
-    order: Sequence[tuple[Phase, int]]
+    programs: Sequence[Program]
+    transfers: Sequence[Transfers]
+    order: Sequence[Step]
     loss: LossBoxing | None
     micro_batches: int
     arm: Callable[[], None]
@@ -242,24 +256,26 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         self.last_backward = max(
-            i for i, (phase, _) in enumerate(self.order) if phase is Phase.BACKWARD
+            i for i, (phase, _, _) in enumerate(self.order) if phase is Phase.BACKWARD
         )
 
     def run(self, pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-        """Every firing of the step on the micro-batches `pieces`; returns this stage's share
+        """Every firing of the step on the micro-batches `pieces`; returns this rank's share
         of the loss (the mean over micro-batches on the loss's stage, 0 elsewhere)."""
-        in_flight: dict[int, InFlight] = {}
+        in_flight: dict[tuple[int, int], InFlight] = {}
         value = torch.zeros(())
-        for position, (phase, mb) in enumerate(self.order):
+        for position, (phase, chunk, mb) in enumerate(self.order):
             if phase is Phase.FORWARD:
-                in_flight[mb] = self._forward(pieces[mb], mb)
-                loss = in_flight[mb][2]
+                in_flight[(chunk, mb)] = self._forward(pieces[mb], chunk, mb)
+                loss = in_flight[(chunk, mb)][2]
                 if loss is not None and self.loss is not None:
                     with torch.no_grad():
                         value += self.loss.value(loss.detach()) / self.micro_batches
             else:
-                self._backward(mb, in_flight.pop(mb), last=position == self.last_backward)
-        self.transfers.wait()
+                flight = in_flight.pop((chunk, mb))
+                self._backward(chunk, mb, flight, last=position == self.last_backward)
+        for transfers in self.transfers:
+            transfers.wait()
         return value
 
     def share_loss(self, value: torch.Tensor) -> float:
@@ -268,26 +284,28 @@ class Pipeline:
             dist.broadcast(value, src=self.loss_root)
         return float(value)
 
-    def _forward(self, piece: Sequence[torch.Tensor], mb: int) -> InFlight:
-        received = self.transfers.receive(mb, backward=False)
-        with self.span("forward", mb):
-            loss, exports = self.program.run(piece, received, mb)
-        self.transfers.send(exports, backward=False)
+    def _forward(self, piece: Sequence[torch.Tensor], chunk: int, mb: int) -> InFlight:
+        transfers = self.transfers[chunk]
+        received = transfers.receive(mb, backward=False)
+        with self.span("forward", mb, chunk):
+            loss, exports = self.programs[chunk].run(piece, received, mb)
+        transfers.send(exports, backward=False)
         return received, exports, loss
 
-    def _backward(self, mb: int, flight: InFlight, *, last: bool) -> None:
+    def _backward(self, chunk: int, mb: int, flight: InFlight, *, last: bool) -> None:
         received, exports, loss = flight
-        grads = self.transfers.receive(mb, backward=True)
+        transfers, program = self.transfers[chunk], self.programs[chunk]
+        grads = transfers.receive(mb, backward=True)
         if last:
             self.arm()  # gradients are final in this backward: sync them
-        with self.span("backward", mb):
+        with self.span("backward", mb, chunk):
             seed = None
             if loss is not None and self.loss is not None:
                 seed = self.loss.seed(loss) * (1.0 / self.micro_batches)
             _backward(seed, exports, grads)
-            if self.program.gathers is not None:
-                self.program.gathers.finish_backward(mb)
-        self.transfers.send(
+            if program.gathers is not None:
+                program.gathers.finish_backward(mb)
+        transfers.send(
             [x.grad if x.grad is not None else torch.zeros_like(x) for x in received
              if x.is_floating_point()],
             backward=True,
@@ -316,7 +334,8 @@ def _backward(
 def _p2p(
     op: Callable[..., dist.Work | None], tensor: torch.Tensor, peer: int, tag: int
 ) -> dist.Work:
-    """One isend/irecv with a global peer rank (a tag per direction: 0 values, 1 gradients)."""
+    """One isend/irecv with a global peer rank (`boundary_tag`: one per pair of stages and
+    direction)."""
     work = op(tensor, peer, tag=tag)
     assert work is not None, "isend/irecv returned no work: is this rank in the default group?"
     return work

@@ -1,27 +1,37 @@
-"""The distributed optimizer (ZeRO-1): optimizer states split over the mesh dims where the
-weight is replicated, the weight itself kept whole.
+"""The distributed optimizer (ZeRO-1 and ZeRO-2): optimizer states (and with ZeRO-2 the
+gradients) split over the mesh dims where the weight is replicated, the weight kept whole.
 
 Lives here: `ShardedUpdate` (this rank's parameters whose plan puts their optimizer states in
 another layout than the weight's: the shard the optimizer steps, the gradient's conversion to
 it after backward and the updated shard's conversion back to the weight's layout after the
 step) and `build_sharded_update`. Lives elsewhere: the choice of layouts and its price
 (`autosbp.planner.param_candidates`; the plan's `params[name].optimizer_state_sbp`), the
-gradient sync of every other parameter (`runtime.parallel.grad_sync`), the conversions
+bucketed gradient sync (`runtime.parallel.grad_sync`), the conversions
 (`runtime.execute.instructions.Boxer`).
 
 Invariants:
-- A parameter in layout p with states in q ends backward with its gradient in dual(p) (P where
-  p is B), unsynced: the buckets of `grad_sync` leave it out. After backward the gradient is
-  converted dual(p) -> q (a reduce-scatter where data parallelism would all-reduce) into the
-  gradient of the shard (the parameter's own gradient stays, zeroed before the next step's
-  backward: the planner counts it held, as DDP's buckets are), the optimizer steps the
-  shard (an fp32 tensor of its own in q: the master copy), and the shard is converted q -> p
-  (an all-gather) into the parameter. All of it after backward, one collective per parameter
-  each way, in graph order on every rank of the stage: what the planner prices, nothing hidden.
+- ZeRO-1: a parameter in layout p with states in q has its gradient synced dual(p) -> p by
+  the buckets of `grad_sync` like any other (DDP's all-reduce, overlapping the last
+  backward: as torch's ZeroRedundancyOptimizer over DDP runs it). After the sync the synced
+  gradient is converted p -> q (a local slice where q only splits what p replicates) into the
+  gradient of the shard (the parameter's own gradient stays, a view of its bucket: the
+  planner counts it held), the optimizer steps the shard (an fp32 tensor of its own in q:
+  the master copy), and the shard is converted q -> p (an all-gather) into the parameter:
+  one collective per parameter after the step, in graph order on every rank of the stage,
+  nothing hidden, as the planner prices it (`param_candidates.parameter_prices`).
+- ZeRO-2 (the plan's `gradient_sbp` is q): the gradient is not held in p. As autograd
+  finishes a parameter's gradient of a micro-batch (a post-accumulate-grad hook), it is
+  converted dual(p) -> q at once (a reduce-scatter; the buckets of `grad_sync` leave the
+  parameter out), added into the shard's fp32 gradient and the parameter's freed: across micro-batches only the shard's gradient is held (1/n of the
+  parameter's per device). The conversions run in line in backward, one per parameter per
+  micro-batch, in autograd's order (the same on every rank of the stage: the same program);
+  nothing hidden, as the planner prices them (`param_candidates.parameter_prices`). After
+  backward only the gather q -> p remains.
 - The shard is the weight's piece in q at the start (the conversion p -> q: a local slice
   where q only splits what p replicates), so the update is the one an unsharded optimizer makes
   on those elements: exact for elementwise optimizers (SGD, Adam, AdamW), as the Engine's.
-- A gradient backward never reached enters the conversion as zeros (every rank takes part).
+- A gradient backward never reached enters the conversion as zeros (every rank takes part;
+  ZeRO-2's shard gradient is then zeros).
   The parameter's gradient is then the synced one nowhere: `gradients` gives the shards'.
 Reference: Rajbhandari et al. 2020 (ZeRO, section 5.1, P_os); Megatron-LM's distributed
 optimizer (megatron/core/optimizer/distrib_optimizer.py: reduce-scatter, step on the shard,
@@ -30,13 +40,15 @@ all-gather of the updated parameters).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from autosbp.boxing.steps import dual_nd_sbp
-from autosbp.sbp import NdSbp
+from autosbp.boxing.steps import dual_nd_sbp, local_box
+from autosbp.sbp import Mesh, NdSbp, Partial
+from runtime.execute.collectives import group_ranks
 from runtime.execute.instructions import Boxer, TensorFn
 
 __all__ = ["ShardedUpdate", "build_sharded_update"]
@@ -48,8 +60,11 @@ class _Sharded:
 
     param: torch.Tensor  # this rank's piece of the weight, in p
     shard: torch.Tensor  # the optimizer's tensor, in q
-    to_shard: TensorFn  # dual(p) -> q: the gradient
-    to_param: TensorFn  # q -> p: the updated weight
+    to_shard: TensorFn  # dual(p) -> q: the gradient (may be a view of its input)
+    to_param: Callable[[torch.Tensor], None]  # q -> p: the updated shard written into `param`
+    in_backward: bool  # ZeRO-2: the gradient converted as backward makes it (`_scatter_now`)
+    # ZeRO-1: p -> q of the gradient `grad_sync` synced (ZeRO-2: unused, `to_shard` runs)
+    slice_synced: TensorFn
 
 
 class ShardedUpdate:
@@ -58,10 +73,19 @@ class ShardedUpdate:
     def __init__(self, sharded: Mapping[str, _Sharded], layouts: Mapping[str, NdSbp]) -> None:
         self._sharded = dict(sharded)
         self.layouts = dict(layouts)  # name -> the layout of the tensor the optimizer steps
+        for entry in self._sharded.values():
+            if entry.in_backward:
+                entry.param.register_post_accumulate_grad_hook(_scatter_now(entry))
 
     @property
     def names(self) -> frozenset[str]:
         return frozenset(self._sharded)
+
+    @property
+    def unsynced(self) -> frozenset[str]:
+        """The parameters the bucketed gradient sync leaves out: ZeRO-2's, whose gradients
+        this converts in backward."""
+        return frozenset(n for n, e in self._sharded.items() if e.in_backward)
 
     def optimized(self, parameters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Name -> the tensor the optimizer steps: the shard where states are sharded, else
@@ -80,18 +104,24 @@ class ShardedUpdate:
                     entry.param.grad.zero_()
 
     def scatter_gradients(self) -> None:
-        """After backward: each sharded parameter's gradient converted into its shard's."""
+        """After backward and the gradient sync: each ZeRO-1 parameter's synced gradient
+        converted into its shard's (ZeRO-2's were in backward)."""
         with torch.no_grad():
             for entry in self._sharded.values():
+                if entry.in_backward:  # ZeRO-2: done in backward (zeros where never reached)
+                    if entry.shard.grad is None:
+                        entry.shard.grad = torch.zeros_like(entry.shard)
+                    continue
                 if entry.param.grad is None:  # backward never reached it (or the first step)
                     entry.param.grad = torch.zeros_like(entry.param)
-                entry.shard.grad = entry.to_shard(entry.param.grad).to(entry.shard.dtype)
+                piece = entry.slice_synced(entry.param.grad)
+                entry.shard.grad = piece.to(entry.shard.dtype, copy=True)
 
     def gather_weights(self) -> None:
         """After the optimizer's step: each updated shard converted back into its parameter."""
         with torch.no_grad():
             for entry in self._sharded.values():
-                entry.param.copy_(entry.to_param(entry.shard))
+                entry.to_param(entry.shard)
 
     def gradients(self) -> dict[str, tuple[torch.Tensor, NdSbp]]:
         """Name -> (the synced gradient, its layout) of the sharded parameters, from the end of
@@ -103,16 +133,35 @@ class ShardedUpdate:
         }  # fmt: skip
 
 
+def _scatter_now(entry: _Sharded) -> Callable[[torch.Tensor], None]:
+    """ZeRO-2's hook on `entry.param`: its micro-batch's gradient converted into the shard's
+    (added), the parameter's freed."""
+
+    def hook(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        with torch.no_grad():
+            piece = entry.to_shard(param.grad)
+            if entry.shard.grad is None:  # the first micro-batch's: a tensor of its own
+                entry.shard.grad = piece.to(entry.shard.dtype, copy=True)
+            else:
+                entry.shard.grad.add_(piece)
+        param.grad = None
+
+    return hook
+
+
 def build_sharded_update(
     parameters: Mapping[str, torch.Tensor],
     layouts: Mapping[str, NdSbp],
     state_layouts: Mapping[str, NdSbp],
     shapes: Mapping[str, tuple[int, ...]],
     boxer: Boxer,
+    in_backward: frozenset[str] = frozenset(),
 ) -> ShardedUpdate:
     """This rank's `ShardedUpdate` for its stage's `parameters` (name -> local piece in
-    `layouts`), with their optimizer states in `state_layouts` (every stage's). A collective
-    over the stage's ranks (the first shards are cut by conversion), in graph order."""
+    `layouts`), with their optimizer states in `state_layouts` (every stage's), the gradients
+    of `in_backward` in them too (ZeRO-2). A collective over the stage's ranks (the first
+    shards are cut by conversion), in graph order."""
     sharded: dict[str, _Sharded] = {}
     for name, param in parameters.items():
         p, q = layouts[name], state_layouts[name]
@@ -122,10 +171,97 @@ def build_sharded_update(
         with torch.no_grad():
             first = boxer.chain(p, q, shape, param.dtype)(param.detach())
         shard = first.to(torch.float32, copy=True).requires_grad_(True)
+        to_shard, to_param = _conversions(param, p, q, shape, boxer)
         sharded[name] = _Sharded(
-            param,
-            shard,
-            boxer.chain(dual_nd_sbp(p), q, shape, param.dtype),
-            boxer.chain(q, p, shape, torch.float32),
-        )
+            param, shard, to_shard, to_param, name in in_backward,
+            boxer.chain(p, q, shape, param.dtype),
+        )  # fmt: skip
     return ShardedUpdate(sharded, {name: state_layouts[name] for name in parameters})
+
+
+def _slot(
+    p: NdSbp, q: NdSbp, shape: tuple[int, ...], mesh: Mesh, index: int
+) -> tuple[slice, ...] | None:
+    """Where the piece in q of the device at `index` lies inside its piece in p, or None where
+    on some device of the mesh it does not lie inside (q cuts a dim p cuts already, in
+    another order: the conversion moves data; every rank decides alike)."""
+    found = None
+    for k in range(mesh.size):
+        coords = mesh.coords(k)
+        outer, inner = local_box(shape, p, mesh, coords), local_box(shape, q, mesh, coords)
+        if any(a < o or b > e for (o, e), (a, b) in zip(outer, inner, strict=True)):
+            return None
+        if k == index:
+            found = tuple(slice(a - o, b - o) for (o, _), (a, b) in zip(outer, inner, strict=True))
+    return found
+
+
+def _conversions(
+    param: torch.Tensor, p: NdSbp, q: NdSbp, shape: tuple[int, ...], boxer: Boxer
+) -> tuple[TensorFn, Callable[[torch.Tensor], None]]:
+    """The gradient's conversion dual(p) -> q and the updated shard's q -> p into `param`.
+    With NCCL, a reduce-scatter and an all-gather. With gloo, whose reduce_scatter_tensor and
+    all_gather_into_tensor allocate three buffers the size of the whole tensor per call
+    (measured, torch 2.13's ProcessGroupGloo: unpriced transients that set the peak), the same
+    sums as in-place all-reduces: the gradient summed in place (the sync data parallelism
+    runs) and this rank's slot of it taken (a view); the shard written into its slot of the
+    zeroed parameter and the slots summed in place (exact: each element is one rank's value
+    plus zeros), wherever the shard is a slot of the parameter's piece (`_slot`)."""
+    mesh = boxer.mesh
+    slot = _slot(p, q, shape, mesh, mesh.device_ids.index(dist.get_rank()))
+    if dist.get_backend() != "gloo" or slot is None:
+        gather = boxer.chain(q, p, shape, torch.float32)
+
+        def copy_gathered(shard: torch.Tensor) -> None:
+            param.copy_(gather(shard))
+
+        return boxer.chain(dual_nd_sbp(p), q, shape, param.dtype), copy_gathered
+    where = slot
+    reduce = boxer.chain(dual_nd_sbp(p), p, shape, param.dtype, donate=True)
+    slots = tuple(Partial() if a != b else a for a, b in zip(p, q, strict=True))
+    sum_slots = boxer.chain(slots, p, shape, param.dtype, donate=True)
+    sent = _broadcasts(param, p, q, shape, boxer)
+    group = boxer.groups.get(_members(boxer, p, q)) if sent is not None else None
+
+    def write(shard: torch.Tensor) -> None:
+        if sent is not None:  # each member's slot broadcast into every member's parameter
+            param[where].copy_(shard)
+            for member, at in sent:
+                dist.broadcast(param[at], src=member, group=group)
+            return
+        param.zero_()
+        param[where].copy_(shard)
+        out = sum_slots(param)
+        if out.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+            param.copy_(out)
+
+    return lambda grad: reduce(grad)[where], write
+
+
+def _members(boxer: Boxer, p: NdSbp, q: NdSbp) -> tuple[int, ...]:
+    """The ranks along the one mesh dim where q splits what p replicates, through this rank."""
+    mesh = boxer.mesh
+    (d,) = [d for d, (a, b) in enumerate(zip(p, q, strict=True)) if a != b]
+    return group_ranks(mesh, d, mesh.coords(mesh.device_ids.index(dist.get_rank())))
+
+
+def _broadcasts(
+    param: torch.Tensor, p: NdSbp, q: NdSbp, shape: tuple[int, ...], boxer: Boxer
+) -> list[tuple[int, tuple[slice, ...]]] | None:
+    """(member rank, its slot in the parameter's piece) per member of the group q splits over,
+    where q differs from p on one mesh dim and every slot is a contiguous view (a split of
+    the piece's first dim): the gather as one broadcast per member into the parameter itself,
+    the bytes of an all-gather and no buffer (measured: gloo's broadcast allocates none).
+    Else None."""
+    mesh = boxer.mesh
+    dims = [d for d, (a, b) in enumerate(zip(p, q, strict=True)) if a != b]
+    if len(dims) != 1:
+        return None
+    coords = list(mesh.coords(mesh.device_ids.index(dist.get_rank())))
+    out = []
+    for k, member in enumerate(_members(boxer, p, q)):
+        at = _slot(p, q, shape, mesh, mesh.index((*coords[: dims[0]], k, *coords[dims[0] + 1 :])))
+        if at is None or not param[at].is_contiguous():
+            return None
+        out.append((member, at))
+    return out

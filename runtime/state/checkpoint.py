@@ -78,7 +78,7 @@ from runtime.state.checkpoint_format import (
     read_manifest,
     recover_checkpoint,
 )
-from runtime.state.checkpoint_load import load_checkpoint
+from runtime.state.checkpoint_load import load_checkpoint, refuse_interleaved
 from runtime.state.startup import agree
 
 __all__ = [
@@ -106,6 +106,7 @@ class _StageReport:
 def save_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Path:
     """Save `engine`'s parameters, buffers and optimizer state at `path` (a directory). A
     collective: every rank calls it; it returns once the checkpoint is complete on disk."""
+    refuse_interleaved(engine.plan.virtual_stages, "save")
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank = dist.get_rank()

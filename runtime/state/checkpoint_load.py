@@ -52,9 +52,21 @@ from runtime.state.startup import agree
 __all__ = ["load_checkpoint"]
 
 
+def refuse_interleaved(virtual_stages: int, verb: str) -> None:
+    """ExecutionError on every rank alike: checkpoints hold one report per stage's devices,
+    not yet the chunks of an interleaved plan."""
+    if virtual_stages > 1:
+        raise ExecutionError(
+            f"cannot {verb} a checkpoint of a plan that interleaves {virtual_stages} model "
+            "chunks per stage: checkpoints do not record chunks yet. Train with a vp=1 plan "
+            "to checkpoint."
+        )
+
+
 def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Manifest:
     """Load the checkpoint at `path` into `engine`, whatever plan, stages, mesh or world size it
     was saved under. A collective: every rank calls it. Returns the manifest."""
+    refuse_interleaved(engine.plan.virtual_stages, "load")
     path = Path(path)
     manifest = agree("load_checkpoint", lambda: _checked_manifest(engine, path))
     state, optimizer_state = agree("load_checkpoint", lambda: _read_local(engine, manifest, path))

@@ -126,7 +126,10 @@ def shard_state(
         for node, attrs in graph.nodes()
         if attrs.role in (Role.PARAMETER, Role.BUFFER)
     }
-    state = _materialize(sources, graph, layouts, mesh, coords, lambda n: owner[n] == stage)
+    pipeline = plan.pipeline_stages  # interleaved, a rank holds every chunk of its stage
+    state = _materialize(
+        sources, graph, layouts, mesh, coords, lambda n: owner[n] % pipeline == stage
+    )
     trained = tuple(attrs.name for _, attrs in graph.nodes(Role.PARAMETER))
     return StageState(
         layouts=dict(layouts),

@@ -85,10 +85,10 @@ def measure_peak_bytes(
 
 def engine_tensors(engine: Engine) -> list[torch.Tensor | None]:
     """Every tensor `engine` keeps between steps: its state (parameters, buffers, constants),
-    the program's persistent tensors, gradients, gradient buckets, the tensors the optimizer
+    the programs' persistent tensors (each chunk's, interleaved), gradients, gradient buckets, the tensors the optimizer
     steps (ZeRO-1's shards) and optimizer states."""
     tensors: list[torch.Tensor | None] = list(engine.state.values())
-    tensors += [t for t in engine.program.template if isinstance(t, torch.Tensor)]
+    tensors += [t for p in engine.programs for t in p.template if isinstance(t, torch.Tensor)]
     tensors += [param.grad for param in engine.parameters.values()]
     tensors += list(engine.optimized.values())  # ZeRO-1's shards (else the parameters)
     tensors += [t.grad for t in engine.optimized.values()]

@@ -40,15 +40,32 @@ def test_on_meta_the_assumption_is_reported_unchecked() -> None:
     ("args", "says"),
     [
         ({"layerdrop": 0.1}, "compares a random draw with 0.1: whether the branch runs is decided"),
+        ({"layerdrop": 0.1}, "Fix: set `LayerDropNet.layerdrop` to 0.0 (it holds 0.1)"),
         ({"label": 9}, "raises on its example inputs (ValueError: Label values must be <="),
         ({"kind": "deciding"}, "if x.sum() > 0:"),
     ],
-    ids=["layerdrop-0.1", "check-fails-on-inputs", "other-decision"],
+    ids=["layerdrop-0.1", "layerdrop-says-what-to-set", "check-fails-on-inputs", "other-decision"],
 )
 def test_what_cannot_be_absorbed_is_refused_with_the_line(args: dict, says: str) -> None:
     with pytest.raises(CaptureError) as info:
         capture(*own(**args))
     assert says in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "setting"),
+    [
+        ("bart", "`encoder_layerdrop=0.0` and `decoder_layerdrop=0.0` in the model's `BartConfig`"),
+        ("wav2vec2", "`layerdrop=0.0` in the model's `Wav2Vec2Config`"),
+    ],
+)
+def test_layerdrop_inside_0_1_is_refused_naming_the_config_fields(name: str, setting: str) -> None:
+    """A probability in (0, 1) decides per step whether a layer runs: one graph cannot hold it
+    (not supported), and the refusal says which of the config's fields to set to 0."""
+    pytest.importorskip("transformers")
+    with pytest.raises(CaptureError) as info:
+        capture(*BUILDERS[name](layerdrop=0.1))
+    assert f"Fix: set {setting}" in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))

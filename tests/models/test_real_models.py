@@ -1,11 +1,14 @@
 """Third-party models as users bring them: capture, plan and train like one device (issue #17).
 
 Every model of tests/support/real_models.py's SUITE (Hugging Face transformers, tiny configs, random
-weights, no downloads; and a torchvision/timm-style CNN), through what a user does with it:
+weights, no downloads; and a torchvision/timm-style CNN) and of tests/support/real_model_families.py
+(issue #29: BART, Wav2Vec2 for CTC, Swin, CLIP, Mamba, a LoRA fine-tune of Llama), through what a
+user does with it:
   capture   on meta and on the CPU: the same graph and fingerprint (a plan made on meta trains
             on real weights), and the meta graph interpreted on real weights gives the eager loss
   plan      on 4 cpu-gloo processes and on 64 DGX A100 GPUs, with the usual hand plans priced
-            beside it (`--compare`)
+            beside it (`--compare`); no op of any plan (these, and the 2-process ones below)
+            runs replicated for want of a rule (the plan's `replicated.no_rule_ops`)
   train     on 2 gloo processes under the auto plan and under sharded hand plans (fsdp, and
             tensor parallel 2: heads or channels), with `--check`'s machinery: every step
             against one device (runtime/verify/step_check.py), its verdict the assertion
@@ -32,9 +35,10 @@ from autosbp.errors import MicroBatchError
 from autosbp.planner.api import auto_parallelize
 from launching.workers import run_workers
 from tests.support import real_models
+from tests.support.real_model_families import FAMILIES
 from tests.support.real_model_workers import build, train_checked
-from tests.support.real_models import SUITE
 
+SUITE = (*real_models.SUITE, *FAMILIES)
 TENSOR_PARALLEL = "megatron:tp=2,pp=1,dp=1"
 # (model, strategy) trained on 2 processes: the auto plan, and the sharded hand plans fsdp and
 # tensor parallel 2 (attention heads, 4 in every config, or convolution channels split in 2).
@@ -92,6 +96,8 @@ def test_plans_beside_the_hand_plans(name: str, profile: str, devices: int) -> N
     assert plan.device_count == devices
     assert math.isfinite(plan.predicted.step_time_s) and plan.predicted.step_time_s > 0
     assert plan.hand_plans, "the usual hand plans are priced beside the plan"
+    assert plan.replicated is not None and not plan.replicated.no_rule_ops, plan.replicated
+    assert plan.replicated.no_rule_flops_share == 0.0
 
 
 @pytest.mark.slow
@@ -139,6 +145,8 @@ def trained() -> Callable[[str, str], dict[str, Any]]:
 def test_trains_like_one_device_under_check(
     trained: Callable[[str, str], dict[str, Any]], name: str, strategy: str
 ) -> None:
+    replicated = _plan_json(name, strategy)["replicated"]
+    assert not replicated["no_rule_ops"], replicated  # none for want of a rule
     result = trained(name, strategy)
     assert "error" not in result, result.get("error")
     assert result["passed"], result["verdict"]

@@ -46,7 +46,7 @@ def test_transfer_time_delays_the_step() -> None:
 
 
 def test_stage_orders_are_one_forward_one_backward_in_steady_state() -> None:
-    orders = stage_orders(4, 8)
+    orders = [[(phase, mb) for phase, _, mb in order] for order in stage_orders(4, 8)]
     # Stage 0 warms up with S forwards, then alternates, then drains backwards.
     assert orders[0][:4] == [(Phase.FORWARD, m) for m in range(4)]
     assert orders[0][4:6] == [(Phase.BACKWARD, 0), (Phase.FORWARD, 4)]

@@ -53,6 +53,7 @@ class RandomPrices:
     latency_s: dict[str, float]
     link_bytes_per_s: dict[str, float]
     overlap_efficiency: float
+    causal_skip = 0.0  # a class attribute, not drawn: a math attention kernel
 
     @classmethod
     def draw(cls, seed: int) -> RandomPrices:
@@ -125,6 +126,7 @@ def enumerate_space(
     the least is exact (to MIP_GAP) and the others need no MIP."""
     best, solved = math.inf, []
     blocks = len({a.block for _, a in graphs[1].nodes() if a.block is not None})
+    auto = strategy_space("auto").allow  # every rule's own kernel (no ring attention)
     for stages in (s for s in range(1, blocks + 1) if DEVICES % s == 0):
         meshes = mesh_shapes(
             DEVICES // stages, lambda shape, d, p=stages: link_of((p, *shape), d + 1), PER_NODE
@@ -136,7 +138,7 @@ def enumerate_space(
                     mp = build_problem(
                         graph, mesh, prices, optimizer="adam", memory_limit_bytes=limit,
                         micro_batches=count, split=split_stages(graph, stages), recompute=mode,
-                        stage_link=link_of((stages, mesh.size), 0),
+                        stage_link=link_of((stages, mesh.size), 0), allow=auto,
                     )  # fmt: skip
                     solution = solve_mesh(mp, 60, best)
                     if solution is not None:

@@ -1,14 +1,18 @@
-"""The distributed optimizer (ZeRO-1) in the planner: optimizer states as an SBP of each
-parameter (`param_candidates`), chosen by the ILP like any layout.
+"""The distributed optimizer (ZeRO-1 and ZeRO-2) in the planner: optimizer states and gradients
+as SBPs of each parameter (`param_candidates`), chosen by the ILP like any layout.
 
 Oracles: the state layout's rules by table (split exactly where the weight is replicated on more
 than one device, evenly); the bytes against ZeRO's own count (Rajbhandari et al. 2020 section
 5.1: 2 + 2 + 12/N bytes per element in mixed precision; here fp32 value and gradient plus the
-states, the fp32 shard and its gradient over N); the problem with the choice free solved as brute
-force solves it; hand plans that say zero=1 get split states on every parameter that has them.
+states, the fp32 shard and its gradient over N; ZeRO-2, 2 + 14/N here: no gradient in the
+weight's layout); the problem with the choice free solved as brute force solves it, with the
+ZeRO-2 twins among its candidates; hand plans that say zero=1 or zero=2 get split states (and
+gradients) on every parameter that has them; ZeRO-2's reduce-scatter priced per micro-batch.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -16,10 +20,14 @@ import torch
 from autosbp.capturing.export import capture
 from autosbp.capturing.graph import OpNode, Role, TensorMeta
 from autosbp.errors import PlanError
+from autosbp.plan import Plan, check_plan
+from autosbp.planner.api import auto_parallelize
 from autosbp.planner.hand_plans import strategy_space
+from autosbp.planner.ilp import solve
 from autosbp.planner.ilp_problem import Problem
 from autosbp.planner.memory import candidate_bytes
 from autosbp.planner.param_candidates import zero_state_layout
+from autosbp.planner.priced import Priced
 from autosbp.planner.problem import build_problem, price_graph
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh, parse_nd_sbp
@@ -61,8 +69,13 @@ def test_bytes_are_zero_s_count(devices: int) -> None:
     whole = candidate_bytes(node, sig, (devices,), optimizer="adam")
     split = candidate_bytes(node, sig, (devices,), optimizer="adam", state=parse_nd_sbp("S(0)"))
     n = meta.numel
+    grads = candidate_bytes(
+        node, sig, (devices,), optimizer="adam", state=parse_nd_sbp("S(0)"),
+        gradient=parse_nd_sbp("S(0)"),
+    )  # fmt: skip
     assert whole == 16 * n  # value, gradient, Adam's two states: 4 bytes each
     assert split == 8 * n + (8 + 4 + 4) * n / devices
+    assert grads == 4 * n + (8 + 4 + 4) * n / devices
 
 
 class _Linear(torch.nn.Module):
@@ -83,6 +96,7 @@ def test_the_choice_solves_as_brute_force() -> None:
     allow = strategy_space("dp").allow
     priced = price_graph(graph, mesh, prices, allow, zero=None)
     assert any(s.state is not None for s in priced.strategies.values())
+    assert any(s.gradient is not None for s in priced.strategies.values())
 
     def problem(limit: float | None) -> Problem:
         return build_problem(
@@ -95,17 +109,74 @@ def test_the_choice_solves_as_brute_force() -> None:
         solved_like_brute_force(problem(limit))
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 2])
 def test_hand_plans_say_where_states_live(zero: int) -> None:
     model, inputs = build_model("mlp", layers=1, hidden=8, batch=4)
     graph, mesh = capture(model, inputs), Mesh((2,))
     space = strategy_space(f"megatron:tp=1,pp=1,dp=2,zero={zero}")
     priced = price_graph(graph, mesh, a100_prices(), space.allow, zero=space.zero)
     params = [s for n, s in priced.strategies.items() if graph.node(n).role is Role.PARAMETER]
-    states = {s.state_of(i) is not None for s in params for i in range(len(s.candidates))}
-    assert states == {bool(zero)}
+    every = [(s, i) for s in params for i in range(len(s.candidates))]
+    assert {s.state_of(i) is not None for s, i in every} == {zero > 0}
+    assert {s.gradient_of(i) == s.state_of(i) for s, i in every if zero == 2} <= {True}
+    assert {s.gradient_of(i) is not None for s, i in every} == {zero == 2}
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+def test_zero2_scatters_every_micro_batch(micro_batches: int) -> None:
+    """ZeRO-2's reduce-scatter runs in each micro-batch's backward; ZeRO-1 syncs the gradient
+    in the bucketed all-reduce instead (one bucket here: nothing hidden). The objectives differ
+    by m scatters less the sync, plus the adds ZeRO-2 makes on the shard instead of on the
+    whole gradient (the oracle: the twins' own prices)."""
+    model, inputs = build_model("mlp", layers=1, hidden=64, batch=8)
+    graph, mesh, prices = capture(model, inputs), Mesh((2,)), a100_prices()
+    space = strategy_space(f"megatron:tp=1,pp=1,dp=2,mb={micro_batches}")
+    one = price_graph(graph, mesh, prices, space.allow, zero=1)
+    two = price_graph(graph, mesh, prices, space.allow, zero=2)
+
+    def predicted(priced: Priced) -> float:
+        return solve(
+            build_problem(
+                graph, mesh, prices, optimizer="adam", memory_limit_bytes=None,
+                allow=space.allow, micro_batches=micro_batches, priced=priced,
+            ).problem
+        ).objective  # fmt: skip
+
+    want = 0.0
+    for name, s1 in one.strategies.items():
+        if graph.node(name).role is not Role.PARAMETER or s1.state is None:
+            continue
+        s2 = two.strategies[name]
+        assert s2.scatter_s is not None and s1.accumulate_s is not None
+        assert s2.accumulate_s is not None
+        assert s1.sync_s is not None and s2.sync_s is not None and s2.sync_s[0] == 0.0
+        adds = s2.accumulate_s[0] - s1.accumulate_s[0]  # on the shard, not the whole gradient
+        scatters = micro_batches * s2.scatter_s[0] - s1.sync_s[0]
+        want += scatters + (micro_batches - 1) * adds
+    assert predicted(two) - predicted(one) == pytest.approx(want, rel=1e-6, abs=1e-12)
 
 
 def test_unknown_zero_stage_is_refused_clearly() -> None:
     with pytest.raises(PlanError, match="zero=3 is not known"):
         strategy_space("megatron:tp=1,pp=1,dp=2,zero=3")
+
+
+def test_gradient_layout_in_the_plan() -> None:
+    """A zero=2 plan states each split gradient's layout (its states'); a plan without the
+    field (written before it) reads every gradient as the parameter's; a third layout is
+    refused, naming the parameter."""
+    model, inputs = build_model("mlp", layers=1, hidden=8, batch=4)
+    data = auto_parallelize(
+        model, inputs, profile="cpu-gloo", devices=2, strategy="megatron:tp=1,pp=1,dp=2,zero=2",
+        time_limit_s=30.0,
+    ).to_json()  # fmt: skip
+    split = {n: p for n, p in data["params"].items() if p["gradient_sbp"] != p["sbp"]}
+    assert split and all(p["gradient_sbp"] == p["optimizer_state_sbp"] for p in split.values())
+    older = copy.deepcopy(data)
+    for p in older["params"].values():
+        del p["gradient_sbp"]
+    assert all(p.gradient_sbp == p.sbp for p in Plan.from_json(older).params.values())
+    name = next(iter(split))
+    data["params"][name]["gradient_sbp"] = "P"
+    with pytest.raises(PlanError, match=f"parameter '{name}': gradient layout P"):
+        check_plan(Plan.from_json(data))

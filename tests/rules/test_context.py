@@ -61,20 +61,28 @@ def test_row_needs_two_halves_per_device_when_causal() -> None:
 
 # ---- on gloo: forward and backward against one device's autograd ------------------------------
 
-CASES = {
-    2: [("causal-mha", "mha", True, (2,), "S(2)"), ("full-gqa", "gqa", False, (2,), "S(2)")],
+CASES = {  # (id, shape, causal, mesh, layout, kernel: "" all-gather, "ring")
+    2: [
+        ("causal-mha", "mha", True, (2,), "S(2)", ""),
+        ("full-gqa", "gqa", False, (2,), "S(2)", ""),
+        ("ring-causal-mha", "mha", True, (2,), "S(2)", "ring"),
+        ("ring-full-gqa", "gqa", False, (2,), "S(2)", "ring"),
+    ],
     4: [
-        ("causal-gqa-4", "gqa", True, (4,), "S(2)"),
-        ("causal-heads-x-seq", "gqa", True, (2, 2), "S(1)S(2)"),
-        ("causal-seq-x-seq", "mha", True, (2, 2), "S(2)S(2)"),
+        ("causal-gqa-4", "gqa", True, (4,), "S(2)", ""),
+        ("causal-heads-x-seq", "gqa", True, (2, 2), "S(1)S(2)", ""),
+        ("causal-seq-x-seq", "mha", True, (2, 2), "S(2)S(2)", ""),
+        ("ring-causal-gqa-4", "gqa", True, (4,), "S(2)", "ring"),
+        ("ring-full-mha-4", "mha", False, (4,), "S(2)", "ring"),
+        ("ring-causal-seq-x-heads", "gqa", True, (2, 2), "S(2)S(1)", "ring"),
     ],
 }
 
 
 def _cases(world: int) -> list[dict]:
     return [
-        {"id": i, "seed": 1, "shape": SHAPES[s], "causal": c, "mesh": m, "layout": lay}
-        for i, s, c, m, lay in CASES[world]
+        {"id": i, "seed": 1, "shape": SHAPES[s], "causal": c, "mesh": m, "layout": lay, "kernel": k}
+        for i, s, c, m, lay, k in CASES[world]
     ]
 
 
@@ -105,9 +113,11 @@ def test_kernel_on_gloo_trains_like_one_device(world: int, case_id: str) -> None
         got = assemble_tensor([torch.from_numpy(r["grads"][k]) for r in per_rank], layout, mesh)
         assert torch.allclose(got, grad, rtol=0, atol=1e-11), ("query", "key", "value")[k]
     # The timeline shows every exchange: per seq-split mesh dim an all-gather and its
-    # reduce-scatter; causal, two swaps forward and two backward (none on a self-paired device).
+    # reduce-scatter (ring: n - 1 steps each way); causal, the swaps forward and backward (none
+    # on a self-paired device).
     node = attention_node(case)
-    sig = NdSignature((layout,) * 3, (layout,))
+    sig = NdSignature((layout,) * 3, (layout,), case["kernel"])
+    assert sig in nd_signatures(node, mesh.shape)
     declared = exchanges(node, sig, mesh.shape)
     assert max(r["spans"] for r in per_rank) == len(declared)
 
@@ -125,7 +135,11 @@ def test_node_cost_adds_the_declared_exchanges() -> None:
     priced = price_graph(graph, mesh, prices)
     name = next(n for n, a in graph.nodes() if a.op == "aten.scaled_dot_product_attention.default")
     found, attrs = priced.strategies[name], graph.node(name)
-    cp = [i for i, s in enumerate(found.candidates) if seq_mesh_dims(attrs, s, mesh.shape)]
+    cp = [
+        i
+        for i, s in enumerate(found.candidates)
+        if seq_mesh_dims(attrs, s, mesh.shape) and not s.kernel
+    ]
     plain = [i for i, s in enumerate(found.candidates) if not exchanges(attrs, s, mesh.shape)]
     assert cp and plain
     for i in cp:

@@ -21,7 +21,8 @@ SAMPLE = [
     "mean-dim", "_softmax", "layer_norm", "embedding", "view-split-heads", "view-merge",
     "transpose", "gelu", "cat", "split", "amax", "ce-mean", "where", "select", "expand-size1",
     "gather", "cumsum", "where-scalar-other", "index-first", "hardswish", "to-dtype_layout",
-    "ce-ignored", "min-other", "roll", "diff", "argmax", "type_as",
+    "ce-ignored", "min-other", "roll", "diff", "argmax", "type_as", "div-floor",
+    "group_norm-per-channel",
 ]  # fmt: skip
 
 # Comm-free outputs whose placement differs by convention only: (case, our signature) -> reason.

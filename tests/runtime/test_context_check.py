@@ -1,7 +1,8 @@
 """Context parallelism trained under `--check` (issue #30): every step within its bounds of one
 device, on 2 and 4 gloo processes, for the zoo GPT (causal SDPA: keys and values all-gathered,
 the halves balanced by swaps) and Hugging Face Llama with grouped-query attention (its causal
-mask a tensor, split with the rows), under `megatron:cp=2` and `megatron:tp=2,cp=2`.
+mask a tensor, split with the rows), under `megatron:cp=2` and `megatron:tp=2,cp=2`; and the
+zoo GPT under `megatron:cp=2,ring=1` (the ring kernel, `rules.ring`).
 
 Oracle: the check's float64 single-device reference (runtime/verify/step_check.py), its verdict
 the assertion; and the plan itself, which must split every attention's sequence (what makes it
@@ -11,15 +12,20 @@ context parallel rather than a gather before attention).
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from autosbp.capturing.export import capture_micro_batch
+from autosbp.errors import PlanError
+from autosbp.plan import Plan
 from autosbp.planner.api import auto_parallelize
 from autosbp.zoo import ZOO_MODELS, load_model
 from launching.workers import run_workers
+from runtime.execute.signatures import read_signatures
 from runtime.jobs import TrainSpec
 from runtime.verify.verdict import judge
 from tests.support import real_models
@@ -31,8 +37,9 @@ WORKER_TIMEOUT_S = 600.0
 LLAMA = f"{Path(real_models.__file__).resolve()}:llama"
 GPT_ARGS = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "batch": 4}
 HF = importlib.util.find_spec("transformers") is not None  # the Llama cases need it
+RING = "megatron:cp=2,ring=1"  # every attention's kernel the ring's
 JOBS = {
-    2: [("gpt", "megatron:cp=2"), *([(LLAMA, "megatron:cp=2")] if HF else [])],
+    2: [("gpt", "megatron:cp=2"), ("gpt", RING), *([(LLAMA, "megatron:cp=2")] if HF else [])],
     4: [("gpt", "megatron:tp=2,cp=2"), *([(LLAMA, "megatron:tp=2,cp=2")] if HF else [])],
 }
 
@@ -77,3 +84,19 @@ def test_context_parallel_trains_like_one_device(world: int, model: str, strateg
     verdict = judge(checks)
     assert verdict.passed, verdict.text
     assert "matches single-device training" in verdict.text
+
+
+@pytest.mark.parametrize("strategy", ["megatron:cp=2", RING, "nonsense"], ids=str)
+def test_the_runtime_runs_the_kernel_the_plan_states(strategy: str) -> None:
+    module, inputs = load_model("gpt", GPT_ARGS)
+    plan = Plan.from_json(_plan("gpt", 2, strategy if strategy != "nonsense" else RING))
+    graph = capture_micro_batch(module, inputs, plan.micro_batches, name=plan.model_name)
+    attention = [n for n, node in plan.nodes.items() if "scaled_dot_product" in node.op]
+    if strategy == "nonsense":  # a statement no kernel of the layouts makes: refused
+        nodes = dict(plan.nodes)
+        nodes[attention[0]] = replace(nodes[attention[0]], exchanges=("all_reduce on mesh dim 0",))
+        with pytest.raises(PlanError, match="communicates inside the op"):
+            read_signatures(graph, replace(plan, nodes=nodes), tuple(plan.mesh_shape))
+        return
+    sigs = read_signatures(graph, plan, tuple(plan.mesh_shape))
+    assert {sigs[n].kernel for n in attention} == {"ring" if strategy == RING else ""}

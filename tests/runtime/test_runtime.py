@@ -113,6 +113,7 @@ class AlphaBetaPrices:
     communication beside compute hidden."""
 
     overlap_efficiency = 0.5
+    causal_skip = 0.0
 
     def op_time_s(
         self, flops: float, nbytes: float, dtype: torch.dtype, transcendentals: float = 0.0

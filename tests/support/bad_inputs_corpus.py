@@ -114,8 +114,9 @@ def _head_to_stage0(data: dict[str, Any]) -> None:
 
 
 def _param_layout_s0(data: dict[str, Any]) -> None:
-    """inp.weight S(0) in the parameter table (and its optimizer state), B in its node."""
-    data["params"]["inp.weight"].update(sbp="S(0)", optimizer_state_sbp="S(0)")
+    """inp.weight S(0) in the parameter table (and its optimizer state and gradient), B in its
+    node."""
+    data["params"]["inp.weight"].update(sbp="S(0)", optimizer_state_sbp="S(0)", gradient_sbp="S(0)")
 
 
 def _all_on_stage0(data: dict[str, Any]) -> None:

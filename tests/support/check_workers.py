@@ -10,7 +10,9 @@ check must catch, patched into this process only (never into the code under test
 - `sync-twice`: the gradient sync all-reduces every bucket a second time, so each gradient is
   summed over its replicas twice (a partial value summed again);
 - `no-gather`: the distributed optimizer steps its shards but never converts them back into
-  the weights (`ShardedUpdate.gather_weights` does nothing): the weights miss the update.
+  the weights (`ShardedUpdate.gather_weights` does nothing): the weights miss the update;
+- `no-accumulate`: ZeRO-2's hook puts each micro-batch's reduce-scattered gradient in the
+  shard's instead of adding it: with micro-batches, the shards keep the last one's only.
 Lives elsewhere: the cases and what they must show (tests/runtime/test_check.py).
 """
 
@@ -84,6 +86,21 @@ def _sync_twice() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _no_accumulate() -> Iterator[None]:
+    def overwrite(entry: Any) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            assert param.grad is not None
+            with torch.no_grad():
+                entry.shard.grad = entry.to_shard(param.grad).to(entry.shard.dtype, copy=True)
+            param.grad = None
+
+        return hook
+
+    with mock.patch("runtime.parallel.sharded_update._scatter_now", overwrite):
+        yield
+
+
+@contextlib.contextmanager
 def _no_gather() -> Iterator[None]:
     with mock.patch.object(ShardedUpdate, "gather_weights", return_value=None):
         yield
@@ -95,6 +112,7 @@ FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "all-reduce-average": _all_reduce_average,
     "sync-twice": _sync_twice,
     "no-gather": _no_gather,
+    "no-accumulate": _no_accumulate,
 }
 
 

@@ -49,7 +49,7 @@ def run_attention(rank: int, world: int, cases: list[dict[str, Any]]) -> list[di
         coords = mesh.coords(rank)
         layout = parse_nd_sbp(case["layout"])
         node = attention_node(case)
-        sig = NdSignature((layout,) * 3, (layout,))
+        sig = NdSignature((layout,) * 3, (layout,), case.get("kernel", ""))
         comm = GroupComm(mesh, coords, build_groups([mesh]))
         comm.span_hook = recorder = Recorder(rank, 0)
         kernel = local_op(node, sig, mesh.shape, coords, comm)

@@ -28,7 +28,7 @@ from runtime.jobs import adam
 from runtime.verify.one_device import disable_dropout
 from runtime.verify.step_check import StepChecker
 from runtime.verify.verdict import judge
-from tests.support.real_models import BUILDERS
+from tests.support.real_model_families import BUILDERS
 
 Case = dict[str, Any]
 """{"id": str, "model": a BUILDERS name or "zoo:NAME", "plan": Plan JSON, "steps": int,

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+import autosbp.capturing.ctc  # noqa: F401  (registers autosbp::ctc_loss)
 from autosbp.capturing.graph import OpNode
 from autosbp.rules import NdSignature, signatures_1d
 from autosbp.rules.core import as_tuple, resolve_refs
@@ -51,6 +52,16 @@ def ints(high: int, *shape: int) -> torch.Tensor:
 
 def mask(*shape: int) -> torch.Tensor:
     return torch.rand(*shape) > 0.5
+
+
+def ctc_args() -> tuple[Any, ...]:
+    """CTC per sample: log-probabilities (T 12, N 4, C 6), targets padded to 5 (-100 beyond each
+    row's length, as Wav2Vec2's labels), uneven input and target lengths, blank 0."""
+    log_probs = f(12, 4, 6).log_softmax(-1)
+    target_lengths = torch.tensor([5, 3, 4, 1])
+    targets = ints(5, 4, 5) + 1
+    targets[torch.arange(5) >= target_lengths[:, None]] = -100
+    return log_probs, targets, torch.tensor([12, 10, 12, 7]), target_lengths, 0, False
 
 
 def ignored(target: torch.Tensor) -> torch.Tensor:
@@ -200,6 +211,8 @@ POINTWISE = [
     C("__and__", aten.__and__.Tensor, lambda: (mask(4, 8), mask(8)), expect=("(S(1), S(0) -> S(1))",)),
     C("__or__", aten.__or__.Tensor, lambda: (ints(8, 4, 8), ints(8, 4, 1))),
     C("floor_divide", aten.floor_divide.default, lambda: (ints(16, 4, 8), ints(4, 4, 8) + 1)),
+    C("div-floor", aten.div.Tensor_mode, lambda: (f(4, 8) * 9, 2.0), {"rounding_mode": "floor"},
+      expect=("(S(1) -> S(1))",), forbid=("(P -> P)",)),
     C("remainder-scalar", aten.remainder.Scalar, lambda: (f(4, 8), 0.75)),
     C("fill-scalar", aten.fill.Scalar, lambda: (f(4, 8), 2.0), forbid=("(P -> P)",)),
     C("fill_-scalar", aten.fill_.Scalar, lambda: (f(4, 8), 2.0)),
@@ -236,6 +249,10 @@ REDUCTION_AND_NORM = [
     C("layer_norm", aten.layer_norm.default, lambda: (f(4, 4, 8), [8], f(8), f(8), 1e-5),
       expect=("(S(0), B, B -> S(0))", "(S(1), B, B -> S(1))"), forbid=("(S(2), B, B -> S(2))",)),
     C("layer_norm-2dims", aten.layer_norm.default, lambda: (f(4, 4, 8), [4, 8])),
+    C("group_norm-per-channel", aten.group_norm.default, lambda: (f(4, 8, 6), 8, f(8), f(8), 1e-5),
+      expect=("(S(0), B, B -> S(0))", "(S(1), S(0), S(0) -> S(1))"), forbid=("(S(2), B, B -> S(2))",)),
+    C("group_norm-groups-of-4", aten.group_norm.default, lambda: (f(4, 8, 6), 2, f(8), f(8), 1e-5),
+      expect=("(S(0), B, B -> S(0))",), forbid=("(S(1), S(0), S(0) -> S(1))",)),
     C("native_layer_norm", aten.native_layer_norm.default, lambda: (f(4, 4, 8), [8], f(8), f(8), 1e-5)),
     C("rms_norm", aten.rms_norm.default, lambda: (f(4, 4, 8), [8], f(8), 1e-6)),
     C("batch_norm-train", aten.batch_norm.default, lambda: bn(True, 0.1, 1e-5, False),
@@ -343,6 +360,8 @@ CONV_AND_LOSS = [
     C("bce", aten.binary_cross_entropy.default, lambda: (f(8, 4).sigmoid(), f(8, 4).sigmoid(), pos(4))),
     C("bce-logits", aten.binary_cross_entropy_with_logits.default,
       lambda: (f(8, 4), f(8, 4).sigmoid(), None, pos(4)), expect=("(S(1), S(1), S(0) -> P)",)),
+    C("ctc", torch.ops.autosbp.ctc_loss.default, lambda: ctc_args(),
+      expect=("(S(1), S(0), S(0), S(0) -> S(0))",)),
 ]
 
 FACTORY = [

@@ -207,11 +207,10 @@ def _update_spans(chunks: Sequence[StagePlan], last_s: float) -> list[tuple[str,
     (one but for interleaved plans): (kind, start, end) of its exposed gradient sync and its
     optimizer, or of one "update" (a plan without the split)."""
     end_s = last_s + sum(c.update_s - c.sync_hidden_s for c in chunks)
-    syncs = [c.grad_sync_s for c in chunks]
-    if any(g is None for g in syncs):
+    syncs = [(c.grad_sync_s, c.sync_hidden_s) for c in chunks]
+    if any(g is None for g, _ in syncs):
         return [(UPDATE, last_s, end_s)]
-    exposed = sum(max(g - c.sync_hidden_s, 0.0) for g, c in zip(syncs, chunks) if g is not None)
-    synced_s = last_s + exposed
+    synced_s = last_s + sum(max(g - hidden, 0.0) for g, hidden in syncs if g is not None)
     return [(GRAD_SYNC, last_s, synced_s), (STEP_END, synced_s, max(end_s, synced_s))]
 
 

@@ -107,7 +107,8 @@ def build_problem(
         )
     terms = StageTerms(blocks, priced.blocks_identical(), kept)
     terms.add_nodes(tied, priced, optimizer, micro_batches, recompute)
-    terms.add_check(check_step_s(prices, mesh, split.num_stages, stage_link))
+    devices_stages = split.num_stages // virtual_stages
+    terms.add_check(check_step_s(prices, mesh, devices_stages, stage_link), devices_stages)
     keys = list(dict.fromkeys(priced.representative.values()))
     sizes = {r: len(priced.strategies[r].candidates) for r in keys}
     # Where the nodes alone overflow a stage (each at its fewest bytes), no choice fits: the

@@ -50,9 +50,12 @@ def test_each_parameter_candidate_pays_the_read_of_its_gradient(shape, links) ->
     for name in params:
         found, meta = mp.strategies[name], graph.node(name).outputs[0]
         states = [found.state_of(i) for i in range(len(found.candidates))]
-        sync, update, _ = parameter_prices(
-            meta, found.candidates, states, pricer.bucketed_time_s, prices, mesh.shape, bucket
-        )
+        grads = [found.gradient_of(i) for i in range(len(found.candidates))]
+        priced = parameter_prices(
+            meta, found.candidates, states, grads, pricer.bucketed_time_s, prices, mesh.shape,
+            bucket,
+        )  # fmt: skip
+        sync, update = priced.sync_s, priced.update_s
         for i, sig in enumerate(found.candidates):
             local = math.prod(local_shape(meta.shape, sig.outputs[0], mesh.shape))
             # the profile's streaming read of those bytes (its memory rate, no per-op floor)

@@ -147,12 +147,8 @@ class Replicated:
 
     def text(self) -> str:
         """For people: "12% of FLOPs replicated (9% for want of a rule: aten.x)"."""
-        why = ""
-        if self.no_rule_ops:
-            why = (
-                f" ({self.no_rule_flops_share:.0%} for want of a rule: "
-                f"{', '.join(self.no_rule_ops)})"
-            )
+        ops = ", ".join(self.no_rule_ops)
+        why = f" ({self.no_rule_flops_share:.0%} for want of a rule: {ops})" if ops else ""
         return f"{self.flops_share:.0%} of FLOPs replicated{why}"
 
 

@@ -271,15 +271,15 @@ class Engine:
             self.grad_sync.finish()
             self.update.scatter_gradients()
         loss = self.pipeline.share_loss(value)  # every rank has the loss of the last stage
-        bad = first_non_finite(loss, self.optimized, self.shards.trained)
+        with self._span("optimizer"):  # the check, then the update (priced as one)
+            bad = first_non_finite(loss, self.optimized, self.shards.trained)
+            if bad is None:
+                self.optimizer.step()
+                self.update.gather_weights()
         if bad is not None:
             if self.non_finite is NonFinite.STOP:
                 raise NonFiniteError(bad)
             self.skipped_steps += 1
-            return loss
-        with self._span("optimizer"):
-            self.optimizer.step()
-            self.update.gather_weights()
         return loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -97,7 +97,11 @@ class StagePlan:
     and the predicted per-micro-batch times the actor simulation replays (`forward_s`,
     `backward_s` incl. boxing and recomputation, `send_s` to the next stage, one way) and the
     per-step `update_s` (gradient sync + optimizer), of which the last micro-batch's backward
-    hides `sync_hidden_s`. `step_time_s`: the stage's busy time.
+    hides `sync_hidden_s`. `step_time_s`: the stage's busy time. `grad_sync_s`: of `update_s`,
+    the gradient sync (what the runtime's "grad_sync" span runs, before backward hides any of
+    it); the rest is the optimizer's (its "optimizer" span: the non-finite check, the step, and
+    with ZeRO-1 the scatter and gather of its shards). None in plans written before the split:
+    the update is one figure.
 
     `prefetch_blocks` (k): the runtime converts the parameters of the next k repeated blocks
     asynchronously while it computes one (forward: their gathers; backward: the re-gathers of
@@ -119,6 +123,7 @@ class StagePlan:
     sync_hidden_s: float = 0.0
     prefetch_blocks: int = 0
     gather_hidden_s: float = 0.0
+    grad_sync_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -142,12 +147,8 @@ class Replicated:
 
     def text(self) -> str:
         """For people: "12% of FLOPs replicated (9% for want of a rule: aten.x)"."""
-        why = ""
-        if self.no_rule_ops:
-            why = (
-                f" ({self.no_rule_flops_share:.0%} for want of a rule: "
-                f"{', '.join(self.no_rule_ops)})"
-            )
+        ops = ", ".join(self.no_rule_ops)
+        why = f" ({self.no_rule_flops_share:.0%} for want of a rule: {ops})" if ops else ""
         return f"{self.flops_share:.0%} of FLOPs replicated{why}"
 
 
@@ -245,7 +246,7 @@ class Plan:
                 "dims": list(self.mesh_dims),
                 "link_classes": list(self.link_classes),
             },
-            "stages": [asdict(stage) for stage in self.stages],
+            "stages": [_stage_fields(stage) for stage in self.stages],
             "micro_batches": self.micro_batches,
             "grad_bucket_bytes": self.grad_bucket_bytes,
             "recompute": self.recompute,
@@ -386,3 +387,12 @@ def _replicated(data: Any) -> Replicated | None:
     return Replicated(
         data["flops_share"], data["no_rule_flops_share"], tuple(data.get("no_rule_ops", ()))
     )
+
+
+def _stage_fields(stage: StagePlan) -> dict[str, Any]:
+    """A stage's JSON fields; an unknown `grad_sync_s` (a plan written before the update's
+    split) left out, so such a plan reads and writes back as it was (its digest unchanged)."""
+    fields = asdict(stage)
+    if fields["grad_sync_s"] is None:
+        del fields["grad_sync_s"]
+    return fields

@@ -76,27 +76,8 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             states = format_nd_sbp(state) if state is not None else sbp
             grads = format_nd_sbp(grad) if grad is not None else sbp
             params[attrs.name] = ParamPlan(sbp, stage, states, shape, again, grads)
-    per_stage, pipeline = mesh.size, solved.pipeline_stages
-    m = solved.micro_batches
-    stages = tuple(
-        StagePlan(  # virtual stage s (interleaved) runs on stage s % P's devices
-            devices=tuple(range((s % pipeline) * per_stage, (s % pipeline + 1) * per_stage)),
-            mesh_shape=mesh.shape,
-            blocks=split.blocks[s],
-            step_time_s=m * (pred.forward_s[s] + pred.backward_s[s])
-            + pred.update_s[s]
-            - pred.sync_hidden_s[s],
-            peak_memory_bytes=int(pred.peak_bytes[s]),
-            forward_s=pred.forward_s[s],
-            backward_s=pred.backward_s[s],
-            send_s=pred.send_s[s],
-            update_s=pred.update_s[s],
-            sync_hidden_s=pred.sync_hidden_s[s],
-            prefetch_blocks=PREFETCH_BLOCKS if solved.stage_costs.hides(s) else 0,
-            gather_hidden_s=pred.gather_hidden_s[s],
-        )
-        for s in range(split.num_stages)
-    )
+    pipeline, m = solved.pipeline_stages, solved.micro_batches
+    stages = _stage_plans(found)
     return Plan(
         model_name=graph.model_name,
         fingerprint=graph.fingerprint(),
@@ -126,6 +107,33 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         alternatives=alternatives(solved, solution),
         replicated=replicated_of(graph, nodes, mesh.shape),
         virtual_stages=solved.virtual_stages,
+    )
+
+
+def _stage_plans(found: Found) -> tuple[StagePlan, ...]:
+    """Each (virtual) stage's devices, blocks and predicted times, as the plan states them."""
+    solved, pred = found.problem, found.prediction
+    mesh, split, m = solved.mesh, solved.split, solved.micro_batches
+    per_stage, pipeline = mesh.size, solved.pipeline_stages
+    return tuple(
+        StagePlan(  # virtual stage s (interleaved) runs on stage s % P's devices
+            devices=tuple(range((s % pipeline) * per_stage, (s % pipeline + 1) * per_stage)),
+            mesh_shape=mesh.shape,
+            blocks=split.blocks[s],
+            step_time_s=m * (pred.forward_s[s] + pred.backward_s[s])
+            + pred.update_s[s]
+            - pred.sync_hidden_s[s],
+            peak_memory_bytes=int(pred.peak_bytes[s]),
+            forward_s=pred.forward_s[s],
+            backward_s=pred.backward_s[s],
+            send_s=pred.send_s[s],
+            update_s=pred.update_s[s],
+            sync_hidden_s=pred.sync_hidden_s[s],
+            prefetch_blocks=PREFETCH_BLOCKS if solved.stage_costs.hides(s) else 0,
+            gather_hidden_s=pred.gather_hidden_s[s],
+            grad_sync_s=pred.sync_s[s],
+        )
+        for s in range(split.num_stages)
     )
 
 

@@ -38,7 +38,8 @@ Model (every constant states where it comes from):
   all-reduce where the parameter is replicated: data parallel's all-reduce; nothing where it is
   split: FSDP's reduce-scatter is already the backward of its all-gather), as its share of a
   fused bucket's collective (`BoxingPricer.bucketed_time_s`), and its optimizer
-  update on the local shard (memory-bound: `param_candidates.optimizer_s`); with micro-batches,
+  update on the local shard (memory-bound: `param_candidates.optimizer_s`) and the runtime's
+  non-finite check of its local gradient (`finite_check`); with micro-batches,
   each backward after the first adds its gradient into the accumulated one (autograd's
   AccumulateGrad: read both, write one), priced per micro-batch by the builder.
 - ZeRO-1 and ZeRO-2: a replicated layout has each candidate again with its optimizer states
@@ -62,6 +63,7 @@ import torch
 from autosbp import schedule
 from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta
 from autosbp.planner.boxing_prices import BoxingPricer, Prices
+from autosbp.planner.finite_check import gradient_check_s
 from autosbp.planner.op_comm import exchange_cost
 from autosbp.planner.param_candidates import parameter_prices, with_zero_states
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs, work_fraction
@@ -213,8 +215,8 @@ def _parameter_strategies(
 ) -> NodeStrategies:
     """A parameter's candidates (the module header): each layout, its re-gathered twin where a
     consumer keeps it, each of those again with ZeRO-1's states where it has any; per step,
-    sync + update (`compute_s`), the sync that backward may hide (`sync_s`), the add of one
-    micro-batch's gradient."""
+    sync + update + the non-finite check's read of its gradient (`compute_s`), the sync that
+    backward may hide (`sync_s`), the add of one micro-batch's gradient."""
     mesh_shape = pricer.mesh.shape
     again = tuple(
         s
@@ -231,8 +233,10 @@ def _parameter_strategies(
     )  # fmt: skip
     sync_s = np.array(found.sync_s)
     zero2 = any(g is not None for g in grads)
+    check = [gradient_check_s(meta, s.outputs[0], pricer.prices, mesh_shape) for s in candidates]
     return NodeStrategies(
-        name, candidates, sync_s + np.array(found.update_s), sync_s, np.array(found.accumulate_s),
+        name, candidates, sync_s + np.array(found.update_s) + check, sync_s,
+        np.array(found.accumulate_s),
         regather=np.array(regather, dtype=bool),
         state=tuple(states) if any(q is not None for q in states) else None,
         gradient=tuple(grads) if zero2 else None,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError
 from autosbp.planner.candidates import NodeStrategies, Prices
+from autosbp.planner.finite_check import check_step_s
 from autosbp.planner.ilp import bound_or_solve, solve_below
 from autosbp.planner.ilp_problem import Problem, Solution
 from autosbp.planner.objective import StageCosts, objective_terms
@@ -106,6 +107,8 @@ def build_problem(
         )
     terms = StageTerms(blocks, priced.blocks_identical(), kept)
     terms.add_nodes(tied, priced, optimizer, micro_batches, recompute)
+    devices_stages = split.num_stages // virtual_stages
+    terms.add_check(check_step_s(prices, mesh, devices_stages, stage_link), devices_stages)
     keys = list(dict.fromkeys(priced.representative.values()))
     sizes = {r: len(priced.strategies[r].candidates) for r in keys}
     # Where the nodes alone overflow a stage (each at its fewest bytes), no choice fits: the
@@ -169,8 +172,8 @@ class Prediction:
     `peak_bytes` and `bubble_s` are each virtual stage's device's, all its chunks): per stage its
     per-micro-batch forward/backward (what stays exposed of the parameters' conversions
     included, `gather_hidden_s` of them hidden behind the blocks' compute), transfer to the
-    next stage and per-step update (seconds), the part of the update's sync that the last
-    backward hides, and peak bytes; the step time is when the last stage finishes its update."""
+    next stage and per-step update (seconds; `sync_s` of it the gradient sync, the rest the
+    optimizer's), the part of the update's sync that the last backward hides, and peak bytes; the step time is when the last stage finishes its update."""
 
     step_time_s: float
     forward_s: tuple[float, ...]
@@ -181,6 +184,7 @@ class Prediction:
     peak_bytes: tuple[float, ...]
     bubble_s: tuple[float, ...]
     gather_hidden_s: tuple[float, ...] = ()  # per micro-batch, forward + backward
+    sync_s: tuple[float, ...] = ()  # of update_s, the gradient sync (the rest: the optimizer)
 
 
 def predict(mp: MeshProblem, solution: Solution) -> Prediction:
@@ -215,8 +219,9 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
     peaks = tuple(device(used, s) for s in range(mp.split.num_stages))
     bubbles = tuple(timeline.bubble_s(s % p) for s in range(mp.split.num_stages))
     gathers = tuple(f + b for f, b in zip(forward_hidden, backward_hidden, strict=True))
+    sync = tuple(c.value(choice) for c in costs.sync)
     return Prediction(
-        max(ends), exposed_fwd, exposed_bwd, send, update, hidden, peaks, bubbles, gathers
+        max(ends), exposed_fwd, exposed_bwd, send, update, hidden, peaks, bubbles, gathers, sync
     )
 
 

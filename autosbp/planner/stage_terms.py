@@ -103,6 +103,17 @@ class StageTerms:
         if found.scatter_s is not None:  # ZeRO-2: every micro-batch's backward, in line
             self.busy[s].node(r, n * found.scatter_s)
 
+    def add_check(self, reduce_s: float, devices_stages: int) -> None:
+        """The non-finite check's all-reduce, once per step on each of the `devices_stages`
+        pipeline devices' updates (`finite_check.check_step_s`; a device holds virtual stages
+        d, d + P, ... of an interleaved plan): added to every candidate of the first parameter
+        of the device's first chunk that has one, a constant every choice pays (a device
+        without parameters skips no check, but has no update to hold it: left out)."""
+        for d in range(devices_stages):
+            held = [acc for acc in self.update[d::devices_stages] if acc.nodes]
+            if held:
+                held[0].node(next(iter(held[0].nodes)), reduce_s)
+
     def add_edges(self, tied, priced, recompute: str, p2p: P2P) -> None:
         """Boxing on every edge (time, and the copies kept for backward), and each tensor sent
         to a later stage (time and memory)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from autosbp.timeline.chart import CHART_KIND, COLOURS, draw_timelines, timeline_figure
 from autosbp.timeline.events import (
+    GRAD_SYNC,
     MAX_DRAWN_RANKS,
     MAX_DRAWN_SPANS,
     MAX_SIMULATED_FIRINGS,
@@ -36,7 +37,7 @@ from autosbp.timeline.trace import (
 )
 
 __all__ = [
-    "CHART_KIND", "COLOURS", "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS",
+    "CHART_KIND", "COLOURS", "GRAD_SYNC", "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS",
     "STEP_END", "UPDATE", "Event", "Recorder", "SpanHook", "Trace", "check_chart", "check_drawable", "check_trace_plan",
     "draw_timelines", "last_step", "measured_step_s", "predicted_events", "read_chrome_trace",
     "read_trace", "span_s", "timeline_figure", "write_chrome_trace",

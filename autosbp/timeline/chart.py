@@ -6,9 +6,10 @@ colours. Lives elsewhere: the events and the step definitions (`timeline.events`
 loads it.
 
 Readability, by construction:
-- one vocabulary for both panels: the runtime's phases, with the measured "grad_sync" and
-  "optimizer" drawn as the predicted "update" is (`CHART_KIND`: the plan prices them as one),
-  so one legend names every bar of either panel, one colour per phase;
+- one vocabulary for both panels: the runtime's phases, the plan's update drawn as the runtime
+  records it ("grad_sync", then "optimizer"), so one legend names every bar of either panel,
+  one colour per phase; against a plan written before the update was split (one predicted
+  "update"), the measured "grad_sync" and "optimizer" are drawn as "update" (`CHART_KIND`);
 - one time axis: both panels share the x scale, from 0 to the longer step, so a bar's length
   means the same time above and below;
 - a measured rank is drawn from its own step start, as `measured_step_s` times it (each rank on
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from autosbp.plan.files import write_atomically
 from autosbp.timeline.events import (
+    GRAD_SYNC,
+    STEP_END,
     UPDATE,
     Event,
     check_chart,
@@ -43,14 +46,16 @@ if TYPE_CHECKING:
 
 __all__ = ["CHART_KIND", "COLOURS", "MICRO_BATCH_LABEL", "draw_timelines", "timeline_figure"]
 
-# The measured phases drawn under a predicted phase's name: the plan prices the gradient sync
-# and the optimizer as one per-step update (`timeline.events`), so the chart compares them so.
-CHART_KIND = {"grad_sync": UPDATE, "optimizer": UPDATE}
+# The measured phases drawn under an old plan's phase name: a plan written before the update's
+# split prices the gradient sync and the optimizer as one update (`timeline.events`).
+CHART_KIND = {GRAD_SYNC: UPDATE, STEP_END: UPDATE}
 COLOURS = {  # matplotlib's tab10, one each
     "forward": "tab:blue",
     "backward": "tab:orange",
     "send": "tab:green",
     "recv": "tab:olive",
+    GRAD_SYNC: "gold",  # tab10 has no colour left: matplotlib's named "gold"
+    STEP_END: "tab:brown",  # the optimizer
     UPDATE: "tab:brown",
     # measured only: the communication of sharded parameters and ops (runtime.parallel.prefetch,
     # runtime.execute.op_comm), which the plan prices inside forward and backward
@@ -59,7 +64,11 @@ COLOURS = {  # matplotlib's tab10, one each
     "grad_reduce": "tab:red",
     "exchange": "tab:purple",
 }
-LEGEND = {UPDATE: "update (gradient sync + optimizer)"}  # a phase's legend text, if not its name
+LEGEND = {  # a phase's legend text, if not its name
+    GRAD_SYNC: "grad_sync (gradient sync)",
+    STEP_END: "optimizer (non-finite check + step)",
+    UPDATE: "update (gradient sync + optimizer)",
+}
 MICRO_BATCH_LABEL = "n on a bar: micro-batch n"
 OTHER_COLOUR = "tab:gray"
 # Drawn as a thin band under the compute bar: communication overlaps the firings on its rank.
@@ -103,6 +112,10 @@ def timeline_figure(
         name = f"measured, last step: {measured_step_s(step) * 1e3:.3f} ms (its slowest rank)"
         since = "time since the rank's own step start (ms; each rank on its own clock)"
         panels.append((name, since, _each_rank_from_zero(step)))
+    merged = any(e.kind == UPDATE for e in predicted)  # a plan without the update's split
+    panels = [
+        (name, since, [_charted(e, merged) for e in events]) for name, since, events in panels
+    ]
     every = [e for *_, events in panels for e in events]
     check_chart(sum(len({e.rank for e in events}) for *_, events in panels), len(every))
     total_ms = max(max((e.end_s for e in every), default=0.0) * 1e3, 1e-9)  # one x scale
@@ -116,7 +129,7 @@ def timeline_figure(
         ax.set_xlabel(since, fontsize=8)
     order = list(COLOURS)  # the phases in step order, then any other kind by name
     kinds = sorted(
-        {_kind(e) for e in every},
+        {e.kind for e in every},
         key=lambda k: (k not in order, order.index(k) if k in order else 0, k),
     )
     handles = [Patch(color=COLOURS.get(k, OTHER_COLOUR), label=LEGEND.get(k, k)) for k in kinds]
@@ -131,8 +144,9 @@ def timeline_figure(
     return fig
 
 
-def _kind(event: Event) -> str:
-    return CHART_KIND.get(event.kind, event.kind)
+def _charted(event: Event, merged: bool) -> Event:
+    """`event` under the chart's name for its kind (`CHART_KIND` against an old plan)."""
+    return replace(event, kind=CHART_KIND.get(event.kind, event.kind)) if merged else event
 
 
 def _from_zero(events: list[Event]) -> list[Event]:
@@ -160,7 +174,7 @@ def _draw_panel(ax: Any, events: list[Event], total_ms: float) -> None:
     px_per_ms = WIDTH_IN * DPI * PLOT_FRACTION / total_ms
     bars: dict[tuple[int, str, bool, int], list[tuple[float, float]]] = defaultdict(list)
     for e in events:
-        row, kind = row_of[e.rank], _kind(e)
+        row, kind = row_of[e.rank], e.kind
         x, width = e.start_s * 1e3, (e.end_s - e.start_s) * 1e3
         thin = kind in COMMUNICATION
         bars[(row, COLOURS.get(kind, OTHER_COLOUR), thin, e.chunk)].append((x, width))

@@ -11,14 +11,16 @@ records (runtime/engine.py), how long a firing should take (planner).
 Invariants: times are seconds from an origin (the recorder's creation, or the predicted step's
 start, when every rank enters it); a rank's step ends with its "optimizer" span, so `last_step`
 can cut a multi-step trace without step markers in the file. Predicted events use the runtime's
-kinds ("forward", "backward", "send") plus "update": gradient sync and optimizer as one span
-after the last backward, the stage's `update_s` less the sync that backward hides
-(`sync_hidden_s`).
+kinds: "forward", "backward", "send", then after the last backward "grad_sync" (the stage's
+`grad_sync_s` less what backward hides, `sync_hidden_s`) and "optimizer" (the rest of
+`update_s`). A plan written before the update was split (`grad_sync_s` None) has one "update"
+span there instead: `update_s` less `sync_hidden_s`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from time import perf_counter
@@ -28,16 +30,17 @@ from autosbp.errors import PlanError
 from autosbp.schedule import Phase, simulate
 
 if TYPE_CHECKING:
-    from autosbp.plan import Plan
+    from autosbp.plan import Plan, StagePlan
 
 __all__ = [
-    "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS", "STEP_END", "UPDATE", "Event",
-    "Recorder", "SpanHook", "check_chart", "check_drawable", "last_step", "measured_step_s",
+    "GRAD_SYNC", "MAX_DRAWN_RANKS", "MAX_DRAWN_SPANS", "MAX_SIMULATED_FIRINGS", "STEP_END",
+    "UPDATE", "Event", "Recorder", "SpanHook", "check_chart", "check_drawable", "last_step", "measured_step_s",
     "predicted_events", "span_s",
 ]  # fmt: skip
 
-UPDATE = "update"  # the predicted gradient sync + optimizer span (see the header)
-STEP_END = "optimizer"  # the measured span that ends a rank's step
+UPDATE = "update"  # an old plan's predicted gradient sync + optimizer span (see the header)
+GRAD_SYNC = "grad_sync"  # the runtime's gradient-sync span, and the predicted one
+STEP_END = "optimizer"  # the measured (and predicted) span that ends a rank's step
 # What `show` agrees to simulate and draw. The simulation takes about 12 us per firing here
 # (measured: 80,000 firings in 0.96 s), so its bound is about a second; drawing takes about
 # 40 us per span (20,000 spans in 0.8 s) and a row per rank stops being readable (or fitting
@@ -164,7 +167,8 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
     """One step of `plan` as the actor simulation runs it, on every rank (rank = device id;
     with `every_rank` False, on the first rank of each stage: the others repeat it): forward
     and backward firings, a "send" after each firing whose output goes to another stage, and
-    an "update" after each stage's last backward. Sorted by rank, then start."""
+    after each stage's last backward its "grad_sync" and "optimizer" (one "update" for a plan
+    written before the split). Sorted by rank, then start."""
     check_drawable(plan)
     stages = plan.stages
     if all(s.forward_s == 0 and s.backward_s == 0 for s in stages):
@@ -188,15 +192,26 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
             end_s = f.end_s + stages[min(at, to)].send_s  # send_s: stage s <-> s + 1
             spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s, f.chunk))
     for s in range(p):
-        update_s = sum(c.update_s - c.sync_hidden_s for c in stages[s::p])  # all its chunks'
-        last = timeline.end_s(s)
-        spans.append((s, UPDATE, None, last, last + update_s, 0))
+        last = timeline.end_s(s)  # then the update of all its chunks
+        spans += [(s, kind, None, a, b, 0) for kind, a, b in _update_spans(stages[s::p], last)]
     events = [
         Event(rank, *span)
         for span in spans
         for rank in (stages[span[0]].devices if every_rank else stages[span[0]].devices[:1])
     ]
     return sorted(events, key=lambda e: (e.rank, e.start_s, e.kind))
+
+
+def _update_spans(chunks: Sequence[StagePlan], last_s: float) -> list[tuple[str, float, float]]:
+    """A device's update after its last backward ends at `last_s`, over its stage's chunks
+    (one but for interleaved plans): (kind, start, end) of its exposed gradient sync and its
+    optimizer, or of one "update" (a plan without the split)."""
+    end_s = last_s + sum(c.update_s - c.sync_hidden_s for c in chunks)
+    syncs = [(c.grad_sync_s, c.sync_hidden_s) for c in chunks]
+    if any(g is None for g, _ in syncs):
+        return [(UPDATE, last_s, end_s)]
+    synced_s = last_s + sum(max(g - hidden, 0.0) for g, hidden in syncs if g is not None)
+    return [(GRAD_SYNC, last_s, synced_s), (STEP_END, synced_s, max(end_s, synced_s))]
 
 
 def last_step(events: list[Event]) -> list[Event]:

@@ -37,6 +37,7 @@ from runtime.execute.groups import ProcessGroups
 
 __all__ = [
     "Started",
+    "StartedChain",
     "all_gather_along",
     "execute_boxing",
     "group_ranks",
@@ -159,6 +160,8 @@ def start_step(
         return all_gather_along(x, a.dim, p, group, async_op)
     if step.kind is StepKind.REDUCE_SCATTER:
         assert isinstance(b, Split)
+        if donate and dist.get_backend(group) == "gloo":
+            return _reduce_scatter_in_place(x, b.dim, p, coords[mesh_dim], group, async_op)
         return reduce_scatter_along(x, b.dim, p, group, async_op)
     assert step.kind is StepKind.ALL_TO_ALL and isinstance(a, Split) and isinstance(b, Split)
     return _all_to_all(x, a.dim, b.dim, p, group, async_op)
@@ -193,6 +196,24 @@ def reduce_scatter_along(
     return Started(work, lambda: _moved_back(out, dim))
 
 
+def _reduce_scatter_in_place(
+    x: torch.Tensor, dim: int, p: int, index: int, group: dist.ProcessGroup, async_op: bool
+) -> Started:
+    """`reduce_scatter_along` for a caller that gives up `x`, on gloo: gloo builds a
+    reduce-scatter on an all-reduce of a copy of its input (pytorch/pytorch#118911), held
+    until its worker thread lets the work go; all-reducing `x` itself (or the contiguous copy
+    made here) and keeping this rank's chunk (`index` in the group) moves the same bytes
+    without that second copy of the whole tensor."""
+    front = x.movedim(dim, 0).contiguous()
+    work = dist.all_reduce(front, group=group, async_op=async_op)
+    n = front.shape[0] // p
+
+    def finish() -> torch.Tensor:
+        return _moved_back(front.narrow(0, index * n, n).clone(), dim)
+
+    return Started(work, finish)
+
+
 def _moved_back(out: torch.Tensor, dim: int) -> torch.Tensor:
     """A collective's output (its dim 0 the mesh's) with that dim moved to `dim`, contiguous:
     on dim 0 the output itself, not a view of it (a gathered weight then owns its storage, and
@@ -209,6 +230,49 @@ def _all_to_all(
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
     return Started(work, lambda: torch.cat(recv.unbind(0), dim=src_dim))
+
+
+class StartedChain:
+    """A chain of steps started on this rank (FSDP's gathers and reduce-scatters,
+    `runtime.parallel.prefetch`): its leading local steps done, its first collective running
+    asynchronously; `result` waits for it and runs the rest synchronously (no autograd)."""
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        steps: Sequence[BoxingStep],
+        groups: ProcessGroups,
+        *,
+        donate: bool = False,
+    ) -> None:
+        """`donate`: the caller gives up `x` (`start_step`'s)."""
+        with torch.no_grad():
+            k = 0
+            while k < len(steps) and steps[k].kind is StepKind.LOCAL:
+                x = run_step(x, steps[k], groups)
+                k += 1
+            started = start_step(x, steps[k], groups, donate=donate) if k < len(steps) else None
+            self._started = started
+        # Once a collective runs, it holds what it reads: keeping `x` too would hold a
+        # gradient's full copy until the deferred reduce-scatter finishes.
+        self._value = x if self._started is None else None
+        self._rest, self._groups = tuple(steps[k + 1 :]), groups
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        """Wait for the running collective (if any); `result` then finds it done."""
+        if self._started is not None and self._started.work is not None:
+            self._started.work.wait(timeout)
+
+    def result(self, timeout: datetime.timedelta) -> torch.Tensor:
+        """The chain's output (once: the collective's work is let go with it, and with the
+        work what the backend keeps for it, e.g. gloo's copy of a reduce-scatter's input)."""
+        with torch.no_grad():
+            x = self._started.result(timeout) if self._started is not None else self._value
+            assert x is not None, "a chain's result is taken once"
+            self._started = self._value = None
+            for step in self._rest:
+                x = run_step(x, step, self._groups)
+        return x
 
 
 def _send_recv(x: torch.Tensor, step: BoxingStep, rank: int) -> torch.Tensor:

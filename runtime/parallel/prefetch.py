@@ -6,16 +6,20 @@ gathers them again, ahead, in backward, and reduce-scatters gradients while back
 `GatherSetup` (what a program needs to build one; `gather_setup` builds it where the plan
 gathers a parameter) and `GatherCounts`. Lives elsewhere: the policy and which boxings are
 parameter gathers, in which units (`runtime.parallel.gathers`), where the program waits for
-them (`runtime.execute.program`), the collectives (`runtime.execute.collectives`), the sync of
+them (`runtime.execute.program`), the collectives (`runtime.execute.collectives`, whose
+`StartedChain` runs a gather or reduce-scatter asynchronously), the sync of
 what the reduce-scatter leaves summed (`runtime.parallel.grad_sync`), the firing loop that
 calls `finish_backward` after each backward (`runtime.parallel.pipeline`).
 
 Invariants:
 - A unit is a run of parameter gathers whose consumers lie in one repeated block (or a run
-  outside blocks), in program order. With depth d, the first wait for a gather of unit u starts
-  every unit up to u + d not started yet, in unit order; in backward, the first unpack of a
-  re-gathered weight of unit u starts every re-gathered unit down to u - d, in descending
-  order. Forward and backward run the same program in the same order on every rank of a
+  outside blocks), in program order. With depth d, the first take of a gather of unit u
+  waits for all of unit u's gathers (started first if they were not), then starts every unit
+  up to u + d not started yet, in unit order; in backward, the first unpack of a re-gathered
+  weight of unit u waits for unit u's re-gathers likewise, then starts every re-gathered unit
+  down to u - d, in descending order. So a unit's collective buffers (gloo stages a gather's
+  whole output beside it) are gone before the next units' are made: FSDP2's order, and the
+  (1 + d) blocks' copies `autosbp.planner.stage_terms` prices. Forward and backward run the same program in the same order on every rank of a
   stage, so every group meets the same collectives in the same order. Gathers run on process
   groups of their own, gradient reduce-scatters on others: neither waits behind the boxing of
   activations, nor behind each other.
@@ -25,7 +29,8 @@ Invariants:
   transpose `linear` saves) is packed as a handle (`torch.autograd.graph.saved_tensors_hooks`),
   so the weight dies after its last forward reader; unpacking gathers it again (once per
   micro-batch, shared by every handle) and views it as the saved tensor was.
-- The backward of a gather is its dual chain (an all-gather's is a reduce-scatter). Where
+- The backward of a gather is its dual chain (an all-gather's is a reduce-scatter), run on
+  the gradient given up to it (on gloo, all-reduced in place: no copy of it). Where
   every read of a parameter goes through scheduled gathers, its reduce-scatters run
   asynchronously: started in backward, finished (and added into the parameter's gradient)
   when backward starts the next unit's, and all at the end of the micro-batch's backward
@@ -50,12 +55,12 @@ from typing import Any
 
 import torch
 
-from autosbp.boxing.steps import BoxingStep, StepKind, dual_step
+from autosbp.boxing.steps import dual_step
 from autosbp.capturing.graph import OpGraph
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh
 from autosbp.timeline import SpanHook
-from runtime.execute.collectives import run_step, start_step
+from runtime.execute.collectives import StartedChain
 from runtime.execute.groups import ProcessGroups, build_groups
 from runtime.execute.instructions import Boxer
 from runtime.parallel.gathers import GatherPolicy, ParamGather, gathers_parameters
@@ -99,31 +104,6 @@ def gather_setup(
     return GatherSetup(policy, build_groups(meshes), build_groups(meshes), timeout)
 
 
-class _Chain:
-    """A chain of steps started: its leading local steps done, its first collective running;
-    `result` waits for it and runs the rest synchronously (no autograd)."""
-
-    def __init__(self, x: torch.Tensor, steps: Sequence[BoxingStep], groups: ProcessGroups) -> None:
-        with torch.no_grad():
-            k = 0
-            while k < len(steps) and steps[k].kind is StepKind.LOCAL:
-                x = run_step(x, steps[k], groups)
-                k += 1
-            self._started = start_step(x, steps[k], groups) if k < len(steps) else None
-        # Once a collective runs, it holds what it reads: keeping `x` too would hold a
-        # gradient's full copy until the deferred reduce-scatter finishes.
-        self._value = x if self._started is None else None
-        self._rest, self._groups = tuple(steps[k + 1 :]), groups
-
-    def result(self, timeout: datetime.timedelta) -> torch.Tensor:
-        with torch.no_grad():
-            x = self._started.result(timeout) if self._started is not None else self._value
-            assert x is not None
-            for step in self._rest:
-                x = run_step(x, step, self._groups)
-        return x
-
-
 @dataclass(eq=False, slots=True)
 class _Handle:
     """A saved tensor of a re-gathered weight, as packed: which gather, and the view."""
@@ -142,7 +122,7 @@ class _Pass:
     schedule: GatherSchedule
     micro_batch: int
     next_unit: int = 0  # forward: units before it are started
-    started: dict[int, _Chain] = field(default_factory=dict)  # gather index -> in flight
+    started: dict[int, StartedChain] = field(default_factory=dict)  # gather index -> in flight
     spans: dict[int, Any] = field(default_factory=dict)  # unit -> its open span
     left: dict[int, int] = field(default_factory=dict)  # unit -> gathers not yet taken
     gathered: dict[int, tuple[weakref.ref[torch.Tensor], ParamGather]] = field(
@@ -157,7 +137,10 @@ class _Pass:
         """The gathered weight for `gather` (differentiable w.r.t. `shard`), after starting the
         units the policy runs ahead."""
         schedule = self.schedule
-        self.start_through(gather.unit + schedule.depth)
+        if self.next_unit <= gather.unit:  # the unit's first take: its gathers, then ahead
+            self.start_through(gather.unit)
+            self.wait_unit(gather.unit)
+            self.start_through(gather.unit + schedule.depth)
         schedule.counts.ahead_units = max(
             schedule.counts.ahead_units, self.next_unit - 1 - gather.unit
         )
@@ -177,9 +160,18 @@ class _Pass:
             self.spans[u] = schedule.open_span("param_gather", self.micro_batch)
             for gather in schedule.units[u]:
                 shard = schedule.shards[gather.name].detach()
-                self.started[gather.index] = _Chain(shard, gather.steps, schedule.gather_groups)
+                self.started[gather.index] = StartedChain(
+                    shard, gather.steps, schedule.gather_groups
+                )
             self.left[u] = len(schedule.units[u])
             self.next_unit += 1
+
+    def wait_unit(self, unit: int) -> None:
+        """Wait for `unit`'s gathers in flight (before starting the ones ahead: so this unit's
+        collective buffers are gone before theirs are made)."""
+        for gather in self.schedule.units[unit]:
+            if gather.index in self.started:
+                self.started[gather.index].wait(self.schedule.timeout)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         base = tensor._base if tensor._base is not None else tensor
@@ -200,6 +192,9 @@ class _Pass:
         gather = handle.gather
         weight = self.regathered.get(gather.index)
         if weight is None:
+            if gather.unit not in self.backward_started:  # its re-gathers, then ahead
+                self.start_backward_through(gather.unit)
+                self.wait_unit(gather.unit)
             self.start_backward_through(gather.unit - self.schedule.depth)
             counts = self.schedule.counts
             counts.regathers += 1
@@ -229,7 +224,9 @@ class _Pass:
             chosen = [g for g in schedule.units[u] if self.handles.get(g.index)]
             for gather in chosen:
                 shard = schedule.shards[gather.name].detach()
-                self.started[gather.index] = _Chain(shard, gather.steps, schedule.gather_groups)
+                self.started[gather.index] = StartedChain(
+                    shard, gather.steps, schedule.gather_groups
+                )
             self.left[u] = len(chosen)
 
     def close(self) -> None:
@@ -254,7 +251,11 @@ class _GatheredParam(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, shard: torch.Tensor, schedule: GatherSchedule, gather: ParamGather, chain: _Chain
+        ctx: Any,
+        shard: torch.Tensor,
+        schedule: GatherSchedule,
+        gather: ParamGather,
+        chain: StartedChain,
     ) -> torch.Tensor:
         ctx.schedule, ctx.gather = schedule, gather
         weight = chain.result(schedule.timeout)
@@ -280,7 +281,7 @@ class GatherCounts:
 @dataclass(eq=False, slots=True)
 class _Reduce:
     gather: ParamGather
-    chain: _Chain
+    chain: StartedChain
     span: Any
 
 
@@ -351,13 +352,17 @@ class GatherSchedule:
         for a deferred parameter, started now and added into the gradient later (None)."""
         dual = tuple(dual_step(step) for step in reversed(gather.steps))
         if not gather.deferred_grad:
-            return _Chain(grad.contiguous(), dual, self.grad_groups).result(self.timeout)
-        done = [r for r in self._reducing if r.gather.unit != gather.unit]
-        self._finish_reduces(done)  # the unit backward left: FSDP2 waits for it here
+            return StartedChain(grad.contiguous(), dual, self.grad_groups, donate=True).result(
+                self.timeout
+            )
+        # The unit backward left (FSDP2 waits here), held by no name: its buffers go first.
+        self._finish_reduces([r for r in self._reducing if r.gather.unit != gather.unit])
         self.counts.deferred_reduces += 1
         span = self.open_span("grad_reduce", None)
         self._reducing.append(
-            _Reduce(gather, _Chain(grad.contiguous(), dual, self.grad_groups), span)
+            _Reduce(
+                gather, StartedChain(grad.contiguous(), dual, self.grad_groups, donate=True), span
+            )
         )
         return None
 

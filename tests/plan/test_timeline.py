@@ -12,7 +12,7 @@ import pytest
 
 from autosbp.cli import main
 from autosbp.errors import PlanError
-from autosbp.plan import NodePlan, ParamPlan, Plan, StagePlan, save_plan
+from autosbp.plan import NodePlan, ParamPlan, Plan, StagePlan, load_plan, save_plan
 from autosbp.schedule import simulate
 from autosbp.timeline import (
     Event,
@@ -135,6 +135,56 @@ def test_predicted_events_replay_the_simulation() -> None:
     assert span_s(events) == pytest.approx(timeline.makespan_s + UPDATE_S)  # stage 0 ends last
     sends = [e for e in events if e.kind == "send"]
     assert len(sends) == 2 * 4 * 2  # each stage's devices send 4 activations or 4 gradients
+
+
+UPDATE_SPLITS = [  # (grad_sync_s, sync_hidden_s): the sync partly hidden, wholly, or none at all
+    pytest.param(0.001, 0.0004, id="partly-hidden"),
+    pytest.param(0.001, 0.001, id="wholly-hidden"),
+    pytest.param(0.0, 0.0, id="no-sync"),
+]
+
+
+@pytest.mark.parametrize(("sync_s", "hidden_s"), UPDATE_SPLITS)
+def test_a_split_update_is_drawn_as_the_runtime_records_it(sync_s: float, hidden_s: float) -> None:
+    """After each stage's last backward: "grad_sync" for the sync backward did not hide, then
+    "optimizer" for the rest of the update: the runtime's two spans, ending where one
+    "update" of the same plan without the split ends."""
+    old = pipeline_plan()
+    stages = tuple(
+        dataclasses.replace(s, grad_sync_s=sync_s, sync_hidden_s=hidden_s) for s in old.stages
+    )
+    split = dataclasses.replace(old, stages=stages)
+    merged = dataclasses.replace(
+        old, stages=tuple(dataclasses.replace(s, grad_sync_s=None) for s in stages)
+    )
+    for rank in (0, 2):
+        (update,) = [e for e in predicted_events(merged) if e.rank == rank and e.kind == "update"]
+        tail = [e for e in predicted_events(split) if e.rank == rank and e.micro_batch is None]
+        assert [e.kind for e in tail] == ["grad_sync", "optimizer"]
+        sync, optimizer = tail
+        assert sync.start_s == pytest.approx(update.start_s)
+        assert sync.end_s - sync.start_s == pytest.approx(sync_s - hidden_s)
+        assert optimizer.start_s == pytest.approx(sync.end_s)
+        assert optimizer.end_s - optimizer.start_s == pytest.approx(UPDATE_S - sync_s)
+        assert optimizer.end_s == pytest.approx(update.end_s)
+
+
+def test_a_plan_file_without_the_split_reads_as_one_update(tmp_path: Path) -> None:
+    """A plan written before `grad_sync_s` existed loads with None and draws one "update"."""
+    data = sample_plan().to_json()
+    for stage in data["stages"]:
+        stage.pop("grad_sync_s", None)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    plan = load_plan(path)  # the schema and the checks too
+    assert all(s.grad_sync_s is None for s in plan.stages)
+    assert plan.to_json() == data  # written back as it was: its digest unchanged
+    saved = tmp_path / "again.json"
+    save_plan(dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(s, grad_sync_s=0.001) for s in plan.stages
+    )), saved)  # fmt: skip
+    assert all(s["grad_sync_s"] == 0.001 for s in json.loads(saved.read_text())["stages"])
+    assert all(s.grad_sync_s == 0.001 for s in load_plan(saved).stages)
 
 
 def test_plan_without_times_has_no_prediction() -> None:

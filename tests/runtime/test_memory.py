@@ -75,21 +75,29 @@ def worlds() -> Callable[[int], dict[str, list[dict[str, float]]]]:
     return cases_by_world(measure_cases, _cases, WORKER_TIMEOUT_S)
 
 
-# Measured 1.09-1.22 on ranks 1 and 2 (of 4) at these sizes: 43-70 kB above the prediction, about
-# one gathered 128 x 128 weight (64 kB). The FSDP gathers' collective buffers are not priced
-# (README, "Not priced"); at the tiny sizes they hid inside the noise. An open finding, not noise.
-UNPRICED_GATHER_BUFFERS = {
-    (4, "mlp-wide", "fsdp"): "fsdp on 4 ranks: the gathers' collective buffers are unpriced"
-}
+# fsdp of mlp-wide on 4 ranks measured 1.09-1.22 (an xfail) from collective buffers the
+# runtime held needlessly (`runtime.parallel.prefetch`): a unit's gathers started before the
+# previous unit's were waited for, so that unit's gloo staging copy lived beside the next's
+# (now FSDP2's order: wait, then prefetch); and each deferred reduce-scatter cloned the whole
+# gradient (gloo's reduce-scatter is an all-reduce of a copy), a clone its worker thread let
+# go of only some time after the wait, so one unit's sat beside the next's (1.085-1.285 by
+# the race); the gradient is now all-reduced in place (`collectives._reduce_scatter_in_place`).
+# Measured since: 1.064-1.066 on every rank over 12 rank-runs.
+#
+# Priced since the non-finite check joined the update (`autosbp.planner.finite_check`), the
+# auto plan of gpt-wide on 2 ranks under the tests' made-up prices (1 GB/s memory) is another
+# one: attention and MLP tensor-parallel, where it was replicated attention. Its peak is
+# over-predicted: 0.888 on both ranks in a steady step (681,044 of 767,362 bytes), 0.97-0.98 on
+# a rank where a 73,728-byte transient lands beside the peak. An open finding (what the
+# planner prices of this plan that a step never holds at once), not noise.
+OPEN = {(2, "gpt-wide", "auto"): "gpt-wide's tensor-parallel auto plan on 2 ranks: over-predicted"}
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
     ("world_size", "model", "strategy"),
     [
-        pytest.param(*c, marks=pytest.mark.xfail(reason=UNPRICED_GATHER_BUFFERS[c], strict=False))
-        if c in UNPRICED_GATHER_BUFFERS
-        else c
+        pytest.param(*c, marks=pytest.mark.xfail(reason=OPEN[c], strict=False)) if c in OPEN else c
         for c in CASES
     ],
     ids=[_case_id(*c) for c in CASES],

@@ -93,8 +93,9 @@ def build_problem(
     pairs (the converted copies kept, unless a parameter re-gathers them). Interleaved
     (`virtual_stages` v > 1: `split` holds v x P virtual stages), each virtual stage keeps the
     micro-batches its chunk holds at its device's peak (`pipeline.interleaved_in_flight`) and
-    the objective is 1F1B's over the virtual stages (a bound of the choice; `predict` runs the
-    interleaved schedule).
+    the objective adds to 1F1B's path bounds over the virtual stages the device path bounds
+    (`objective`: each device's chunks' whole load, its chunk-0 fill and drain), a lower bound
+    of `predict`'s interleaved schedule for every choice and equal to it on identical chunks.
     """
     split = split or split_stages(graph, 1)
     priced = priced or price_graph(graph, mesh, prices, allow)
@@ -118,7 +119,9 @@ def build_problem(
     if not overflows:
         terms.add_edges(tied, priced, recompute, P2P(prices, mesh, stage_link))
     stage_costs = terms.stage_costs(sizes, prices.overlap_efficiency, memory_limit_bytes)
-    node_costs, edge_costs, max_terms = objective_terms(stage_costs, keys, micro_batches)
+    node_costs, edge_costs, max_terms = objective_terms(
+        stage_costs, keys, micro_batches, virtual_stages
+    )
     constraints = (
         tuple(replace(c, name=f"{c.name} memory") for c in stage_costs.memory)
         if memory_limit_bytes is not None

@@ -13,7 +13,10 @@ The space of v. `auto` searches v in VIRTUAL_STAGES, `auto:max_vp=V` the powers 
 P >= 2 pipeline devices (interleaving one stage has nothing to interleave) and v x P <= blocks
 (a block per virtual stage: `pipeline.split_stages`); the search itself refuses micro-batch
 counts that are not a multiple of P (`schedule.check_interleaving`, the rule the runtime's
-engine applies too), so no plan it returns is one the runtime refuses. A v whose space has no
+engine applies too). The runtime does not yet interleave a plan that gathers parameters
+(runtime/engine.py): an interleaved winner whose consumers read a parameter in another layout
+(`converts_parameters`) is dropped, so no plan returned is one the runtime refuses (its v's
+bound still counts in the gap, a bound of the plans it drops too). A v whose space has no
 configuration, or none that fits, is left out; if every v is, the plain search's error stands.
 
 The gap. The search of v proves that no plan of its space predicts below L_v = best_v (1 -
@@ -30,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from autosbp.capturing.graph import Role
 from autosbp.errors import PlanError
 from autosbp.planner.evaluate import Found
 from autosbp.planner.hand_plans import Space, strategy_space
@@ -53,6 +57,27 @@ def search_spaces(strategy: str, recompute: str, blocks: int) -> list[Space]:
     return spaces
 
 
+def _least_s(found: Found) -> float:
+    """No plan of the search's space predicts below this (its proven gap)."""
+    if found.effort is None:
+        return -math.inf
+    return found.prediction.step_time_s * (1 - found.effort.gap)
+
+
+def converts_parameters(found: Found) -> bool:
+    """Does a consumer read a parameter in another layout than the parameter's own (what the
+    runtime does not interleave yet: it refuses a plan that gathers parameters beside
+    interleaving; any change of layout is counted, a superset of its gathers)?"""
+    mp, graph = found.problem, found.graph
+    for name, _ in graph.nodes(Role.PARAMETER):
+        have = mp.choice_of(found.solution, name).outputs[0]
+        for consumer in graph.graph.successors(name):
+            want = mp.choice_of(found.solution, consumer).inputs
+            if any(want[i] != have for _, i in graph.uses(name, consumer)):
+                return True
+    return False
+
+
 def _virtual_stages(strategy: str) -> tuple[int, ...]:
     if strategy == "auto":
         return VIRTUAL_STAGES
@@ -67,24 +92,26 @@ def best_of(
     status over all of them (the module docstring). The first space's error if none has a plan."""
     deadline = time.perf_counter() + time_limit_s
     founds: list[Found] = []
+    least: list[float] = []  # per search, no plan of its space below it (dropped ones too)
     first_error: PlanError | None = None
     for space in spaces:
         left_s = max(deadline - time.perf_counter(), LEAST_TIME_S)
         try:
-            founds.append(search_one(space, left_s if founds else time_limit_s))
+            found = search_one(space, left_s if founds else time_limit_s)
         except PlanError as exc:  # this v has no configuration, or none fits
             first_error = first_error or exc
+            continue
+        least.append(_least_s(found))
+        if space.virtual_stages == 1 or not converts_parameters(found):
+            founds.append(found)
     if not founds:
         assert first_error is not None
         raise first_error
     best = min(founds, key=lambda f: f.prediction.step_time_s)
-    if len(founds) == 1 or best.effort is None:
+    if len(least) == 1 or best.effort is None:
         return best
     best_s = best.prediction.step_time_s
-    least_s = min(
-        f.prediction.step_time_s * (1 - f.effort.gap) if f.effort else -math.inf for f in founds
-    )
-    gap = max(0.0, (best_s - least_s) / best_s)
+    gap = max(0.0, (best_s - min(least)) / best_s)
     efforts = [f.effort for f in founds if f.effort is not None]
     effort = replace(
         best.effort,

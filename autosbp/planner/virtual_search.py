@@ -38,6 +38,7 @@ from autosbp.errors import PlanError
 from autosbp.planner.evaluate import Found
 from autosbp.planner.hand_plans import Space, strategy_space
 from autosbp.planner.problem import MIP_GAP
+from autosbp.sbp import Split
 
 VIRTUAL_STAGES = (1, 2, 4)  # auto's default v's: Megatron-LM's Table 1 layouts use 2 to 4 chunks
 LEAST_TIME_S = 1e-3  # a search's time limit once the earlier v's spent the whole one
@@ -65,16 +66,19 @@ def _least_s(found: Found) -> float:
 
 
 def converts_parameters(found: Found) -> bool:
-    """Does a consumer read a parameter in another layout than the parameter's own (what the
-    runtime does not interleave yet: it refuses a plan that gathers parameters beside
-    interleaving; any change of layout is counted, a superset of its gathers)?"""
+    """Does a consumer read a parameter split on a mesh dim (of 2 devices or more) in another
+    layout there: a collective (what the runtime does not interleave yet: it refuses a plan
+    that gathers parameters beside interleaving)? From a broadcast layout every conversion is a
+    local slice or zeroing; the test counts every other change, a superset of the gathers."""
     mp, graph = found.problem, found.graph
+    wide = [d for d, size in enumerate(mp.mesh.shape) if size > 1]
     for name, _ in graph.nodes(Role.PARAMETER):
         have = mp.choice_of(found.solution, name).outputs[0]
         for consumer in graph.graph.successors(name):
-            want = mp.choice_of(found.solution, consumer).inputs
-            if any(want[i] != have for _, i in graph.uses(name, consumer)):
-                return True
+            wants = mp.choice_of(found.solution, consumer).inputs
+            for _, i in graph.uses(name, consumer):
+                if any(isinstance(have[d], Split) and wants[i][d] != have[d] for d in wide):
+                    return True
     return False
 
 

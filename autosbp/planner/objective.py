@@ -133,7 +133,7 @@ def objective_terms(
             linear += hiding.exposed(float(m), s, direction)
             streams = hiding.parts(s, direction)
             terms.append(MaxTerm(m * costs.slots[s], tuple(layout.sum(p) for p in streams)))
-        updates = _update_parts(costs, 0)
+        updates = update_parts(costs, 0)
         if len(updates) > 1:
             terms.append(MaxTerm(1.0, tuple(layout.sum(u) for u in updates)))
         else:
@@ -155,7 +155,7 @@ def objective_terms(
     for a in range(len(runs)):
         for b in range(a, len(runs)):
             path, inner = hiding.expand(_path(costs, runs, a, b, m))
-            for update in _update_parts(costs, runs[a][0]):
+            for update in update_parts(costs, runs[a][0]):
                 parts.append(layout.sum(path + update))
                 nested.append(inner)
     if virtual_stages > 1:
@@ -186,6 +186,21 @@ def _path(costs: StageCosts, runs: list[list[int]], a: int, b: int, m: int) -> l
     return entries
 
 
+def path_terms(
+    costs: StageCosts, paths: Sequence[tuple[list[Entry], list[Weighted]]]
+) -> tuple[list[Costs], list[Mapping[int, float]]]:
+    """Parts (and their hiding terms' coefficients) of the path max term for `paths`, each a
+    path's entries and an update part (`interleaved_cuts` adds the simulation's own paths)."""
+    layout, hiding = _Layout(costs), _Hiding(costs)
+    parts: list[Costs] = []
+    nested: list[Mapping[int, float]] = []
+    for entries, update in paths:
+        path, inner = hiding.expand(entries)
+        parts.append(layout.sum(path + update))
+        nested.append(inner)
+    return parts, nested
+
+
 def _device_paths(costs: StageCosts, v: int, m: int) -> list[tuple[list[Entry], list[Weighted]]]:
     """Interleaved, D(s, d) and device s's update parts for each pair s <= d of devices (the
     module docstring), s the first device of a run of identical devices and d the last of a run
@@ -198,7 +213,7 @@ def _device_paths(costs: StageCosts, v: int, m: int) -> list[tuple[list[Entry], 
     out = []
     for a in range(len(runs)):
         s = runs[a][0]
-        updates = [_update_parts(costs, q) for q in chunks[s]]
+        updates = [update_parts(costs, q) for q in chunks[s]]
         device_updates = [
             [w for parts in updates for w in parts[min(j, len(parts) - 1)]]
             for j in range(max(map(len, updates)))
@@ -286,7 +301,7 @@ class _Hiding:
         return weighted, kept
 
 
-def _update_parts(costs: StageCosts, s: int) -> list[list[Weighted]]:
+def update_parts(costs: StageCosts, s: int) -> list[list[Weighted]]:
     """u_s as the larger of its linear parts: update - h sync, update - h backward (one part
     when nothing is hidden: one bucket, or no overlap)."""
     share = costs.overlap * (1.0 - 1.0 / costs.sync_buckets[s])

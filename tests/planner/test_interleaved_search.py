@@ -15,10 +15,12 @@ from autosbp.errors import PlanError
 from autosbp.planner.evaluate import Found
 from autosbp.planner.hand_plans import Space, strategy_space
 from autosbp.planner.ilp_problem import Solution
+from autosbp.planner.interleaved_cuts import with_cuts
 from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
 from autosbp.planner.problem import MIP_GAP, build_problem, predict, solve_mesh
 from autosbp.planner.search import mesh_shapes, search
 from autosbp.planner.virtual_search import best_of, converts_parameters, search_spaces
+from autosbp.schedule import simulate
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
 
 BLOCKS = 4  # graphs_of's models: 4 blocks, so v = 2 on 2 pipeline devices (4 virtual stages)
@@ -54,6 +56,40 @@ def test_the_interleaved_objective_never_exceeds_the_simulated_step(seed: int) -
             if math.isfinite(value):
                 step = predict(mp, Solution(choice, value, "feasible", 0.0, 0.0)).step_time_s
                 assert value <= step * (1 + 1e-9), (count, mode, value, step)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_cut_is_the_simulated_step_at_its_choice_and_a_bound_elsewhere(seed: int) -> None:
+    # `interleaved_cuts`: the critical paths read at one choice price that choice exactly (the
+    # objective with them equals the simulation) and no other choice above its simulation.
+    graphs, prices = graphs_of("gpt"), RandomPrices.draw(30 + seed)
+    rng = np.random.default_rng(seed)
+    mesh = mesh_shapes(DEVICES // 2, lambda shape, d: link_of((2, *shape), d + 1))[0]
+    mp = build_problem(
+        graphs[4], mesh, prices, optimizer="adam", memory_limit_bytes=None, micro_batches=4,
+        split=split_stages(graphs[4], 4), recompute="selective", virtual_stages=2,
+    )  # fmt: skip
+
+    def drawn() -> tuple[dict[str, int], float, float]:
+        while True:
+            choice = {v: int(rng.integers(len(c))) for v, c in mp.problem.node_costs.items()}
+            value = mp.problem.objective(choice)
+            if math.isfinite(value):
+                solution = Solution(choice, value, "feasible", 0.0, 0.0)
+                return choice, value, predict(mp, solution).step_time_s
+
+    for _ in range(10):
+        choice, _, step = drawn()
+        pred = predict(mp, Solution(choice, 0.0, "feasible", 0.0, 0.0))
+        timeline = simulate(
+            2, 4, pred.forward_s.__getitem__, pred.backward_s.__getitem__,
+            pred.send_s.__getitem__, virtual_stages=2,
+        )  # fmt: skip
+        cut = with_cuts(mp.problem, mp.stage_costs, choice, timeline, pred.send_s)
+        assert cut.objective(choice) == pytest.approx(step, rel=1e-9)
+        for _ in range(10):
+            other, _, other_step = drawn()
+            assert cut.objective(other) <= other_step * (1 + 1e-9)
 
 
 WINS = [5]  # seeds whose prices make interleaving win (found by this search, checked below)

@@ -1,13 +1,14 @@
 """The price of the runtime's non-finite check, part of every step's update.
 
-Lives here: `gradient_check_s` (one parameter's share: the max-norm's read of its local
+Lives here: `gradient_check_s` (one parameter's share: the 2-norm's read of its local
 gradient) and `check_step_s` (the fused op's floor, and the one all-reduce of one integer over
 the world). Lives elsewhere: the check
 itself (`runtime.verify.finite.first_non_finite`, run after the gradient sync and before the
 optimizer, inside the runtime's "optimizer" span), where these are added (`candidates`, per
 parameter candidate into its update; `stage_terms.StageTerms.add_check`, once per stage).
 
-Model: `torch._foreach_norm(ord=inf)` is one fused op over every local gradient: it reads
+Model: `torch._foreach_norm(ord=2)` (the runtime's screen; the max-norm only re-reads a
+gradient found non-finite) is one fused op over every local gradient: it reads
 each once and writes a scalar. Per parameter, its gradient's local bytes at the profile's
 memory rate (`op_time_s` of a read far above any per-op floor, divided out: the rate of a
 streaming read); per stage, the op's floor once (`op_time_s` of nothing) and the all-reduce,
@@ -35,7 +36,7 @@ RATE_ELEMENTS = 1 << 28  # a read this long (1 GiB of fp32) prices the memory ra
 def gradient_check_s(
     meta: TensorMeta, layout: NdSbp, prices: Prices, mesh_shape: tuple[int, ...]
 ) -> float:
-    """The max-norm's read of the local gradient of `meta` in `layout` (the parameter's own:
+    """The 2-norm's read of the local gradient of `meta` in `layout` (the parameter's own:
     ZeRO-1's shards are checked as the parameter's gradient), inside the one fused op."""
     local = math.prod(local_shape(meta.shape, layout, mesh_shape))
     n = RATE_ELEMENTS

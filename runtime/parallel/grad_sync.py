@@ -155,6 +155,10 @@ class GradSync:
                     for param, view in zip(bucket.params, _views(bucket), strict=True):
                         param.grad = view
 
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s gradient is a view of a bucket (`zero_grad` zeroes it)."""
+        return param in self._bucket_of
+
     def arm(self) -> None:
         """Launch buckets from now on, as backward finishes their gradients: call right before
         the last micro-batch's backward (the one that finishes every gradient)."""

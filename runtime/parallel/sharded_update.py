@@ -18,7 +18,10 @@ Invariants:
   planner counts it held), the optimizer steps the shard (an fp32 tensor of its own in q:
   the master copy), and the shard is converted q -> p (an all-gather) into the parameter:
   one collective per parameter after the step, in graph order on every rank of the stage,
-  nothing hidden, as the planner prices it (`param_candidates.parameter_prices`).
+  each issued without waiting for the previous (as ZeroRedundancyOptimizer's broadcasts) and
+  all waited for before the step returns: nothing hidden behind compute, as the planner prices
+  it (`param_candidates.parameter_prices`). Where the shard is a contiguous slot of the synced
+  gradient, its gradient is that slot itself (no copy per step).
 - ZeRO-2 (the plan's `gradient_sbp` is q): the gradient is not held in p. As autograd
   finishes a parameter's gradient of a micro-batch (a post-accumulate-grad hook), it is
   converted dual(p) -> q at once (a reduce-scatter; the buckets of `grad_sync` leave the
@@ -61,7 +64,8 @@ class _Sharded:
     param: torch.Tensor  # this rank's piece of the weight, in p
     shard: torch.Tensor  # the optimizer's tensor, in q
     to_shard: TensorFn  # dual(p) -> q: the gradient (may be a view of its input)
-    to_param: Callable[[torch.Tensor], None]  # q -> p: the updated shard written into `param`
+    # q -> p: the updated shard written into `param`; returns the collectives still in flight
+    to_param: Callable[[torch.Tensor], list[dist.Work]]
     in_backward: bool  # ZeRO-2: the gradient converted as backward makes it (`_scatter_now`)
     # ZeRO-1: p -> q of the gradient `grad_sync` synced (ZeRO-2: unused, `to_shard` runs)
     slice_synced: TensorFn
@@ -95,12 +99,14 @@ class ShardedUpdate:
             for name, param in parameters.items()
         }
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, zeroed: Callable[[torch.Tensor], bool]) -> None:
         """Before a step's first backward: the parameters' gradients zeroed in place (autograd
-        accumulates into them: a buffer kept across steps, as Megatron-LM's grad buffer)."""
+        accumulates into them: a buffer kept across steps, as Megatron-LM's grad buffer), but
+        for those whose gradient is `zeroed` already (a view of a bucket the gradient sync
+        zeroed whole: zeroing it again was a pass over every gradient per step)."""
         with torch.no_grad():
             for entry in self._sharded.values():
-                if entry.param.grad is not None:
+                if entry.param.grad is not None and not zeroed(entry.param):
                     entry.param.grad.zero_()
 
     def scatter_gradients(self) -> None:
@@ -115,13 +121,18 @@ class ShardedUpdate:
                 if entry.param.grad is None:  # backward never reached it (or the first step)
                     entry.param.grad = torch.zeros_like(entry.param)
                 piece = entry.slice_synced(entry.param.grad)
-                entry.shard.grad = piece.to(entry.shard.dtype, copy=True)
+                entry.shard.grad = _as_grad(piece, entry.shard)
 
     def gather_weights(self) -> None:
-        """After the optimizer's step: each updated shard converted back into its parameter."""
+        """After the optimizer's step: each updated shard converted back into its parameter, in
+        graph order, each conversion's collectives issued without waiting for the previous
+        (as ZeroRedundancyOptimizer's broadcasts), all waited for before returning."""
+        works: list[dist.Work] = []
         with torch.no_grad():
             for entry in self._sharded.values():
-                entry.to_param(entry.shard)
+                works += entry.to_param(entry.shard)
+            for work in works:
+                work.wait()
 
     def gradients(self) -> dict[str, tuple[torch.Tensor, NdSbp]]:
         """Name -> (the synced gradient, its layout) of the sharded parameters, from the end of
@@ -131,6 +142,16 @@ class ShardedUpdate:
                    self.layouts[name])
             for name, e in self._sharded.items()
         }  # fmt: skip
+
+
+def _as_grad(piece: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """The synced gradient's piece as the shard's gradient: the piece itself where it already
+    is one (same dtype, shape, contiguous: a slot of the bucket, read by the optimizer, valid
+    until the next step zeroes the bucket), else a copy in the shard's dtype (no copy and no
+    allocation per step on the common path)."""
+    if piece.dtype == shard.dtype and piece.shape == shard.shape and piece.is_contiguous():
+        return piece
+    return piece.to(shard.dtype, copy=True)
 
 
 def _scatter_now(entry: _Sharded) -> Callable[[torch.Tensor], None]:
@@ -172,11 +193,17 @@ def build_sharded_update(
             first = boxer.chain(p, q, shape, param.dtype)(param.detach())
         shard = first.to(torch.float32, copy=True).requires_grad_(True)
         to_shard, to_param = _conversions(param, p, q, shape, boxer)
+        slot = _slot(p, q, shape, boxer.mesh, boxer.mesh.device_ids.index(dist.get_rank()))
+        slice_synced = boxer.chain(p, q, shape, param.dtype) if slot is None else _view(slot)
         sharded[name] = _Sharded(
-            param, shard, to_shard, to_param, name in in_backward,
-            boxer.chain(p, q, shape, param.dtype),
-        )  # fmt: skip
+            param, shard, to_shard, to_param, name in in_backward, slice_synced
+        )
     return ShardedUpdate(sharded, {name: state_layouts[name] for name in parameters})
+
+
+def _view(slot: tuple[slice, ...]) -> TensorFn:
+    """p -> q where q's piece is `slot` of p's: the slot itself (a view, no copy)."""
+    return lambda tensor: tensor[slot]
 
 
 def _slot(
@@ -198,7 +225,7 @@ def _slot(
 
 def _conversions(
     param: torch.Tensor, p: NdSbp, q: NdSbp, shape: tuple[int, ...], boxer: Boxer
-) -> tuple[TensorFn, Callable[[torch.Tensor], None]]:
+) -> tuple[TensorFn, Callable[[torch.Tensor], list[dist.Work]]]:
     """The gradient's conversion dual(p) -> q and the updated shard's q -> p into `param`.
     With NCCL, a reduce-scatter and an all-gather. With gloo, whose reduce_scatter_tensor and
     all_gather_into_tensor allocate three buffers the size of the whole tensor per call
@@ -212,8 +239,9 @@ def _conversions(
     if dist.get_backend() != "gloo" or slot is None:
         gather = boxer.chain(q, p, shape, torch.float32)
 
-        def copy_gathered(shard: torch.Tensor) -> None:
+        def copy_gathered(shard: torch.Tensor) -> list[dist.Work]:
             param.copy_(gather(shard))
+            return []
 
         return boxer.chain(dual_nd_sbp(p), q, shape, param.dtype), copy_gathered
     where = slot
@@ -223,17 +251,19 @@ def _conversions(
     sent = _broadcasts(param, p, q, shape, boxer)
     group = boxer.groups.get(_members(boxer, p, q)) if sent is not None else None
 
-    def write(shard: torch.Tensor) -> None:
+    def write(shard: torch.Tensor) -> list[dist.Work]:
         if sent is not None:  # each member's slot broadcast into every member's parameter
             param[where].copy_(shard)
-            for member, at in sent:
-                dist.broadcast(param[at], src=member, group=group)
-            return
+            return [
+                dist.broadcast(param[at], src=member, group=group, async_op=True)
+                for member, at in sent
+            ]
         param.zero_()
         param[where].copy_(shard)
         out = sum_slots(param)
         if out.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
             param.copy_(out)
+        return []
 
     return lambda grad: reduce(grad)[where], write
 

@@ -11,6 +11,7 @@ finite loss whose gradient is nan (0 / nan in sqrt's backward).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from autosbp.cli import main
 from runtime.state.checkpoint_format import read_manifest
+from runtime.verify.finite import _not_finite
 
 MODEL = """
 import torch
@@ -119,3 +121,21 @@ def test_skip_non_finite_with_check_is_refused(
 ) -> None:
     assert _train(model, "--steps", "2", "--skip-non-finite", "--check") != 0
     assert "pass one of them" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("grads", "flagged"),
+    [
+        ([torch.ones(4), torch.full((3,), 1e30)], []),  # squares overflow fp32: still finite
+        ([torch.ones(4), torch.tensor([1.0, math.nan])], [1]),
+        ([torch.tensor([-math.inf]), torch.full((2,), 1e30), torch.zeros(2)], [0]),
+    ],
+    ids=["overflowing-squares-are-finite", "nan", "inf-beside-overflow"],
+)
+def test_the_two_norm_screen_flags_exactly_the_non_finite_gradients(
+    grads: list[torch.Tensor], flagged: list[int]
+) -> None:
+    """Oracle: torch.isfinite over every element (the 2-norm screens, the max-norm confirms)."""
+    expected = [i for i, g in enumerate(grads) if not bool(torch.isfinite(g).all())]
+    assert expected == flagged
+    assert _not_finite(grads).tolist() == flagged

@@ -97,7 +97,7 @@ WINS = [5]  # seeds whose prices make interleaving win (found by this search, ch
 
 @pytest.mark.parametrize("seed", WINS)
 def test_auto_interleaves_where_it_wins(seed: int) -> None:
-    auto, plain = searched("auto", seed), searched("auto:max_vp=1", seed)
+    auto, plain = searched("auto:max_vp=4", seed), searched("auto:max_vp=1", seed)
     assert auto.problem.virtual_stages == 2 and plain.problem.virtual_stages == 1
     assert auto.prediction.step_time_s < plain.prediction.step_time_s
     assert not converts_parameters(auto)  # the runtime interleaves it
@@ -150,7 +150,7 @@ def enumerate_with_v(seed: int) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [3, *WINS])
 def test_the_search_over_v_is_the_optimum_of_exhaustive_enumeration(seed: int) -> None:
-    found, best = searched("auto", seed), enumerate_with_v(seed)
+    found, best = searched("auto:max_vp=4", seed), enumerate_with_v(seed)
     got = found.prediction.step_time_s
     assert found.effort is not None
     assert got <= best * (1 + MIP_GAP) * (1 + 1e-9), (got, best)
@@ -161,8 +161,9 @@ def test_auto_max_vp_is_checked() -> None:
     with pytest.raises(PlanError, match="max_vp=V"):
         strategy_space("auto:max_vp=0")
     assert [s.virtual_stages for s in search_spaces("auto:max_vp=2", "none", 8)] == [1, 2]
-    assert [s.virtual_stages for s in search_spaces("auto", "none", 8)] == [1, 2, 4]
-    assert [s.stage_counts for s in search_spaces("auto", "none", 8)][1:] == [
+    assert [s.virtual_stages for s in search_spaces("auto", "none", 8)] == [1]  # opt-in
+    assert [s.virtual_stages for s in search_spaces("auto:max_vp=4", "none", 8)] == [1, 2, 4]
+    assert [s.stage_counts for s in search_spaces("auto:max_vp=4", "none", 8)][1:] == [
         (4, 6, 8), (8,),
     ]  # fmt: skip
 
@@ -188,7 +189,7 @@ def test_the_runtime_trains_what_the_interleaved_search_emits() -> None:
     module, inputs = load_model("gpt", args)
     graphs = micro_batch_graphs(module, inputs, (2, 4))
     cluster = Cluster(load_profile("cpu-gloo"), nodes=1)
-    space = replace(search_spaces("auto", "none", BLOCKS)[1], micro_batches=(2, 4))
+    space = replace(search_spaces("auto:max_vp=4", "none", BLOCKS)[1], micro_batches=(2, 4))
     assert space.virtual_stages == 2
     found = search(
         graphs.__getitem__, 8, 2, ClusterPrices(cluster),

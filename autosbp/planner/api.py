@@ -24,8 +24,9 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.errors import MicroBatchError, PlanError
 from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
-from autosbp.planner.hand_plans import hand_strategies, strategy_space
+from autosbp.planner.hand_plans import Space, hand_strategies, strategy_space
 from autosbp.planner.search import Found, GraphFor, TimeLimitWarning, divisors, search
+from autosbp.planner.virtual_search import best_of, search_spaces
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers
@@ -308,17 +309,19 @@ def _plan(
     def link_of(shape: tuple[int, ...], mesh_dim: int) -> str:
         return cluster.link_class_for_mesh_dim(shape, mesh_dim).value
 
-    def found_for(chosen: str) -> Found:
-        space = strategy_space(chosen, recompute, blocks)
+    def found_in(space: Space, time_left_s: float) -> Found:
         if space.micro_batches is None:  # the strategy names no count (mb=M): search them
             space = dataclasses.replace(space, micro_batches=counts)
-        if progress:
-            progress(f"searching {chosen}")
         return search(
             graph_for, global_batch, devices, ClusterPrices(cluster), link_of, space,
-            optimizer=optimizer, memory_limit_bytes=limit, time_limit_s=time_limit_s,
+            optimizer=optimizer, memory_limit_bytes=limit, time_limit_s=time_left_s,
             devices_per_node=per_node, progress=progress, jobs=jobs,
         )  # fmt: skip
+
+    def found_for(chosen: str) -> Found:
+        if progress:
+            progress(f"searching {chosen}")
+        return best_of(search_spaces(chosen, recompute, blocks), found_in, time_limit_s)
 
     ctx = PlanContext(hw.name, limit, strategy, global_batch, DTYPES[dtype], optimizer)
     best = found_for(strategy)

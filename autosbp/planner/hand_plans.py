@@ -56,7 +56,8 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
         raise PlanError(
             f"recompute {recompute!r} is not known; use auto, {', '.join(RECOMPUTE_MODES)}."
         )
-    if strategy == "auto":
+    if strategy == "auto" or strategy.startswith("auto:"):
+        _check_max_vp(strategy)  # the v's it searches: `virtual_search`
         return Space(tuple(range(1, (max_stages or 1) + 1)), modes, allow=_own_kernels, zero=None)
     if strategy == "dp":
         return Space(
@@ -83,6 +84,17 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
         "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C[,ring=1]][,zero=1|2][,vp=V]."
     )
+
+
+def _check_max_vp(strategy: str) -> None:
+    """`auto` or `auto:max_vp=V` (V >= 1: interleave up to V chunks per device)."""
+    most = strategy.removeprefix("auto").removeprefix(":max_vp=")
+    if strategy != "auto" and (not most.isdigit() or int(most) < 1):
+        raise PlanError(
+            f"{strategy!r}: auto takes one option, max_vp=V, a positive integer (the most "
+            "model chunks per pipeline device the search interleaves, e.g. auto:max_vp=2; "
+            "auto:max_vp=1 for plain 1F1B)."
+        )
 
 
 def _megatron_space(

@@ -39,6 +39,25 @@ middle stage is slowest the simulation can idle more than any path bound sees; t
 minimizes a lower bound, and the plan is priced by the simulation all the same. With one stage
 the objective is m busy + u exactly.
 
+Interleaved 1F1B (v chunks per device, virtual stage c P + d on device d; `problem.predict`
+ends device d's step at its last firing plus the sum of its chunks' u). The pairs above, over
+the v P virtual stages, stay bounds (each virtual stage's firings still chain as above, and a
+device ends after each of its chunks), but they see one chunk's load. The device path bounds
+see the device's: write F_d = sum_{q < d} (f_q + t_q), the chunk-0 fill to device d.
+- every firing on device d starts at >= F_d: each needs the forward of its micro-batch on the
+  virtual stages 0..d - 1 (chunk 0, the same costs for every micro-batch) and their transfers;
+- device d runs its 2 m v firings one at a time, m sum_c busy_{c P + d} in all;
+- its last firing is chunk 0's backward of micro-batch m - 1 (the backwards run the forwards'
+  (chunk, micro-batch) sequence with the chunks reversed: `schedule.chunk_order`), which
+  drains through the chunk-0 virtual stages d - 1, ..., s as above;
+so for devices s <= d and each sum j over the chunks of one part of each chunk's u (at most
+device s's update less what its last backwards hide):
+      D(s, d, j) = F_d + m sum_c busy_{c P + d} + sum_{s <= q < d} (b_q + t_q) + U_s^j
+is at most the simulated step. With identical chunks it is the interleaved schedule's step
+(the bubble (P - 1) (f + b) / v of Narayanan et al. 2021 section 2.2 for d = P - 1, s = 0), where
+the virtual-stage pairs see 1 / v of the steady state. Pairs reduce by runs of identical devices
+(every chunk's kind), as above.
+
 Hidden parameter conversions (`schedule.hidden_gather_s`, FSDP's prefetch). On a stage of
 b >= 2 identical blocks, f_s and b_s above are the exposed times: the serial ones less
 n a min(G, C) per direction (n = b - 1 slots, a the overlap, G and C one block's parameter
@@ -51,7 +70,7 @@ weight x n >= 0, inside the path-bound term's parts (stages: nested max terms, `
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,12 +116,13 @@ Weighted = tuple[float, Costs]  # weight x costs, a term of a sum
 
 
 def objective_terms(
-    costs: StageCosts, keys: Sequence[str], micro_batches: int
+    costs: StageCosts, keys: Sequence[str], micro_batches: int, virtual_stages: int = 1
 ) -> tuple[NodeCosts, EdgeCosts, tuple[MaxTerm, ...]]:
     """Node costs, edge costs and max terms of the objective (the module docstring): with one
     stage m x busy (less what the blocks' compute hides of the parameters' conversions) + the
     update, each hiding a max term of its own; with stages, the largest path bound, whose parts
-    hold the stages' hiding terms (nested max terms)."""
+    hold the stages' hiding terms (nested max terms); interleaved (`virtual_stages` v > 1:
+    `costs` holds v x P virtual stages), the device path bounds too."""
     m, busy = micro_batches, costs.busy
     layout = _Layout(costs)
     hiding = _Hiding(costs)
@@ -113,7 +133,7 @@ def objective_terms(
             linear += hiding.exposed(float(m), s, direction)
             streams = hiding.parts(s, direction)
             terms.append(MaxTerm(m * costs.slots[s], tuple(layout.sum(p) for p in streams)))
-        updates = _update_parts(costs, 0)
+        updates = update_parts(costs, 0)
         if len(updates) > 1:
             terms.append(MaxTerm(1.0, tuple(layout.sum(u) for u in updates)))
         else:
@@ -135,9 +155,14 @@ def objective_terms(
     for a in range(len(runs)):
         for b in range(a, len(runs)):
             path, inner = hiding.expand(_path(costs, runs, a, b, m))
-            for update in _update_parts(costs, runs[a][0]):
+            for update in update_parts(costs, runs[a][0]):
                 parts.append(layout.sum(path + update))
                 nested.append(inner)
+    if virtual_stages > 1:
+        for entries, update in _device_paths(costs, virtual_stages, m):
+            path, inner = hiding.expand(entries)
+            parts.append(layout.sum(path + update))
+            nested.append(inner)
     return node_costs, edge_costs, (*inner_terms, MaxTerm(1.0, tuple(parts), tuple(nested)))
 
 
@@ -159,6 +184,61 @@ def _path(costs: StageCosts, runs: list[list[int]], a: int, b: int, m: int) -> l
         if c >= a:  # the backward of micro-batch m - 1 drains from k down to s
             entries += [(n, "busy", q), (-n, "forward", q), (n, "send", q)]
     return entries
+
+
+def path_terms(
+    costs: StageCosts, paths: Sequence[tuple[list[Entry], list[Weighted]]]
+) -> tuple[list[Costs], list[Mapping[int, float]]]:
+    """Parts (and their hiding terms' coefficients) of the path max term for `paths`, each a
+    path's entries and an update part (`interleaved_cuts` adds the simulation's own paths)."""
+    layout, hiding = _Layout(costs), _Hiding(costs)
+    parts: list[Costs] = []
+    nested: list[Mapping[int, float]] = []
+    for entries, update in paths:
+        path, inner = hiding.expand(entries)
+        parts.append(layout.sum(path + update))
+        nested.append(inner)
+    return parts, nested
+
+
+def _device_paths(costs: StageCosts, v: int, m: int) -> list[tuple[list[Entry], list[Weighted]]]:
+    """Interleaved, D(s, d) and device s's update parts for each pair s <= d of devices (the
+    module docstring), s the first device of a run of identical devices and d the last of a run
+    at or after it: within a run, a later d or an earlier s only adds non-negative terms."""
+    p = len(costs.busy) // v
+    chunks = [[c * p + d for c in range(v)] for d in range(p)]
+    runs = _runs_by(p, lambda d: tuple(
+        (costs.kinds[q] if costs.kinds else q, costs.sync_buckets[q]) for q in chunks[d]
+    ))  # fmt: skip
+    out = []
+    for a in range(len(runs)):
+        s = runs[a][0]
+        updates = [update_parts(costs, q) for q in chunks[s]]
+        device_updates = [
+            [w for parts in updates for w in parts[min(j, len(parts) - 1)]]
+            for j in range(max(map(len, updates)))
+        ]  # each a sum over the chunks of one part of each: at most the device's update
+        for b in range(a, len(runs)):
+            d = runs[b][-1]
+            entries: list[Entry] = [(float(m), "busy", q) for q in chunks[d]]
+            entries += [(1.0, name, q) for q in range(d) for name in ("forward", "send")]
+            entries += [
+                (w, name, q) for q in range(s, d)
+                for w, name in ((1.0, "busy"), (-1.0, "forward"), (1.0, "send"))
+            ]  # fmt: skip
+            out += [(entries, update) for update in device_updates]
+    return out
+
+
+def _runs_by(n: int, kind: Callable[[int], Hashable]) -> list[list[int]]:
+    """0..n-1 as runs of consecutive equal `kind`."""
+    runs: list[list[int]] = []
+    for i in range(n):
+        if runs and kind(runs[-1][-1]) == kind(i):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 class _Hiding:
@@ -221,7 +301,7 @@ class _Hiding:
         return weighted, kept
 
 
-def _update_parts(costs: StageCosts, s: int) -> list[list[Weighted]]:
+def update_parts(costs: StageCosts, s: int) -> list[list[Weighted]]:
     """u_s as the larger of its linear parts: update - h sync, update - h backward (one part
     when nothing is hidden: one bucket, or no overlap)."""
     share = costs.overlap * (1.0 - 1.0 / costs.sync_buckets[s])

@@ -93,8 +93,9 @@ def _deal(ev: Evaluator, counts: list[int]) -> dict[Hashable, tuple[int, int]]:
     space = ev.request.space
     found: dict[Hashable, tuple[int, int]] = {}
     for num_stages in space.stage_counts:
+        pipeline = num_stages // space.virtual_stages  # interleaved: P devices, v x P stages
         for count in counts:
-            if num_stages > 1 and count < num_stages:
+            if pipeline > 1 and count < pipeline:
                 continue
             for mesh in ev.meshes(num_stages):
                 key = (count, mesh)

@@ -28,6 +28,7 @@ from autosbp.planner.candidates import NodeStrategies, Prices
 from autosbp.planner.finite_check import check_step_s
 from autosbp.planner.ilp import bound_or_solve, solve_below
 from autosbp.planner.ilp_problem import Problem, Solution
+from autosbp.planner.interleaved_cuts import with_cuts
 from autosbp.planner.objective import StageCosts, objective_terms
 from autosbp.planner.pipeline import StageSplit, interleaved_in_flight, split_stages
 from autosbp.planner.priced import Allow, Priced, price_graph
@@ -93,8 +94,9 @@ def build_problem(
     pairs (the converted copies kept, unless a parameter re-gathers them). Interleaved
     (`virtual_stages` v > 1: `split` holds v x P virtual stages), each virtual stage keeps the
     micro-batches its chunk holds at its device's peak (`pipeline.interleaved_in_flight`) and
-    the objective is 1F1B's over the virtual stages (a bound of the choice; `predict` runs the
-    interleaved schedule).
+    the objective adds to 1F1B's path bounds over the virtual stages the device path bounds
+    (`objective`: each device's chunks' whole load, its chunk-0 fill and drain), a lower bound
+    of `predict`'s interleaved schedule for every choice and equal to it on identical chunks.
     """
     split = split or split_stages(graph, 1)
     priced = priced or price_graph(graph, mesh, prices, allow)
@@ -118,7 +120,9 @@ def build_problem(
     if not overflows:
         terms.add_edges(tied, priced, recompute, P2P(prices, mesh, stage_link))
     stage_costs = terms.stage_costs(sizes, prices.overlap_efficiency, memory_limit_bytes)
-    node_costs, edge_costs, max_terms = objective_terms(stage_costs, keys, micro_batches)
+    node_costs, edge_costs, max_terms = objective_terms(
+        stage_costs, keys, micro_batches, virtual_stages
+    )
     constraints = (
         tuple(replace(c, name=f"{c.name} memory") for c in stage_costs.memory)
         if memory_limit_bytes is not None
@@ -150,9 +154,15 @@ def bound_mesh(
     if any(len(s.candidates) == 0 for s in mesh_problem.strategies.values()):
         return None
     try:
-        return bound_or_solve(mesh_problem.problem, time_limit_s=time_limit_s, cutoff=cutoff)
+        bound, solution = bound_or_solve(
+            mesh_problem.problem, time_limit_s=time_limit_s, cutoff=cutoff
+        )
     except NoFitError:
         return None
+    if solution is None or mesh_problem.virtual_stages == 1:
+        return bound, solution
+    cut = cut_to_simulation(mesh_problem, solution, time_limit_s, cutoff)
+    return (bound, None) if cut is None else (max(bound, cut.objective * (1 - cut.gap)), cut)
 
 
 def solve_mesh(
@@ -161,9 +171,43 @@ def solve_mesh(
     """The best choice on this mesh, or None if nothing fits in memory or nothing beats
     `cutoff`. For a problem `lower_bound_of` bounded (every node has a candidate)."""
     try:
-        return solve_below(mesh_problem.problem, cutoff, time_limit_s=time_limit_s, rel_gap=MIP_GAP)
+        solution = solve_below(
+            mesh_problem.problem, cutoff, time_limit_s=time_limit_s, rel_gap=MIP_GAP
+        )
     except NoFitError:
         return None
+    if solution is None or mesh_problem.virtual_stages == 1:
+        return solution
+    return cut_to_simulation(mesh_problem, solution, time_limit_s, cutoff)
+
+
+MAX_CUTS = 8  # rounds of cuts per interleaved solve (a solve that stops short keeps its bound)
+
+
+def cut_to_simulation(
+    mp: MeshProblem, solution: Solution, time_limit_s: float, cutoff: float = math.inf
+) -> Solution | None:
+    """Interleaved: until the solution's objective reaches its prediction (to MIP_GAP), add the
+    simulation's critical paths at it (`interleaved_cuts`, each a lower bound of every choice's
+    step) and solve again; then the solution minimizes the simulated step (to MIP_GAP). None
+    if nothing beats `cutoff` once cut. After MAX_CUTS rounds the last solution stands, its
+    objective still a lower bound of the configuration's every plan."""
+    problem = mp.problem
+    for _ in range(MAX_CUTS):
+        prediction = predict(mp, solution)
+        if prediction.step_time_s <= solution.objective * (1 + MIP_GAP):
+            break
+        timeline = simulate(
+            mp.pipeline_stages, mp.micro_batches, prediction.forward_s.__getitem__,
+            prediction.backward_s.__getitem__, prediction.send_s.__getitem__,
+            virtual_stages=mp.virtual_stages,
+        )  # fmt: skip
+        problem = with_cuts(problem, mp.stage_costs, solution.choice, timeline, prediction.send_s)
+        found = solve_below(problem, cutoff, time_limit_s=time_limit_s, rel_gap=MIP_GAP)
+        if found is None:
+            return None
+        solution = found
+    return solution
 
 
 @dataclass(frozen=True)

@@ -509,6 +509,13 @@ CLI_CASES = [
         ("is damaged", "optimizer.step is -7, expected a whole number >= 0"),
         ("Use another checkpoint",), id="train-manifest-negative-step",
     ),
+    pytest.param(
+        ["train", "gpt", "--model-args", "layers=4,hidden=32,heads=2,vocab=64,seq=8,batch=8",
+         "--nproc", "2", "--plan", "megatron:tp=1,pp=2,dp=1,vp=2,mb=2",
+         "--checkpoint-dir", "{in}/ckpt-new"],
+        ("interleaves 2 model chunks", "checkpoints do not record chunks"),
+        ("plan with vp=1",), id="train-checkpoint-of-an-interleaved-plan",
+    ),
 ]  # fmt: skip
 
 

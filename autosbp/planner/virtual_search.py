@@ -1,0 +1,132 @@
+"""Interleaved 1F1B in the auto search: the virtual-stage counts v (model chunks per pipeline
+device) that `auto` tries, the space of each, and one plan out of the searches of every v.
+
+Lives here: `VIRTUAL_STAGES` (the default v's), `search_spaces` (a strategy's spaces, one per
+v), `best_of` (the fastest of the per-v searches, with the gap proven over all of them). Lives
+elsewhere: one search (`search`: at v > 1 it counts each device v times and gives each chunk
+1 / v of its memory), the rules of the interleaved schedule (`schedule.check_interleaving`), the
+bound that prunes interleaved configurations (`objective`: the device path bounds), hand plans
+(`hand_plans`: `vp=V` there is one space, as before).
+
+The space of v. `auto` searches v in VIRTUAL_STAGES (plain 1F1B: each v more is one more whole
+search, and at GPT-3 175B on 1024 devices v in {1, 2, 4} does not prove its gap within the default
+time limit), `auto:max_vp=V` the powers of two up to V (Megatron-LM's Table 1 layouts use 2 to 4). At v > 1 the stage counts are v x P virtual stages for
+P >= 2 pipeline devices (interleaving one stage has nothing to interleave) and v x P <= blocks
+(a block per virtual stage: `pipeline.split_stages`); the search itself refuses micro-batch
+counts that are not a multiple of P (`schedule.check_interleaving`, the rule the runtime's
+engine applies too). The runtime does not yet interleave a plan that gathers parameters
+(runtime/engine.py): an interleaved winner whose consumers read a parameter in another layout
+(`converts_parameters`) is dropped, so no plan returned is one the runtime refuses (its v's
+bound still counts in the gap, a bound of the plans it drops too). A v whose space has no
+configuration, or none that fits, is left out; if every v is, the plain search's error stands.
+
+The gap. The search of v proves that no plan of its space predicts below L_v = best_v (1 -
+gap_v); the union of the spaces then has no plan below min_v L_v, so the plan kept (the least
+best_v) is within (best - min_v L_v) / best of the whole space, and "optimal" when that is
+within MIP_GAP. The time limit is the whole search's: each v gets what the earlier ones left
+(a search without a plan yet still finds its first: `search`'s time limit).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from autosbp.capturing.graph import Role
+from autosbp.errors import PlanError
+from autosbp.planner.evaluate import Found
+from autosbp.planner.hand_plans import Space, strategy_space
+from autosbp.planner.problem import MIP_GAP
+from autosbp.sbp import Split
+
+VIRTUAL_STAGES = (1,)  # auto's default: plain 1F1B (each v more is a whole search: opt in)
+LEAST_TIME_S = 1e-3  # a search's time limit once the earlier v's spent the whole one
+
+
+def search_spaces(strategy: str, recompute: str, blocks: int) -> list[Space]:
+    """The spaces `strategy` searches: one for a hand plan; for `auto[:max_vp=V]` one per v
+    whose space has a stage count (the module docstring)."""
+    space = strategy_space(strategy, recompute, blocks)
+    if not strategy.startswith("auto"):
+        return [space]
+    spaces = [space]
+    for v in _virtual_stages(strategy):
+        counts = tuple(v * p for p in range(2, blocks // v + 1))
+        if v > 1 and counts:
+            spaces.append(replace(space, stage_counts=counts, virtual_stages=v))
+    return spaces
+
+
+def _least_s(found: Found) -> float:
+    """No plan of the search's space predicts below this (its proven gap)."""
+    if found.effort is None:
+        return -math.inf
+    return found.prediction.step_time_s * (1 - found.effort.gap)
+
+
+def converts_parameters(found: Found) -> bool:
+    """Does a consumer read a parameter split on a mesh dim (of 2 devices or more) in another
+    layout there: a collective (what the runtime does not interleave yet: it refuses a plan
+    that gathers parameters beside interleaving)? From a broadcast layout every conversion is a
+    local slice or zeroing; the test counts every other change, a superset of the gathers."""
+    mp, graph = found.problem, found.graph
+    wide = [d for d, size in enumerate(mp.mesh.shape) if size > 1]
+    for name, _ in graph.nodes(Role.PARAMETER):
+        have = mp.choice_of(found.solution, name).outputs[0]
+        for consumer in graph.graph.successors(name):
+            wants = mp.choice_of(found.solution, consumer).inputs
+            for _, i in graph.uses(name, consumer):
+                if any(isinstance(have[d], Split) and wants[i][d] != have[d] for d in wide):
+                    return True
+    return False
+
+
+def _virtual_stages(strategy: str) -> tuple[int, ...]:
+    if strategy == "auto":
+        return VIRTUAL_STAGES
+    most = int(strategy.removeprefix("auto:max_vp="))  # `strategy_space` checked it
+    return tuple(2**i for i in range(most.bit_length()) if 2**i <= most)
+
+
+def best_of(
+    spaces: list[Space], search_one: Callable[[Space, float], Found], time_limit_s: float
+) -> Found:
+    """The fastest plan of `search_one(space, time limit)` over `spaces`, its effort's gap and
+    status over all of them (the module docstring). The first space's error if none has a plan."""
+    deadline = time.perf_counter() + time_limit_s
+    founds: list[Found] = []
+    least: list[float] = []  # per search, no plan of its space below it (dropped ones too)
+    first_error: PlanError | None = None
+    for space in spaces:
+        left_s = max(deadline - time.perf_counter(), LEAST_TIME_S)
+        try:
+            found = search_one(space, left_s if founds else time_limit_s)
+        except PlanError as exc:  # this v has no configuration, or none fits
+            first_error = first_error or exc
+            continue
+        least.append(_least_s(found))
+        if space.virtual_stages == 1 or not converts_parameters(found):
+            founds.append(found)
+    if not founds:
+        assert first_error is not None
+        raise first_error
+    best = min(founds, key=lambda f: f.prediction.step_time_s)
+    if len(least) == 1 or best.effort is None:
+        return best
+    best_s = best.prediction.step_time_s
+    gap = max(0.0, (best_s - min(least)) / best_s)
+    efforts = [f.effort for f in founds if f.effort is not None]
+    effort = replace(
+        best.effort,
+        seconds=sum(e.seconds for e in efforts),
+        configurations=sum(e.configurations for e in efforts),
+        bounded=sum(e.bounded for e in efforts),
+        solved=sum(e.solved for e in efforts),
+        status="optimal" if gap <= MIP_GAP * (1 + 1e-9) else "feasible",
+        gap=gap,
+        time_limit_s=time_limit_s,
+        limit_reached=any(e.limit_reached for e in efforts),
+    )
+    return replace(best, effort=effort)

@@ -163,12 +163,10 @@ def _train_command(
     first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume, console)
     profile = args.profile or (None if device == "cpu" else FALLBACK_PROFILE)
     plan = on_rank0(lambda: plan_for(args.model, model_args, args.plan, nproc, profile, console))
-    if args.checkpoint_dir is not None and plan.virtual_stages > 1:
-        raise ExecutionError(
-            f"the plan interleaves {plan.virtual_stages} model chunks per pipeline stage, and "
-            "checkpoints do not record chunks yet; plan with vp=1 (--plan auto, or "
-            "megatron:...,vp=1) to train with --checkpoint-dir."
-        )
+    if args.checkpoint_dir is not None:  # before launching: checkpoints hold no chunks yet
+        from runtime.state.checkpoint_load import refuse_interleaved
+
+        refuse_interleaved(plan.virtual_stages, "save")
     if first >= args.steps:
         console.print(
             f"{args.checkpoint_dir} holds {first} trained steps, and --steps is {args.steps}: "

@@ -514,7 +514,7 @@ CLI_CASES = [
          "--nproc", "2", "--plan", "megatron:tp=1,pp=2,dp=1,vp=2,mb=2",
          "--checkpoint-dir", "{in}/ckpt-new"],
         ("interleaves 2 model chunks", "checkpoints do not record chunks"),
-        ("plan with vp=1",), id="train-checkpoint-of-an-interleaved-plan",
+        ("Train with a vp=1 plan",), id="train-checkpoint-of-an-interleaved-plan",
     ),
 ]  # fmt: skip
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from autosbp.errors import PlanError
+from autosbp.planner.hand_plans import strategy_space
 from autosbp.schedule import Phase, pipeline_bubble_s, simulate, stage_orders
 from autosbp.zero_bubble import (
     check_schedule,
@@ -80,3 +82,27 @@ def test_plan_orders_is_1f1b_for_1f1b_and_refuses_zb1_with_chunks() -> None:
     with pytest.raises(ValueError, match="plain stages"):
         plan_orders("zb1", 2, 4, 2)
     assert check_schedule("zb2", 2, 1, 4) is not None
+
+
+@pytest.mark.parametrize(
+    ("strategy", "schedule"),
+    [("megatron:tp=1,pp=2,dp=1", "1f1b"), ("megatron:tp=1,pp=2,dp=1,schedule=zb1", "zb1"),
+     ("megatron:schedule=zb1,tp=2,pp=2,dp=1,mb=4", "zb1"),
+     ("megatron:tp=1,pp=2,dp=1,vp=2,schedule=1f1b", "1f1b")],
+)  # fmt: skip
+def test_hand_plans_name_the_schedule(strategy: str, schedule: str) -> None:
+    space = strategy_space(strategy)
+    assert space.schedule == schedule
+    assert space.stage_counts == strategy_space(strategy.replace(f",schedule={schedule}", "")
+                                                .replace(f"schedule={schedule},", "")).stage_counts  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("strategy", "match"),
+    [("megatron:tp=1,pp=2,dp=1,schedule=zb2", "schedule must be given once"),
+     ("megatron:tp=1,pp=2,dp=1,schedule=zb1,schedule=zb1", "schedule must be given once"),
+     ("megatron:tp=1,pp=2,dp=1,vp=2,schedule=zb1", "plain stages")],
+)  # fmt: skip
+def test_bad_schedules_are_refused_with_a_fix(strategy: str, match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        strategy_space(strategy)

@@ -67,7 +67,8 @@ class WeightGradients:
     def run(self) -> None:
         """Accumulate the weights' gradients (W); the graph is kept (freed with its owners)."""
         if self.whole:
-            torch.autograd.backward(self.roots, self.root_grads, inputs=self.whole)
+            if self.roots:
+                torch.autograd.backward(self.roots, self.root_grads, inputs=self.whole)
             return
         for group in self.groups:
             edges, grads = [], []
@@ -100,13 +101,15 @@ def input_gradients(
     `roots` seeded with `root_grads`, and what W needs to add the gradients of `weights`."""
     roots, root_grads = list(roots), list(root_grads)
     differentiable = [x for x in inputs if x.requires_grad]
+    if not differentiable:  # nothing to send: W is the whole backward (no graph to read)
+        return [None] * len(inputs), WeightGradients([], roots, root_grads, list(weights))
     root_nodes = [n for n in map(_node_of, roots) if n is not None]
     parents = _parents(root_nodes)
     weight_of = {n: w for w in weights if (n := _node_of(w)) is not None and n in parents}
     closure = _closure({n for x in differentiable if (n := _node_of(x)) is not None}, parents)
     groups = _groups(weight_of, closure, parents, set(root_nodes))
     later = WeightGradients(groups or [], roots, root_grads, [])
-    if groups is None or not differentiable:
+    if groups is None:
         later.whole = list(weight_of.values())
     handles = [
         node.register_prehook(lambda grads, g=group, n=node: g.grads.__setitem__(n, grads))
@@ -114,12 +117,8 @@ def input_gradients(
         for node in group.intermediates
     ]
     try:
-        found = (
-            torch.autograd.grad(
-                roots, differentiable, root_grads, retain_graph=True, allow_unused=True
-            )
-            if differentiable
-            else ()
+        found = torch.autograd.grad(
+            roots, differentiable, root_grads, retain_graph=True, allow_unused=True
         )
     finally:
         for handle in handles:

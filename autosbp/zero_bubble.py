@@ -45,6 +45,7 @@ __all__ = [
     "run_zb1",
     "zb1_bubble_s",
     "zb1_in_flight",
+    "zb1_in_flight_counts",
     "zb1_orders",
 ]
 
@@ -125,6 +126,11 @@ def zb1_in_flight(stage: int, num_stages: int, micro_batches: int) -> int:
     its warm-up, one more, and the s Ws it defers: min(P, m) on every stage."""
     del stage  # the same on every stage: stage s warms up s fewer and defers s more
     return min(num_stages, micro_batches)
+
+
+def zb1_in_flight_counts(num_stages: int, micro_batches: int) -> tuple[int, ...]:
+    """`zb1_in_flight` of every stage: what the planner's memory constraints count."""
+    return tuple(zb1_in_flight(s, num_stages, micro_batches) for s in range(num_stages))
 
 
 def plan_orders(

@@ -44,7 +44,7 @@ from autosbp.planner.problem import (
 )
 from autosbp.planner.reduce import TiedGraph, TiedStages, tie_graph, tie_stages
 from autosbp.planner.space import Config, LinkOf, divisors, mesh_shapes, structure
-from autosbp.planner.zero_bubble_price import predict_zb1, weight_shares, zb1_in_flight_counts
+from autosbp.planner.zero_bubble_price import predict_zb1, weight_shares
 from autosbp.sbp import Mesh
 
 GraphFor = Callable[[int], OpGraph]  # micro-batch count -> the graph of one micro-batch
@@ -343,8 +343,7 @@ class Evaluator:
             stage_link=r.link_of((config.num_stages, config.mesh.size), 0),
             priced=self.priced_of(config), tied=stages.tied,
             virtual_stages=r.space.virtual_stages,
-            in_flight=zb1_in_flight_counts(config.num_stages, config.count)
-            if r.space.schedule == "zb1" else None,
+            schedule=r.space.schedule,
         )  # fmt: skip
 
     def found(self, mp: MeshProblem, solution: Solution) -> Found:

@@ -37,6 +37,7 @@ from autosbp.planner.stage_terms import P2P, StageTerms
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh
 from autosbp.schedule import hidden_gather_s, hidden_sync_s, simulate
+from autosbp.zero_bubble import zb1_in_flight_counts
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def build_problem(
     priced: Priced | None = None,
     tied: TiedStages | None = None,
     virtual_stages: int = 1,
-    in_flight: tuple[int, ...] | None = None,
+    schedule: str = "1f1b",
 ) -> MeshProblem:
     """The ILP of `graph` (one micro-batch) with `split`'s stages, each on a mesh like `mesh`.
 
@@ -103,7 +104,7 @@ def build_problem(
     priced = priced or price_graph(graph, mesh, prices, allow)
     tied = tied or tie_stages(tie_graph(graph, priced.representative), split)
     blocks = tuple(len(b) for b in split.blocks)
-    kept = in_flight  # another schedule's (zb1: `zero_bubble_price`); else 1F1B's, or:
+    kept = zb1_in_flight_counts(split.num_stages, micro_batches) if schedule == "zb1" else None
     if virtual_stages > 1:
         kept = interleaved_in_flight(
             split.num_stages // virtual_stages, virtual_stages, micro_batches
@@ -122,7 +123,7 @@ def build_problem(
         terms.add_edges(tied, priced, recompute, P2P(prices, mesh, stage_link))
     stage_costs = terms.stage_costs(sizes, prices.overlap_efficiency, memory_limit_bytes)
     node_costs, edge_costs, max_terms = objective_terms(
-        stage_costs, keys, micro_batches, virtual_stages
+        stage_costs, keys, micro_batches, virtual_stages, schedule
     )
     constraints = (
         tuple(replace(c, name=f"{c.name} memory") for c in stage_costs.memory)

@@ -2,8 +2,7 @@
 
 Lives here: `weight_shares` (per op, the part of its backward that computes the gradients of
 inputs a parameter alone feeds: W's part), `weight_s` (each stage's W per micro-batch under a
-solution), `zb1_in_flight_counts` (the micro-batches each stage holds at its peak: what the
-memory constraints count) and `predict_zb1` (a solved problem's step under zb1: `predict`'s
+solution) and `predict_zb1` (a solved problem's step under zb1: `predict`'s
 per-stage times with each backward split into B and W, run through `zero_bubble.run_zb1`).
 Lives elsewhere: the orders and their run (`autosbp.zero_bubble`), 1F1B's prediction
 (`problem.predict`), the ILP (its objective stays 1F1B's path bounds: see below).
@@ -18,10 +17,9 @@ Model (derived, not fitted):
   the same time in the order (stage 0 defers no W).
 - The gradient sync is armed before the last W (the last firing that adds gradients), so the
   last W hides part of it (`schedule.hidden_sync_s` with W's duration).
-- Limits: the ILP still ranks a configuration's choices by 1F1B's path bounds, which do not
-  bound zb1's step from below; a zb1 plan's reported gap is therefore not a proof. `auto` does
-  not search zb1 (its bound would need W as a linear term of every stage's cost in the ILP);
-  hand plans (`megatron:...,schedule=zb1`) get it.
+- The ILP's objective under zb1 keeps only the path bounds that stay bounds of zb1's step
+  (`objective`: P(k, k), no drain), so the search's bounds and gap remain proofs; it sees no
+  W (not a linear term of the ILP's stage costs), so its bound is loose by up to the drain.
 """
 
 from __future__ import annotations
@@ -34,9 +32,9 @@ from autosbp.planner.autograd_probe import requires_grad_of
 from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.problem import MeshProblem, Prediction, predict
 from autosbp.schedule import hidden_sync_s
-from autosbp.zero_bubble import run_zb1, zb1_in_flight, zb1_orders
+from autosbp.zero_bubble import run_zb1, zb1_orders
 
-__all__ = ["predict_zb1", "weight_s", "weight_shares", "zb1_in_flight_counts"]
+__all__ = ["predict_zb1", "weight_s", "weight_shares"]
 
 
 def weight_shares(graph: OpGraph) -> dict[str, float]:
@@ -74,16 +72,11 @@ def weight_s(mp: MeshProblem, solution: Solution, shares: Mapping[str, float]) -
     return out
 
 
-def zb1_in_flight_counts(num_stages: int, micro_batches: int) -> tuple[int, ...]:
-    """The micro-batches each stage holds at its peak under zb1 (`zero_bubble.zb1_in_flight`)."""
-    return tuple(zb1_in_flight(s, num_stages, micro_batches) for s in range(num_stages))
-
-
 def predict_zb1(mp: MeshProblem, solution: Solution, shares: Mapping[str, float]) -> Prediction:
     """`solution`'s step under zb1: `predict`'s per-stage forward, backward, transfer and
     update, each backward split into B (the rest) and W (`weight_s`, at most the backward),
     run in zb1's orders; peak memory as the problem's constraints count it (built with
-    `zb1_in_flight_counts`)."""
+    schedule zb1: `zero_bubble.zb1_in_flight_counts`)."""
     assert mp.virtual_stages == 1, "zb1 runs plain stages"
     base = predict(mp, solution)
     p, m = mp.split.num_stages, mp.micro_batches

@@ -133,7 +133,7 @@ def test_the_priced_zb1_bubble_is_the_brute_force_one(stages: int, micro_batches
     from autosbp.planner.ilp import solve
     from autosbp.planner.pipeline import split_stages
     from autosbp.planner.problem import build_problem, predict
-    from autosbp.planner.zero_bubble_price import predict_zb1, weight_s, zb1_in_flight_counts
+    from autosbp.planner.zero_bubble_price import predict_zb1, weight_s
     from autosbp.sbp import Mesh
     from tests.planner.test_planner import a100_prices
 
@@ -141,16 +141,19 @@ def test_the_priced_zb1_bubble_is_the_brute_force_one(stages: int, micro_batches
     graph = capture_micro_batch(module, inputs, micro_batches)
     split = split_stages(graph, stages)
 
-    def build(in_flight: tuple[int, ...] | None):  # type: ignore[no-untyped-def]
+    def build(schedule: str):  # type: ignore[no-untyped-def]
         return build_problem(
             graph, Mesh((1,)), a100_prices(), optimizer="adam", memory_limit_bytes=None,
-            micro_batches=micro_batches, split=split, in_flight=in_flight,
+            micro_batches=micro_batches, split=split, schedule=schedule,
         )  # fmt: skip
 
-    one, zb = build(None), build(zb1_in_flight_counts(stages, micro_batches))
+    one, zb = build("1f1b"), build("zb1")
     solution = solve(one.problem, time_limit_s=30.0)
     base, priced = predict(one, solution), predict_zb1(zb, solution, weight_shares(graph))
     assert solution.objective <= base.step_time_s * (1 + 1e-9)  # 1F1B's bound, as before
+    # zb1's objective (P(k, k) alone) bounds its step from below
+    own = solve(zb.problem, time_limit_s=30.0)
+    assert own.objective <= predict_zb1(zb, own, weight_shares(graph)).step_time_s * (1 + 1e-9)
     found_w = weight_s(zb, solution, weight_shares(graph))
     w = [min(x, b) for x, b in zip(found_w, base.backward_s, strict=True)]
     b_in = [b - x for b, x in zip(base.backward_s, w, strict=True)]

@@ -107,6 +107,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         alternatives=alternatives(solved, solution),
         replicated=replicated_of(graph, nodes, mesh.shape),
         virtual_stages=solved.virtual_stages,
+        schedule=solved.schedule,
     )
 
 

@@ -349,7 +349,7 @@ class Evaluator:
     def found(self, mp: MeshProblem, solution: Solution) -> Found:
         """`solution` priced as its schedule runs (`problem.predict`, `predict_zb1`)."""
         assert mp.graph is not None, "the search builds its problems with their graph"
-        if self.request.space.schedule == "zb1":  # its graph is one of `graphs`: a stable id
+        if mp.schedule == "zb1":  # its graph is one of `graphs`: a stable id
             if id(mp.graph) not in self.shares:
                 self.shares[id(mp.graph)] = weight_shares(mp.graph)
             prediction = predict_zb1(mp, solution, self.shares[id(mp.graph)])

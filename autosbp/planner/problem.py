@@ -57,6 +57,7 @@ class MeshProblem:
     # Interleaved 1F1B: `split`'s stages are v x P virtual stages, c x P + d on stage d's
     # devices (the search's device count then counts each device v times).
     virtual_stages: int = 1
+    schedule: str = "1f1b"  # the pipeline schedule it prices (`schedule.SCHEDULES`)
 
     @property
     def pipeline_stages(self) -> int:
@@ -133,7 +134,7 @@ def build_problem(
     problem = Problem(node_costs, edge_costs, constraints, max_terms)
     return MeshProblem(
         mesh, priced.strategies, problem, priced.representative, split, stage_costs,
-        micro_batches, recompute, graph, virtual_stages,
+        micro_batches, recompute, graph, virtual_stages, schedule,
     )  # fmt: skip
 
 

@@ -312,10 +312,16 @@ def _check_world(plan: Plan) -> None:
 def _check_schedule(
     plan: Plan, graph: OpGraph, signatures: Mapping[str, NdSignature], boxer: Boxer
 ) -> None:
-    """ExecutionError for a schedule this runtime cannot run: interleaving or zero bubble
-    beside parameter gathers (each chunk would prefetch on its own; a split backward would
+    """ExecutionError for a schedule this runtime cannot run: zero bubble beside recomputation,
+    interleaving or zero bubble beside parameter gathers (each chunk would prefetch on its own; a split backward would
     re-gather in W; every rank decides alike, from the whole graph)."""
     split = plan.schedule != "1f1b"
+    if split and recomputed_nodes(plan, graph):
+        raise ExecutionError(
+            f"the plan runs the {plan.schedule} schedule (backward split in two) and recomputes "
+            "activations; its weight-gradient passes would recompute each checkpointed block "
+            "once per weight. Make the plan with --recompute none, or with schedule 1f1b."
+        )
     if (plan.virtual_stages > 1 or split) and gathers_parameters(graph, signatures, boxer):
         what = (
             f"runs the {plan.schedule} schedule (backward split in two)"

@@ -82,6 +82,8 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             space = _megatron_space(tp, pp, dp, mb, ep, modes)
         if vp > 1:
             space = replace(space, stage_counts=(pp * vp,), virtual_stages=vp)
+        if schedule == "zb1":
+            space = replace(space, recompute=_without_recompute(strategy, modes))
         return replace(space, zero=zero, schedule=schedule)
     raise PlanError(
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
@@ -174,6 +176,18 @@ def _schedule(strategy: str) -> tuple[str, str]:
             "drop vp=V or schedule=zb1."
         )
     return "megatron:" + ",".join(kept), given[0]
+
+
+def _without_recompute(strategy: str, modes: tuple[str, ...]) -> tuple[str, ...]:
+    """zb1's recomputation: none (W runs backward once per weight group, and each run would
+    recompute the checkpointed blocks again: `runtime.parallel.split_backward`)."""
+    if "none" not in modes:
+        raise PlanError(
+            f"{strategy},schedule=zb1 with recompute {modes[0]}: the zero-bubble schedule runs "
+            "without recomputation (its weight-gradient passes would recompute each block once "
+            "per weight); use --recompute none (or auto), or drop schedule=zb1."
+        )
+    return ("none",)
 
 
 def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, int, int]:

@@ -106,3 +106,11 @@ def test_hand_plans_name_the_schedule(strategy: str, schedule: str) -> None:
 def test_bad_schedules_are_refused_with_a_fix(strategy: str, match: str) -> None:
     with pytest.raises(PlanError, match=match):
         strategy_space(strategy)
+
+
+def test_zb1_plans_without_recomputation() -> None:
+    """W runs once per weight group: recomputation would run each block again that often."""
+    assert strategy_space("megatron:tp=1,pp=2,dp=1,schedule=zb1").recompute == ("none",)
+    assert strategy_space("megatron:tp=1,pp=2,dp=1").recompute != ("none",)
+    with pytest.raises(PlanError, match="without recomputation"):
+        strategy_space("megatron:tp=1,pp=2,dp=1,schedule=zb1", recompute="full")

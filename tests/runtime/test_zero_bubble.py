@@ -36,8 +36,6 @@ GPT = {"hidden": 32, "heads": 2, "vocab": 64, "seq": 8, "batch": 8}
 CHECKED: list[tuple[int, dict[str, Any], str, str]] = [
     (2, {**GPT, "layers": 2}, "megatron:tp=1,pp=2,dp=1,mb=4,schedule=zb1", "none"),
     (2, {**GPT, "layers": 2, "tied": True}, "megatron:tp=1,pp=2,dp=1,mb=2,schedule=zb1", "none"),
-    # W runs the checkpointed blocks' backward again from what B kept
-    (2, {**GPT, "layers": 2}, "megatron:tp=1,pp=2,dp=1,mb=4,schedule=zb1", "full"),
     (4, {**GPT, "layers": 4}, "megatron:tp=1,pp=4,dp=1,mb=4,schedule=zb1", "none"),
     (4, {**GPT, "layers": 2}, "megatron:tp=1,pp=2,dp=2,mb=2,schedule=zb1", "none"),
     # tensor parallelism (collectives inside B and W) and ZeRO-2 (gradients reduce-scattered)
@@ -94,6 +92,25 @@ def test_zero_bubble_peak_memory_is_the_predicted_peak() -> None:
         f"(measured {[int(r[0]['measured_bytes']) for r in per_rank]} bytes, "
         f"predicted {[int(r[0]['predicted_bytes']) for r in per_rank]})"
     )
+
+
+@pytest.mark.dist
+def test_zero_bubble_beside_recomputation_is_refused() -> None:
+    """W runs backward once per weight group, and each run would recompute the checkpointed
+    blocks again: the runtime refuses a recomputing zb1 plan on every rank before any step
+    (the planner makes none: `hand_plans`)."""
+    args = {**GPT, "layers": 2}
+    module, inputs = load_model("gpt", args)
+    recomputing = auto_parallelize(
+        module, inputs, profile="cpu-gloo", devices=2, strategy="megatron:tp=1,pp=2,dp=1,mb=2",
+        recompute="full", time_limit_s=30.0,
+    ).to_json()  # fmt: skip
+    recomputing["schedule"] = {"name": "zb1", "virtual_stages": 1}
+    case = {"id": "recompute", "model": "gpt", "model_kwargs": args, "plan": recomputing,
+            "steps": 1, "lr": LR}  # fmt: skip
+    for result in run_workers(run_cases, 2, ([case],), timeout_s=120.0):
+        assert "ExecutionError" in result[0]["error"], result[0]
+        assert "recomputes activations" in result[0]["error"], result[0]
 
 
 @pytest.mark.dist

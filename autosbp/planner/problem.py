@@ -232,6 +232,7 @@ class Prediction:
     bubble_s: tuple[float, ...]
     gather_hidden_s: tuple[float, ...] = ()  # per micro-batch, forward + backward
     sync_s: tuple[float, ...] = ()  # of update_s, the gradient sync (the rest: the optimizer)
+    weight_s: tuple[float, ...] = ()  # zb1: of backward_s, W's (`zero_bubble_price`)
 
 
 def predict(mp: MeshProblem, solution: Solution) -> Prediction:

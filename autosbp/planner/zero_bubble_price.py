@@ -97,4 +97,5 @@ def predict_zb1(mp: MeshProblem, solution: Solution, shares: Mapping[str, float]
         step_time_s=max(ends),
         sync_hidden_s=hidden,
         bubble_s=tuple(timeline.bubble_s(s) for s in range(p)),
+        weight_s=tuple(w),
     )

@@ -167,3 +167,26 @@ def test_the_priced_zb1_bubble_is_the_brute_force_one(stages: int, micro_batches
         assert priced.peak_bytes[0] == pytest.approx(base.peak_bytes[0])
     if stages > 1 and micro_batches > 1:
         assert priced.peak_bytes[-1] > base.peak_bytes[-1]  # the last holds min(P, m), not 1
+
+
+def test_the_plan_records_w_and_its_timeline_runs_zb1() -> None:
+    """A zb1 plan states each stage's W (`StagePlan.weight_s`, absent from 1F1B plans, whose
+    files stay as they were), and its predicted timeline is zb1's run: "weight" spans, no send
+    after them, and the plan's predicted step."""
+    from autosbp.timeline import predicted_events
+    from autosbp.timeline.events import span_s
+
+    one, zb = _plans()
+    assert all(s.weight_s is None for s in one.stages)
+    assert all("weight_s" not in s for s in one.to_json()["stages"])
+    assert all(0 < (s.weight_s or 0) < s.backward_s for s in zb.stages)
+    assert Plan.from_json(zb.to_json()) == zb
+    events = predicted_events(zb, every_rank=False)
+    weights = [e for e in events if e.kind == "weight"]
+    assert len(weights) == zb.micro_batches * zb.pipeline_stages
+    sends = [e for e in events if e.kind == "send"]  # after each F and B that crosses, only
+    assert len(sends) == 2 * zb.micro_batches * (zb.pipeline_stages - 1)
+    assert span_s(events) == pytest.approx(zb.predicted.step_time_s)
+    assert span_s(predicted_events(one, every_rank=False)) == pytest.approx(
+        one.predicted.step_time_s
+    )

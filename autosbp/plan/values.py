@@ -262,13 +262,15 @@ class Plan:
             },
             "hand_plans": [asdict(h) for h in self.hand_plans],
             **({"replicated": asdict(self.replicated)} if self.replicated else {}),
-            **({"schedule": self._schedule_json()} if self.virtual_stages > 1 else {}),
+            **self._schedule_json(),
         }
 
     def _schedule_json(self) -> dict[str, Any]:
         """Written where it is not the default (1F1B, v = 1), so that older plans' digests
         and files stay as they were."""
-        return {"name": self.schedule, "virtual_stages": self.virtual_stages}
+        if self.virtual_stages == 1 and self.schedule == "1f1b":
+            return {}
+        return {"schedule": {"name": self.schedule, "virtual_stages": self.virtual_stages}}
 
     @property
     def pipeline_stages(self) -> int:

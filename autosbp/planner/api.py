@@ -329,7 +329,7 @@ def _plan(
     if note is not None:  # said in words: the CLI prints it, a caller may make it an error
         warnings.warn(note, TimeLimitWarning, stacklevel=3)
     if not compare:
-        return assemble_plan(best, ctx)
+        return _scheduled(assemble_plan(best, ctx), strategy)
     hand = []
     for chosen in hand_strategies(devices, per_node, blocks):
         if chosen == strategy:
@@ -341,7 +341,15 @@ def _plan(
             continue
         peak = int(max(found.prediction.peak_bytes))
         hand.append(HandPlan(chosen, found.prediction.step_time_s, peak))
-    return dataclasses.replace(assemble_plan(best, ctx), hand_plans=tuple(hand))
+    return dataclasses.replace(
+        _scheduled(assemble_plan(best, ctx), strategy), hand_plans=tuple(hand)
+    )
+
+
+def _scheduled(plan: Plan, strategy: str) -> Plan:
+    """`plan` with the pipeline schedule `strategy` names (`hand_plans.strategy_space`)."""
+    schedule = strategy_space(strategy).schedule
+    return plan if schedule == plan.schedule else dataclasses.replace(plan, schedule=schedule)
 
 
 def _check_request(devices: int, optimizer: str, dtype: str) -> None:

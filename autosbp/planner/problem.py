@@ -80,6 +80,7 @@ def build_problem(
     priced: Priced | None = None,
     tied: TiedStages | None = None,
     virtual_stages: int = 1,
+    in_flight: tuple[int, ...] | None = None,
 ) -> MeshProblem:
     """The ILP of `graph` (one micro-batch) with `split`'s stages, each on a mesh like `mesh`.
 
@@ -102,7 +103,7 @@ def build_problem(
     priced = priced or price_graph(graph, mesh, prices, allow)
     tied = tied or tie_stages(tie_graph(graph, priced.representative), split)
     blocks = tuple(len(b) for b in split.blocks)
-    kept = None
+    kept = in_flight  # another schedule's (zb1: `zero_bubble_price`); else 1F1B's, or:
     if virtual_stages > 1:
         kept = interleaved_in_flight(
             split.num_stages // virtual_stages, virtual_stages, micro_batches

@@ -2,8 +2,8 @@
 
 Lives here: `LinearProgram` (the formulation of `ilp`'s docstring as numpy/scipy matrices: one
 build serves the LP and the MIP; HiGHS reads its columns, `LinearProgram.columns`, built in one
-sort rather than through scipy's CSR and CSC conversions), `relax` (the LP relaxation by HiGHS through scipy, with its
-reduced costs), `fix_by_reduced_costs` (drops the candidates and pairs that no solution better
+sort rather than through scipy's CSR and CSC conversions), `relax` (the LP relaxation by HiGHS
+through scipy, with its reduced costs), `fix_by_reduced_costs` (drops the candidates and pairs that no solution better
 than a known value can use), `solve_mip` (the same matrices with x integral, by OR-Tools; CBC by
 default: HiGHS through pywraplp ignores the gap setting and prints a banner).
 Lives elsewhere: the problem's types (`ilp_problem`, imported here), what the problem means

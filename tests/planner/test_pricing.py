@@ -133,3 +133,25 @@ def test_gradients_of_one_bucket_cost_one_collective_of_the_bucket(profile: str)
     big = TensorMeta((1024, 1024), torch.float32)
     own = prices.collective_time_s("all_reduce", big.nbytes, 2, "intra_node")
     assert pricer.bucketed_time_s((P,), (B,), big, bucket) == pytest.approx(own, rel=1e-6)
+
+
+@pytest.mark.parametrize(("sole", "converted"), [(s, c) for s in (0, 1) for c in (0, 1)])
+def test_pair_bytes_equal_use_bytes_pair_by_pair(sole: int, converted: int) -> None:
+    # `pair_bytes` builds each use's table from per-layout bytes and a cached view mask; the
+    # oracle is `use_bytes` called for every pair. Two meshes share no mask entry wrongly:
+    # the view mask reads layouts only, the bytes read the mesh.
+    from autosbp.planner.kept import KeptUse
+    from autosbp.planner.memory import pair_bytes, use_bytes
+
+    layouts = [(a, b) for a in (B, P, S(0), S(1)) for b in (B, P, S(0), S(1))]
+    meta = TensorMeta((8, 12), torch.bfloat16)
+    use = KeptUse(0, 0, sole=bool(sole), converted=bool(converted))
+    for mesh_shape in ((2, 2), (4, 2)):
+        got = pair_bytes(
+            [(s,) for s in layouts], [(d,) for d in layouts], [use], [meta], mesh_shape
+        )
+        expected = [
+            [use_bytes(s, d, meta, mesh_shape, use.sole, use.converted) for d in layouts]
+            for s in layouts
+        ]
+        assert np.array_equal(got, np.array(expected))

@@ -169,8 +169,9 @@ def node_strategies(
         return _parameter_strategies(name, attrs.outputs[0], candidates, pricer, bucket_bytes,
                                      regatherable)  # fmt: skip
     forward, backward, held = [], [], []
+    roofline = _Roofline(attrs, mesh_shape, pricer.prices)
     for sig in candidates:  # the op's compute, and its exchanges through one hook (`op_comm`)
-        fwd = _forward_s(attrs, sig, mesh_shape, pricer.prices)
+        fwd = roofline.forward_s(sig)
         bwd = BACKWARD_FACTOR * fwd * backward_share
         comm = exchange_cost(attrs, sig, pricer.mesh, pricer.prices, fwd, bwd)
         forward.append(fwd + comm.forward_s)
@@ -252,26 +253,43 @@ def _candidates(attrs: OpNode, mesh_shape: tuple[int, ...]) -> list[NdSignature]
     return sigs
 
 
+class _Roofline:
+    """One node's roofline forward time per candidate (the module header's compute model),
+    with what every candidate shares read once: the node's tensors, whether it returns a view,
+    the profile's causal skip, each tensor's shape, size and item size."""
+
+    def __init__(self, attrs: OpNode, mesh_shape: tuple[int, ...], prices: Prices) -> None:
+        self.attrs, self.mesh_shape, self.prices = attrs, mesh_shape, prices
+        self.free = attrs.role is not Role.COMPUTE or (not attrs.flops and not attrs.bytes)
+        metas = (*attrs.inputs, *attrs.outputs)
+        self.sizes = tuple((m.shape, m.numel, m.dtype.itemsize) for m in metas)
+        self.view = not self.free and returns_view(attrs.target)
+        self.skip = prices.causal_skip
+        self.dtype = attrs.outputs[0].dtype if attrs.outputs else torch.float32
+
+    def forward_s(self, sig: NdSignature) -> float:
+        if self.free:
+            return 0.0
+        attrs, layouts = self.attrs, (*sig.inputs, *sig.outputs)
+        share = 1.0
+        local_bytes = 0.0
+        for (shape, numel, itemsize), nd in zip(self.sizes, layouts, strict=True):
+            local = math.prod(local_shape(shape, nd, self.mesh_shape))
+            if numel:  # an empty tensor tells nothing of the share of the work
+                share = min(share, local / numel)
+            local_bytes += local * itemsize
+        if self.view:
+            local_bytes = 0.0  # metadata only: the overhead floor prices it
+        share *= work_fraction(attrs, sig, self.mesh_shape, self.skip)
+        special = attrs.transcendentals * share
+        return self.prices.op_time_s(attrs.flops * share, local_bytes, self.dtype, special)
+
+
 def _forward_s(
     attrs: OpNode, sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
 ) -> float:
-    if attrs.role is not Role.COMPUTE or (not attrs.flops and not attrs.bytes):
-        return 0.0
-    metas = (*attrs.inputs, *attrs.outputs)
-    layouts = (*sig.inputs, *sig.outputs)
-    share = 1.0
-    local_bytes = 0.0
-    for meta, nd in zip(metas, layouts, strict=True):
-        local = math.prod(local_shape(meta.shape, nd, mesh_shape))
-        if meta.numel:  # an empty tensor tells nothing of the share of the work
-            share = min(share, local / meta.numel)
-        local_bytes += local * meta.dtype.itemsize
-    dtype = attrs.outputs[0].dtype if attrs.outputs else torch.float32
-    if returns_view(attrs.target):
-        local_bytes = 0.0  # metadata only: the overhead floor prices it
-    share *= work_fraction(attrs, sig, mesh_shape, prices.causal_skip)
-    special = attrs.transcendentals * share
-    return prices.op_time_s(attrs.flops * share, local_bytes, dtype, special)
+    """One candidate's roofline forward time (`_Roofline`)."""
+    return _Roofline(attrs, mesh_shape, prices).forward_s(sig)
 
 
 def returns_view(target: Any) -> bool:

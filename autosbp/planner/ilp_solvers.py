@@ -194,14 +194,15 @@ class LinearProgram:
             finite = np.isfinite(c)
             costs.append(np.where(finite, c, 0.0))
             upper.append(finite.astype(float))  # an infinite cost: the candidate is forbidden
+        self._x_cols = {v: at + np.arange(n) for v, (at, n) in self.x_at.items()}  # per node
         self._eq: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, cols, values)
         rows = len(self.x_at)
-        for row, (at, n) in enumerate(self.x_at.values()):  # one-hot
-            self._eq.append((np.full(n, row), at + np.arange(n), np.ones(n)))
+        for row, (v, (_, n)) in enumerate(self.x_at.items()):  # one-hot
+            self._eq.append((np.full(n, row), self._x_cols[v], np.ones(n)))
         equal_bounds = [np.ones(rows)]
         self.y_at: dict[tuple[Key, Key], tuple[int, np.ndarray, np.ndarray]] = {}
         for (u, v), matrix in problem.edge_costs.items():
-            (u_at, nu), (v_at, nv) = self.x_at[u], self.x_at[v]
+            nu, nv = self.x_at[u][1], self.x_at[v][1]
             i, j = np.nonzero(np.isfinite(matrix))
             y = columns + np.arange(len(i))
             self.y_at[(u, v)] = (columns, i, j)
@@ -211,8 +212,8 @@ class LinearProgram:
             self._eq += [
                 (rows + i, y, np.ones(len(i))),
                 (rows + nu + j, y, np.ones(len(i))),
-                (rows + np.arange(nu), u_at + np.arange(nu), -np.ones(nu)),
-                (rows + nu + np.arange(nv), v_at + np.arange(nv), -np.ones(nv)),
+                (rows + np.arange(nu), self._x_cols[u], -np.ones(nu)),
+                (rows + nu + np.arange(nv), self._x_cols[v], -np.ones(nv)),
             ]
             equal_bounds.append(np.zeros(nu + nv))
             rows += nu + nv
@@ -222,14 +223,15 @@ class LinearProgram:
         for mem in problem.memory:  # scaled by the limit, as for the MIP
             per_byte = 1.0 / max(abs(mem.limit_bytes), 1.0)
             for v, per in mem.bytes_per_candidate.items():
-                at, n = self.x_at[v]
-                self._ub.append((np.full(n, len(bounds)), at + np.arange(n), per_byte * per))
+                n = self.x_at[v][1]
+                self._ub.append((np.full(n, len(bounds)), self._x_cols[v], per_byte * per))
             for edge, matrix in mem.bytes_per_pair.items():
                 assert edge in self.y_at, f"memory of edge {edge}, not an edge of the problem"
                 first, i, j = self.y_at[edge]
                 entries = (np.full(len(i), len(bounds)), first + np.arange(len(i)))
                 self._ub.append((*entries, per_byte * np.asarray(matrix, dtype=float)[i, j]))
             bounds.append((mem.limit_bytes - mem.constant_bytes) * per_byte)
+        self._y_cols = {e: first + np.arange(len(i)) for e, (first, i, _) in self.y_at.items()}
         # Max terms: part + sum_inner c z_inner - z <= 0 for every part; z costs the weight.
         # Part rows are in seconds (scaled below with the costs); z entries are not.
         z_at = columns
@@ -264,13 +266,12 @@ class LinearProgram:
         cols: list[np.ndarray] = []
         values: list[np.ndarray] = []
         for v, c in part.node_costs.items():
-            at, n = self.x_at[v]
-            cols.append(at + np.arange(n))
+            cols.append(self._x_cols[v])
             values.append(np.asarray(c, dtype=float))
         for edge, matrix in part.edge_costs.items():
             assert edge in self.y_at, f"max term edge {edge} is not an edge of the problem"
-            first, i, j = self.y_at[edge]
-            cols.append(first + np.arange(len(i)))
+            _, i, j = self.y_at[edge]
+            cols.append(self._y_cols[edge])
             values.append(matrix[i, j])
         col = np.concatenate(cols) if cols else np.zeros(0, dtype=int)
         value = np.concatenate(values) if values else np.zeros(0)
@@ -295,8 +296,10 @@ class LinearProgram:
         build, stack and CSC conversion give (the same order, no entry twice), at a third of
         their time (those took 5 of a GPT-3 search's 60 profiled CPU seconds)."""
         equal = len(self.equal_bounds)
-        below = [(r + equal, c, v) for r, c, v in self._ub]  # upper rows follow the equalities
-        row, col, value = (np.concatenate([e[k] for e in self._eq + below]) for k in range(3))
+        below = [r for r, _, _ in self._ub]  # the upper rows follow the equalities
+        upper = np.concatenate(below) + equal if below else np.zeros(0, dtype=np.int64)
+        row = np.concatenate([*(r for r, _, _ in self._eq), upper])
+        col, value = (np.concatenate([e[k] for e in self._eq + self._ub]) for k in (1, 2))
         rows = equal + (len(self.upper_bounds) if self.upper_bounds is not None else 0)
         order = np.argsort(col.astype(np.int64) * rows + row)
         indptr = np.zeros(self.size + 1, dtype=np.int32)

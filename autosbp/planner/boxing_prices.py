@@ -72,8 +72,10 @@ class BoxingPricer:
         self._ids: dict[NdSbp, int] = {}
         self._layouts: list[NdSbp] = []  # by id
         self._duals: list[int | None] = []  # by id: the id of the dual layout, once asked
-        self._chains: dict[tuple, tuple[tuple[StepPrice, ...], int] | None] = {}
-        self._times: dict[tuple[int, int, tuple[int, ...], torch.dtype], float] = {}
+        # per chain key (`_chain_key`), then per (src, dst): a tensor's pairs hash two ints
+        self._chains: dict[tuple, dict[tuple[int, int], tuple[tuple[StepPrice, ...], int] | None]]
+        self._chains = {}
+        self._times: dict[tuple[tuple[int, ...], torch.dtype], dict[tuple[int, int], float]] = {}
         self._step_times: dict[StepPrice, float] = {}
         self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -111,13 +113,13 @@ class BoxingPricer:
             pairs = [(self._dual_id(d), self._dual_id(s)) for s in src_ids for d in dst_ids]
         else:
             pairs = [(s, d) for s in src_ids for d in dst_ids]
-        times, known = [], self._times
+        times, known = [], self._times.setdefault((shape, dtype), {})
         plan = None  # what every pair of this tensor shares, worked out once (`_TablePlan`)
-        for a, b in pairs:
-            found = known.get((a, b, shape, dtype))
+        for pair in pairs:
+            found = known.get(pair)
             if found is None:
                 plan = plan or _TablePlan.of(shape, dtype, self.mesh)
-                found = known[(a, b, shape, dtype)] = self._priced_in(a, b, plan)
+                found = known[pair] = self._priced_in(*pair, plan)
             times.append(found)
         table = np.array(times, dtype=float).reshape(len(src_ids), len(dst_ids))
         table.flags.writeable = False  # shared by every edge use with this key
@@ -139,10 +141,10 @@ class BoxingPricer:
         return dual
 
     def _pair_time_s(self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype) -> float:
-        key = (src, dst, shape, dtype)
-        found = self._times.get(key)
+        known = self._times.setdefault((shape, dtype), {})
+        found = known.get((src, dst))
         if found is None:
-            found = self._times[key] = self._price_pair(src, dst, shape, dtype)
+            found = known[(src, dst)] = self._price_pair(src, dst, shape, dtype)
         return found
 
     def _price_pair(
@@ -185,17 +187,17 @@ class BoxingPricer:
         self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype, chain_key: tuple
     ) -> tuple[tuple[StepPrice, ...], int] | None:
         """`_chain`, its key's shape part (`_chain_key`) given."""
-        key = (src, dst, *chain_key)
-        found = self._chains.get(key, _UNPLANNED)
+        planned = self._chains.setdefault(chain_key, {})
+        found = planned.get((src, dst), _UNPLANNED)
         if found is _UNPLANNED:
             try:
                 steps = price_boxing(
                     self._layouts[src], self._layouts[dst], shape, self.mesh, dtype
                 )
             except SbpError:
-                found = self._chains[key] = None
+                found = planned[(src, dst)] = None
             else:
-                found = self._chains[key] = (steps, math.prod(shape) * dtype.itemsize)
+                found = planned[(src, dst)] = (steps, math.prod(shape) * dtype.itemsize)
         return found  # type: ignore[return-value]
 
     def bucketed_time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta, bucket_bytes: int) -> float:

@@ -155,3 +155,24 @@ def test_pair_bytes_equal_use_bytes_pair_by_pair(sole: int, converted: int) -> N
             for s in layouts
         ]
         assert np.array_equal(got, np.array(expected))
+
+
+def test_one_pricer_keeps_dtypes_and_shapes_of_one_chain_key_apart() -> None:
+    # The pricer keys its pair times by (shape, dtype) and its chains by the canonical shape:
+    # bf16 and fp32 of one shape, and two shapes that divide alike (8 and 4 rows on 2x2), share
+    # layouts and chains but never a price. Asked in turn, each equals its fresh price.
+    prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=1))
+    pricer = BoxingPricer(prices, MESH)
+    layouts = [(a, b) for a in (B, P, S(0), S(1)) for b in (B, S(0), S(1))]
+    ids = tuple(pricer.layout_id(layout) for layout in layouts)
+    metas = [
+        TensorMeta(shape, dtype)
+        for shape in ((8, 16), (4, 16))
+        for dtype in (torch.bfloat16, torch.float32)
+    ]
+    tables = [pricer.tables(ids, ids, meta)[0] for meta in metas]
+    for meta, table in zip(metas, tables, strict=True):
+        for (i, src), (j, dst) in itertools.product(enumerate(layouts), repeat=2):
+            assert table[i, j] == pytest.approx(fresh_time_s(prices, src, dst, meta), rel=1e-12)
+            assert pricer.time_s(src, dst, meta) == table[i, j]
+    assert not np.array_equal(tables[0], tables[1]) and not np.array_equal(tables[0], tables[2])

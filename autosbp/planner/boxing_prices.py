@@ -13,6 +13,7 @@ conversion with no chain is forbidden (an infinite price); a LOCAL step is free.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -61,7 +62,8 @@ class BoxingPricer:
       step bytes scaled to each tensor's (exact: they are the tensor's bytes over an integer);
     - per (src, dst, shape, dtype), the price; per `StepPrice`, a step's;
     - per (distinct src layouts, distinct dst layouts, shape, dtype), an edge use's forward and
-      backward tables (`tables`), shared by every edge that carries such a tensor.
+      backward tables (`tables`), shared by every edge that carries such a tensor; a table
+      works out its tensor's chain key and bytes once for all its pairs (`_TablePlan`).
     """
 
     def __init__(self, prices: Prices, mesh: Mesh) -> None:
@@ -70,8 +72,10 @@ class BoxingPricer:
         self._ids: dict[NdSbp, int] = {}
         self._layouts: list[NdSbp] = []  # by id
         self._duals: list[int | None] = []  # by id: the id of the dual layout, once asked
-        self._chains: dict[tuple, tuple[tuple[StepPrice, ...], int] | None] = {}
-        self._times: dict[tuple[int, int, tuple[int, ...], torch.dtype], float] = {}
+        # per chain key (`_chain_key`), then per (src, dst): a tensor's pairs hash two ints
+        self._chains: dict[tuple, dict[tuple[int, int], tuple[tuple[StepPrice, ...], int] | None]]
+        self._chains = {}
+        self._times: dict[tuple[tuple[int, ...], torch.dtype], dict[tuple[int, int], float]] = {}
         self._step_times: dict[StepPrice, float] = {}
         self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -106,13 +110,29 @@ class BoxingPricer:
     ) -> np.ndarray:
         shape, dtype = meta.shape, meta.dtype
         if backward:
-            pairs = [[(self._dual_id(d), self._dual_id(s)) for d in dst_ids] for s in src_ids]
+            pairs = [(self._dual_id(d), self._dual_id(s)) for s in src_ids for d in dst_ids]
         else:
-            pairs = [[(s, d) for d in dst_ids] for s in src_ids]
-        times = [[self._pair_time_s(a, b, shape, dtype) for a, b in row] for row in pairs]
-        table = np.array(times).reshape(len(src_ids), len(dst_ids))
+            pairs = [(s, d) for s in src_ids for d in dst_ids]
+        times, known = [], self._times.setdefault((shape, dtype), {})
+        plan = None  # what every pair of this tensor shares, worked out once (`_TablePlan`)
+        for pair in pairs:
+            found = known.get(pair)
+            if found is None:
+                plan = plan or _TablePlan.of(shape, dtype, self.mesh)
+                found = known[pair] = self._priced_in(*pair, plan)
+            times.append(found)
+        table = np.array(times, dtype=float).reshape(len(src_ids), len(dst_ids))
         table.flags.writeable = False  # shared by every edge use with this key
         return table
+
+    def _priced_in(self, src: int, dst: int, plan: _TablePlan) -> float:
+        """`_price_pair(src, dst, shape, dtype)` with the shape's chain key and bytes known."""
+        if src == dst:
+            return 0.0
+        planned = self._planned(src, dst, plan.shape, plan.dtype, plan.chain_key)
+        if planned is None:
+            return math.inf
+        return self._steps_time_s(planned, plan.nbytes, 1.0)
 
     def _dual_id(self, layout: int) -> int:
         dual = self._duals[layout]
@@ -121,10 +141,10 @@ class BoxingPricer:
         return dual
 
     def _pair_time_s(self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype) -> float:
-        key = (src, dst, shape, dtype)
-        found = self._times.get(key)
+        known = self._times.setdefault((shape, dtype), {})
+        found = known.get((src, dst))
         if found is None:
-            found = self._times[key] = self._price_pair(src, dst, shape, dtype)
+            found = known[(src, dst)] = self._price_pair(src, dst, shape, dtype)
         return found
 
     def _price_pair(
@@ -137,8 +157,13 @@ class BoxingPricer:
         planned = self._chain(src, dst, shape, dtype)
         if planned is None:
             return math.inf
+        return self._steps_time_s(planned, math.prod(shape) * dtype.itemsize, scale)
+
+    def _steps_time_s(
+        self, planned: tuple[tuple[StepPrice, ...], int], nbytes: int, scale: float
+    ) -> float:
+        """A planned chain's time for a tensor of `nbytes` (steps at `scale` times its share)."""
         steps, planned_bytes = planned
-        nbytes = math.prod(shape) * dtype.itemsize
         return (
             sum(
                 self._step_time_s(
@@ -156,18 +181,24 @@ class BoxingPricer:
         and that tensor's bytes; None where no chain exists (e.g. out of P(max)): forbidden.
         An empty tensor (a dim of 0: HF's empty KV-cache constants) is planned apart: its steps
         move 0 bytes and scale to no other tensor's (0 divides like any size)."""
-        empty = 0 in shape
-        key = (src, dst, canonical_shape(shape, self.mesh), dtype, empty)
-        if key not in self._chains:
+        return self._planned(src, dst, shape, dtype, _chain_key(shape, dtype, self.mesh))
+
+    def _planned(
+        self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype, chain_key: tuple
+    ) -> tuple[tuple[StepPrice, ...], int] | None:
+        """`_chain`, its key's shape part (`_chain_key`) given."""
+        planned = self._chains.setdefault(chain_key, {})
+        found = planned.get((src, dst), _UNPLANNED)
+        if found is _UNPLANNED:
             try:
                 steps = price_boxing(
                     self._layouts[src], self._layouts[dst], shape, self.mesh, dtype
                 )
             except SbpError:
-                self._chains[key] = None
+                found = planned[(src, dst)] = None
             else:
-                self._chains[key] = (steps, math.prod(shape) * dtype.itemsize)
-        return self._chains[key]
+                found = planned[(src, dst)] = (steps, math.prod(shape) * dtype.itemsize)
+        return found  # type: ignore[return-value]
 
     def bucketed_time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta, bucket_bytes: int) -> float:
         """Like `time_s`, for a gradient synced inside a fused bucket of `bucket_bytes`
@@ -200,3 +231,26 @@ class BoxingPricer:
                 )
             self._step_times[step] = found
         return found
+
+
+_UNPLANNED = object()  # a chain not planned yet (None is planned and forbidden)
+
+
+def _chain_key(shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh) -> tuple:
+    """What a chain of a tensor of `shape` depends on besides its layouts (`_chain`)."""
+    return (canonical_shape(shape, mesh), dtype, 0 in shape)
+
+
+@dataclass(frozen=True, slots=True)
+class _TablePlan:
+    """One tensor's share of its table's pairs: its shape, dtype, bytes and chain key."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    chain_key: tuple
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh) -> _TablePlan:
+        nbytes = math.prod(shape) * dtype.itemsize
+        return cls(shape, dtype, nbytes, _chain_key(shape, dtype, mesh))

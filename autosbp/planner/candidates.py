@@ -25,7 +25,8 @@ Model (every constant states where it comes from):
   one-element add at 14 us; the roofline priced each as reading and writing the whole tensor
   (90-360 us: the views, transposes and splits of gpt-128 summed to 3.3 ms of a 37 ms forward).
 - an edge u -> v, for each (output layout of u, input layout v needs): the forward boxing time
-  plus its backward, the boxing dual(dst) -> dual(src) (B <-> P, S stays), per micro-batch.
+  plus its backward, the boxing dual(dst) -> dual(src) (B <-> P, S stays), per micro-batch
+  (`edge_matrices`: that and the forward alone, in one pass over the edge's uses).
   An input v writes in place (or a view on the way to such a write: `rules.pinned_inputs`) is
   forbidden to change layout (an infinite price): a boxed copy would take the write away from
   the tensor the model reads afterwards, so a plan never asks the runtime for it.
@@ -70,8 +71,8 @@ from autosbp.rules import NdSignature, nd_signatures, pinned_inputs, work_fracti
 from autosbp.sbp import Broadcast, NdSbp, local_shape
 
 __all__ = [
-    "BACKWARD_FACTOR", "BoxingPricer", "NodeStrategies", "Prices", "edge_matrix",
-    "node_strategies", "returns_view", "sync_bucket_bytes",
+    "BACKWARD_FACTOR", "BoxingPricer", "NodeStrategies", "Prices", "edge_matrices",
+    "edge_matrix", "node_strategies", "returns_view", "sync_bucket_bytes",
 ]  # fmt: skip
 
 BACKWARD_FACTOR = 2.0  # backward time / forward time (derived: two matmuls per matmul)
@@ -169,8 +170,9 @@ def node_strategies(
         return _parameter_strategies(name, attrs.outputs[0], candidates, pricer, bucket_bytes,
                                      regatherable)  # fmt: skip
     forward, backward, held = [], [], []
+    roofline = _Roofline(attrs, mesh_shape, pricer.prices)
     for sig in candidates:  # the op's compute, and its exchanges through one hook (`op_comm`)
-        fwd = _forward_s(attrs, sig, mesh_shape, pricer.prices)
+        fwd = roofline.forward_s(sig)
         bwd = BACKWARD_FACTOR * fwd * backward_share
         comm = exchange_cost(attrs, sig, pricer.mesh, pricer.prices, fwd, bwd)
         forward.append(fwd + comm.forward_s)
@@ -252,26 +254,43 @@ def _candidates(attrs: OpNode, mesh_shape: tuple[int, ...]) -> list[NdSignature]
     return sigs
 
 
+class _Roofline:
+    """One node's roofline forward time per candidate (the module header's compute model),
+    with what every candidate shares read once: the node's tensors, whether it returns a view,
+    the profile's causal skip, each tensor's shape, size and item size."""
+
+    def __init__(self, attrs: OpNode, mesh_shape: tuple[int, ...], prices: Prices) -> None:
+        self.attrs, self.mesh_shape, self.prices = attrs, mesh_shape, prices
+        self.free = attrs.role is not Role.COMPUTE or (not attrs.flops and not attrs.bytes)
+        metas = (*attrs.inputs, *attrs.outputs)
+        self.sizes = tuple((m.shape, m.numel, m.dtype.itemsize) for m in metas)
+        self.view = not self.free and returns_view(attrs.target)
+        self.skip = prices.causal_skip
+        self.dtype = attrs.outputs[0].dtype if attrs.outputs else torch.float32
+
+    def forward_s(self, sig: NdSignature) -> float:
+        if self.free:
+            return 0.0
+        attrs, layouts = self.attrs, (*sig.inputs, *sig.outputs)
+        share = 1.0
+        local_bytes = 0.0
+        for (shape, numel, itemsize), nd in zip(self.sizes, layouts, strict=True):
+            local = math.prod(local_shape(shape, nd, self.mesh_shape))
+            if numel:  # an empty tensor tells nothing of the share of the work
+                share = min(share, local / numel)
+            local_bytes += local * itemsize
+        if self.view:
+            local_bytes = 0.0  # metadata only: the overhead floor prices it
+        share *= work_fraction(attrs, sig, self.mesh_shape, self.skip)
+        special = attrs.transcendentals * share
+        return self.prices.op_time_s(attrs.flops * share, local_bytes, self.dtype, special)
+
+
 def _forward_s(
     attrs: OpNode, sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
 ) -> float:
-    if attrs.role is not Role.COMPUTE or (not attrs.flops and not attrs.bytes):
-        return 0.0
-    metas = (*attrs.inputs, *attrs.outputs)
-    layouts = (*sig.inputs, *sig.outputs)
-    share = 1.0
-    local_bytes = 0.0
-    for meta, nd in zip(metas, layouts, strict=True):
-        local = math.prod(local_shape(meta.shape, nd, mesh_shape))
-        if meta.numel:  # an empty tensor tells nothing of the share of the work
-            share = min(share, local / meta.numel)
-        local_bytes += local * meta.dtype.itemsize
-    dtype = attrs.outputs[0].dtype if attrs.outputs else torch.float32
-    if returns_view(attrs.target):
-        local_bytes = 0.0  # metadata only: the overhead floor prices it
-    share *= work_fraction(attrs, sig, mesh_shape, prices.causal_skip)
-    special = attrs.transcendentals * share
-    return prices.op_time_s(attrs.flops * share, local_bytes, dtype, special)
+    """One candidate's roofline forward time (`_Roofline`)."""
+    return _Roofline(attrs, mesh_shape, prices).forward_s(sig)
 
 
 def returns_view(target: Any) -> bool:
@@ -297,7 +316,21 @@ def edge_matrix(
     """Per micro-batch time of the boxings on edge producer -> consumer (forward and backward,
     or the forward alone) for every pair of their candidates. `uses` lists (producer output
     index, consumer input index); `metas[k]` describes the tensor of use k."""
-    matrix = np.zeros((len(producer.candidates), len(consumer.candidates)))
+    both, forward = edge_matrices(producer, consumer, uses, metas, pricer)
+    return forward if forward_only else both
+
+
+def edge_matrices(
+    producer: NodeStrategies,
+    consumer: NodeStrategies,
+    uses: Sequence[tuple[int, int]],
+    metas: Sequence[TensorMeta],
+    pricer: BoxingPricer,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`edge_matrix` forward and backward, and forward alone, from one pass over the uses
+    (each summed use by use as `edge_matrix` sums it)."""
+    both = np.zeros((len(producer.candidates), len(consumer.candidates)))
+    forward_only = np.zeros_like(both)
     for (out_idx, in_idx), meta in zip(uses, metas, strict=True):
         # Candidates share layouts: price each distinct (output, input) pair once (the pricer
         # keeps the tables for every edge that carries such a tensor between such layouts).
@@ -306,13 +339,14 @@ def edge_matrix(
         forward, backward = pricer.tables(
             tuple(map(pricer.layout_id, srcs)), tuple(map(pricer.layout_id, dsts)), meta
         )
-        table = forward if forward_only else forward + backward
+        tables = [forward + backward, forward]
         if in_idx in consumer.pinned:  # no boxing into an in-place write (module header)
-            table = np.where(
-                np.equal.outer(np.arange(len(srcs)), _same_as(srcs, dsts)), table, np.inf
-            )
-        matrix += table[np.ix_(src_of, dst_of)]
-    return matrix
+            same = np.equal.outer(np.arange(len(srcs)), _same_as(srcs, dsts))
+            tables = [np.where(same, table, np.inf) for table in tables]
+        pick = np.ix_(src_of, dst_of)
+        both += tables[0][pick]
+        forward_only += tables[1][pick]
+    return both, forward_only
 
 
 def _same_as(srcs: Sequence[NdSbp], dsts: Sequence[NdSbp]) -> np.ndarray:

@@ -3,7 +3,8 @@
 Lives here: bytes per parameter element for each optimizer and dtype, and the bytes the ILP's
 memory constraints sum: per node candidate (`candidate_bytes`: model states, user inputs and
 buffers, the outputs and intermediates a node keeps for backward) and per edge pair
-(`pair_bytes`: what a kept use holds once its value is converted to the consumer's layout).
+(`pair_bytes`: what a kept use holds once its value is converted to the consumer's layout,
+a table per use from each layout's bytes and a view mask cached per layout lists).
 Lives elsewhere: what is kept (`kept`: read off the graph with autograd's own facts,
 `autograd_probe`), time prices (`candidates`), the constraints themselves (`ilp_problem.MemoryConstraint`,
 summed per stage with the micro-batches in flight by `stage_terms`).
@@ -146,14 +147,36 @@ def pair_bytes(
     for use, meta in zip(uses, metas, strict=True):
         srcs, src_of = _distinct([outs[use.out_idx] for outs in producer_outputs])
         dsts, dst_of = _distinct([ins[use.in_idx] for ins in consumer_inputs])
-        table = np.array(
-            [
-                [use_bytes(src, dst, meta, mesh_shape, use.sole, use.converted) for dst in dsts]
-                for src in srcs
-            ]
-        ).reshape(len(srcs), len(dsts))
+        table = _use_table(srcs, dsts, meta, mesh_shape, use.sole, use.converted)
         matrix += table[np.ix_(src_of, dst_of)]
     return matrix
+
+
+def _use_table(
+    srcs: list[NdSbp],
+    dsts: list[NdSbp],
+    meta: TensorMeta,
+    mesh_shape: tuple[int, ...],
+    sole: bool,
+    converted: bool,
+) -> np.ndarray:
+    """`use_bytes` of every (src, dst) pair, from each layout's local bytes and which pairs
+    convert by a view (`_views`): the same numbers, without a call per pair."""
+    held = np.array([local_bytes(meta, src, mesh_shape) if sole else 0.0 for src in srcs])
+    table = np.broadcast_to(held[:, None], (len(srcs), len(dsts)))
+    if not converted:
+        return table
+    copies = np.array([local_bytes(meta, dst, mesh_shape) for dst in dsts])
+    return np.where(_views(tuple(srcs), tuple(dsts)), table, copies[None, :])
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _views(srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
+    """[i, j]: `is_view_conversion(srcs[i], dsts[j])` (read-only: shared by the callers)."""
+    views = np.array([[is_view_conversion(a, b) for b in dsts] for a in srcs], dtype=bool)
+    views = views.reshape(len(srcs), len(dsts))
+    views.flags.writeable = False
+    return views
 
 
 def _distinct(layouts: Sequence[NdSbp]) -> tuple[list[NdSbp], np.ndarray]:

@@ -19,6 +19,7 @@ Model:
   saves): counted like the node's kept outputs, per micro-batch in flight, where the node is
   not recomputed (a recomputed node gathers again in backward: held while its run recomputes).
 Invariants: a candidate without exchanges costs 0 and holds 0 (today's behaviour unchanged).
+A candidate's repeated exchanges (a ring's steps) are priced once (the same arguments).
 """
 
 from __future__ import annotations
@@ -69,8 +70,12 @@ def exchange_cost(
 
 def _exposed_s(declared: Sequence[Exchange], mesh: Mesh, prices: Prices, compute_s: float) -> float:
     exposed, hideable = 0.0, compute_s
+    times: dict[tuple[str, float, int], float] = {}  # a ring's steps repeat one exchange
     for e in declared:
-        t = _time_s(e, mesh, prices)
+        key = (e.kind, e.message_bytes, e.mesh_dim)
+        t = times.get(key)
+        if t is None:
+            t = times[key] = _time_s(e, mesh, prices)
         if e.overlaps:
             beside = min(t, hideable, e.beside * compute_s)  # the compute it runs beside
             hideable -= beside

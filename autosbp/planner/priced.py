@@ -25,6 +25,7 @@ from autosbp.planner.candidates import (
     BoxingPricer,
     NodeStrategies,
     Prices,
+    edge_matrices,
     edge_matrix,
     node_strategies,
     sync_bucket_bytes,
@@ -143,10 +144,7 @@ class Priced:
         if found is None:
             uses, metas = key[2], key[3]
             su, sv = self.strategies[u], self.strategies[v]
-            found = self.matrices[key] = (
-                edge_matrix(su, sv, uses, metas, self.pricer, forward_only=False),
-                edge_matrix(su, sv, uses, metas, self.pricer, forward_only=True),
-            )
+            found = self.matrices[key] = edge_matrices(su, sv, uses, metas, self.pricer)
         return found
 
     def edge_kept(self, u: str, v: str, recompute: str) -> EdgeKept:

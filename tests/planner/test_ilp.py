@@ -329,3 +329,18 @@ def test_highs_binding_and_linprog_agree(
             assert math.isfinite(fixed.objective(best.choice))
         fast_cut, slow_cut = both(fast.bound_s * 0.5)
         assert type(fast_cut) is type(slow_cut)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("stages", [1, 3])
+def test_columns_are_the_rows_in_csc_form(seed: int, stages: int) -> None:
+    # HiGHS gets `columns()`, built in one sort; scipy's CSR -> CSC conversion of `rows()` is
+    # the oracle: the same arrays entry for entry (order included), so the same LP.
+    from autosbp.planner.ilp_solvers import LinearProgram
+
+    lp = LinearProgram(staged_random_problem(seed, stages))
+    indptr, indices, data = lp.columns()
+    expected = lp.rows().tocsc()
+    assert np.array_equal(indptr, expected.indptr)
+    assert np.array_equal(indices, expected.indices)
+    assert np.array_equal(data, expected.data)

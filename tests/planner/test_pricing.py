@@ -133,3 +133,46 @@ def test_gradients_of_one_bucket_cost_one_collective_of_the_bucket(profile: str)
     big = TensorMeta((1024, 1024), torch.float32)
     own = prices.collective_time_s("all_reduce", big.nbytes, 2, "intra_node")
     assert pricer.bucketed_time_s((P,), (B,), big, bucket) == pytest.approx(own, rel=1e-6)
+
+
+@pytest.mark.parametrize(("sole", "converted"), [(s, c) for s in (0, 1) for c in (0, 1)])
+def test_pair_bytes_equal_use_bytes_pair_by_pair(sole: int, converted: int) -> None:
+    # `pair_bytes` builds each use's table from per-layout bytes and a cached view mask; the
+    # oracle is `use_bytes` called for every pair. Two meshes share no mask entry wrongly:
+    # the view mask reads layouts only, the bytes read the mesh.
+    from autosbp.planner.kept import KeptUse
+    from autosbp.planner.memory import pair_bytes, use_bytes
+
+    layouts = [(a, b) for a in (B, P, S(0), S(1)) for b in (B, P, S(0), S(1))]
+    meta = TensorMeta((8, 12), torch.bfloat16)
+    use = KeptUse(0, 0, sole=bool(sole), converted=bool(converted))
+    for mesh_shape in ((2, 2), (4, 2)):
+        got = pair_bytes(
+            [(s,) for s in layouts], [(d,) for d in layouts], [use], [meta], mesh_shape
+        )
+        expected = [
+            [use_bytes(s, d, meta, mesh_shape, use.sole, use.converted) for d in layouts]
+            for s in layouts
+        ]
+        assert np.array_equal(got, np.array(expected))
+
+
+def test_one_pricer_keeps_dtypes_and_shapes_of_one_chain_key_apart() -> None:
+    # The pricer keys its pair times by (shape, dtype) and its chains by the canonical shape:
+    # bf16 and fp32 of one shape, and two shapes that divide alike (8 and 4 rows on 2x2), share
+    # layouts and chains but never a price. Asked in turn, each equals its fresh price.
+    prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=1))
+    pricer = BoxingPricer(prices, MESH)
+    layouts = [(a, b) for a in (B, P, S(0), S(1)) for b in (B, S(0), S(1))]
+    ids = tuple(pricer.layout_id(layout) for layout in layouts)
+    metas = [
+        TensorMeta(shape, dtype)
+        for shape in ((8, 16), (4, 16))
+        for dtype in (torch.bfloat16, torch.float32)
+    ]
+    tables = [pricer.tables(ids, ids, meta)[0] for meta in metas]
+    for meta, table in zip(metas, tables, strict=True):
+        for (i, src), (j, dst) in itertools.product(enumerate(layouts), repeat=2):
+            assert table[i, j] == pytest.approx(fresh_time_s(prices, src, dst, meta), rel=1e-12)
+            assert pricer.time_s(src, dst, meta) == table[i, j]
+    assert not np.array_equal(tables[0], tables[1]) and not np.array_equal(tables[0], tables[2])

@@ -13,8 +13,8 @@ Model (derived, not fitted):
   activation by a weight spends half its backward on the weight's gradient. W of a stage is the
   sum over its ops of that share of their backward; B the rest of the stage's backward
   (boxing's backward, the activations' gradients). The first stage has no input gradient to
-  send; the runtime then runs its backward whole in W, right after its (empty) B, which takes
-  the same time in the order (stage 0 defers no W).
+  send: the runtime runs its backward whole in W, right after its empty B (stage 0 defers no
+  W), and so does the price (the same times; its last W, the whole backward, hides its sync).
 - The gradient sync is armed before the last W (the last firing that adds gradients), so the
   last W hides part of it (`schedule.hidden_sync_s` with W's duration).
 - The ILP's objective under zb1 keeps only the path bounds that stay bounds of zb1's step
@@ -74,13 +74,14 @@ def weight_s(mp: MeshProblem, solution: Solution, shares: Mapping[str, float]) -
 
 def predict_zb1(mp: MeshProblem, solution: Solution, shares: Mapping[str, float]) -> Prediction:
     """`solution`'s step under zb1: `predict`'s per-stage forward, backward, transfer and
-    update, each backward split into B (the rest) and W (`weight_s`, at most the backward),
-    run in zb1's orders; peak memory as the problem's constraints count it (built with
+    update, each backward split into B (the rest) and W (`weight_s`, at most the backward; the
+    first stage's whole backward), run in zb1's orders; peak memory as the problem's constraints count it (built with
     schedule zb1: `zero_bubble.zb1_in_flight_counts`)."""
     assert mp.virtual_stages == 1, "zb1 runs plain stages"
     base = predict(mp, solution)
     p, m = mp.split.num_stages, mp.micro_batches
     w = [min(x, b) for x, b in zip(weight_s(mp, solution, shares), base.backward_s, strict=True)]
+    w[0] = base.backward_s[0]  # the first stage sends no input gradient: W is all of it
     b_input = [b - x for b, x in zip(base.backward_s, w, strict=True)]
     timeline = run_zb1(
         zb1_orders(p, m), m, base.forward_s.__getitem__, b_input.__getitem__, w.__getitem__,

@@ -156,10 +156,11 @@ def test_the_priced_zb1_bubble_is_the_brute_force_one(stages: int, micro_batches
     assert own.objective <= predict_zb1(zb, own, weight_shares(graph)).step_time_s * (1 + 1e-9)
     found_w = weight_s(zb, solution, weight_shares(graph))
     w = [min(x, b) for x, b in zip(found_w, base.backward_s, strict=True)]
+    w[0] = base.backward_s[0]  # the first stage: no input gradient, W its whole backward
     b_in = [b - x for b, x in zip(base.backward_s, w, strict=True)]
     makespan, busy = _brute(zb1_orders(stages, micro_batches), list(base.forward_s), b_in, w,
                             list(base.send_s))  # fmt: skip
-    assert all(x > 0 for x in w) and all(x > 0 for x in b_in)
+    assert all(x > 0 for x in w) and all(x > 0 for x in b_in[1:]) and b_in[0] == 0
     assert priced.bubble_s == pytest.approx([makespan - x for x in busy])
     assert priced.step_time_s >= makespan - 1e-12  # then each stage's update
     assert priced.step_time_s < base.step_time_s  # W fills what 1F1B leaves idle
@@ -179,7 +180,8 @@ def test_the_plan_records_w_and_its_timeline_runs_zb1() -> None:
     one, zb = _plans()
     assert all(s.weight_s is None for s in one.stages)
     assert all("weight_s" not in s for s in one.to_json()["stages"])
-    assert all(0 < (s.weight_s or 0) < s.backward_s for s in zb.stages)
+    assert all(0 < (s.weight_s or 0) < s.backward_s for s in zb.stages[1:])
+    assert zb.stages[0].weight_s == zb.stages[0].backward_s  # nothing to send: W is all of it
     assert Plan.from_json(zb.to_json()) == zb
     events = predicted_events(zb, every_rank=False)
     weights = [e for e in events if e.kind == "weight"]

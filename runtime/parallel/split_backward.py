@@ -101,7 +101,7 @@ def input_gradients(
     `roots` seeded with `root_grads`, and what W needs to add the gradients of `weights`."""
     roots, root_grads = list(roots), list(root_grads)
     differentiable = [x for x in inputs if x.requires_grad]
-    if not differentiable:  # nothing to send: W is the whole backward (no graph to read)
+    if not differentiable or not roots:  # nothing to send: W is the whole backward, if any
         return [None] * len(inputs), WeightGradients([], roots, root_grads, list(weights))
     root_nodes = [n for n in map(_node_of, roots) if n is not None]
     parents = _parents(root_nodes)

@@ -102,7 +102,8 @@ def input_gradients(
     roots, root_grads = list(roots), list(root_grads)
     differentiable = [x for x in inputs if x.requires_grad]
     if not differentiable or not roots:  # nothing to send: W is the whole backward, if any
-        return [None] * len(inputs), WeightGradients([], roots, root_grads, list(weights))
+        trained = [w for w in weights if w.requires_grad]
+        return [None] * len(inputs), WeightGradients([], roots, root_grads, trained)
     root_nodes = [n for n in map(_node_of, roots) if n is not None]
     parents = _parents(root_nodes)
     weight_of = {n: w for w in weights if (n := _node_of(w)) is not None and n in parents}

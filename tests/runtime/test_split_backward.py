@@ -5,7 +5,8 @@ nothing, and each weight's gradient accumulated once (one post-accumulate hook c
 Graphs, each a case of the split's rules: a chain of linears with biases and a norm (one group
 per weight), a weight read twice (its reads' intermediates in one group, clamped), a weight
 reached from a root without passing the inputs' path (W the whole backward), a weight the
-roots never reach, and no input to differentiate (the first stage).
+roots never reach, and no input to differentiate (the first stage); each with every weight
+trained, or one frozen (no gradient, no node to group).
 """
 
 from __future__ import annotations
@@ -51,15 +52,21 @@ def _weights() -> Weights:
     return [torch.randn(s, generator=g).requires_grad_(True) for s in shapes]
 
 
-def _run(model: Model, split: bool, differentiable: bool) -> tuple[object, Weights, Counter]:
+def _run(
+    model: Model, split: bool, differentiable: bool, frozen: int | None = None
+) -> tuple[object, Weights, Counter]:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 8, generator=g).requires_grad_(differentiable)
     weights = _weights()
+    if frozen is not None:
+        weights[frozen].requires_grad_(False)
     calls: Counter = Counter()
     for i, w in enumerate(weights):
-        w.register_post_accumulate_grad_hook(lambda _, i=i: calls.update([i]))
-    roots = model(x, weights)
-    seeds = [torch.randn(r.shape, generator=g) for r in roots]
+        if w.requires_grad:
+            w.register_post_accumulate_grad_hook(lambda _, i=i: calls.update([i]))
+    outputs = model(x, weights)
+    seeds = [torch.randn(r.shape, generator=g) for r in outputs if r.requires_grad]
+    roots = [r for r in outputs if r.requires_grad]  # as the pipeline's `_roots` keeps them
     if not split:
         torch.autograd.backward(roots, seeds)
         return (x.grad if differentiable else None), weights, calls
@@ -69,11 +76,14 @@ def _run(model: Model, split: bool, differentiable: bool) -> tuple[object, Weigh
     return found[0], weights, calls
 
 
+@pytest.mark.parametrize("frozen", [None, 0, 1], ids=["trained", "frozen matrix", "frozen bias"])
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("differentiable", [True, False], ids=["input", "first stage"])
-def test_split_backward_is_the_plain_backward(name: str, differentiable: bool) -> None:
-    want_x, want_w, want_calls = _run(CASES[name], split=False, differentiable=differentiable)
-    got_x, got_w, got_calls = _run(CASES[name], split=True, differentiable=differentiable)
+def test_split_backward_is_the_plain_backward(
+    name: str, differentiable: bool, frozen: int | None
+) -> None:
+    want_x, want_w, want_calls = _run(CASES[name], False, differentiable, frozen)
+    got_x, got_w, got_calls = _run(CASES[name], True, differentiable, frozen)
     if differentiable:
         assert isinstance(got_x, torch.Tensor) and isinstance(want_x, torch.Tensor)
         torch.testing.assert_close(got_x, want_x)

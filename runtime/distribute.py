@@ -18,15 +18,17 @@ Invariants:
   replicated likewise.
 - Tied parameters stay tied: one DTensor for every module that shares the parameter.
 - The distributing forward holds its model weakly (no cycle model -> forward -> model), so a
-  model the user's code drops is freed at once, its DTensors with it: torch 2.13 on gloo aborts
-  a process at exit ("terminate called without an active exception", about 1 run in 7) when
-  DTensors outlive `destroy_process_group` into interpreter shutdown.
+  model the user's code drops is freed at once, its DTensors with it, not at the next cycle
+  collection.
 - A parameter or input whose plan layout is partial (P) is refused: a whole tensor has no
   partial form to start from; so is a plan whose ops communicate inside themselves (context
   parallelism: `autosbp.plan.dtensor.check_dtensor_expressible` says why).
 Limits (torch 2.13's DTensor, not this module; README "Status and limits"): `F.mse_loss` over a
 batch-sharded input gives gradients 2x too large (write `(pred - target).pow(2).mean()`), and
-CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) has no sharding strategy.
+CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) has no sharding strategy; and a
+process that trained on DTensors over gloo may abort in interpreter shutdown after
+`destroy_process_group` ("terminate called without an active exception") unless the cycle
+collector ran first (`gc.collect()` before the destroy, as the README's train.py does).
 """
 
 from __future__ import annotations

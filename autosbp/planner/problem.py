@@ -36,7 +36,7 @@ from autosbp.planner.reduce import TiedStages, tie_graph, tie_stages
 from autosbp.planner.stage_terms import P2P, StageTerms
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh
-from autosbp.schedule import hidden_gather_s, hidden_sync_s, simulate
+from autosbp.schedule import hidden_gather_s, hidden_sync_s, run_schedule
 from autosbp.zero_bubble import zb1_in_flight_counts
 
 
@@ -200,7 +200,7 @@ def cut_to_simulation(
         prediction = predict(mp, solution)
         if prediction.step_time_s <= solution.objective * (1 + MIP_GAP):
             break
-        timeline = simulate(
+        timeline = run_schedule(
             mp.pipeline_stages, mp.micro_batches, prediction.forward_s.__getitem__,
             prediction.backward_s.__getitem__, prediction.send_s.__getitem__,
             virtual_stages=mp.virtual_stages,
@@ -215,7 +215,7 @@ def cut_to_simulation(
 
 @dataclass(frozen=True)
 class Prediction:
-    """A solved problem priced as the actor system runs it (`schedule.simulate`; interleaved,
+    """A solved problem priced as the runtime runs it (`schedule.run_schedule`; interleaved,
     `peak_bytes` and `bubble_s` are each virtual stage's device's, all its chunks): per stage its
     per-micro-batch forward/backward (what stays exposed of the parameters' conversions
     included, `gather_hidden_s` of them hidden behind the blocks' compute), transfer to the
@@ -250,7 +250,7 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
     exposed_fwd = tuple(f - h for f, h in zip(fwd, forward_hidden, strict=True))
     exposed_bwd = tuple(b - h for b, h in zip(bwd, backward_hidden, strict=True))
     p, v = mp.pipeline_stages, mp.virtual_stages
-    timeline = simulate(
+    timeline = run_schedule(
         p, mp.micro_batches, exposed_fwd.__getitem__, exposed_bwd.__getitem__,
         send.__getitem__, virtual_stages=v,
     )  # fmt: skip

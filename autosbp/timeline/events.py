@@ -28,7 +28,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
 from autosbp.errors import PlanError
-from autosbp.schedule import Phase, Timeline, simulate
+from autosbp.schedule import Phase, Timeline, run_schedule
 from autosbp.zero_bubble import run_zb1, zb1_orders
 
 if TYPE_CHECKING:
@@ -202,7 +202,7 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
 
 
 def _simulated(plan: Plan) -> Timeline:
-    """The plan's step as its schedule runs (`schedule.simulate`; zb1: `zero_bubble.run_zb1`,
+    """The plan's step as its schedule runs (`schedule.run_schedule`; zb1: `zero_bubble.run_zb1`,
     each backward split by the stage's `weight_s`)."""
     stages, m = plan.stages, plan.micro_batches
     if plan.schedule == "zb1":
@@ -212,7 +212,7 @@ def _simulated(plan: Plan) -> Timeline:
             lambda s: stages[s].backward_s - weight[s], weight.__getitem__,
             lambda s: stages[s].send_s,
         )  # fmt: skip
-    return simulate(
+    return run_schedule(
         plan.pipeline_stages, m, lambda s: stages[s].forward_s, lambda s: stages[s].backward_s,
         lambda s: stages[s].send_s, virtual_stages=plan.virtual_stages,
     )  # fmt: skip

@@ -1,10 +1,14 @@
-"""The actor firing rules give 1F1B from quotas: makespan, memory in flight, per-stage order."""
+"""The actor firing rules give 1F1B from quotas: makespan, memory in flight, per-stage order;
+and the price of a step is the runtime's fixed orders run with the real durations."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
-from autosbp.schedule import Phase, simulate, stage_orders
+from autosbp.schedule import Phase, run_schedule, simulate, stage_orders
 
 
 @pytest.mark.parametrize(
@@ -61,3 +65,35 @@ def test_stage_orders_are_one_forward_one_backward_in_steady_state() -> None:
             [(Phase.FORWARD, m) for m in range(8)] + [(Phase.BACKWARD, m) for m in range(8)],
             key=lambda x: (x[0].value, x[1]),
         )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_priced_step_runs_the_runtimes_orders(seed: int) -> None:
+    """Uneven stages: `run_schedule` fires each stage in exactly the order the runtime executes
+    (`stage_orders`, fixed whatever the durations), each firing once its input has arrived
+    and the one before it ended; the rules' own run (`simulate`) may pick other orders, which
+    are never faster here. Uniform stages: the same step as the rules' run."""
+    rng = random.Random(seed)
+    p, m = rng.randint(2, 6), rng.randint(1, 12)
+    fwd = [rng.uniform(0.5, 2.0) for _ in range(p)]
+    bwd = [rng.uniform(1.0, 4.0) for _ in range(p)]
+    send = [rng.uniform(0.0, 0.3) for _ in range(p)]
+    priced = run_schedule(p, m, fwd.__getitem__, bwd.__getitem__, send.__getitem__)
+    orders = stage_orders(p, m)
+    for s in range(p):
+        fired = sorted((f for f in priced.firings if f.stage == s), key=lambda f: f.start_s)
+        assert [(f.phase, f.chunk, f.micro_batch) for f in fired] == orders[s]
+        for before, after in itertools.pairwise(fired):
+            assert after.start_s >= before.end_s - 1e-12
+    for f in priced.firings:  # a firing starts once its input is there (its producer + send)
+        if f.phase is Phase.FORWARD and f.stage > 0:
+            producer = next(
+                g for g in priced.firings
+                if (g.stage, g.phase, g.micro_batch) == (f.stage - 1, Phase.FORWARD, f.micro_batch)
+            )  # fmt: skip
+            assert f.start_s >= producer.end_s + send[f.stage - 1] - 1e-12
+    rules = simulate(p, m, fwd.__getitem__, bwd.__getitem__, send.__getitem__)
+    assert priced.makespan_s <= rules.makespan_s + 1e-9
+    uniform = run_schedule(p, m, lambda _: fwd[0], lambda _: bwd[0], lambda _: send[0])
+    same = simulate(p, m, lambda _: fwd[0], lambda _: bwd[0], lambda _: send[0])
+    assert uniform.makespan_s == pytest.approx(same.makespan_s)

@@ -93,7 +93,8 @@ def sync_buckets(param_bytes: int) -> int:
 
 class Phase(enum.Enum):
     FORWARD = "forward"
-    BACKWARD = "backward"
+    BACKWARD = "backward"  # the whole backward; zero bubble: the input gradients only
+    WEIGHT = "weight"  # zero bubble: the weight gradients, deferred (`zero_bubble`)
 
 
 Chunk = tuple[int, int]  # (chunk, micro-batch)
@@ -101,7 +102,7 @@ Step = tuple[Phase, int, int]  # a stage's firing: (phase, chunk, micro-batch)
 Duration = Callable[[int], float]  # seconds, of a virtual stage
 
 
-SCHEDULES = ("1f1b",)  # the schedules the actor rules give (a plan's `schedule`)
+SCHEDULES = ("1f1b", "zb1")  # a plan's `schedule` (zb1: `zero_bubble`)
 
 
 @dataclass(frozen=True, slots=True)

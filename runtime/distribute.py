@@ -17,17 +17,24 @@ Invariants:
   are plain and taken as replicated (`implicit_replication`). Buffers stay plain tensors,
   replicated likewise.
 - Tied parameters stay tied: one DTensor for every module that shares the parameter.
+- The distributing forward holds its model weakly (no cycle model -> forward -> model), so a
+  model the user's code drops is freed at once, its DTensors with it, not at the next cycle
+  collection.
 - A parameter or input whose plan layout is partial (P) is refused: a whole tensor has no
   partial form to start from; so is a plan whose ops communicate inside themselves (context
   parallelism: `autosbp.plan.dtensor.check_dtensor_expressible` says why).
 Limits (torch 2.13's DTensor, not this module; README "Status and limits"): `F.mse_loss` over a
 batch-sharded input gives gradients 2x too large (write `(pred - target).pow(2).mean()`), and
-CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) has no sharding strategy.
+CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) has no sharding strategy; and a
+process that trained on DTensors over gloo may abort in interpreter shutdown after
+`destroy_process_group` ("terminate called without an active exception") unless the cycle
+collector ran first (`gc.collect()` before the destroy, as the README's train.py does).
 """
 
 from __future__ import annotations
 
-import functools
+import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,7 +74,8 @@ def distribute(model: nn.Module, plan: Plan, *, device_type: str | None = None) 
                 made[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
             module._parameters[key] = made[id(param)]
     inputs = tuple((name, _placements(plan, name, "input")) for name in input_names(plan))
-    model.forward = _distributing(model.forward, mesh, inputs, plan.model_name)  # type: ignore[method-assign]
+    forward = _distributing(model.forward, mesh, inputs, plan.model_name)
+    model.forward = forward  # type: ignore[method-assign]
     return model
 
 
@@ -124,10 +132,14 @@ def _distributing(
     model_name: str,
 ) -> Callable[..., Any]:
     """`forward` with its tensor inputs made DTensors per `inputs` (in order), run under
-    implicit replication."""
+    implicit replication; a bound method is held weakly (the module header)."""
+    held: Callable[[], Callable[..., Any] | None] = (
+        weakref.WeakMethod(forward) if inspect.ismethod(forward) else lambda: forward
+    )
 
-    @functools.wraps(forward)
     def distributed_forward(*args: Any, **kwargs: Any) -> Any:
+        run = held()
+        assert run is not None, "a forward called after its model was freed"
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         if len(tensors) != len(inputs):
             raise PlanError(
@@ -148,6 +160,8 @@ def _distributing(
         args = tuple(place(a) for a in args)
         kwargs = {k: place(v) for k, v in kwargs.items()}
         with implicit_replication():
-            return forward(*args, **kwargs)
+            return run(*args, **kwargs)
 
+    distributed_forward.__name__ = getattr(forward, "__name__", "forward")
+    distributed_forward.__doc__ = forward.__doc__  # not functools.wraps: its __wrapped__ holds it
     return distributed_forward

@@ -10,7 +10,7 @@ module: the plan and its whole-plan checks (`autosbp.plan`), capture
 (`runtime.state.startup`), the sharded state and its assembly (`runtime.state.shards`), the
 program (`runtime.execute.program`), process groups and collectives (`runtime.execute.groups`,
 `runtime.execute.collectives`), the stages' meshes, their traffic and the firing loop
-(`runtime.parallel.pipeline`, in the order `autosbp.schedule.stage_orders` gives), gradient
+(`runtime.parallel.pipeline`, in the order `autosbp.zero_bubble.plan_orders` gives), gradient
 sync (`runtime.parallel.grad_sync`), parameter gathers (`runtime.parallel.gathers`,
 `runtime.parallel.prefetch`). A new parallel dimension is one module of `runtime.parallel`
 that the constructor composes.
@@ -48,8 +48,8 @@ from autosbp.plan import Plan, check_plan
 from autosbp.plan.recompute import recomputed_nodes
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh, NdSbp, parse_nd_sbp
-from autosbp.schedule import stage_orders
 from autosbp.timeline import SpanHook
+from autosbp.zero_bubble import plan_orders
 from runtime.execute.groups import build_groups, world_timeout
 from runtime.execute.instructions import Boxer
 from runtime.execute.program import Program, Value, build_program
@@ -198,8 +198,8 @@ class Engine:
         ]  # fmt: skip
         loss_stage = meshes[stage_of["output"]] if "output" in stage_of else meshes[-1]
         layout = next((p.loss_layout for p in self.programs if p.loss_layout is not None), None)
-        order = stage_orders(
-            plan.pipeline_stages, self.micro_batches, virtual_stages=plan.virtual_stages
+        order = plan_orders(
+            plan.schedule, plan.pipeline_stages, self.micro_batches, plan.virtual_stages
         )[self.stage]
         return Pipeline(
             programs=self.programs,
@@ -211,6 +211,7 @@ class Engine:
             loss_root=loss_stage.device_ids[0],
             staged=len(meshes) > 1,
             span=self._span,
+            weights=tuple(self.parameters.values()),
         )
 
     # ---- this rank's state -----------------------------------------------------------------
@@ -311,15 +312,27 @@ def _check_world(plan: Plan) -> None:
 def _check_schedule(
     plan: Plan, graph: OpGraph, signatures: Mapping[str, NdSignature], boxer: Boxer
 ) -> None:
-    """ExecutionError for a schedule this runtime cannot run: interleaving beside parameter
-    gathers (each chunk would prefetch on its own; every rank decides alike, from the whole
-    graph)."""
-    if plan.virtual_stages > 1 and gathers_parameters(graph, signatures, boxer):
+    """ExecutionError for a schedule this runtime cannot run: zero bubble beside recomputation,
+    interleaving or zero bubble beside parameter gathers (each chunk would prefetch on its own; a split backward would
+    re-gather in W; every rank decides alike, from the whole graph)."""
+    split = plan.schedule != "1f1b"
+    if split and recomputed_nodes(plan, graph):
         raise ExecutionError(
-            f"the plan interleaves {plan.virtual_stages} model chunks per stage and gathers "
-            "parameters (an FSDP/ZeRO-3 layout); the runtime does not run both together yet. "
-            "Make the plan with vp=1, or with layouts that keep each parameter whole or split "
-            "without gathers (megatron:...,vp=V without fsdp)."
+            f"the plan runs the {plan.schedule} schedule (backward split in two) and recomputes "
+            "activations; its weight-gradient passes would recompute each checkpointed block "
+            "once per weight. Make the plan with --recompute none, or with schedule 1f1b."
+        )
+    if (plan.virtual_stages > 1 or split) and gathers_parameters(graph, signatures, boxer):
+        what = (
+            f"runs the {plan.schedule} schedule (backward split in two)"
+            if split
+            else f"interleaves {plan.virtual_stages} model chunks per stage"
+        )
+        raise ExecutionError(
+            f"the plan {what} and gathers parameters (an FSDP/ZeRO-3 layout); the runtime does "
+            "not run both together yet. Make the plan with vp=1 and schedule 1f1b, or with "
+            "layouts that keep each parameter whole or split without gathers (megatron:... "
+            "without fsdp)."
         )
 
 

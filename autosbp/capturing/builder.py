@@ -14,6 +14,10 @@ plan made on "meta" trains on "cpu" or "cuda": same nodes, same fingerprint). So
   kernels chose (CPU attention returns a layout whose transpose is contiguous, meta does not),
   a `lift_fresh_copy` on whether the constant was made on "meta". Views read their input as
   `reshape` does (`graph.STRIDE_FREE`), so no op depends on a copy being there;
+- `type_as(self, other)` reads only other's dtype, which the graph knows: it becomes
+  `_to_copy(self, dtype=...)`, or is dropped where the dtypes agree (it returns self), so no
+  edge ties an op to a tensor it does not read (Gemma's RMSNorm `output.type_as(x)` gave the
+  planner 24 x 24 signatures per op on a 2-D mesh, its LPs 3x the columns of Qwen3's);
 - a region under `torch.no_grad()` (HF's rotary embeddings), a higher-order op in export, is
   inlined, each of its outputs through `aten.detach` (no gradient crosses it, as under no_grad);
 - an op that writes into an activation in place (`relu_`, `out += x`, `detach_`) becomes its
@@ -90,6 +94,8 @@ class GraphBuilder:
             self._inline_region(node)
         elif node.op == "call_function" and node.target in _DROPPED:
             self._where[self._key(node)] = self._location_of(node.args[0])
+        elif node.op == "call_function" and node.target is aten.type_as.default:
+            self._add_cast(node)
         elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             if tensors_of(node.meta.get("val")) or node.users:
                 self._add_compute(node)
@@ -173,14 +179,29 @@ class GraphBuilder:
         self.graph.add_node(name, detach, [location])
         return (name, 0)
 
-    def _add_compute(self, node: fx.Node) -> None:
+    def _add_cast(self, node: fx.Node) -> None:
+        """`type_as(self, other)` in canonical form (the module header)."""
+        value, other = node.args[:2]
+        assert isinstance(value, fx.Node) and isinstance(other, fx.Node), node.format_node()
+        dtype = other.meta["val"].dtype
+        if value.meta["val"].dtype == dtype:
+            self._where[self._key(node)] = self._location_of(value)
+        else:
+            self._add_compute(node, (aten._to_copy.default, (value,), {"dtype": dtype}))
+
+    def _add_compute(
+        self,
+        node: fx.Node,
+        call: tuple[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]] | None = None,
+    ) -> None:
+        """`node` as an OpNode; `call`: the (op, args, kwargs) to record instead of its own."""
         val = node.meta.get("val")
         if not all(_static(t) for t in tensors_of(val)):
             raise CaptureError(dependent_shape_message(node, self.name))
-        target, written = self._functional(node)
+        target, written = self._functional(node) if call is None else (call[0], [])
         sources: list[Location] = []
-        args = self._replace(node.args, sources)
-        kwargs = self._replace(node.kwargs, sources)
+        args = self._replace(node.args if call is None else call[1], sources)
+        kwargs = self._replace(node.kwargs if call is None else call[2], sources)
         inputs = tuple(self.graph.node(s).outputs[i] for s, i in sources)
         outputs = tuple(tensor_meta(t) for t in tensors_of(val))
         op = str(target)

@@ -69,10 +69,12 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategy",
         default="auto",
         help="auto (the search; auto:max_vp=V interleaves at most V chunks per device, "
-        "default 1: plain 1F1B), dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C][,vp=V] "
+        "default 1: plain 1F1B), dp, fsdp or "
+        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C][,vp=V][,schedule=zb1] "
         "(M micro-batches; E: expert-parallel degree, experts split over E of the D "
         "data-parallel devices; C: context-parallel degree, the sequence split in attention; V: "
-        "model chunks per pipeline stage, interleaved 1F1B, M a multiple of P) (default: auto)",
+        "model chunks per pipeline stage, interleaved 1F1B, M a multiple of P; schedule=zb1: "
+        "zero bubble, ZB-H1, the backward split into input and weight gradients) (default: auto)",
     )
     parser.add_argument(
         "--recompute",

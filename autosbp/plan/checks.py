@@ -11,7 +11,7 @@ The plan alone:
 - mesh: one dim name and one known link class per mesh dim;
 - devices: stages of the plan's mesh shape that split devices 0..N-1 between them, each once
   (interleaved, v chunks each: virtual stage c x P + d on stage d's devices);
-- schedule: one the actor rules give (`schedule`), its micro-batches a multiple of P when v > 1;
+- schedule: one the actor rules give (`zero_bubble.check_schedule`);
 - stages: each holds a node, every node's stage exists;
 - SBPs: one entry per mesh dim; each parameter's layout (and its optimizer state's, which the
   runtime keeps in the parameter's layout) splits only dims its shape has, evenly;
@@ -19,8 +19,8 @@ The plan alone:
 With the model's graph (of one micro-batch, as the plan was made):
 - the plan covers every node once, with the node's op, and names no other;
 - every signature is one the node's rule offers on the mesh (what the runtime would refuse);
-- data flows forward: a node's value goes to its own stage or a later one (1F1B runs stages
-  in order: a value sent back to an earlier stage would wait forever);
+- data flows forward: a node's value goes to its own stage or a later one (stages run in
+  order: a value sent back to an earlier stage would wait forever);
 - every parameter's entry matches its node: layout, stage, shape;
 - the global batch is what the runtime trains: micro-batches x the graph's batch;
 - a recomputed node is a compute node inside a repeated block that writes no input.
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from autosbp.errors import PlanError, SbpError
 from autosbp.plan.values import Plan
 from autosbp.sbp import Broadcast, Split, check_nd_sbp, format_nd_sbp, local_shape, parse_nd_sbp
-from autosbp.schedule import SCHEDULES, check_interleaving
+from autosbp.zero_bubble import check_schedule
 from costmodel.profile import LinkClass
 from terminal.text import printable
 
@@ -132,11 +132,9 @@ def _devices(plan: Plan) -> list[str]:
 
 def _schedule(plan: Plan) -> list[str]:
     """A schedule the actor rules give, and v chunks on each of the plan's stages."""
-    if plan.schedule not in SCHEDULES:
-        return [f"schedule {plan.schedule!r} is not one autosbp runs (known: {list(SCHEDULES)})"]
     if (v := plan.virtual_stages) < 1 or len(plan.stages) % v:
         return [f"{len(plan.stages)} stages do not hold {v} model chunks per pipeline stage"]
-    reason = check_interleaving(plan.pipeline_stages, v, plan.micro_batches)
+    reason = check_schedule(plan.schedule, plan.pipeline_stages, v, plan.micro_batches)
     return [reason] if reason else []
 
 

@@ -124,6 +124,7 @@ class StagePlan:
     prefetch_blocks: int = 0
     gather_hidden_s: float = 0.0
     grad_sync_s: float | None = None
+    weight_s: float | None = None  # zb1: of `backward_s`, the weight gradients' (W) part
 
 
 @dataclass(frozen=True)
@@ -262,13 +263,14 @@ class Plan:
             },
             "hand_plans": [asdict(h) for h in self.hand_plans],
             **({"replicated": asdict(self.replicated)} if self.replicated else {}),
-            **({"schedule": self._schedule_json()} if self.virtual_stages > 1 else {}),
+            **self._schedule_json(),
         }
 
     def _schedule_json(self) -> dict[str, Any]:
-        """Written where it is not the default (1F1B, v = 1), so that older plans' digests
-        and files stay as they were."""
-        return {"name": self.schedule, "virtual_stages": self.virtual_stages}
+        """Written where not the default (1F1B, v = 1): older plans' digests stay as they were."""
+        if self.virtual_stages == 1 and self.schedule == "1f1b":
+            return {}
+        return {"schedule": {"name": self.schedule, "virtual_stages": self.virtual_stages}}
 
     @property
     def pipeline_stages(self) -> int:
@@ -391,8 +393,6 @@ def _replicated(data: Any) -> Replicated | None:
 
 def _stage_fields(stage: StagePlan) -> dict[str, Any]:
     """A stage's JSON fields; an unknown `grad_sync_s` (a plan written before the update's
-    split) left out, so such a plan reads and writes back as it was (its digest unchanged)."""
-    fields = asdict(stage)
-    if fields["grad_sync_s"] is None:
-        del fields["grad_sync_s"]
-    return fields
+    split) or `weight_s` (not zb1) left out: such a plan reads and writes back as it was."""
+    left_out = ("grad_sync_s", "weight_s")
+    return {k: v for k, v in asdict(stage).items() if v is not None or k not in left_out}

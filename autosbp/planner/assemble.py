@@ -107,6 +107,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         alternatives=alternatives(solved, solution),
         replicated=replicated_of(graph, nodes, mesh.shape),
         virtual_stages=solved.virtual_stages,
+        schedule=solved.schedule,
     )
 
 
@@ -132,6 +133,7 @@ def _stage_plans(found: Found) -> tuple[StagePlan, ...]:
             prefetch_blocks=PREFETCH_BLOCKS if solved.stage_costs.hides(s) else 0,
             gather_hidden_s=pred.gather_hidden_s[s],
             grad_sync_s=pred.sync_s[s],
+            weight_s=pred.weight_s[s] if pred.weight_s else None,
         )
         for s in range(split.num_stages)
     )

@@ -44,6 +44,7 @@ from autosbp.planner.problem import (
 )
 from autosbp.planner.reduce import TiedGraph, TiedStages, tie_graph, tie_stages
 from autosbp.planner.space import Config, LinkOf, divisors, mesh_shapes, structure
+from autosbp.planner.zero_bubble_price import predict_zb1, weight_shares
 from autosbp.sbp import Mesh
 
 GraphFor = Callable[[int], OpGraph]  # micro-batch count -> the graph of one micro-batch
@@ -141,6 +142,7 @@ class Evaluator:
     kept: dict[int, dict[str, Kept]] = field(default_factory=dict)  # per count and mode
     structural: dict[tuple[Hashable, str], Kept] = field(default_factory=dict)  # (structure, mode)
     flags: dict[Hashable, dict] = field(default_factory=dict)  # per structure: requires grad
+    shares: dict[int, dict[str, float]] = field(default_factory=dict)  # zb1: per graph id
     shared: dict[tuple[int, Mesh, int], float] = field(default_factory=dict)  # bound (2a)
     shared_plans: dict[tuple[int, Mesh, int], tuple[MeshProblem, Solution]] = field(
         default_factory=dict
@@ -341,10 +343,17 @@ class Evaluator:
             stage_link=r.link_of((config.num_stages, config.mesh.size), 0),
             priced=self.priced_of(config), tied=stages.tied,
             virtual_stages=r.space.virtual_stages,
+            schedule=r.space.schedule,
         )  # fmt: skip
 
     def found(self, mp: MeshProblem, solution: Solution) -> Found:
+        """`solution` priced as its schedule runs (`problem.predict`, `predict_zb1`)."""
         assert mp.graph is not None, "the search builds its problems with their graph"
+        if mp.schedule == "zb1":  # its graph is one of `graphs`: a stable id
+            if id(mp.graph) not in self.shares:
+                self.shares[id(mp.graph)] = weight_shares(mp.graph)
+            prediction = predict_zb1(mp, solution, self.shares[id(mp.graph)])
+            return Found(mp, solution, prediction, mp.graph)
         return Found(mp, solution, predict(mp, solution), mp.graph)
 
     def rebuilt(

@@ -19,6 +19,7 @@ from autosbp.planner.priced import Allow
 from autosbp.rules import NdSignature
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
+from autosbp.schedule import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Space:
     # model chunks per pipeline stage (interleaved 1F1B, `vp=V`): `stage_counts` then count
     # the v x P virtual stages, and the search counts each device v times (`search`)
     virtual_stages: int = 1
+    schedule: str = "1f1b"  # the pipeline schedule (`schedule=zb1`: `autosbp.zero_bubble`)
 
 
 def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | None = None) -> Space:
@@ -67,6 +69,7 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     if strategy == "fsdp":
         return Space((1,), modes, allow=_fully_sharded(), mesh_ok=lambda m: m.ndim == 1)
     if strategy.startswith("megatron:"):
+        strategy, schedule = _schedule(strategy)
         strategy, vp = _virtual_stages(strategy)
         tp, pp, dp, mb, ep, cp, zero = _megatron_degrees(strategy)
         if cp > 1:
@@ -79,10 +82,12 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             space = _megatron_space(tp, pp, dp, mb, ep, modes)
         if vp > 1:
             space = replace(space, stage_counts=(pp * vp,), virtual_stages=vp)
-        return replace(space, zero=zero)
+        if schedule == "zb1":
+            space = replace(space, recompute=_without_recompute(strategy, modes))
+        return replace(space, zero=zero, schedule=schedule)
     raise PlanError(
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
-        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C[,ring=1]][,zero=1|2][,vp=V]."
+        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C[,ring=1]][,zero=1|2][,vp=V][,schedule=zb1]."
     )
 
 
@@ -150,6 +155,39 @@ def _virtual_stages(strategy: str) -> tuple[str, int]:
             "pipeline stage holds, e.g. megatron:tp=1,pp=2,dp=1,vp=2)."
         )
     return "megatron:" + ",".join(kept), int(given[0])
+
+
+def _schedule(strategy: str) -> tuple[str, str]:
+    """`strategy` without its `schedule=S` (1f1b where absent), and S, one the runtime runs
+    on plain stages or chunks as asked (`zero_bubble.check_schedule`)."""
+    items = strategy.removeprefix("megatron:").split(",")
+    kept = [item for item in items if not item.startswith("schedule=")]
+    given = [item.removeprefix("schedule=") for item in items if item.startswith("schedule=")]
+    if not given:
+        return strategy, "1f1b"
+    if len(given) > 1 or given[0] not in SCHEDULES:
+        raise PlanError(
+            f"{strategy!r}: schedule must be given once, one of {', '.join(SCHEDULES)} (zb1: "
+            "the zero-bubble ZB-H1, e.g. megatron:tp=1,pp=2,dp=1,schedule=zb1)."
+        )
+    if given[0] == "zb1" and any(item.startswith("vp=") and item != "vp=1" for item in kept):
+        raise PlanError(
+            f"{strategy!r}: schedule=zb1 runs plain stages (ZB-H1), not interleaved chunks; "
+            "drop vp=V or schedule=zb1."
+        )
+    return "megatron:" + ",".join(kept), given[0]
+
+
+def _without_recompute(strategy: str, modes: tuple[str, ...]) -> tuple[str, ...]:
+    """zb1's recomputation: none (W runs backward once per weight group, and each run would
+    recompute the checkpointed blocks again: `runtime.parallel.split_backward`)."""
+    if "none" not in modes:
+        raise PlanError(
+            f"{strategy},schedule=zb1 with recompute {modes[0]}: the zero-bubble schedule runs "
+            "without recomputation (its weight-gradient passes would recompute each block once "
+            "per weight); use --recompute none (or auto), or drop schedule=zb1."
+        )
+    return ("none",)
 
 
 def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, int, int]:

@@ -39,6 +39,9 @@ middle stage is slowest the simulation can idle more than any path bound sees; t
 minimizes a lower bound, and the plan is priced by the simulation all the same. With one stage
 the objective is m busy + u exactly.
 
+Zero bubble (zb1): the drain passes B alone, which stage costs do not split from W, so only
+the pairs s = k stay bounds (the fill, m busy_k, u_k: `planner.zero_bubble_price`).
+
 Interleaved 1F1B (v chunks per device, virtual stage c P + d on device d; `problem.predict`
 ends device d's step at its last firing plus the sum of its chunks' u). The pairs above, over
 the v P virtual stages, stay bounds (each virtual stage's firings still chain as above, and a
@@ -116,13 +119,14 @@ Weighted = tuple[float, Costs]  # weight x costs, a term of a sum
 
 
 def objective_terms(
-    costs: StageCosts, keys: Sequence[str], micro_batches: int, virtual_stages: int = 1
-) -> tuple[NodeCosts, EdgeCosts, tuple[MaxTerm, ...]]:
+    costs: StageCosts, keys: Sequence[str], micro_batches: int, virtual_stages: int = 1,
+    schedule: str = "1f1b",
+) -> tuple[NodeCosts, EdgeCosts, tuple[MaxTerm, ...]]:  # fmt: skip
     """Node costs, edge costs and max terms of the objective (the module docstring): with one
     stage m x busy (less what the blocks' compute hides of the parameters' conversions) + the
     update, each hiding a max term of its own; with stages, the largest path bound, whose parts
     hold the stages' hiding terms (nested max terms); interleaved (`virtual_stages` v > 1:
-    `costs` holds v x P virtual stages), the device path bounds too."""
+    `costs` holds v x P virtual stages), the device path bounds too; zb1: P(k, k) alone."""
     m, busy = micro_batches, costs.busy
     layout = _Layout(costs)
     hiding = _Hiding(costs)
@@ -152,12 +156,14 @@ def objective_terms(
     ]
     parts: list[Costs] = []
     nested: list[Mapping[int, float]] = []
-    for a in range(len(runs)):
-        for b in range(a, len(runs)):
-            path, inner = hiding.expand(_path(costs, runs, a, b, m))
-            for update in update_parts(costs, runs[a][0]):
-                parts.append(layout.sum(path + update))
-                nested.append(inner)
+    pairs = [(a, b, runs[a][0]) for a in range(len(runs)) for b in range(a, len(runs))]
+    if schedule == "zb1":  # P(k, k): a = b + 1 drains nothing, the update is k's
+        pairs = [(b + 1, b, runs[b][-1]) for b in range(len(runs))]
+    for a, b, s in pairs:
+        path, inner = hiding.expand(_path(costs, runs, a, b, m))
+        for update in update_parts(costs, s):
+            parts.append(layout.sum(path + update))
+            nested.append(inner)
     if virtual_stages > 1:
         for entries, update in _device_paths(costs, virtual_stages, m):
             path, inner = hiding.expand(entries)
@@ -315,16 +321,10 @@ def update_parts(costs: StageCosts, s: int) -> list[list[Weighted]]:
 
 
 def _runs(costs: StageCosts) -> list[list[int]]:
-    """The runs of identical consecutive stages (same kind), in stage order. The module
-    docstring: pairs (first of a run, last of a run at or after it) dominate the others."""
-    runs: list[list[int]] = []
-    for s in range(len(costs.busy)):
-        same = bool(costs.kinds) and bool(runs) and costs.kinds[runs[-1][-1]] == costs.kinds[s]
-        if same and costs.sync_buckets[runs[-1][-1]] == costs.sync_buckets[s]:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
-    return runs
+    """The runs of identical consecutive stages (same kind and buckets), in stage order. The
+    module docstring: pairs (first of a run, last of a run at or after it) dominate the others."""
+    kinds = costs.kinds
+    return _runs_by(len(costs.busy), lambda s: (kinds[s] if kinds else s, costs.sync_buckets[s]))
 
 
 class _Layout:

@@ -37,6 +37,7 @@ from autosbp.planner.stage_terms import P2P, StageTerms
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh
 from autosbp.schedule import hidden_gather_s, hidden_sync_s, simulate
+from autosbp.zero_bubble import zb1_in_flight_counts
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class MeshProblem:
     # Interleaved 1F1B: `split`'s stages are v x P virtual stages, c x P + d on stage d's
     # devices (the search's device count then counts each device v times).
     virtual_stages: int = 1
+    schedule: str = "1f1b"  # the pipeline schedule it prices (`schedule.SCHEDULES`)
 
     @property
     def pipeline_stages(self) -> int:
@@ -80,6 +82,7 @@ def build_problem(
     priced: Priced | None = None,
     tied: TiedStages | None = None,
     virtual_stages: int = 1,
+    schedule: str = "1f1b",
 ) -> MeshProblem:
     """The ILP of `graph` (one micro-batch) with `split`'s stages, each on a mesh like `mesh`.
 
@@ -102,7 +105,7 @@ def build_problem(
     priced = priced or price_graph(graph, mesh, prices, allow)
     tied = tied or tie_stages(tie_graph(graph, priced.representative), split)
     blocks = tuple(len(b) for b in split.blocks)
-    kept = None
+    kept = zb1_in_flight_counts(split.num_stages, micro_batches) if schedule == "zb1" else None
     if virtual_stages > 1:
         kept = interleaved_in_flight(
             split.num_stages // virtual_stages, virtual_stages, micro_batches
@@ -121,7 +124,7 @@ def build_problem(
         terms.add_edges(tied, priced, recompute, P2P(prices, mesh, stage_link))
     stage_costs = terms.stage_costs(sizes, prices.overlap_efficiency, memory_limit_bytes)
     node_costs, edge_costs, max_terms = objective_terms(
-        stage_costs, keys, micro_batches, virtual_stages
+        stage_costs, keys, micro_batches, virtual_stages, schedule
     )
     constraints = (
         tuple(replace(c, name=f"{c.name} memory") for c in stage_costs.memory)
@@ -131,7 +134,7 @@ def build_problem(
     problem = Problem(node_costs, edge_costs, constraints, max_terms)
     return MeshProblem(
         mesh, priced.strategies, problem, priced.representative, split, stage_costs,
-        micro_batches, recompute, graph, virtual_stages,
+        micro_batches, recompute, graph, virtual_stages, schedule,
     )  # fmt: skip
 
 
@@ -229,6 +232,7 @@ class Prediction:
     bubble_s: tuple[float, ...]
     gather_hidden_s: tuple[float, ...] = ()  # per micro-batch, forward + backward
     sync_s: tuple[float, ...] = ()  # of update_s, the gradient sync (the rest: the optimizer)
+    weight_s: tuple[float, ...] = ()  # zb1: of backward_s, W's (`zero_bubble_price`)
 
 
 def predict(mp: MeshProblem, solution: Solution) -> Prediction:

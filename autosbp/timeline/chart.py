@@ -52,6 +52,7 @@ CHART_KIND = {GRAD_SYNC: UPDATE, STEP_END: UPDATE}
 COLOURS = {  # matplotlib's tab10, one each
     "forward": "tab:blue",
     "backward": "tab:orange",
+    "weight": "tab:gray",  # zb1's deferred weight gradients (`zero_bubble`)
     "send": "tab:green",
     "recv": "tab:olive",
     GRAD_SYNC: "gold",  # tab10 has no colour left: matplotlib's named "gold"

@@ -11,7 +11,8 @@ records (runtime/engine.py), how long a firing should take (planner).
 Invariants: times are seconds from an origin (the recorder's creation, or the predicted step's
 start, when every rank enters it); a rank's step ends with its "optimizer" span, so `last_step`
 can cut a multi-step trace without step markers in the file. Predicted events use the runtime's
-kinds: "forward", "backward", "send", then after the last backward "grad_sync" (the stage's
+kinds: "forward", "backward" ("weight" too under zb1), "send", then after the last backward
+"grad_sync" (the stage's
 `grad_sync_s` less what backward hides, `sync_hidden_s`) and "optimizer" (the rest of
 `update_s`). A plan written before the update was split (`grad_sync_s` None) has one "update"
 span there instead: `update_s` less `sync_hidden_s`.
@@ -27,7 +28,8 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
 from autosbp.errors import PlanError
-from autosbp.schedule import Phase, simulate
+from autosbp.schedule import Phase, Timeline, simulate
+from autosbp.zero_bubble import run_zb1, zb1_orders
 
 if TYPE_CHECKING:
     from autosbp.plan import Plan, StagePlan
@@ -178,17 +180,14 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
             "again with an autosbp that records them."
         )
     p = plan.pipeline_stages  # interleaved, stages[c * p + d] is chunk c of stage d
-    timeline = simulate(
-        p, plan.micro_batches, lambda s: stages[s].forward_s, lambda s: stages[s].backward_s,
-        lambda s: stages[s].send_s, virtual_stages=plan.virtual_stages,
-    )  # fmt: skip
+    timeline = _simulated(plan)
     # stage, kind, mb, start, end, chunk
     spans: list[tuple[int, str, int | None, float, float, int]] = []
     for f in timeline.firings:
         spans.append((f.stage, f.phase.value, f.micro_batch, f.start_s, f.end_s, f.chunk))
         at = f.chunk * p + f.stage
         to = at + 1 if f.phase is Phase.FORWARD else at - 1
-        if 0 <= to < len(stages) and stages[min(at, to)].send_s > 0:
+        if f.phase is not Phase.WEIGHT and 0 <= to < len(stages) and stages[min(at, to)].send_s:
             end_s = f.end_s + stages[min(at, to)].send_s  # send_s: stage s <-> s + 1
             spans.append((f.stage, "send", f.micro_batch, f.end_s, end_s, f.chunk))
     for s in range(p):
@@ -200,6 +199,23 @@ def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
         for rank in (stages[span[0]].devices if every_rank else stages[span[0]].devices[:1])
     ]
     return sorted(events, key=lambda e: (e.rank, e.start_s, e.kind))
+
+
+def _simulated(plan: Plan) -> Timeline:
+    """The plan's step as its schedule runs (`schedule.simulate`; zb1: `zero_bubble.run_zb1`,
+    each backward split by the stage's `weight_s`)."""
+    stages, m = plan.stages, plan.micro_batches
+    if plan.schedule == "zb1":
+        weight = [s.weight_s or 0.0 for s in stages]
+        return run_zb1(
+            zb1_orders(len(stages), m), m, lambda s: stages[s].forward_s,
+            lambda s: stages[s].backward_s - weight[s], weight.__getitem__,
+            lambda s: stages[s].send_s,
+        )  # fmt: skip
+    return simulate(
+        plan.pipeline_stages, m, lambda s: stages[s].forward_s, lambda s: stages[s].backward_s,
+        lambda s: stages[s].send_s, virtual_stages=plan.virtual_stages,
+    )  # fmt: skip
 
 
 def _update_spans(chunks: Sequence[StagePlan], last_s: float) -> list[tuple[str, float, float]]:

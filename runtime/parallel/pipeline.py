@@ -21,6 +21,9 @@ Invariants:
   its own tag (`boundary_tag`).
 - Interleaved (v model chunks per rank), each chunk is a stage of its own (its program, its
   traffic); the firing order says which chunk fires, and the loss is on the chunk that holds it.
+- Zero bubble (an order with WEIGHT firings, `autosbp.zero_bubble`): BACKWARD computes and sends
+  the input gradients only, WEIGHT later adds the weights' (`runtime.parallel.split_backward`);
+  gradient sync is armed before the last firing that adds gradients (the last WEIGHT).
 - The loss (layout L, on its stage) is boxed to P on every mesh dim before backward, and every
   rank seeds 1: the backward of that boxing (B -> P keeps the seed on coordinate 0 of each B
   mesh dim) makes the seeds sum to exactly one, so a replicated loss is not counted once per
@@ -48,6 +51,7 @@ from autosbp.sbp import B, Mesh, NdSbp, P, local_shape
 from autosbp.schedule import Phase, Step
 from runtime.execute.instructions import Boxer
 from runtime.execute.program import Program, Value
+from runtime.parallel.split_backward import WeightGradients, input_gradients
 
 __all__ = [
     "Links",
@@ -241,7 +245,8 @@ class Pipeline:
     of the forwards of `programs` (one per chunk the rank holds, in chunk order: one without
     interleaving) and their backwards, each chunk's values and gradients exchanged through its
     `transfers`; `arm` runs right before the last backward (gradient sync), and `loss_root` is
-    the first rank of the loss's stage."""
+    the first rank of the loss's stage. With WEIGHT firings (zero bubble) each backward is
+    split: `weights` are the tensors whose gradients WEIGHT adds (the stage's parameters)."""
 
     programs: Sequence[Program]
     transfers: Sequence[Transfers]
@@ -252,28 +257,39 @@ class Pipeline:
     loss_root: int
     staged: bool  # more than one stage: the loss is broadcast
     span: Span
-    last_backward: int = field(init=False)  # the position of the last backward in `order`
+    weights: Sequence[torch.Tensor] = ()
+    last_backward: int = field(init=False)  # the last firing in `order` that adds gradients
+    split: bool = field(init=False)  # zero bubble: backward in two (input, weight)
 
     def __post_init__(self) -> None:
-        self.last_backward = max(
-            i for i, (phase, _, _) in enumerate(self.order) if phase is Phase.BACKWARD
-        )
+        self.split = any(phase is Phase.WEIGHT for phase, _, _ in self.order)
+        last = Phase.WEIGHT if self.split else Phase.BACKWARD
+        self.last_backward = max(i for i, (phase, _, _) in enumerate(self.order) if phase is last)
 
     def run(self, pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
         """Every firing of the step on the micro-batches `pieces`; returns this rank's share
         of the loss (the mean over micro-batches on the loss's stage, 0 elsewhere)."""
         in_flight: dict[tuple[int, int], InFlight] = {}
+        deferred: dict[tuple[int, int], WeightGradients] = {}
         value = torch.zeros(())
         for position, (phase, chunk, mb) in enumerate(self.order):
+            last = position == self.last_backward
             if phase is Phase.FORWARD:
                 in_flight[(chunk, mb)] = self._forward(pieces[mb], chunk, mb)
                 loss = in_flight[(chunk, mb)][2]
                 if loss is not None and self.loss is not None:
                     with torch.no_grad():
                         value += self.loss.value(loss.detach()) / self.micro_batches
+            elif phase is Phase.WEIGHT:
+                if last:
+                    self.arm()  # gradients are final in this firing: sync them
+                with self.span("weight", mb, chunk):
+                    deferred.pop((chunk, mb)).run()
             else:
                 flight = in_flight.pop((chunk, mb))
-                self._backward(chunk, mb, flight, last=position == self.last_backward)
+                later = self._backward(chunk, mb, flight, last=last)
+                if later is not None:
+                    deferred[(chunk, mb)] = later
         for transfers in self.transfers:
             transfers.wait()
         return value
@@ -292,31 +308,43 @@ class Pipeline:
         transfers.send(exports, backward=False)
         return received, exports, loss
 
-    def _backward(self, chunk: int, mb: int, flight: InFlight, *, last: bool) -> None:
+    def _backward(
+        self, chunk: int, mb: int, flight: InFlight, *, last: bool
+    ) -> WeightGradients | None:
+        """The backward of one micro-batch on one chunk (split: its input gradients, and what
+        its weight gradients need later), the input gradients sent to earlier stages."""
         received, exports, loss = flight
         transfers, program = self.transfers[chunk], self.programs[chunk]
         grads = transfers.receive(mb, backward=True)
         if last:
             self.arm()  # gradients are final in this backward: sync them
+        floating = [x for x in received if x.is_floating_point()]
+        later = None
         with self.span("backward", mb, chunk):
             seed = None
             if loss is not None and self.loss is not None:
                 seed = self.loss.seed(loss) * (1.0 / self.micro_batches)
-            _backward(seed, exports, grads)
+            roots, root_grads = _roots(seed, exports, grads)
+            if self.split:
+                found, later = input_gradients(roots, root_grads, floating, self.weights)
+            else:
+                if roots:
+                    torch.autograd.backward(roots, root_grads)
+                found = [x.grad for x in floating]
             if program.gathers is not None:
                 program.gathers.finish_backward(mb)
-        transfers.send(
-            [x.grad if x.grad is not None else torch.zeros_like(x) for x in received
-             if x.is_floating_point()],
-            backward=True,
-        )  # fmt: skip
+        zeros = [
+            torch.zeros_like(x) if g is None else g for g, x in zip(found, floating, strict=True)
+        ]
+        transfers.send(zeros, backward=True)
+        return later
 
 
-def _backward(
+def _roots(
     seed: torch.Tensor | None, exports: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
-) -> None:
-    """Backward of one micro-batch on one stage: from the loss seed (last stage) and from the
-    gradients later stages sent for this stage's exports (floating values only, in order)."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The roots of one micro-batch's backward on one stage and their gradients: the loss seed
+    (last stage) and the exports later stages sent gradients for (floating values, in order)."""
     roots: list[torch.Tensor] = []
     root_grads: list[torch.Tensor | None] = []
     if seed is not None:
@@ -327,8 +355,7 @@ def _backward(
         if tensor.requires_grad:
             roots.append(tensor)
             root_grads.append(grad)
-    if roots:
-        torch.autograd.backward(roots, root_grads)
+    return roots, root_grads
 
 
 def _p2p(

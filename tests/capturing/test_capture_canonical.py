@@ -128,6 +128,18 @@ def test_no_grad_region_is_inlined_behind_a_detach() -> None:
     assert "gate.weight" not in grads and "fc.weight" in grads
 
 
+def test_type_as_is_a_cast_of_self_and_reads_no_other_tensor() -> None:
+    """type_as reads only its other input's dtype: the graph holds a cast where the dtypes
+    differ and nothing where they agree, and no edge from the other input (the eager loss and
+    gradients of the case: test_graph_captured_on_meta_trains_like_eager_on_cpu)."""
+    graph = capture(*build("type-as", "meta"))
+    ops = _ops(graph)
+    assert "aten.type_as.default" not in ops
+    casts = [a for _, a in graph.nodes(Role.COMPUTE) if a.op == "aten._to_copy.default"]
+    assert [a.kwargs["dtype"] for a in casts] == [torch.float64, torch.float32]
+    assert all(len(a.inputs) == 1 for a in casts)
+
+
 class _Mask(nn.Module):
     def __init__(self) -> None:
         super().__init__()

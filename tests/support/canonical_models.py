@@ -6,7 +6,8 @@ Lives here: small modules, each `model(*inputs)` returning a loss, and `build(ca
 of Hugging Face, torchvision or timm models in a few lines: attention's
 `transpose().contiguous()`, `x.to(device)` and `arange(device=...)`, T5's indexing assignments
 with a Python scalar, HF's empty KV-cache constant and non-persistent buffers, in-place
-activations and residual adds, and a `torch.no_grad()` region (HF's rotary embeddings). Lives elsewhere: the tests
+activations and residual adds, a `torch.no_grad()` region (HF's rotary embeddings) and
+RMSNorm's `type_as`. Lives elsewhere: the tests
 (tests/capturing/test_capture_canonical.py, tests/rules/test_inplace_plans.py).
 """
 
@@ -123,6 +124,22 @@ class NoGradScale(nn.Module):
         return F.mse_loss(self.fc(x) * scale, y)
 
 
+class TypeAs(nn.Module):
+    """Gemma's and Llama's RMSNorm tail, `output.type_as(x)`: once to x's own dtype (float32,
+    a no-op) and once to a float64 tensor's (a cast), then back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+        self.norm = nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
+        wide = (normed * (1.0 + self.norm)).type_as(torch.zeros((), dtype=torch.float64))
+        return F.mse_loss(wide.pow(2).sum(-1).type_as(y), y.sum(-1))
+
+
 def _floats() -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     return torch.randn(BATCH, SEQ, HIDDEN, generator=g), torch.randn(
@@ -150,6 +167,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor,
     "position-buffer": (PositionBuffer, _floats),
     "inplace-cnn": (InplaceCnn, _images),
     "no-grad": (NoGradScale, _floats),
+    "type-as": (TypeAs, _floats),
 }
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tests.support import real_models, training_ifs_models
+from tests.support.real_model_sweep import SWEEP
 from tests.support.real_models import (
     IGNORE_INDEX,
     IMAGES,
@@ -164,4 +165,4 @@ FAMILIES: dict[str, Callable[..., ModelAndInputs]] = {
     "lora_llama": lora_llama,
 }
 # Every model of the real-model suite, the older ones first (what `build` and the bench read).
-BUILDERS: dict[str, Callable[..., ModelAndInputs]] = real_models.BUILDERS | FAMILIES
+BUILDERS: dict[str, Callable[..., ModelAndInputs]] = real_models.BUILDERS | FAMILIES | SWEEP

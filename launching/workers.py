@@ -247,12 +247,14 @@ class _Watch:
         return "\n".join(lines)
 
     def _stall_message(self, stalled: list[int]) -> str:
-        """Who stalled, and where: a rank whose stack sits in torch.distributed waits for a
-        peer; one elsewhere is stuck in its own code, and is the likely cause."""
+        """Who stalled, and where every running rank is: a rank whose stack sits in
+        torch.distributed waits for a peer; one elsewhere is stuck in its own code, and is the
+        likely cause, even if its own timer has not run out yet (ranks that hang together
+        report within milliseconds of each other, and either may be the first past it)."""
         nproc, now = len(self.procs), time.monotonic()
         stacks = self._stacks([r for r in self._running() if self.progress.last(r)[0] > 0])
-        waiting = [r for r in stalled if _in_collective(stacks.get(r, ""))]
-        stuck = [r for r in stalled if r not in waiting and r in stacks]
+        waiting = [r for r in stacks if _in_collective(stacks[r])]
+        stuck = [r for r in stacks if r not in waiting]
         pids = ", ".join(f"{r}: {self.procs[r].pid}" for r in stalled)
         lines = [
             f"{_ranks(stalled)} of {nproc} (pid {pids}) made no progress for {self.timeout_s:g} "

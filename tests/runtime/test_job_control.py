@@ -16,6 +16,7 @@ parent, ranks that agree on the plan and start from rank 0's weights, a loopback
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,7 +97,9 @@ def test_train_names_a_stalled_rank(
     argv = ["train", "mlp", "--nproc", "2", "--plan", "dp", "--steps", "5", "--stall-timeout", "3"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ranks [0, 1] of 2"), err
+    # Which ranks' timers ran out first is a race (both reported step 2 within milliseconds);
+    # where each one is, is not.
+    assert re.match(r"error: (rank [01]|ranks \[0, 1\]) of 2", err), err
     assert "rank 1 outside any collective" in err and "rank 1: last reported `step 2`" in err
     assert "in inject_fault" in err.split("Python stack of rank 1")[1]
     assert time.monotonic() - start < BUDGET_S

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from autosbp.capturing.graph import OpGraph, Role
+from autosbp.overlap import GRAD_BUCKET_BYTES, PREFETCH_BLOCKS
 from autosbp.plan import (
     Alternative,
     NodePlan,
@@ -30,7 +31,6 @@ from autosbp.planner.problem import MeshProblem
 from autosbp.planner.search import Found
 from autosbp.rules import exchanges
 from autosbp.sbp import Broadcast, NdSbp, format_nd_sbp, parse_nd_sbp
-from autosbp.schedule import GRAD_BUCKET_BYTES, PREFETCH_BLOCKS
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 

@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from autosbp import schedule
+from autosbp import overlap
 from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta
 from autosbp.planner.boxing_prices import BoxingPricer, Prices
 from autosbp.planner.finite_check import gradient_check_s
@@ -141,12 +141,12 @@ class NodeStrategies:
 
 
 def sync_bucket_bytes(graph: OpGraph) -> int:
-    """The bucket a gradient is priced inside: DDP's cap (`schedule.GRAD_BUCKET_BYTES`), or
+    """The bucket a gradient is priced inside: DDP's cap (`overlap.GRAD_BUCKET_BYTES`), or
     all the graph's parameters where they fill less (the runtime fuses them into one; where a
     plan splits some of them, or stages divide them, the real bucket is smaller and slower per
     byte: an estimate)."""
     total = sum(attrs.outputs[0].nbytes for _, attrs in graph.nodes(Role.PARAMETER))
-    return max(1, min(schedule.GRAD_BUCKET_BYTES, total))
+    return max(1, min(overlap.GRAD_BUCKET_BYTES, total))
 
 
 def node_strategies(

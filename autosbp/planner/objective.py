@@ -11,7 +11,7 @@ bounding each configuration from below; an LP relaxation bounds this objective, 
 objective itself must never exceed what `predict` says of the same choice. Write, per stage s
 and one micro-batch, f_s its forward, b_s its backward (busy - forward, with recomputation),
 busy_s = f_s + b_s, t_s the transfer of its outputs to stage s + 1 (t of the last stage is 0),
-and u_s its update less the sync its last backward hides (`schedule.hidden_sync_s`):
+and u_s its update less the sync its last backward hides (`overlap.hidden_sync_s`):
 u_s = update_s - h_s min(sync_s, b_s) = max(update_s - h_s sync_s, update_s - h_s b_s), with
 h_s = overlap (1 - 1 / buckets_s). In the simulation:
 - stage k's first firing (the forward of micro-batch 0) starts after every earlier stage's
@@ -61,7 +61,7 @@ is at most the simulated step. With identical chunks it is the interleaved sched
 the virtual-stage pairs see 1 / v of the steady state. Pairs reduce by runs of identical devices
 (every chunk's kind), as above.
 
-Hidden parameter conversions (`schedule.hidden_gather_s`, FSDP's prefetch). On a stage of
+Hidden parameter conversions (`overlap.hidden_gather_s`, FSDP's prefetch). On a stage of
 b >= 2 identical blocks, f_s and b_s above are the exposed times: the serial ones less
 n a min(G, C) per direction (n = b - 1 slots, a the overlap, G and C one block's parameter
 conversions and compute in that direction), as `predict` hands them to the simulation, so the
@@ -87,21 +87,21 @@ class StageCosts:
     solution: `busy` one micro-batch's forward + backward (+ recomputation), `forward` its
     forward part (both before any overlap), `send` the one-way transfer of its outputs to later
     stages per micro-batch, `update` the per-step gradient sync and optimizer, of which the
-    last micro-batch's backward hides part of the sync (`schedule.hidden_sync_s`); its memory
+    last micro-batch's backward hides part of the sync (`overlap.hidden_sync_s`); its memory
     constraint; its kind, equal for stages whose costs are equal (what they are made of); and
-    what the blocks' compute hides of the parameters' conversions (`schedule.hidden_gather_s`)."""
+    what the blocks' compute hides of the parameters' conversions (`overlap.hidden_gather_s`)."""
 
     busy: tuple[Costs, ...]
     forward: tuple[Costs, ...]
     send: tuple[Costs, ...]
     update: tuple[Costs, ...]
     sync: tuple[Costs, ...]  # the gradient-sync part of `update`
-    sync_buckets: tuple[int, ...]  # `schedule.sync_buckets` of each stage's parameters
+    sync_buckets: tuple[int, ...]  # `overlap.sync_buckets` of each stage's parameters
     overlap: float  # the profile's fraction of communication that compute hides
     memory: tuple[MemoryConstraint, ...]
     kinds: tuple[Hashable, ...] = ()  # per stage; () when not known: every stage its own
     # One block's parameter conversions and compute per micro-batch, forward and backward
-    # (`schedule.hidden_gather_s`), and per stage its blocks that hide them (() or 0: none).
+    # (`overlap.hidden_gather_s`), and per stage its blocks that hide them (() or 0: none).
     gather_forward: tuple[Costs, ...] = ()
     compute_forward: tuple[Costs, ...] = ()
     gather_backward: tuple[Costs, ...] = ()

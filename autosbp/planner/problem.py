@@ -12,7 +12,7 @@ configurations (`search`), hand-plan restrictions (`hand_plans`).
 
 Each configuration is solved exactly (to MIP_GAP). Within a stage, the objective has one
 overlap: the gradient sync runs while the last micro-batch's backward does
-(`schedule.hidden_sync_s`); every op's forward and backward, every boxing and the optimizer
+(`overlap.hidden_sync_s`); every op's forward and backward, every boxing and the optimizer
 update run one after another on each device.
 """
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError
+from autosbp.overlap import hidden_gather_s, hidden_sync_s
 from autosbp.planner.candidates import NodeStrategies, Prices
 from autosbp.planner.finite_check import check_step_s
 from autosbp.planner.ilp import bound_or_solve, solve_below
@@ -36,7 +37,7 @@ from autosbp.planner.reduce import TiedStages, tie_graph, tie_stages
 from autosbp.planner.stage_terms import P2P, StageTerms
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh
-from autosbp.schedule import hidden_gather_s, hidden_sync_s, run_schedule
+from autosbp.schedule import run_schedule
 from autosbp.zero_bubble import zb1_in_flight_counts
 
 
@@ -91,8 +92,8 @@ def build_problem(
     a lower bound of the simulated step for every choice and equal to it with the slowest
     stage last; with one stage, micro_batches x the stage time plus its update. Within a
     stage, ops and activations' boxing run one after another; parameters' conversions overlap
-    the compute of identical blocks (`schedule.hidden_gather_s`) and the gradient sync the
-    last backward (`schedule.hidden_sync_s`). Memory: one constraint per stage, what backward
+    the compute of identical blocks (`overlap.hidden_gather_s`) and the gradient sync the
+    last backward (`overlap.hidden_sync_s`). Memory: one constraint per stage, what backward
     keeps x the micro-batches in flight there (`stage_terms`), on node candidates and on edge
     pairs (the converted copies kept, unless a parameter re-gathers them). Interleaved
     (`virtual_stages` v > 1: `split` holds v x P virtual stages), each virtual stage keeps the
@@ -275,7 +276,7 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
 
 def gathers_hidden(costs: StageCosts, choice: dict) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per stage and micro-batch, the parameter communication the blocks' compute hides in
-    forward and in backward (`schedule.hidden_gather_s`; 0 where the stage has no slots)."""
+    forward and in backward (`overlap.hidden_gather_s`; 0 where the stage has no slots)."""
     stages = range(len(costs.busy))
     if not costs.slots:
         return (0.0,) * len(stages), (0.0,) * len(stages)

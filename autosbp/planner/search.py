@@ -32,7 +32,7 @@ Each is at most the ILP's objective of every choice (dropping edges, transfers a
 of stage 0 drops non-negative terms; an LP relaxation is at most its ILP; dropping constraints
 only lowers an LP), and the objective is at most `predict` of the same choice (`objective`'s
 derivation), so each bound is at most V(c). What the blocks' compute hides of the parameters'
-conversions (`schedule.hidden_gather_s`: (b - 1) a min(G, C) per stage, direction and
+conversions (`overlap.hidden_gather_s`: (b - 1) a min(G, C) per stage, direction and
 micro-batch, G one block's conversions = the stage's over b) is at most a (b - 1) / b of those
 conversions, which are boxing on the stage's edges: boxing less what it hides stays >= 0, so
 (0) and (1), which drop all boxing, still drop only non-negative terms. For (2a):

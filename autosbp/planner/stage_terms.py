@@ -27,12 +27,12 @@ from collections import Counter
 import numpy as np
 
 from autosbp.capturing.graph import OpNode, Role
+from autosbp.overlap import PREFETCH_BLOCKS, sync_buckets
 from autosbp.planner.candidates import NodeStrategies, Prices
 from autosbp.planner.ilp_problem import Costs, MemoryConstraint
 from autosbp.planner.objective import StageCosts
 from autosbp.planner.pipeline import in_flight, recomputed
 from autosbp.sbp import Mesh, local_shape
-from autosbp.schedule import PREFETCH_BLOCKS, sync_buckets
 
 __all__ = ["P2P", "StageTerms"]
 

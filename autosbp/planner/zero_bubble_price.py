@@ -16,7 +16,7 @@ Model (derived, not fitted):
   send: the runtime runs its backward whole in W, right after its empty B (stage 0 defers no
   W), and so does the price (the same times; its last W, the whole backward, hides its sync).
 - The gradient sync is armed before the last W (the last firing that adds gradients), so the
-  last W hides part of it (`schedule.hidden_sync_s` with W's duration).
+  last W hides part of it (`overlap.hidden_sync_s` with W's duration).
 - The ILP's objective under zb1 keeps only the path bounds that stay bounds of zb1's step
   (`objective`: P(k, k), no drain), so the search's bounds and gap remain proofs; it sees no
   W (not a linear term of the ILP's stage costs), so its bound is loose by up to the drain.
@@ -28,10 +28,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from autosbp.capturing.graph import OpGraph, Role
+from autosbp.overlap import hidden_sync_s
 from autosbp.planner.autograd_probe import requires_grad_of
 from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.problem import MeshProblem, Prediction, predict
-from autosbp.schedule import hidden_sync_s
 from autosbp.zero_bubble import run_zb1, zb1_orders
 
 __all__ = ["predict_zb1", "weight_s", "weight_shares"]

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from autosbp import schedule
+from autosbp import overlap as overlap_rules
 from autosbp.capturing.export import capture
+from autosbp.overlap import hidden_sync_s
 from autosbp.planner.problem import build_problem, predict
 from autosbp.sbp import Mesh
-from autosbp.schedule import hidden_sync_s
 from tests.planner.test_planner import (
     UNLIMITED,
     TinyNet,
@@ -52,7 +52,7 @@ def test_overlapped_sync_problem_equals_brute_force_and_the_prediction(
     monkeypatch: pytest.MonkeyPatch, memory_fraction: float | None
 ) -> None:
     # Buckets of 64 bytes: TinyNet's 768 bytes of weights fill 12, so the sync partly hides.
-    monkeypatch.setattr(schedule, "GRAD_BUCKET_BYTES", 64)
+    monkeypatch.setattr(overlap_rules, "GRAD_BUCKET_BYTES", 64)
     graph = capture(TinyNet(), [torch.randn(8, 8), torch.randn(8, 4)])
 
     def build(limit: float | None):
@@ -100,7 +100,7 @@ def test_hidden_gather_equals_a_two_stream_simulation(seed: int, depth: int) -> 
         gather_s, compute_s, blocks = rng.uniform(0, 2), rng.uniform(0, 2), rng.randint(1, 12)
         serial = blocks * (gather_s + compute_s)
         saved = serial - _two_streams_s(gather_s, compute_s, blocks, depth)
-        hidden = schedule.hidden_gather_s(gather_s, compute_s, blocks - 1, overlap=1.0)
+        hidden = overlap_rules.hidden_gather_s(gather_s, compute_s, blocks - 1, overlap=1.0)
         assert hidden == pytest.approx(saved, rel=1e-12, abs=1e-12)
-        half = schedule.hidden_gather_s(gather_s, compute_s, blocks - 1, overlap=0.5)
+        half = overlap_rules.hidden_gather_s(gather_s, compute_s, blocks - 1, overlap=0.5)
         assert half == pytest.approx(0.5 * hidden, rel=1e-12, abs=1e-12)

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autosbp.overlap import GRAD_BUCKET_BYTES
 from autosbp.plan import Plan
 from autosbp.planner.api import auto_parallelize
 from autosbp.sbp import B, Mesh, S, parse_nd_sbp
-from autosbp.schedule import GRAD_BUCKET_BYTES
 from autosbp.zoo import build_model
 from launching.workers import run_workers
 from runtime import Engine

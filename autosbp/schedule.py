@@ -260,10 +260,13 @@ def run_orders(
     forward_s: Duration,
     backward_s: Duration,
     transfer_s: Duration = lambda _: 0.0,
+    weight_s: Duration | None = None,
 ) -> Timeline:
     """The times of each stage firing `orders` (fixed per stage) as soon as its input arrives
     and the one before it ended: a recurrence over the firings, O(firings). Asserts that the
-    orders complete (blocking receives in these orders cannot deadlock)."""
+    orders complete (blocking receives in these orders cannot deadlock). With `weight_s`
+    (zero bubble's split backward) BACKWARD is the input gradients only, and a WEIGHT firing
+    runs once its stage's BACKWARD of that micro-batch ended."""
     p = len(orders)
     v = 1 + max(c for order in orders for _, c, _ in order)
     arrival = {(Phase.FORWARD, 0, mb): 0.0 for mb in range(micro_batches)}
@@ -282,8 +285,12 @@ def run_orders(
                 end = start + forward_s(vs)
                 to, at = (vs + 1, end + transfer_s(vs)) if vs + 1 < p * v else (vs, end)
                 arrival[(Phase.FORWARD if to > vs else Phase.BACKWARD, to, mb)] = at
+            elif phase is Phase.WEIGHT:
+                assert weight_s is not None, "a WEIGHT firing without weight_s"
+                end, to = start + weight_s(vs), vs
             else:
                 end = start + backward_s(vs)
+                arrival[(Phase.WEIGHT, vs, mb)] = end
                 to = vs - 1
                 if to >= 0:
                     arrival[(Phase.BACKWARD, to, mb)] = end + transfer_s(to)

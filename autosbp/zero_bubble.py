@@ -31,11 +31,11 @@ from collections.abc import Sequence
 from autosbp.schedule import (
     SCHEDULES,
     Duration,
-    Firing,
     Phase,
     Step,
     Timeline,
     check_interleaving,
+    run_orders,
     stage_orders,
 )
 
@@ -80,37 +80,9 @@ def run_zb1(
     """The times of each stage firing `orders` as soon as its input is there and the firing
     before it ended: F on stage s once F[s - 1]'s activation arrived, B once B[s + 1]'s
     gradient arrived (the last stage: its F ended), W once its B ended. `input_s(s)` and
-    `weight_s(s)` are one micro-batch's B and W on stage s. Asserts that the orders complete."""
-    p = len(orders)
-    arrival: dict[tuple[Phase, int, int], float] = {
-        (Phase.FORWARD, 0, mb): 0.0 for mb in range(micro_batches)
-    }
-    position, free_at, firings = [0] * p, [0.0] * p, []
-    waiting = list(range(p))
-    durations = {Phase.FORWARD: forward_s, Phase.BACKWARD: input_s, Phase.WEIGHT: weight_s}
-    while waiting:
-        s = waiting.pop()
-        while position[s] < len(orders[s]):
-            phase, chunk, mb = orders[s][position[s]]
-            arrived = arrival.get((phase, s, mb))
-            if arrived is None:
-                break
-            start = max(arrived, free_at[s])
-            end = free_at[s] = start + durations[phase](s)
-            to = s
-            if phase is Phase.FORWARD and s + 1 < p:
-                to, arrival[(Phase.FORWARD, s + 1, mb)] = s + 1, end + transfer_s(s)
-            elif phase is Phase.FORWARD:
-                arrival[(Phase.BACKWARD, s, mb)] = end
-            elif phase is Phase.BACKWARD:
-                arrival[(Phase.WEIGHT, s, mb)] = end
-                if s > 0:
-                    to, arrival[(Phase.BACKWARD, s - 1, mb)] = s - 1, end + transfer_s(s - 1)
-            position[s] += 1
-            firings.append(Firing(s, phase, mb, start, end, chunk))
-            waiting.append(to)
-    assert all(position[s] == len(orders[s]) for s in range(p)), "the orders deadlock"
-    return Timeline(tuple(firings), p, micro_batches)
+    `weight_s(s)` are one micro-batch's B and W on stage s (`schedule.run_orders` with a
+    weight duration). Asserts that the orders complete."""
+    return run_orders(orders, micro_batches, forward_s, input_s, transfer_s, weight_s)
 
 
 def zb1_bubble_s(num_stages: int, forward_s: float, input_s: float, weight_s: float) -> float:

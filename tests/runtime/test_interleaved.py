@@ -25,13 +25,12 @@ from runtime.jobs import TrainSpec, check_spec
 from runtime.verify.verdict import judge
 from tests.plan.test_plan_schedule import interleaved_plan
 from tests.support.check_workers import run_checked
-from tests.support.memory_workers import measure_cases
+from tests.support.memory_workers import assert_predicted_peak
 from tests.support.runtime_workers import run_cases
 
 STEPS = 3
 LR = 1e-2
 WORKER_TIMEOUT_S = 300.0
-TOLERANCE = 0.10  # issue 16's bound on |measured / predicted - 1| (tests/runtime/test_memory.py)
 GPT = {"hidden": 32, "heads": 2, "vocab": 64, "seq": 8, "batch": 8}
 # (processes, model arguments, strategy)
 CHECKED: list[tuple[int, dict[str, Any], str]] = [
@@ -77,13 +76,7 @@ def test_interleaved_peak_memory_is_the_predicted_peak() -> None:
     (`planner.pipeline.interleaved_in_flight`)."""
     plan = _plan(2, tuple(sorted(WIDE.items())), "megatron:tp=1,pp=2,dp=1,vp=2,mb=4")
     case = {"id": "vp2", "model": "gpt", "model_kwargs": WIDE, "plan": plan, "regather": None}
-    per_rank = run_workers(measure_cases, 2, ([{**case, "depth": 0}],), timeout_s=120.0)
-    ratios = [r[0]["measured_bytes"] / r[0]["predicted_bytes"] for r in per_rank]
-    assert all(abs(ratio - 1) <= TOLERANCE for ratio in ratios), (
-        f"measured / predicted peak per rank: {[f'{x:.3f}' for x in ratios]} "
-        f"(measured {[int(r[0]['measured_bytes']) for r in per_rank]} bytes, "
-        f"predicted {[int(r[0]['predicted_bytes']) for r in per_rank]})"
-    )
+    assert_predicted_peak(case, 2)
 
 
 @pytest.mark.dist

@@ -19,16 +19,15 @@ import torch
 
 from tests.support.real_models import (
     IGNORE_INDEX,
-    IMAGES,
     TEXT,
     VOCAB,
     LossOf,
     ModelAndInputs,
     _causal_lm,
-    _image_classifier,
     _llama_like,
     _on_default_device,
     _seeded,
+    vit_like,
 )
 
 
@@ -127,19 +126,7 @@ albert = _masked_lm("AlbertConfig", "AlbertForMaskedLM", embedding_size=16, **_E
 electra = _masked_lm("ElectraConfig", "ElectraForMaskedLM", embedding_size=16, **_ENCODER)
 
 
-def deit(batch: int = IMAGES["batch"], seed: int = 0) -> ModelAndInputs:
-    """DeiT: ViT with a distillation token beside the class token."""
-    from transformers import DeiTConfig, DeiTForImageClassification
-
-    config = DeiTConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        image_size=IMAGES["image"], patch_size=4, num_labels=IMAGES["classes"],
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    return _image_classifier(
-        lambda: DeiTForImageClassification(config), batch=batch, image=IMAGES["image"],
-        classes=IMAGES["classes"], seed=seed,
-    )  # fmt: skip
+deit = vit_like("DeiTConfig", "DeiTForImageClassification")  # a distillation token beside CLS
 
 
 WHISPER_MELS = 8

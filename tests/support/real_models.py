@@ -187,18 +187,27 @@ def _image_classifier(
 IMAGES = {"batch": 4, "image": 16, "classes": 8}
 
 
-def vit(batch: int = IMAGES["batch"], seed: int = 0) -> ModelAndInputs:
-    from transformers import ViTConfig, ViTForImageClassification
+def vit_like(config_name: str, model_name: str) -> Callable[..., ModelAndInputs]:
+    """An image-classifier builder of the ViT family: transformers' `config_name` and
+    `model_name` at the suite's tiny ViT shape."""
 
-    config = ViTConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        image_size=IMAGES["image"], patch_size=4, num_labels=IMAGES["classes"],
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    return _image_classifier(
-        lambda: ViTForImageClassification(config), batch=batch, image=IMAGES["image"],
-        classes=IMAGES["classes"], seed=seed,
-    )  # fmt: skip
+    def build(batch: int = IMAGES["batch"], seed: int = 0) -> ModelAndInputs:
+        import transformers
+
+        config = getattr(transformers, config_name)(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            image_size=IMAGES["image"], patch_size=4, num_labels=IMAGES["classes"],
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        return _image_classifier(
+            lambda: getattr(transformers, model_name)(config), batch=batch,
+            image=IMAGES["image"], classes=IMAGES["classes"], seed=seed,
+        )  # fmt: skip
+
+    return build
+
+
+vit = vit_like("ViTConfig", "ViTForImageClassification")
 
 
 RESNET_IMAGE = 8  # the last stage is 1x1: its BatchNorm needs 2 samples (MicroBatchError at 1)

@@ -39,6 +39,7 @@ from autosbp.planner.problem import (
     Prediction,
     bound_mesh,
     build_problem,
+    gather_constraints,
     predict,
     solve_mesh,
 )
@@ -271,7 +272,7 @@ class Evaluator:
 
     def _fits(self, mp: MeshProblem, solution: Solution) -> bool:
         limit = self.request.memory_limit_bytes
-        memory = mp.stage_costs.memory
+        memory = (*mp.stage_costs.memory, *gather_constraints(mp.stage_costs))
         return limit is None or all(c.used_bytes(solution.choice) <= limit for c in memory)
 
     def lp_bound(

@@ -40,6 +40,7 @@ import torch
 
 from autosbp.capturing.graph import OpNode, Role, TensorMeta
 from autosbp.planner.kept import KeptUse
+from autosbp.planner.param_candidates import gathers_in_bucket
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, NdSbp, Split, local_shape
 
@@ -77,8 +78,12 @@ def candidate_bytes(
             return float(local * parameter_bytes_per_element(meta.dtype, optimizer))
         shard = math.prod(local_shape(meta.shape, state, mesh_shape))
         held = 1 if gradient is not None else 2  # ZeRO-2 holds no gradient in p across a step
+        shard_grad = (
+            0 if _grad_is_slot(meta, signature.outputs[0], state, gradient, mesh_shape) else 4
+        )
         return float(
-            local * held * meta.dtype.itemsize + shard * (8 + 4 * OPTIMIZER_STATES[optimizer])
+            local * held * meta.dtype.itemsize
+            + shard * (4 + shard_grad + 4 * OPTIMIZER_STATES[optimizer])
         )
     if role is Role.BUFFER or role is Role.INPUT:
         return local_bytes(attrs.outputs[0], signature.outputs[0], mesh_shape)
@@ -86,6 +91,24 @@ def candidate_bytes(
         return 0.0
     kept = sum(local_bytes(attrs.outputs[o], signature.outputs[o], mesh_shape) for o in outputs)
     return kept + extra_bytes * work_share(attrs, signature, mesh_shape)
+
+
+def _grad_is_slot(
+    meta: TensorMeta,
+    layout: NdSbp,
+    state: NdSbp,
+    gradient: NdSbp | None,
+    mesh_shape: tuple[int, ...],
+) -> bool:
+    """Whether ZeRO-1's fp32 shard gradient is a view of the synced gradient, not a tensor of
+    its own (`runtime.parallel.sharded_update._as_grad`): fp32 training, and the shard a
+    contiguous slot of the piece (`gathers_in_bucket` says so where one mesh dim differs; where
+    more differ the copy is counted: an upper bound)."""
+    return (
+        gradient is None
+        and meta.dtype == torch.float32
+        and gathers_in_bucket(layout, state, meta.shape, mesh_shape)
+    )
 
 
 @functools.lru_cache(maxsize=1 << 16)

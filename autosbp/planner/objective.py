@@ -107,6 +107,8 @@ class StageCosts:
     gather_backward: tuple[Costs, ...] = ()
     compute_backward: tuple[Costs, ...] = ()
     slots: tuple[int, ...] = ()
+    update_memory: tuple[MemoryConstraint, ...] = ()  # at the weight gather: no activations
+    staging: tuple[Costs, ...] = ()  # per candidate, its share of the weight gather's buffer
 
     def hides(self, s: int) -> bool:
         """Does stage s hide parameter communication behind its blocks' compute?"""

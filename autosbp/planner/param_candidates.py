@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from autosbp.boxing.steps import dual_nd_sbp
@@ -31,7 +32,8 @@ from autosbp.sbp import Broadcast, NdSbp, Split, local_shape, split_factors
 
 __all__ = [
     "OPTIMIZER_BYTES_PER_ELEMENT", "OPTIMIZER_FLOPS_PER_ELEMENT", "ParameterPrices",
-    "accumulate_s", "optimizer_s", "parameter_prices", "with_zero_states", "zero_state_layout",
+    "accumulate_s", "gather_staging_bytes", "gathers_in_bucket", "optimizer_s",
+    "parameter_prices", "with_zero_states", "zero_state_layout",
 ]  # fmt: skip
 
 # Adam on an fp32 master copy reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per
@@ -94,6 +96,46 @@ def with_zero_states(
     )
 
 
+def gathers_in_bucket(
+    layout: NdSbp, state_layout: NdSbp, shape: Sequence[int], mesh_shape: Sequence[int]
+) -> bool:
+    """Whether the runtime gathers a parameter's updated shard (in `state_layout`) back into
+    its weight (in `layout`) inside a bucket (`runtime.parallel.weight_gather`): where the
+    layouts differ on one mesh dim d only, splitting tensor dim k there, and every member's
+    shard is a contiguous slot of its weight piece. Inside: no later mesh dim of more than one
+    device splits k in `layout` (pieces are cut in mesh-dim order, so a later cut would cut
+    across d's). Contiguous: every dim of the piece before k holds one element."""
+    differ = [d for d, (a, b) in enumerate(zip(layout, state_layout, strict=True)) if a != b]
+    split = state_layout[differ[0]] if len(differ) == 1 else None
+    if not isinstance(split, Split):
+        return False
+    d, k = differ[0], split.dim
+    for e in range(d + 1, len(layout)):
+        sbp = layout[e]
+        if isinstance(sbp, Split) and sbp.dim == k and mesh_shape[e] > 1:
+            return False
+    piece = local_shape(tuple(shape), layout, tuple(mesh_shape))
+    return all(n == 1 for n in piece[:k])
+
+
+def gather_staging_bytes(
+    meta: TensorMeta,
+    candidates: Sequence[NdSignature],
+    states: Sequence[NdSbp | None],
+    mesh_shape: Sequence[int],
+) -> np.ndarray:
+    """Per candidate, what the parameter takes of a weight-gather bucket's buffer
+    (`runtime.parallel.weight_gather`: its weight piece, every member's slot, in the weight's
+    dtype) where `gathers_in_bucket`, else 0: held only while the bucket gathers, after the
+    optimizer's step."""
+    out = np.zeros(len(candidates))
+    for i, (sig, q) in enumerate(zip(candidates, states, strict=True)):
+        p = sig.outputs[0]
+        if q is not None and gathers_in_bucket(p, q, meta.shape, mesh_shape):
+            out[i] = math.prod(local_shape(meta.shape, p, tuple(mesh_shape))) * meta.dtype.itemsize
+    return out
+
+
 # (src, dst, tensor, bucket bytes) -> seconds: `candidates.BoxingPricer.bucketed_time_s`
 SyncPrice = Callable[[NdSbp, NdSbp, TensorMeta, int], float]
 
@@ -125,9 +167,9 @@ def parameter_prices(
     or None), as `runtime.parallel.sharded_update` runs them: without q, the sync
     dual(p) -> p inside a bucket of `bucket_bytes` and the optimizer on p's shard; ZeRO-1, the
     same bucketed sync (backward may hide it, as DDP's; the shard's gradient is then a slice
-    of the synced one), after backward the all-gather q -> p (one collective per parameter,
-    nothing hidden) and the optimizer on q's shard (as torch's ZeroRedundancyOptimizer over
-    DDP); ZeRO-2, the reduce-scatter dual(p) -> q in every micro-batch's backward, in line
+    of the synced one), after backward the all-gather q -> p (nothing hidden; inside a bucket
+    of `bucket_bytes` where `gathers_in_bucket`, else one collective per parameter) and the
+    optimizer on q's shard; ZeRO-2, the reduce-scatter dual(p) -> q in every micro-batch's backward, in line
     (unbucketed: one collective per parameter as its gradient is made, nothing hidden), the
     adds on q's shard, after the step's backward the all-gather and the optimizer on q's."""
     found = ParameterPrices([], [], [], [])
@@ -138,7 +180,8 @@ def parameter_prices(
         if q is None:
             found.update_s.append(optimizer_s(meta, p, prices, mesh_shape))
         else:
-            gather = sync_price(q, p, meta, 1)
+            bucketed_gather = gathers_in_bucket(p, q, meta.shape, mesh_shape)
+            gather = sync_price(q, p, meta, bucket_bytes if bucketed_gather else 1)
             found.update_s.append(gather + optimizer_s(meta, q, prices, mesh_shape))
         scatter = sync_price(dual_nd_sbp(p), g, meta, 1) if g is not None else 0.0
         found.scatter_s.append(scatter)

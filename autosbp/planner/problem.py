@@ -22,13 +22,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError
 from autosbp.overlap import hidden_gather_s, hidden_sync_s
 from autosbp.planner.candidates import NodeStrategies, Prices
 from autosbp.planner.finite_check import check_step_s
 from autosbp.planner.ilp import bound_or_solve, solve_below
-from autosbp.planner.ilp_problem import Problem, Solution
+from autosbp.planner.ilp_problem import MemoryConstraint, Problem, Solution
 from autosbp.planner.interleaved_cuts import with_cuts
 from autosbp.planner.objective import StageCosts, objective_terms
 from autosbp.planner.pipeline import StageSplit, interleaved_in_flight, split_stages
@@ -129,6 +131,7 @@ def build_problem(
     )
     constraints = (
         tuple(replace(c, name=f"{c.name} memory") for c in stage_costs.memory)
+        + gather_constraints(stage_costs)
         if memory_limit_bytes is not None
         else ()
     )
@@ -264,7 +267,10 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
         timeline.end_s(s % p) + device(update, s) - device(hidden, s)
         for s in range(mp.split.num_stages)
     ]
-    used = [mem.used_bytes(choice) for mem in costs.memory]
+    used = [
+        max(mem.used_bytes(choice), _update_bytes(costs, s, choice))
+        for s, mem in enumerate(costs.memory)
+    ]
     peaks = tuple(device(used, s) for s in range(mp.split.num_stages))
     bubbles = tuple(timeline.bubble_s(s % p) for s in range(mp.split.num_stages))
     gathers = tuple(f + b for f, b in zip(forward_hidden, backward_hidden, strict=True))
@@ -272,6 +278,29 @@ def predict(mp: MeshProblem, solution: Solution) -> Prediction:
     return Prediction(
         max(ends), exposed_fwd, exposed_bwd, send, update, hidden, peaks, bubbles, gathers, sync
     )
+
+
+def gather_constraints(costs: StageCosts) -> tuple[MemoryConstraint, ...]:
+    """The stages' memory at their weight gathers, where some candidate gathers in a bucket
+    (elsewhere the stage's own constraint implies it: the same bytes, and activations)."""
+    return tuple(
+        c
+        for c, staged in zip(costs.update_memory, costs.staging, strict=True)
+        if any(np.any(b) for b in staged.node_costs.values())
+    )
+
+
+def _update_bytes(costs: StageCosts, s: int, choice: dict) -> float:
+    """Stage s's bytes at its weight gather under `choice`: the buffer is the chosen bucketed
+    parameters' pieces, at most one bucket's (where the constraint prices a bucket whatever
+    the choice, its constant)."""
+    if not costs.update_memory:
+        return 0.0
+    mem = costs.update_memory[s]
+    if not mem.constant_bytes:  # exact: the pieces are in its bytes
+        return mem.used_bytes(choice)
+    buffer = min(mem.constant_bytes, costs.staging[s].value(choice))
+    return mem.used_bytes(choice) - mem.constant_bytes + buffer
 
 
 def gathers_hidden(costs: StageCosts, choice: dict) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -27,10 +27,11 @@ from collections import Counter
 import numpy as np
 
 from autosbp.capturing.graph import OpNode, Role
-from autosbp.overlap import PREFETCH_BLOCKS, sync_buckets
+from autosbp.overlap import GRAD_BUCKET_BYTES, PREFETCH_BLOCKS, sync_buckets
 from autosbp.planner.candidates import NodeStrategies, Prices
 from autosbp.planner.ilp_problem import Costs, MemoryConstraint
 from autosbp.planner.objective import StageCosts
+from autosbp.planner.param_candidates import gather_staging_bytes
 from autosbp.planner.pipeline import in_flight, recomputed
 from autosbp.sbp import Mesh, local_shape
 
@@ -52,6 +53,9 @@ class StageTerms:
             [_Acc() for _ in blocks] for _ in range(5)
         )
         self.memory = [_Acc(sparse=True) for _ in blocks]
+        # At the weight gather, after the step: what is held but activations, and the
+        # gather's buffer (`param_candidates.gather_staging_bytes`, at most one bucket's)
+        self.update_memory, self.staging = [_Acc() for _ in blocks], [_Acc() for _ in blocks]
         self.gather_forward, self.compute_forward, self.gather_backward, self.compute_backward = (
             [_Acc() for _ in blocks] for _ in range(4)
         )
@@ -88,7 +92,14 @@ class StageTerms:
                 if recomputed(priced.graph, r, recompute):  # one run rematerialized at a time
                     self.memory[s].transient(r, priced.rematerialized_bytes(r, recompute))
             else:
-                self.memory[s].node(r, n * priced.kept_bytes(r, optimizer, recompute))
+                held = n * priced.kept_bytes(r, optimizer, recompute)
+                self.memory[s].node(r, held)
+                self.update_memory[s].node(r, held)
+                if attrs.role is Role.PARAMETER:
+                    meta, mesh_shape = attrs.outputs[0], priced.mesh.shape
+                    states = found.state or (None,) * len(found.candidates)
+                    staging = gather_staging_bytes(meta, found.candidates, states, mesh_shape)
+                    self.staging[s].node(r, n * staging)
 
     def _add_parameter(
         self, r: str, s: int, n: int, found: NodeStrategies, micro_batches: int
@@ -175,7 +186,26 @@ class StageTerms:
             ),
             kinds, costs(self.gather_forward), costs(self.compute_forward),
             costs(self.gather_backward), costs(self.compute_backward), slots,
+            tuple(self._update_memory(s, sizes, limit) for s in range(self.num_stages)),
+            costs(self.staging),
         )  # fmt: skip
+
+    def _update_memory(self, s: int, sizes: dict[str, int], limit: float) -> MemoryConstraint:
+        """Stage s's bytes at its weight gather: what is held but activations, and the gather's
+        buffer, which is the chosen bucketed parameters' pieces up to one bucket
+        (`overlap.GRAD_BUCKET_BYTES`). Where all of them fit in one bucket, each candidate's
+        piece (exact); else one bucket's bytes, whatever the choice (a constant: the ILP stays
+        linear, and it is at most a bucket too many)."""
+        held, staged = (
+            self.update_memory[s].memory_bytes(sizes),
+            self.staging[s].memory_bytes(sizes),
+        )
+        most = sum(float(np.max(b)) for b in staged.values() if len(b))
+        name = f"stage {s} update"
+        if most <= GRAD_BUCKET_BYTES:
+            exact = {r: held[r] + staged[r] for r in sizes}
+            return MemoryConstraint(exact, limit, name=name)
+        return MemoryConstraint(held, limit, constant_bytes=float(GRAD_BUCKET_BYTES), name=name)
 
     def least_bytes(self, sizes: dict[str, int]) -> float:
         """The fewest bytes of the tightest stage, from its nodes alone."""

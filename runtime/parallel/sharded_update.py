@@ -16,11 +16,13 @@ Invariants:
   gradient is converted p -> q (a local slice where q only splits what p replicates) into the
   gradient of the shard (the parameter's own gradient stays, a view of its bucket: the
   planner counts it held), the optimizer steps the shard (an fp32 tensor of its own in q:
-  the master copy), and the shard is converted q -> p (an all-gather) into the parameter:
-  one collective per parameter after the step, in graph order on every rank of the stage,
-  each issued without waiting for the previous (as ZeroRedundancyOptimizer's broadcasts) and
-  all waited for before the step returns: nothing hidden behind compute, as the planner prices
-  it (`param_candidates.parameter_prices`). Where the shard is a contiguous slot of the synced
+  the master copy), and the shard is converted q -> p (an all-gather) into the parameter
+  after the step: where every member's shard is a contiguous slot of the piece (`_member_slots`:
+  q splits one mesh dim more, on the piece's first dims), in buckets of the plan's
+  `grad_bucket_bytes` (`runtime.parallel.weight_gather`: a parameter pays its share of its
+  bucket's collective); else one collective per parameter, in graph order on every rank of the
+  stage, each issued without waiting for the previous; all done before the step returns:
+  nothing hidden behind compute, as the planner prices it (`param_candidates.parameter_prices`). Where the shard is a contiguous slot of the synced
   gradient, its gradient is that slot itself (no copy per step).
 - ZeRO-2 (the plan's `gradient_sbp` is q): the gradient is not held in p. As autograd
   finishes a parameter's gradient of a micro-batch (a post-accumulate-grad hook), it is
@@ -43,7 +45,7 @@ all-gather of the updated parameters).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +55,7 @@ from autosbp.boxing.steps import dual_nd_sbp, local_box
 from autosbp.sbp import Mesh, NdSbp, Partial
 from runtime.execute.collectives import group_ranks
 from runtime.execute.instructions import Boxer, TensorFn
+from runtime.parallel.weight_gather import GatherBucket, GatheredParam, gather_buckets
 
 __all__ = ["ShardedUpdate", "build_sharded_update"]
 
@@ -64,8 +67,9 @@ class _Sharded:
     param: torch.Tensor  # this rank's piece of the weight, in p
     shard: torch.Tensor  # the optimizer's tensor, in q
     to_shard: TensorFn  # dual(p) -> q: the gradient (may be a view of its input)
-    # q -> p: the updated shard written into `param`; returns the collectives still in flight
-    to_param: Callable[[torch.Tensor], list[dist.Work]]
+    # q -> p: the updated shard written into `param`; returns the collectives still in flight.
+    # None where a bucket of `weight_gather` writes it.
+    to_param: Callable[[torch.Tensor], list[dist.Work]] | None
     in_backward: bool  # ZeRO-2: the gradient converted as backward makes it (`_scatter_now`)
     # ZeRO-1: p -> q of the gradient `grad_sync` synced (ZeRO-2: unused, `to_shard` runs)
     slice_synced: TensorFn
@@ -74,8 +78,15 @@ class _Sharded:
 class ShardedUpdate:
     """The parameters of this rank's stage whose optimizer states lie in another layout."""
 
-    def __init__(self, sharded: Mapping[str, _Sharded], layouts: Mapping[str, NdSbp]) -> None:
+    def __init__(
+        self,
+        sharded: Mapping[str, _Sharded],
+        layouts: Mapping[str, NdSbp],
+        buckets: Sequence[GatherBucket] = (),
+    ) -> None:
         self._sharded = dict(sharded)
+        self._buckets = tuple(buckets)  # the bucketed gathers, in graph order
+        self._broadcast = dist.get_backend() == "gloo"
         self.layouts = dict(layouts)  # name -> the layout of the tensor the optimizer steps
         for entry in self._sharded.values():
             if entry.in_backward:
@@ -124,13 +135,17 @@ class ShardedUpdate:
                 entry.shard.grad = _as_grad(piece, entry.shard)
 
     def gather_weights(self) -> None:
-        """After the optimizer's step: each updated shard converted back into its parameter, in
-        graph order, each conversion's collectives issued without waiting for the previous
-        (as ZeroRedundancyOptimizer's broadcasts), all waited for before returning."""
+        """After the optimizer's step: the updated shards converted back into their
+        parameters, the buckets' (`weight_gather`) first, bucket by bucket in graph order, then
+        every other in graph order, each conversion's collectives issued without waiting for
+        the previous, all waited for before returning."""
         works: list[dist.Work] = []
         with torch.no_grad():
+            for bucket in self._buckets:
+                bucket.gather(self._broadcast)
             for entry in self._sharded.values():
-                works += entry.to_param(entry.shard)
+                if entry.to_param is not None:
+                    works += entry.to_param(entry.shard)
             for work in works:
                 work.wait()
 
@@ -177,6 +192,7 @@ def build_sharded_update(
     state_layouts: Mapping[str, NdSbp],
     shapes: Mapping[str, tuple[int, ...]],
     boxer: Boxer,
+    bucket_bytes: int,
     in_backward: frozenset[str] = frozenset(),
 ) -> ShardedUpdate:
     """This rank's `ShardedUpdate` for its stage's `parameters` (name -> local piece in
@@ -184,6 +200,7 @@ def build_sharded_update(
     of `in_backward` in them too (ZeRO-2). A collective over the stage's ranks (the first
     shards are cut by conversion), in graph order."""
     sharded: dict[str, _Sharded] = {}
+    bucketed: list[tuple[GatheredParam, dist.ProcessGroup]] = []
     for name, param in parameters.items():
         p, q = layouts[name], state_layouts[name]
         if p == q:
@@ -192,13 +209,22 @@ def build_sharded_update(
         with torch.no_grad():
             first = boxer.chain(p, q, shape, param.dtype)(param.detach())
         shard = first.to(torch.float32, copy=True).requires_grad_(True)
-        to_shard, to_param = _conversions(param, p, q, shape, boxer)
+        slots = _member_slots(param, p, q, shape, boxer)
+        if slots is None:
+            to_shard, to_param = _conversions(param, p, q, shape, boxer)
+        else:
+            to_shard, to_param = _scatter(param, p, q, shape, boxer), None
+            group = boxer.groups.get(_members(boxer, p, q))
+            at = dict(slots)
+            ordered = tuple(at[m] for m in dist.get_process_group_ranks(group))
+            bucketed.append((GatheredParam(param, shard, ordered), group))
         slot = _slot(p, q, shape, boxer.mesh, boxer.mesh.device_ids.index(dist.get_rank()))
         slice_synced = boxer.chain(p, q, shape, param.dtype) if slot is None else _view(slot)
         sharded[name] = _Sharded(
             param, shard, to_shard, to_param, name in in_backward, slice_synced
         )
-    return ShardedUpdate(sharded, {name: state_layouts[name] for name in parameters})
+    layouts_stepped = {name: state_layouts[name] for name in parameters}
+    return ShardedUpdate(sharded, layouts_stepped, gather_buckets(bucketed, bucket_bytes))
 
 
 def _view(slot: tuple[slice, ...]) -> TensorFn:
@@ -223,19 +249,34 @@ def _slot(
     return found
 
 
+def _scatter(
+    param: torch.Tensor, p: NdSbp, q: NdSbp, shape: tuple[int, ...], boxer: Boxer
+) -> TensorFn:
+    """The gradient's conversion dual(p) -> q. With NCCL, a reduce-scatter. With gloo, whose
+    reduce_scatter_tensor allocates three buffers the size of the whole tensor per call
+    (measured, torch 2.13's ProcessGroupGloo: unpriced transients that set the peak), the same
+    sum as an in-place all-reduce (the sync data parallelism runs) and this rank's slot of it
+    taken (a view), wherever the shard is a slot of the parameter's piece (`_slot`)."""
+    mesh = boxer.mesh
+    slot = _slot(p, q, shape, mesh, mesh.device_ids.index(dist.get_rank()))
+    if dist.get_backend() != "gloo" or slot is None:
+        return boxer.chain(dual_nd_sbp(p), q, shape, param.dtype)
+    reduce = boxer.chain(dual_nd_sbp(p), p, shape, param.dtype, donate=True)
+    return lambda grad: reduce(grad)[slot]
+
+
 def _conversions(
     param: torch.Tensor, p: NdSbp, q: NdSbp, shape: tuple[int, ...], boxer: Boxer
 ) -> tuple[TensorFn, Callable[[torch.Tensor], list[dist.Work]]]:
-    """The gradient's conversion dual(p) -> q and the updated shard's q -> p into `param`.
-    With NCCL, a reduce-scatter and an all-gather. With gloo, whose reduce_scatter_tensor and
-    all_gather_into_tensor allocate three buffers the size of the whole tensor per call
-    (measured, torch 2.13's ProcessGroupGloo: unpriced transients that set the peak), the same
-    sums as in-place all-reduces: the gradient summed in place (the sync data parallelism
-    runs) and this rank's slot of it taken (a view); the shard written into its slot of the
-    zeroed parameter and the slots summed in place (exact: each element is one rank's value
-    plus zeros), wherever the shard is a slot of the parameter's piece (`_slot`)."""
+    """The gradient's conversion dual(p) -> q (`_scatter`) and, for a parameter no bucket of
+    `weight_gather` takes, the updated shard's q -> p into `param`: with NCCL an all-gather;
+    with gloo, whose all_gather_into_tensor allocates three buffers the size of the whole
+    tensor per call, the shard written into its slot of the zeroed parameter and the slots
+    summed by an in-place all-reduce (exact: each element is one rank's value plus zeros),
+    wherever the shard is a slot of the parameter's piece (`_slot`)."""
     mesh = boxer.mesh
     slot = _slot(p, q, shape, mesh, mesh.device_ids.index(dist.get_rank()))
+    to_shard = _scatter(param, p, q, shape, boxer)
     if dist.get_backend() != "gloo" or slot is None:
         gather = boxer.chain(q, p, shape, torch.float32)
 
@@ -243,21 +284,12 @@ def _conversions(
             param.copy_(gather(shard))
             return []
 
-        return boxer.chain(dual_nd_sbp(p), q, shape, param.dtype), copy_gathered
+        return to_shard, copy_gathered
     where = slot
-    reduce = boxer.chain(dual_nd_sbp(p), p, shape, param.dtype, donate=True)
     slots = tuple(Partial() if a != b else a for a, b in zip(p, q, strict=True))
     sum_slots = boxer.chain(slots, p, shape, param.dtype, donate=True)
-    sent = _broadcasts(param, p, q, shape, boxer)
-    group = boxer.groups.get(_members(boxer, p, q)) if sent is not None else None
 
     def write(shard: torch.Tensor) -> list[dist.Work]:
-        if sent is not None:  # each member's slot broadcast into every member's parameter
-            param[where].copy_(shard)
-            return [
-                dist.broadcast(param[at], src=member, group=group, async_op=True)
-                for member, at in sent
-            ]
         param.zero_()
         param[where].copy_(shard)
         out = sum_slots(param)
@@ -265,7 +297,7 @@ def _conversions(
             param.copy_(out)
         return []
 
-    return lambda grad: reduce(grad)[where], write
+    return to_shard, write
 
 
 def _members(boxer: Boxer, p: NdSbp, q: NdSbp) -> tuple[int, ...]:
@@ -275,14 +307,13 @@ def _members(boxer: Boxer, p: NdSbp, q: NdSbp) -> tuple[int, ...]:
     return group_ranks(mesh, d, mesh.coords(mesh.device_ids.index(dist.get_rank())))
 
 
-def _broadcasts(
+def _member_slots(
     param: torch.Tensor, p: NdSbp, q: NdSbp, shape: tuple[int, ...], boxer: Boxer
 ) -> list[tuple[int, tuple[slice, ...]]] | None:
     """(member rank, its slot in the parameter's piece) per member of the group q splits over,
     where q differs from p on one mesh dim and every slot is a contiguous view (a split of
-    the piece's first dim): the gather as one broadcast per member into the parameter itself,
-    the bytes of an all-gather and no buffer (measured: gloo's broadcast allocates none).
-    Else None."""
+    the piece's first dims): the parameters a bucket of `weight_gather` gathers (the planner
+    prices them so: `param_candidates.gathers_in_bucket`). Else None."""
     mesh = boxer.mesh
     dims = [d for d, (a, b) in enumerate(zip(p, q, strict=True)) if a != b]
     if len(dims) != 1:

@@ -74,7 +74,17 @@ def test_bytes_are_zero_s_count(devices: int) -> None:
         gradient=parse_nd_sbp("S(0)"),
     )  # fmt: skip
     assert whole == 16 * n  # value, gradient, Adam's two states: 4 bytes each
-    assert split == 8 * n + (8 + 4 + 4) * n / devices
+    # ZeRO-1 in fp32 with the shard a contiguous slot: the shard's gradient is a view of the
+    # synced one (no bytes of its own); the master copy and Adam's states on the shard
+    assert split == 8 * n + (4 + 4 + 4) * n / devices
+    bf16 = candidate_bytes(
+        OpNode(op="placeholder", role=Role.PARAMETER, outputs=(TensorMeta((64, 16), torch.bfloat16),), name="w"),
+        sig, (devices,), optimizer="adam", state=parse_nd_sbp("S(0)"),
+    )  # fmt: skip
+    assert bf16 == 4 * n + (8 + 4 + 4) * n / devices  # a bf16 gradient: the shard's is a copy
+    not_slot = candidate_bytes(node, sig, (devices,), optimizer="adam", state=parse_nd_sbp("S(1)"))
+    assert not_slot == 8 * n + (8 + 4 + 4) * n / devices  # S(1): a strided slot, copied
+    # ZeRO-2: the gradient in the shard's layout only, fp32, beside the master copy
     assert grads == 4 * n + (8 + 4 + 4) * n / devices
 
 

@@ -34,8 +34,10 @@ WORKER_TIMEOUT_S = 120.0
 # per-tensor loop would add two temporaries the size of the parameter it updates).
 # The distributed optimizer (`runtime.parallel.sharded_update`): Adam's states split over data
 # parallelism (ZeRO-1), and the gradients too (ZeRO-2: reduce-scattered as backward makes them),
-# weights replicated; gpt-wide on 2 processes. Measured 0.950 / 0.950 (ZeRO-1) and 0.953-0.980
-# (ZeRO-2) per rank, the same in every run. Before gloo's conversions ran as in-place
+# weights replicated; gpt-wide on 2 processes. Measured 1.000 per rank (ZeRO-1 and ZeRO-2: the
+# peak is at the weight gather, the states and one bucket's buffer, `runtime.parallel.
+# weight_gather`, as the planner prices it), the same in 3 runs; 0.950 and 0.953 before the
+# gather was bucketed and the shard's gradient counted as the view it is. Before gloo's conversions ran as in-place
 # all-reduces, its reduce_scatter_tensor / all_gather_into_tensor allocated three buffers the
 # size of the parameter per call and ZeRO-1 measured 0.976-1.186, run to run.
 CASES: list[tuple[int, str, str]] = [

@@ -13,6 +13,8 @@ check must catch, patched into this process only (never into the code under test
   the weights (`ShardedUpdate.gather_weights` does nothing): the weights miss the update;
 - `no-accumulate`: ZeRO-2's hook puts each micro-batch's reduce-scattered gradient in the
   shard's instead of adding it: with micro-batches, the shards keep the last one's only.
+And one variant that is not a bug (`ALL_GATHER`): the weight-gather buckets exchanged by one
+all-gather, as on backends other than gloo (`runtime.parallel.weight_gather`), here on gloo.
 Lives elsewhere: the cases and what they must show (tests/runtime/test_check.py).
 """
 
@@ -30,6 +32,7 @@ from runtime.engine import Engine
 from runtime.jobs import TrainSpec, train_worker
 from runtime.parallel.grad_sync import GradSync
 from runtime.parallel.sharded_update import ShardedUpdate
+from runtime.parallel.weight_gather import GatherBucket
 from runtime.verify.verdict import StepCheck
 
 SCALE = 1 + 1e-3  # grad-scale's factor: the smallest error the issue asks the check to catch
@@ -106,6 +109,14 @@ def _no_gather() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _all_gather_buckets() -> Iterator[None]:
+    gather = GatherBucket.gather
+    with mock.patch.object(GatherBucket, "gather", lambda self, broadcast: gather(self, False)):
+        yield
+
+
+ALL_GATHER = "all-gather-buckets"
 FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "none": contextlib.nullcontext,
     "grad-scale": _grad_scale,
@@ -113,6 +124,7 @@ FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "sync-twice": _sync_twice,
     "no-gather": _no_gather,
     "no-accumulate": _no_accumulate,
+    ALL_GATHER: _all_gather_buckets,
 }
 
 

@@ -1,0 +1,119 @@
+"""The distributed optimizer's weight gather, bucketed: after the step, the updated shards of
+many parameters go back into every member's weights in a few collectives instead of one (or
+one per member) per parameter.
+
+Lives here: `GatherBucket` (parameters whose shards are contiguous slots of their weight
+pieces, over one group, in graph order up to the plan's bucket bytes) and `gather_buckets`
+(the buckets of a stage's sharded parameters). Lives elsewhere: which parameters are sharded,
+their shards and the other gathers (`runtime.parallel.sharded_update`); the price
+(`autosbp.planner.param_candidates.gathers_in_bucket`, `parameter_prices`).
+
+How a bucket gathers: one flat buffer in the weights' dtype, in regions of equal size, one per
+member in the group's rank order; region k holds member k's slots of every parameter of the
+bucket, one after another in bucket order. This rank writes its shards into its region, the
+regions are exchanged (gloo: one broadcast per member, which allocates nothing; other
+backends: one in-place all-gather into the buffer, which is the same layout), and every
+member's slot is copied out into the parameter. A parameter pays its bytes' share of its
+bucket's collective, as the gradient sync's buckets (`runtime.parallel.grad_sync`).
+
+Invariants: every rank of a group builds the same buckets in the same order (graph order, the
+same program), and gathers them in that order; one bucket's buffer is alive at a time (a
+transient of at most the bucket bytes, held only during the gather, and freed when it ends); the values written are
+the shards' cast to the weight's dtype, as the unbucketed gather writes them.
+Reference: Megatron-LM's distributed optimizer (megatron/core/distributed/param_and_grad_buffer.py:
+the updated parameters all-gathered bucket by bucket); torch DDP's bucketing (Li et al. 2020).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GatherBucket", "GatheredParam", "gather_buckets"]
+
+Slot = tuple[slice, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GatheredParam:
+    """One parameter of a bucket: its weight piece, this rank's updated shard, and each
+    member's slot of the piece (in `members` order); every slot has the shard's element count
+    and is contiguous."""
+
+    param: torch.Tensor
+    shard: torch.Tensor
+    slots: tuple[Slot, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.shard.numel()
+
+
+@dataclass(slots=True)
+class GatherBucket:
+    """Parameters gathered over one group with one exchange of a flat buffer."""
+
+    group: dist.ProcessGroup
+    members: tuple[int, ...]  # global ranks, in the group's rank order
+    dtype: torch.dtype
+    params: list[GatheredParam] = field(default_factory=list)
+
+    @property
+    def region_numel(self) -> int:
+        """Elements of one member's region: its slots of every parameter."""
+        return sum(p.numel for p in self.params)
+
+    def gather(self, broadcast: bool) -> None:
+        """This rank's shards into every member's weights (`broadcast`: one broadcast per
+        member, else one all-gather); returns when they are written."""
+        region, own = self.region_numel, self.members.index(dist.get_rank())
+        flat = torch.empty(region * len(self.members), dtype=self.dtype)
+        regions = flat.split(region)
+        offset = 0
+        for p in self.params:  # this rank's shards, cast to the weights' dtype
+            regions[own][offset : offset + p.numel].view_as(p.shard).copy_(p.shard)
+            offset += p.numel
+        if broadcast:
+            works = [
+                dist.broadcast(regions[k], src=m, group=self.group, async_op=True)
+                for k, m in enumerate(self.members)
+            ]
+        else:
+            works = [dist.all_gather_into_tensor(flat, regions[own], self.group, async_op=True)]
+        for work in works:
+            assert work is not None
+            work.wait()
+        offset = 0
+        for p in self.params:
+            for slot, piece in zip(p.slots, regions, strict=True):
+                target = p.param[slot]
+                target.copy_(piece[offset : offset + p.numel].view(target.shape))
+            offset += p.numel
+        # Freed here, not when the last reference goes: a collective's work may hold the buffer
+        # on gloo's worker thread after the wait, and free it there at some later time.
+        flat.untyped_storage().resize_(0)
+
+
+def gather_buckets(
+    entries: Sequence[tuple[GatheredParam, dist.ProcessGroup]], bucket_bytes: int
+) -> list[GatherBucket]:
+    """`entries` (in graph order, each with the group it gathers over) dealt into buckets:
+    a parameter joins the open bucket of its group and dtype unless its weight piece would
+    take the bucket's buffer past `bucket_bytes`, else it opens one (a parameter larger than
+    the cap has a bucket of its own)."""
+    buckets: list[GatherBucket] = []
+    open_buckets: dict[tuple[tuple[int, ...], torch.dtype], GatherBucket] = {}
+    for param, group in entries:
+        members = tuple(dist.get_process_group_ranks(group))
+        key = (members, param.param.dtype)
+        bucket = open_buckets.get(key)
+        size = param.param.element_size() * len(members)
+        if bucket is None or size * (bucket.region_numel + param.numel) > bucket_bytes:
+            bucket = GatherBucket(group, members, param.param.dtype)
+            open_buckets[key] = bucket
+            buckets.append(bucket)
+        bucket.params.append(param)
+    return buckets

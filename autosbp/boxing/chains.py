@@ -53,6 +53,7 @@ from autosbp.sbp import (
     Sbp,
     as_nd_sbp,
     check_nd_sbp,
+    divisibility_shape,
     format_nd_sbp,
 )
 
@@ -174,17 +175,9 @@ def _decode(codes: Code) -> NdSbp:
 
 def canonical_shape(shape: tuple[int, ...], *meshes: Mesh) -> tuple[int, ...]:
     """A shape whose dims are divisible by the same products of mesh dim sizes as `shape`'s (the
-    only divisors the search asks about): per dim, the lcm of those products that divide it. On a
+    only divisors the search asks about; `sbp.divisibility_shape` over every mesh's dims). On a
     128x8 mesh, dims of 768 and 1536 both become 128, so one search serves both."""
-    return _canonical_shape(tuple(shape), tuple(n for mesh in meshes for n in mesh.shape))
-
-
-@lru_cache(maxsize=65536)  # profiled: ~7e4 calls per GPT-3 search, on far fewer shapes
-def _canonical_shape(shape: tuple[int, ...], mesh_sizes: tuple[int, ...]) -> tuple[int, ...]:
-    products = {1}  # of every subset of the mesh dims: the group sizes a dim can be split over
-    for n in mesh_sizes:
-        products |= {p * n for p in products}
-    return tuple(math.lcm(*(p for p in products if n % p == 0)) for n in shape)
+    return divisibility_shape(tuple(shape), tuple(n for mesh in meshes for n in mesh.shape))
 
 
 def _make_hops(

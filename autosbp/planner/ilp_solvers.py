@@ -219,7 +219,7 @@ class LinearProgram:
             equal_bounds.append(np.zeros(nu + nv))
             rows += nu + nv
             columns += len(i)
-        self._ub: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._ub: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # each block one row
         bounds: list[float] = []
         for mem in problem.memory:  # scaled by the limit, as for the MIP
             per_byte = 1.0 / max(abs(mem.limit_bytes), 1.0)
@@ -295,23 +295,33 @@ class LinearProgram:
         """`rows()` in compressed sparse column form (indptr, row indices, values; int32 for
         HiGHS): the entries counted into rows, then into columns (scipy's two O(nnz) kernels),
         which keeps each column's rows in order: the arrays scipy's CSR build, stack and CSC
-        conversion give (no entry twice, so nothing to sum), at half their time (those took 5
-        of a GPT-3 search's 60 profiled CPU seconds, most of it sorting each row)."""
-        equal = len(self.equal_bounds)
-        below = [r for r, _, _ in self._ub]  # the upper rows follow the equalities
-        upper = np.concatenate(below) + equal if below else np.zeros(0, dtype=np.int64)
-        row = np.concatenate([*(r for r, _, _ in self._eq), upper]).astype(np.int32)
-        col, value = (np.concatenate([e[k] for e in self._eq + self._ub]) for k in (1, 2))
-        rows = equal + (len(self.upper_bounds) if self.upper_bounds is not None else 0)
-        nnz, col, value = len(row), col.astype(np.int32), value.astype(float)
-        row_at, cols, by_row = np.empty(rows + 1, np.int32), np.empty(nnz, np.int32), np.empty(nnz)
-        _sparsetools.coo_tocsr(rows, self.size, nnz, row, col, value, row_at, cols, by_row)
-        indptr, indices, data = (
-            np.empty(self.size + 1, np.int32),
-            np.empty_like(cols),
-            np.empty(nnz),
+        conversion give (no entry twice, so nothing to sum), at a fraction of their time. An
+        upper block holds one row (`_ub`), so those rows are their blocks in a stable order by
+        row, as counting them gives (the max terms' rows, most of a GPT-3 LP's entries)."""
+        equal, size = len(self.equal_bounds), self.size
+        below = len(self.upper_bounds) if self.upper_bounds is not None else 0
+        row, col, value = (
+            np.concatenate([e[k] for e in self._eq] or [np.zeros(0)]) for k in range(3)
         )
-        _sparsetools.csr_tocsc(rows, self.size, row_at, cols, by_row, indptr, indices, data)
+        n_eq = len(row)
+        row_at, cols, by_row = (
+            np.empty(equal + below + 1, np.int32),
+            np.empty(n_eq, np.int32),
+            np.empty(n_eq),
+        )
+        _sparsetools.coo_tocsr(equal, size, n_eq, row.astype(np.int32), col.astype(np.int32),
+                               value.astype(float), row_at[: equal + 1], cols, by_row)  # fmt: skip
+        blocks = sorted((b for b in self._ub if len(b[0])), key=lambda b: int(b[0][0]))
+        counts = np.zeros(below, dtype=np.int64)
+        for r, _, _ in blocks:
+            assert r[0] == r[-1], "an upper block spans rows"
+            counts[r[0]] += len(r)
+        row_at[equal + 1 :] = n_eq + np.cumsum(counts)
+        cols = np.concatenate([cols, *(c for _, c, _ in blocks)]).astype(np.int32, copy=False)
+        by_row = np.concatenate([by_row, *(v for _, _, v in blocks)]).astype(float, copy=False)
+        nnz = len(cols)
+        indptr, indices, data = np.empty(size + 1, np.int32), np.empty(nnz, np.int32), np.empty(nnz)
+        _sparsetools.csr_tocsc(equal + below, size, row_at, cols, by_row, indptr, indices, data)
         return indptr, indices, data
 
     def row_bounds(self) -> tuple[np.ndarray, np.ndarray]:

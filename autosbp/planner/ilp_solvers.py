@@ -202,11 +202,14 @@ class LinearProgram:
             self._eq.append((np.full(n, row), self._x_cols[v], np.ones(n)))
         equal_bounds = [np.ones(rows)]
         self.y_at: dict[tuple[Key, Key], tuple[int, np.ndarray, np.ndarray]] = {}
+        # per edge, (i * nv + j, its matrix's shape): a part row gathers its pairs in one take
+        self._y_flat: dict[tuple[Key, Key], tuple[np.ndarray, tuple[int, int]]] = {}
         for (u, v), matrix in problem.edge_costs.items():
             nu, nv = self.x_at[u][1], self.x_at[v][1]
             i, j = np.nonzero(np.isfinite(matrix))
             y = columns + np.arange(len(i))
             self.y_at[(u, v)] = (columns, i, j)
+            self._y_flat[(u, v)] = (i * nv + j, (nu, nv))
             costs.append(matrix[i, j])
             upper.append(np.ones(len(i)))
             # sum_j y[i, j] - x[u, i] = 0, then sum_i y[i, j] - x[v, j] = 0
@@ -271,9 +274,10 @@ class LinearProgram:
             values.append(np.asarray(c, dtype=float))
         for edge, matrix in part.edge_costs.items():
             assert edge in self.y_at, f"max term edge {edge} is not an edge of the problem"
-            _, i, j = self.y_at[edge]
             cols.append(self._y_cols[edge])
-            values.append(matrix[i, j])
+            flat, shape = self._y_flat[edge]
+            assert np.shape(matrix) == shape, f"max term edge {edge}: a matrix of another shape"
+            values.append(np.ravel(matrix)[flat])  # matrix[i, j], a quarter of its time
         col = np.concatenate(cols) if cols else np.zeros(0, dtype=int)
         value = np.concatenate(values) if values else np.zeros(0)
         return np.full(len(col), row), col, value

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -146,12 +146,16 @@ class BoxingPricer:
         distinct: dict[tuple, int] = {}
         chains: list[list[int]] = []
         forbidden = []
+        known = self._chains.get(plan.chain_key, {})  # `_planned`'s own, read without a call
         for k, (src, dst) in enumerate(pairs):
-            planned = () if src == dst else self._planned(src, dst, *plan.planning)
-            if planned is None:
+            found = ((), 0) if src == dst else known.get((src, dst), _UNPLANNED)
+            if found is _UNPLANNED:
+                found = self._planned(src, dst, *plan.planning)
+                known = self._chains[plan.chain_key]
+            if found is None:
                 forbidden.append(k)
-                planned = ()
-            chain_steps, planned_bytes = planned or ((), 0)
+                found = ((), 0)
+            chain_steps, planned_bytes = cast(tuple[tuple[StepPrice, ...], int], found)
             chains.append(
                 [distinct.setdefault((kind, message, planned_bytes, group, link), len(distinct))
                  for kind, message, group, link in chain_steps]

@@ -202,14 +202,12 @@ class LinearProgram:
             self._eq.append((np.full(n, row), self._x_cols[v], np.ones(n)))
         equal_bounds = [np.ones(rows)]
         self.y_at: dict[tuple[Key, Key], tuple[int, np.ndarray, np.ndarray]] = {}
-        # per edge, (i * nv + j, its matrix's shape): a part row gathers its pairs in one take
-        self._y_flat: dict[tuple[Key, Key], tuple[np.ndarray, tuple[int, int]]] = {}
+        self._y_flat: dict[tuple[Key, Key], tuple[np.ndarray, tuple[int, int]]] = {}  # `_flat`
         for (u, v), matrix in problem.edge_costs.items():
             nu, nv = self.x_at[u][1], self.x_at[v][1]
             i, j = np.nonzero(np.isfinite(matrix))
             y = columns + np.arange(len(i))
             self.y_at[(u, v)] = (columns, i, j)
-            self._y_flat[(u, v)] = (i * nv + j, (nu, nv))
             costs.append(matrix[i, j])
             upper.append(np.ones(len(i)))
             # sum_j y[i, j] - x[u, i] = 0, then sum_i y[i, j] - x[v, j] = 0
@@ -275,12 +273,22 @@ class LinearProgram:
         for edge, matrix in part.edge_costs.items():
             assert edge in self.y_at, f"max term edge {edge} is not an edge of the problem"
             cols.append(self._y_cols[edge])
-            flat, shape = self._y_flat[edge]
+            flat, shape = self._flat(edge)
             assert np.shape(matrix) == shape, f"max term edge {edge}: a matrix of another shape"
             values.append(np.ravel(matrix)[flat])  # matrix[i, j], a quarter of its time
         col = np.concatenate(cols) if cols else np.zeros(0, dtype=int)
         value = np.concatenate(values) if values else np.zeros(0)
         return np.full(len(col), row), col, value
+
+    def _flat(self, edge: tuple[Key, Key]) -> tuple[np.ndarray, tuple[int, int]]:
+        """An edge's pairs (`y_at`) as flat indices i * nv + j of its matrix, and the matrix's
+        shape (cached): a part row gathers them in one take."""
+        found = self._y_flat.get(edge)
+        if found is None:
+            _, i, j = self.y_at[edge]
+            shape = (self.x_at[edge[0]][1], self.x_at[edge[1]][1])
+            found = self._y_flat[edge] = (i * shape[1] + j, shape)
+        return found
 
     def equal_rows(self) -> sparse.csr_matrix:
         return _sparse(self._eq, len(self.equal_bounds), self.size)

@@ -40,6 +40,7 @@ from autosbp.boxing.steps import (
     cross_transfers,
     hop_bytes,
     hop_kind,
+    hop_pieces,
     hop_size,
     later_split_dims,
     make_hop,
@@ -53,6 +54,7 @@ from autosbp.sbp import (
     Sbp,
     as_nd_sbp,
     check_nd_sbp,
+    divisibility_shape,
     format_nd_sbp,
 )
 
@@ -116,13 +118,31 @@ def price_boxing(
     _check_partial_ops(nd_src, nd_dst)
     hops = _chain_same(_encode(nd_src), _encode(nd_dst), canonical_shape(shape, mesh), mesh.shape)
     nbytes = math.prod(shape) * dtype.itemsize
-    prices = []
+    return tuple(
+        (
+            kind,
+            0 if kind is StepKind.LOCAL else nbytes // pieces // per,
+            group,
+            mesh.link_classes[d],
+        )
+        for kind, pieces, per, group, d in _hop_sizes(hops, mesh.shape)
+    )
+
+
+@lru_cache(maxsize=16384)
+def _hop_sizes(hops: tuple[Hop, ...], mesh_shape: tuple[int, ...]) -> tuple[tuple, ...]:
+    """Per hop, what `hop_size` reads of it besides the tensor's bytes: (kind, the pieces other
+    mesh dims cut the tensor into, the divisor of a group's bytes that is the message: p for
+    an all-to-all, else 1, the group size, the mesh dim); its message is
+    nbytes // pieces // divisor (0 for a LOCAL step), as `hop_size` computes it."""
+    sized = []
     for src, dst, mesh_dim in hops:
-        sized = hop_size(src, dst[mesh_dim], mesh_dim, mesh.shape, nbytes)
-        assert sized is not None, f"the search used a hop that hop_size refuses: {src} -> {dst}"
-        kind, message_bytes = sized[:2]
-        prices.append((kind, message_bytes, mesh.shape[mesh_dim], mesh.link_classes[mesh_dim]))
-    return tuple(prices)
+        found = hop_size(src, dst[mesh_dim], mesh_dim, mesh_shape, 0)
+        assert found is not None, f"the search used a hop that hop_size refuses: {src} -> {dst}"
+        kind, p = found[0], mesh_shape[mesh_dim]
+        pieces = hop_pieces(src, mesh_dim, mesh_shape)
+        sized.append((kind, pieces, p if kind is StepKind.ALL_TO_ALL else 1, p, mesh_dim))
+    return tuple(sized)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,17 +194,9 @@ def _decode(codes: Code) -> NdSbp:
 
 def canonical_shape(shape: tuple[int, ...], *meshes: Mesh) -> tuple[int, ...]:
     """A shape whose dims are divisible by the same products of mesh dim sizes as `shape`'s (the
-    only divisors the search asks about): per dim, the lcm of those products that divide it. On a
+    only divisors the search asks about; `sbp.divisibility_shape` over every mesh's dims). On a
     128x8 mesh, dims of 768 and 1536 both become 128, so one search serves both."""
-    return _canonical_shape(tuple(shape), tuple(n for mesh in meshes for n in mesh.shape))
-
-
-@lru_cache(maxsize=65536)  # profiled: ~7e4 calls per GPT-3 search, on far fewer shapes
-def _canonical_shape(shape: tuple[int, ...], mesh_sizes: tuple[int, ...]) -> tuple[int, ...]:
-    products = {1}  # of every subset of the mesh dims: the group sizes a dim can be split over
-    for n in mesh_sizes:
-        products |= {p * n for p in products}
-    return tuple(math.lcm(*(p for p in products if n % p == 0)) for n in shape)
+    return divisibility_shape(tuple(shape), tuple(n for mesh in meshes for n in mesh.shape))
 
 
 def _make_hops(

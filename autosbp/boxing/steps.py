@@ -307,16 +307,21 @@ def hop_size(
     kind = hop_kind(codes[mesh_dim], code, p, later_split_dims(codes, mesh_shape, mesh_dim))
     if kind is None:
         return None
-    pieces = math.prod(
-        n
-        for e, (c, n) in enumerate(zip(codes, mesh_shape, strict=True))
-        if e != mesh_dim and c >= 0
-    )
-    group_bytes = nbytes // pieces
+    group_bytes = nbytes // hop_pieces(codes, mesh_dim, mesh_shape)
     num_groups = math.prod(mesh_shape) // p
     message = group_bytes // p if kind is StepKind.ALL_TO_ALL else group_bytes
     total = hop_bytes(kind, group_bytes, p, num_groups)
     return kind, 0 if kind is StepKind.LOCAL else message, num_groups, total
+
+
+def hop_pieces(codes: tuple[int, ...], mesh_dim: int, mesh_shape: tuple[int, ...]) -> int:
+    """The pieces the mesh dims other than `mesh_dim` cut a tensor of SBP codes `codes` into:
+    a hop on `mesh_dim` moves groups of 1 / pieces of the tensor."""
+    return math.prod(
+        n
+        for e, (c, n) in enumerate(zip(codes, mesh_shape, strict=True))
+        if e != mesh_dim and c >= 0
+    )
 
 
 def cross_transfers(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -60,10 +60,13 @@ class BoxingPricer:
     - layouts interned as small ints (`layout_id`, with each one's dual), so keys hash fast;
     - per (src, dst, canonical shape, dtype), the chain: one plan per divisibility pattern, its
       step bytes scaled to each tensor's (exact: they are the tensor's bytes over an integer);
-    - per (src, dst, shape, dtype), the price; per `StepPrice`, a step's;
+    - per (src, dst, shape, dtype), the price (`time_s`); per `StepPrice`, a step's;
     - per (distinct src layouts, distinct dst layouts, shape, dtype), an edge use's forward and
-      backward tables (`tables`), shared by every edge that carries such a tensor; a table
-      works out its tensor's chain key and bytes once for all its pairs (`_TablePlan`).
+      backward tables (`tables`), shared by every edge that carries such a tensor;
+    - per (distinct src layouts, distinct dst layouts, direction, chain key), a table's chains
+      as its distinct steps (`_TableSteps`): a tensor of another micro-batch size with the same
+      divisibility prices each distinct step once at its bytes and sums them per pair, in
+      chain order (the sum `_steps_time_s` makes, so the same floats).
     """
 
     def __init__(self, prices: Prices, mesh: Mesh) -> None:
@@ -78,6 +81,7 @@ class BoxingPricer:
         self._times: dict[tuple[tuple[int, ...], torch.dtype], dict[tuple[int, int], float]] = {}
         self._step_times: dict[StepPrice, float] = {}
         self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._table_steps: dict[tuple, _TableSteps] = {}
 
     def time_s(self, src: NdSbp, dst: NdSbp, meta: TensorMeta) -> float:
         return self._pair_time_s(self.layout_id(src), self.layout_id(dst), meta.shape, meta.dtype)
@@ -108,31 +112,59 @@ class BoxingPricer:
     def _table(
         self, src_ids: tuple[int, ...], dst_ids: tuple[int, ...], meta: TensorMeta, backward: bool
     ) -> np.ndarray:
-        shape, dtype = meta.shape, meta.dtype
+        plan = _TablePlan.of(meta.shape, meta.dtype, self.mesh)
+        key = (src_ids, dst_ids, backward, plan.chain_key)
+        steps = self._table_steps.get(key)
+        if steps is None:
+            steps = self._table_steps[key] = self._steps_of(src_ids, dst_ids, backward, plan)
+        scale = 1.0  # a whole tensor: each step at its own bytes (`_steps_time_s`)
+        times = [
+            self._step_time_s((kind, round(message * plan.nbytes // max(planned, 1) * scale),
+                               group, link))
+            for kind, message, planned, group, link in steps.steps
+        ]  # fmt: skip
+        times.append(0.0)  # the padding step: chains shorter than the longest add nothing
+        step_times = np.array(times, dtype=float)
+        total = np.zeros(len(src_ids) * len(dst_ids))
+        for column in steps.at:  # in chain order, as `_steps_time_s` sums (0 + t1) + t2 ...
+            total += step_times[column]
+        total = total / scale
+        total[steps.forbidden] = math.inf
+        table = total.reshape(len(src_ids), len(dst_ids))
+        table.flags.writeable = False  # shared by every edge use with this key
+        return table
+
+    def _steps_of(
+        self, src_ids: tuple[int, ...], dst_ids: tuple[int, ...], backward: bool, plan: _TablePlan
+    ) -> _TableSteps:
+        """The chains of a table's pairs (`_planned` at `plan`'s chain key), as distinct steps
+        and, per position in a chain, each pair's step there (`_TableSteps`)."""
         if backward:
             pairs = [(self._dual_id(d), self._dual_id(s)) for s in src_ids for d in dst_ids]
         else:
             pairs = [(s, d) for s in src_ids for d in dst_ids]
-        times, known = [], self._times.setdefault((shape, dtype), {})
-        plan = None  # what every pair of this tensor shares, worked out once (`_TablePlan`)
-        for pair in pairs:
-            found = known.get(pair)
+        distinct: dict[tuple, int] = {}
+        chains: list[list[int]] = []
+        forbidden = []
+        known = self._chains.get(plan.chain_key, {})  # `_planned`'s own, read without a call
+        for k, (src, dst) in enumerate(pairs):
+            found = ((), 0) if src == dst else known.get((src, dst), _UNPLANNED)
+            if found is _UNPLANNED:
+                found = self._planned(src, dst, *plan.planning)
+                known = self._chains[plan.chain_key]
             if found is None:
-                plan = plan or _TablePlan.of(shape, dtype, self.mesh)
-                found = known[pair] = self._priced_in(*pair, plan)
-            times.append(found)
-        table = np.array(times, dtype=float).reshape(len(src_ids), len(dst_ids))
-        table.flags.writeable = False  # shared by every edge use with this key
-        return table
-
-    def _priced_in(self, src: int, dst: int, plan: _TablePlan) -> float:
-        """`_price_pair(src, dst, shape, dtype)` with the shape's chain key and bytes known."""
-        if src == dst:
-            return 0.0
-        planned = self._planned(src, dst, plan.shape, plan.dtype, plan.chain_key)
-        if planned is None:
-            return math.inf
-        return self._steps_time_s(planned, plan.nbytes, 1.0)
+                forbidden.append(k)
+                found = ((), 0)
+            chain_steps, planned_bytes = cast(tuple[tuple[StepPrice, ...], int], found)
+            chains.append(
+                [distinct.setdefault((kind, message, planned_bytes, group, link), len(distinct))
+                 for kind, message, group, link in chain_steps]
+            )  # fmt: skip
+        longest = max(map(len, chains), default=0)
+        at = np.full((longest, len(pairs)), len(distinct), dtype=int)  # the padding step
+        for k, chain in enumerate(chains):
+            at[: len(chain), k] = chain
+        return _TableSteps(tuple(distinct), at, np.array(forbidden, dtype=int))
 
     def _dual_id(self, layout: int) -> int:
         dual = self._duals[layout]
@@ -254,3 +286,20 @@ class _TablePlan:
     def of(cls, shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh) -> _TablePlan:
         nbytes = math.prod(shape) * dtype.itemsize
         return cls(shape, dtype, nbytes, _chain_key(shape, dtype, mesh))
+
+    @property
+    def planning(self) -> tuple[tuple[int, ...], torch.dtype, tuple]:
+        """`BoxingPricer._planned`'s arguments after the pair."""
+        return self.shape, self.dtype, self.chain_key
+
+
+@dataclass(frozen=True, slots=True)
+class _TableSteps:
+    """A table's chains, for every tensor of one chain key: the distinct steps (kind, message
+    bytes, the bytes of the tensor the chain was planned for, group size, link class), and
+    `at[k, pair]`, the step at position k of that pair's chain (len(steps): none, it is
+    shorter); `forbidden`, the pairs without a chain (flat indices)."""
+
+    steps: tuple[tuple[StepKind, int, int, int, str | None], ...]
+    at: np.ndarray
+    forbidden: np.ndarray

@@ -54,7 +54,7 @@ scales them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,19 +156,24 @@ def node_strategies(
     bucket_bytes: int,
     regatherable: bool = False,
     backward_share: float = 1.0,
+    allow: Callable[[OpGraph, str, NdSignature], bool] | None = None,
 ) -> NodeStrategies:
     """Candidates of node `name`: per micro-batch compute time, or per step for parameters
     (their gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`).
     `regatherable` (a parameter some consumer keeps, `kept.Kept.regatherable`): each layout that
     is not B on every mesh dim comes twice, kept and re-gathered (the module header).
     `backward_share`: of an op's floating inputs, the share whose gradient backward computes
-    (`kept.Kept.backward_share`: under frozen weights, less than 1)."""
+    (`kept.Kept.backward_share`: under frozen weights, less than 1). `allow(graph, name, sig)`:
+    of a node that is not a parameter, the candidates to price (the others are dropped unpriced;
+    each candidate is priced alone); a parameter's are all priced (`priced._restricted`)."""
     attrs = graph.node(name)
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
     if attrs.role is Role.PARAMETER:
         return _parameter_strategies(name, attrs.outputs[0], candidates, pricer, bucket_bytes,
                                      regatherable)  # fmt: skip
+    if allow is not None:
+        candidates = tuple(sig for sig in candidates if allow(graph, name, sig))
     forward, backward, held = [], [], []
     roofline = _Roofline(attrs, mesh_shape, pricer.prices)
     for sig in candidates:  # the op's compute, and its exchanges through one hook (`op_comm`)

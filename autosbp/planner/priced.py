@@ -211,7 +211,7 @@ def price_graph(
         found = memo.get(key) if memo is not None and key is not None else None
         if found is None:
             share = kept_memo["none"].backward_share.get(name, 1.0)
-            found = node_strategies(graph, name, pricer, bucket_bytes, again, share)
+            found = node_strategies(graph, name, pricer, bucket_bytes, again, share, allow)
             if memo is not None and key is not None:
                 memo[key] = found
         allowed = _restricted(replace(found, name=name), graph, name, allow, zero)

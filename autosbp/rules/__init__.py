@@ -57,7 +57,7 @@ from autosbp.rules.core import (
 )
 from autosbp.rules.derived import derived_signatures
 from autosbp.rules.registry import RULES
-from autosbp.sbp import Broadcast, NdSbp, Partial, Sbp, split_factors
+from autosbp.sbp import Broadcast, NdSbp, Partial, Sbp, divisibility_shape, split_factors
 
 __all__ = [
     "Exchange",
@@ -91,7 +91,18 @@ def has_rule(op: str) -> bool:
 
 
 def signatures_1d(node: Node, mesh_dim_size: int) -> list[Signature]:
-    """The op's signatures on one mesh dim of `mesh_dim_size` devices (all-B first)."""
+    """The op's signatures on one mesh dim of `mesh_dim_size` devices (all-B first); memoized
+    on what a rule reads, as `nd_signatures` (meshes sharing a dim size share the list)."""
+    key = _memo_key(node, (mesh_dim_size,))
+    cached = _1D_MEMO.get(key) if key is not None else None
+    if cached is None:
+        cached = _signatures_1d(node, mesh_dim_size)
+        if key is not None:
+            _remember(_1D_MEMO, key, cached)
+    return list(cached)
+
+
+def _signatures_1d(node: Node, mesh_dim_size: int) -> tuple[Signature, ...]:
     rule = RULES.get(node.op)
     if rule is None:  # checked against the op itself (`derived`): all-B where nothing passes
         listed = derived_signatures(node, mesh_dim_size, _memo_key(node, (mesh_dim_size,)))
@@ -102,7 +113,7 @@ def signatures_1d(node: Node, mesh_dim_size: int) -> list[Signature]:
         as_nd = ([(s,) for s in sig.inputs], [(s,) for s in sig.outputs])
         if _admissible(node, *as_nd, (mesh_dim_size,)):
             out.setdefault(sig, None)
-    return list(out)
+    return tuple(out)
 
 
 def nd_signatures(node: Node, mesh_shape: Sequence[int]) -> list[NdSignature]:
@@ -110,22 +121,29 @@ def nd_signatures(node: Node, mesh_shape: Sequence[int]) -> list[NdSignature]:
 
     Order: itertools.product order of the 1D lists (outer mesh dim varies slowest), so the all-B
     signature comes first. Memoized on what a rule reads (op, args, kwargs, tensor metas), so
-    the repeated layers of a model cost one computation.
+    the repeated layers of a model cost one computation; the product and its filter, on what
+    they read (`_product_key`), so a node of another micro-batch size whose 1D lists and
+    divisibility are the same costs none.
     """
     mesh_shape = tuple(mesh_shape)
     key = _memo_key(node, mesh_shape)
     cached = _ND_MEMO.get(key) if key is not None else None
     if cached is None:
-        cached = _product(node, mesh_shape)
+        lists = tuple(tuple(signatures_1d(node, size)) for size in mesh_shape)
+        shared = _product_key(node, lists, mesh_shape) if key is not None else None
+        cached = _PRODUCT_MEMO.get(shared) if shared is not None else None
+        if cached is None:
+            cached = _product(node, lists, mesh_shape)
+            if shared is not None:
+                _remember(_PRODUCT_MEMO, shared, cached)
         if key is not None:
-            if len(_ND_MEMO) >= _ND_MEMO_LIMIT:
-                _ND_MEMO.clear()
-            _ND_MEMO[key] = cached
+            _remember(_ND_MEMO, key, cached)
     return list(cached)
 
 
-def _product(node: Node, mesh_shape: tuple[int, ...]) -> tuple[NdSignature, ...]:
-    lists = [signatures_1d(node, size) for size in mesh_shape]
+def _product(
+    node: Node, lists: tuple[tuple[Signature, ...], ...], mesh_shape: tuple[int, ...]
+) -> tuple[NdSignature, ...]:
     rule = RULES.get(node.op)
     out: dict[NdSignature, None] = {}
     for combo in itertools.product(*lists):
@@ -135,6 +153,20 @@ def _product(node: Node, mesh_shape: tuple[int, ...]) -> tuple[NdSignature, ...]
             if rule is not None and rule.variants is not None:
                 out.update(dict.fromkeys(rule.variants(node, nd, mesh_shape)))
     return tuple(out)
+
+
+def _product_key(
+    node: Node, lists: tuple[tuple[Signature, ...], ...], mesh_shape: tuple[int, ...]
+) -> Hashable:
+    """All `_product` reads: the 1D lists; of each tensor, its rank, dtype and which products
+    of mesh dim sizes divide each dim (`_admissible` asks only that: `split_factors` multiplies
+    the sizes of the mesh dims that split a dim, `divisibility_shape` keeps exactly it); the
+    op, args and kwargs (a rule's `variants` reads arguments, ranks and the signature)."""
+    metas = tuple(
+        (divisibility_shape(meta.shape, mesh_shape), meta.dtype)
+        for meta in (*node.inputs, *node.outputs)
+    )
+    return (node.op, _freeze((node.args, node.kwargs)), lists, metas, mesh_shape)
 
 
 def find_signature(
@@ -157,10 +189,19 @@ def find_signature(
     return offered[0] if offered else None
 
 
-# (op, args, kwargs, inputs, outputs, mesh shape) -> signatures; cleared when it grows past the
-# limit (a bound on memory, far above the distinct nodes of one model: repeated layers repeat keys)
+# (op, args, kwargs, inputs, outputs, mesh shape) -> signatures (nD; 1D, keyed by one mesh dim
+# size); `_product_key` -> the product. Each is cleared when it grows past the limit (a bound on
+# memory, far above the distinct nodes of one model: repeated layers repeat keys).
 _ND_MEMO: dict[Hashable, tuple[NdSignature, ...]] = {}
+_1D_MEMO: dict[Hashable, tuple[Signature, ...]] = {}
+_PRODUCT_MEMO: dict[Hashable, tuple[NdSignature, ...]] = {}
 _ND_MEMO_LIMIT = 100_000
+
+
+def _remember(memo: dict[Hashable, Any], key: Hashable, value: Any) -> None:
+    if len(memo) >= _ND_MEMO_LIMIT:
+        memo.clear()
+    memo[key] = value
 
 
 def _memo_key(node: Node, mesh_shape: tuple[int, ...]) -> Hashable | None:

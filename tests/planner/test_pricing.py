@@ -176,3 +176,24 @@ def test_one_pricer_keeps_dtypes_and_shapes_of_one_chain_key_apart() -> None:
             assert table[i, j] == pytest.approx(fresh_time_s(prices, src, dst, meta), rel=1e-12)
             assert pricer.time_s(src, dst, meta) == table[i, j]
     assert not np.array_equal(tables[0], tables[1]) and not np.array_equal(tables[0], tables[2])
+
+
+def test_tables_of_one_chain_key_equal_pair_prices_bit_for_bit() -> None:
+    # A table prices its pairs' distinct steps once per tensor and sums them per pair
+    # (`_TableSteps`): shapes of one chain key (6 and 10 rows, then 14: planned for the first),
+    # forward and backward, equal each pair's own price exactly; a pair without a chain
+    # (out of P(max)) is inf, a pair of one layout 0.
+    prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=1))
+    pricer = BoxingPricer(prices, MESH)
+    layouts = [(a, b) for a in (B, P, P("max"), S(0), S(1)) for b in (B, P, S(0), S(1))]
+    srcs = tuple(pricer.layout_id(layout) for layout in layouts)
+    dsts = tuple(pricer.layout_id(layout) for layout in layouts[::-1])
+    for rows in (6, 10, 14):
+        meta = TensorMeta((rows, 8), torch.float32)
+        forward, backward = pricer.tables(srcs, dsts, meta)
+        for (i, src), (j, dst) in itertools.product(enumerate(layouts), enumerate(layouts[::-1])):
+            assert forward[i, j] == pricer.time_s(src, dst, meta), (rows, src, dst)
+            back = pricer.time_s(dual_nd_sbp(dst), dual_nd_sbp(src), meta)
+            assert backward[i, j] == back, (rows, src, dst)
+        assert math.isinf(forward[layouts.index((P("max"), B)), 0])
+        assert forward[layouts.index((S(1), S(1))), 0] == 0.0

@@ -137,7 +137,8 @@ class Engine:
         self._state_layouts = _state_layouts(plan, self.layouts)  # read by every checkpoint
         self.update = build_sharded_update(
             self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer,
-            plan.grad_bucket_bytes, frozenset(n for n, p in plan.params.items() if p.gradient_sbp != p.sbp),
+            plan.grad_bucket_bytes,
+            frozenset(n for n, p in plan.params.items() if p.gradient_sbp != p.sbp),
         )  # fmt: skip
         self.grad_sync = self._build_grad_sync(meshes, self.program.gathers)
         self.optimizer = optimizer_factory(list(self.optimized.values()))

@@ -17,12 +17,13 @@ Invariants:
   gradient of the shard (the parameter's own gradient stays, a view of its bucket: the
   planner counts it held), the optimizer steps the shard (an fp32 tensor of its own in q:
   the master copy), and the shard is converted q -> p (an all-gather) into the parameter
-  after the step: where every member's shard is a contiguous slot of the piece (`_member_slots`:
-  q splits one mesh dim more, on the piece's first dims), in buckets of the plan's
-  `grad_bucket_bytes` (`runtime.parallel.weight_gather`: a parameter pays its share of its
-  bucket's collective); else one collective per parameter, in graph order on every rank of the
-  stage, each issued without waiting for the previous; all done before the step returns:
-  nothing hidden behind compute, as the planner prices it (`param_candidates.parameter_prices`). Where the shard is a contiguous slot of the synced
+  after the step: where every member's shard is a contiguous slot of the piece
+  (`_member_slots`: q splits one mesh dim more, on the piece's first dims), in buckets of the
+  plan's `grad_bucket_bytes` (`runtime.parallel.weight_gather`: a parameter pays its share of
+  its bucket's collective); else one collective per parameter, in graph order on every rank
+  of the stage, each issued without waiting for the previous; all done before the step
+  returns: nothing hidden behind compute, as the planner prices it
+  (`param_candidates.parameter_prices`). Where the shard is a contiguous slot of the synced
   gradient, its gradient is that slot itself (no copy per step).
 - ZeRO-2 (the plan's `gradient_sbp` is q): the gradient is not held in p. As autograd
   finishes a parameter's gradient of a micro-batch (a post-accumulate-grad hook), it is

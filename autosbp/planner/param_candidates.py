@@ -27,13 +27,14 @@ import torch
 
 from autosbp.boxing.steps import dual_nd_sbp
 from autosbp.capturing.graph import TensorMeta
+from autosbp.overlap import GATHER_IN_PLACE_BYTES
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, NdSbp, Split, local_shape, split_factors
 
 __all__ = [
     "OPTIMIZER_BYTES_PER_ELEMENT", "OPTIMIZER_FLOPS_PER_ELEMENT", "ParameterPrices",
     "accumulate_s", "gather_staging_bytes", "gathers_in_bucket", "optimizer_s",
-    "parameter_prices", "with_zero_states", "zero_state_layout",
+    "parameter_prices", "shares_gather_bucket", "with_zero_states", "zero_state_layout",
 ]  # fmt: skip
 
 # Adam on an fp32 master copy reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per
@@ -118,6 +119,18 @@ def gathers_in_bucket(
     return all(n == 1 for n in piece[:k])
 
 
+def shares_gather_bucket(
+    meta: TensorMeta, layout: NdSbp, state_layout: NdSbp, mesh_shape: Sequence[int]
+) -> bool:
+    """Whether the gather of the parameter `meta` shares a bucket's buffer with others
+    (`gathers_in_bucket` and its weight piece under `GATHER_IN_PLACE_BYTES`); else it is a
+    collective of its own, in place where `gathers_in_bucket`."""
+    if not gathers_in_bucket(layout, state_layout, meta.shape, mesh_shape):
+        return False
+    piece = math.prod(local_shape(meta.shape, layout, tuple(mesh_shape)))
+    return piece * meta.dtype.itemsize < GATHER_IN_PLACE_BYTES
+
+
 def gather_staging_bytes(
     meta: TensorMeta,
     candidates: Sequence[NdSignature],
@@ -126,12 +139,12 @@ def gather_staging_bytes(
 ) -> np.ndarray:
     """Per candidate, what the parameter takes of a weight-gather bucket's buffer
     (`runtime.parallel.weight_gather`: its weight piece, every member's slot, in the weight's
-    dtype) where `gathers_in_bucket`, else 0: held only while the bucket gathers, after the
+    dtype) where `shares_gather_bucket`, else 0: held only while the bucket gathers, after the
     optimizer's step."""
     out = np.zeros(len(candidates))
     for i, (sig, q) in enumerate(zip(candidates, states, strict=True)):
         p = sig.outputs[0]
-        if q is not None and gathers_in_bucket(p, q, meta.shape, mesh_shape):
+        if q is not None and shares_gather_bucket(meta, p, q, mesh_shape):
             out[i] = math.prod(local_shape(meta.shape, p, tuple(mesh_shape))) * meta.dtype.itemsize
     return out
 
@@ -168,7 +181,7 @@ def parameter_prices(
     dual(p) -> p inside a bucket of `bucket_bytes` and the optimizer on p's shard; ZeRO-1, the
     same bucketed sync (backward may hide it, as DDP's; the shard's gradient is then a slice
     of the synced one), after backward the all-gather q -> p (nothing hidden; inside a bucket
-    of `bucket_bytes` where `gathers_in_bucket`, else one collective per parameter) and the
+    of `bucket_bytes` where `shares_gather_bucket`, else one collective per parameter) and the
     optimizer on q's shard; ZeRO-2, the reduce-scatter dual(p) -> q in every micro-batch's backward, in line
     (unbucketed: one collective per parameter as its gradient is made, nothing hidden), the
     adds on q's shard, after the step's backward the all-gather and the optimizer on q's."""
@@ -180,7 +193,7 @@ def parameter_prices(
         if q is None:
             found.update_s.append(optimizer_s(meta, p, prices, mesh_shape))
         else:
-            bucketed_gather = gathers_in_bucket(p, q, meta.shape, mesh_shape)
+            bucketed_gather = shares_gather_bucket(meta, p, q, mesh_shape)
             gather = sync_price(q, p, meta, bucket_bytes if bucketed_gather else 1)
             found.update_s.append(gather + optimizer_s(meta, q, prices, mesh_shape))
         scatter = sync_price(dual_nd_sbp(p), g, meta, 1) if g is not None else 0.0

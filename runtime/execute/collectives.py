@@ -39,6 +39,7 @@ __all__ = [
     "Started",
     "StartedChain",
     "all_gather_along",
+    "all_gather_single",
     "execute_boxing",
     "group_ranks",
     "reduce_scatter_along",
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -182,7 +183,7 @@ def all_gather_along(
     """The pieces `x` of the `p` ranks of `group` concatenated along `dim`, in group order."""
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((p * front.shape[0], *front.shape[1:]))
-    work = _all_gather_single(out, front, group=group, async_op=async_op)
+    work = all_gather_single(out, front, group=group, async_op=async_op)
     return Started(work, lambda: _moved_back(out, dim))
 
 

@@ -14,7 +14,11 @@ bucket, one after another in bucket order. This rank writes its shards into its 
 regions are exchanged (gloo: one broadcast per member, which allocates nothing; other
 backends: one in-place all-gather into the buffer, which is the same layout), and every
 member's slot is copied out into the parameter. A parameter pays its bytes' share of its
-bucket's collective, as the gradient sync's buckets (`runtime.parallel.grad_sync`).
+bucket's collective, as the gradient sync's buckets (`runtime.parallel.grad_sync`). A piece of
+at least `GATHER_IN_PLACE_BYTES` has a bucket of its own and no buffer: its shard is written
+into its own slot and the slots are exchanged in place (one broadcast per member, or one
+all-gather into the piece), priced as a collective of its own
+(`param_candidates.shares_gather_bucket`).
 
 Invariants: every rank of a group builds the same buckets in the same order (graph order, the
 same program), and gathers them in that order; one bucket's buffer is alive at a time (a
@@ -31,6 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from autosbp.overlap import GATHER_IN_PLACE_BYTES
+from runtime.execute.collectives import all_gather_single
 
 __all__ = ["GatherBucket", "GatheredParam", "gather_buckets"]
 
@@ -51,6 +58,11 @@ class GatheredParam:
     def numel(self) -> int:
         return self.shard.numel()
 
+    @property
+    def in_place(self) -> bool:
+        """Gathered in place, in a bucket of its own (`GATHER_IN_PLACE_BYTES`)."""
+        return self.param.numel() * self.param.element_size() >= GATHER_IN_PLACE_BYTES
+
 
 @dataclass(slots=True)
 class GatherBucket:
@@ -69,6 +81,9 @@ class GatherBucket:
     def gather(self, broadcast: bool) -> None:
         """This rank's shards into every member's weights (`broadcast`: one broadcast per
         member, else one all-gather); returns when they are written."""
+        if len(self.params) == 1 and self.params[0].in_place:
+            self._gather_in_place(broadcast)
+            return
         region, own = self.region_numel, self.members.index(dist.get_rank())
         flat = torch.empty(region * len(self.members), dtype=self.dtype)
         regions = flat.split(region)
@@ -82,7 +97,7 @@ class GatherBucket:
                 for k, m in enumerate(self.members)
             ]
         else:
-            works = [dist.all_gather_into_tensor(flat, regions[own], self.group, async_op=True)]
+            works = [all_gather_single(flat, regions[own], group=self.group, async_op=True)]
         for work in works:
             assert work is not None
             work.wait()
@@ -96,6 +111,28 @@ class GatherBucket:
         # on gloo's worker thread after the wait, and free it there at some later time.
         flat.untyped_storage().resize_(0)
 
+    def _gather_in_place(self, broadcast: bool) -> None:
+        """The one parameter's shard into its own slot, then the slots exchanged in the piece
+        itself (one all-gather where the slots are the piece's regions in member order)."""
+        (p,) = self.params
+        own = p.slots[self.members.index(dist.get_rank())]
+        p.param[own].view_as(p.shard).copy_(p.shard)
+        start, size = p.param.data_ptr(), p.numel * p.param.element_size()
+        in_order = p.param.is_contiguous() and all(
+            p.param[slot].data_ptr() == start + k * size for k, slot in enumerate(p.slots)
+        )
+        if broadcast or not in_order:
+            works = [
+                dist.broadcast(p.param[slot], src=m, group=self.group, async_op=True)
+                for slot, m in zip(p.slots, self.members, strict=True)
+            ]
+        else:
+            flat, mine = p.param.view(-1), p.param[own].view(-1)
+            works = [all_gather_single(flat, mine, group=self.group, async_op=True)]
+        for work in works:
+            assert work is not None
+            work.wait()
+
 
 def gather_buckets(
     entries: Sequence[tuple[GatheredParam, dist.ProcessGroup]], bucket_bytes: int
@@ -103,11 +140,14 @@ def gather_buckets(
     """`entries` (in graph order, each with the group it gathers over) dealt into buckets:
     a parameter joins the open bucket of its group and dtype unless its weight piece would
     take the bucket's buffer past `bucket_bytes`, else it opens one (a parameter larger than
-    the cap has a bucket of its own)."""
+    the cap, or gathered in place, has a bucket of its own)."""
     buckets: list[GatherBucket] = []
     open_buckets: dict[tuple[tuple[int, ...], torch.dtype], GatherBucket] = {}
     for param, group in entries:
         members = tuple(dist.get_process_group_ranks(group))
+        if param.in_place:
+            buckets.append(GatherBucket(group, members, param.param.dtype, [param]))
+            continue
         key = (members, param.param.dtype)
         bucket = open_buckets.get(key)
         size = param.param.element_size() * len(members)

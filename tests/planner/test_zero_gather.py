@@ -5,7 +5,9 @@ Oracle: brute force over every device of the mesh, as the runtime decides
 member's piece in the state layout lies inside its piece in the weight's layout
 (`boxing.steps.local_box`), and the slot is a contiguous view of a real tensor of the piece's
 shape. `param_candidates.gathers_in_bucket` decides from the layouts alone; both must agree on
-every weight layout and state layout of small shapes and meshes. The staging bytes follow it.
+every weight layout and state layout of small shapes and meshes. The staging bytes follow it,
+and a piece of `GATHER_IN_PLACE_BYTES` or more, which the runtime gathers in place
+(`weight_gather.GatheredParam.in_place`), shares no bucket and stages nothing.
 """
 
 from __future__ import annotations
@@ -17,9 +19,15 @@ import torch
 
 from autosbp.boxing.steps import local_box
 from autosbp.capturing.graph import TensorMeta
-from autosbp.planner.param_candidates import gather_staging_bytes, gathers_in_bucket
+from autosbp.overlap import GATHER_IN_PLACE_BYTES
+from autosbp.planner.param_candidates import (
+    gather_staging_bytes,
+    gathers_in_bucket,
+    shares_gather_bucket,
+)
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Sbp, Split, local_shape, split_factors
+from runtime.parallel.weight_gather import GatheredParam
 
 SHAPES = [(8,), (8, 4), (4, 8), (1, 8), (2, 8), (4, 4, 4), (1, 1, 8)]
 MESHES = [(2,), (4,), (2, 2), (2, 4), (4, 2)]
@@ -99,3 +107,18 @@ def test_staging_bytes_are_the_bucketed_candidates_pieces() -> None:
     states = [(Broadcast(), Split(0)), (Split(1), Split(0)), None]
     staged = gather_staging_bytes(meta, candidates, states, mesh_shape)
     assert list(staged) == [8 * 4 * 4, 8 * 2 * 4, 0]
+
+
+@pytest.mark.parametrize("rows", [GATHER_IN_PLACE_BYTES // 1024 - 2, GATHER_IN_PLACE_BYTES // 1024])
+def test_large_pieces_are_gathered_in_place_by_both(rows: int) -> None:
+    meta = TensorMeta((rows, 256), torch.float32)  # 1 KiB a row
+    p, q = (Broadcast(),), (Split(0),)
+    piece = torch.empty(meta.shape)
+    half = rows // 2
+    slots = ((slice(0, half),), (slice(half, rows),))
+    in_place = GatheredParam(piece, piece[slots[0]].clone(), slots).in_place
+    assert in_place == (rows * 1024 >= GATHER_IN_PLACE_BYTES)
+    assert gathers_in_bucket(p, q, meta.shape, (2,))
+    assert shares_gather_bucket(meta, p, q, (2,)) == (not in_place)
+    staged = gather_staging_bytes(meta, [NdSignature((), (p,))], [q], (2,))
+    assert list(staged) == [0 if in_place else rows * 1024]

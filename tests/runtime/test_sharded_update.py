@@ -6,7 +6,8 @@ within their derived bounds), on plans whose optimizer states are split over dat
 (`megatron:...,zero=1`), and gradients too (`zero=2`: reduce-scattered in backward, accumulated
 on the shard over micro-batches): data parallel on 2 and 4 processes, with tensor parallelism
 and with a pipeline on 4; the weights gathered bucket by bucket with gloo's broadcasts, and
-with the all-gather other backends run (`ALL_GATHER`, on gloo). A runtime that steps the shards but never gathers them back into the
+with the all-gather other backends run (`ALL_GATHER`, on gloo), and every piece in place as
+large ones are (`IN_PLACE`, `IN_PLACE_ALL_GATHER`). A runtime that steps the shards but never gathers them back into the
 weights fails (the check sees the updates missing), and so does a ZeRO-2 that keeps only the last
 micro-batch's gradient in the shard (the check sees the gradients wrong). The plans state it: some parameter has a
 split state layout, and with zero=2 its gradient's layout is the same.
@@ -26,13 +27,14 @@ from autosbp.zoo import load_model
 from launching.workers import run_workers
 from runtime.jobs import TrainSpec
 from runtime.verify.verdict import judge
-from tests.support.check_workers import ALL_GATHER, run_checked
+from tests.support.check_workers import ALL_GATHER, IN_PLACE, IN_PLACE_ALL_GATHER, run_checked
 
 LR = 1e-2
 STEPS = 3
 WORKER_TIMEOUT_S = 300.0
 # What the verdict names for each injected bug: the weights missing their update, or the
 # gradients missing all micro-batches but the last.
+CORRECT = ("none", ALL_GATHER, IN_PLACE, IN_PLACE_ALL_GATHER)  # variants that are no bug
 FAULT_SEEN = {"no-gather": "update", "no-accumulate": "gradient"}
 # (processes, model, strategy, injected bug)
 JOBS: list[tuple[int, str, str, str]] = [
@@ -40,9 +42,11 @@ JOBS: list[tuple[int, str, str, str]] = [
     (2, "gpt", "megatron:tp=1,pp=1,dp=2,zero=1", "none"),
     (2, "mlp", "megatron:tp=1,pp=1,dp=2,zero=1", "no-gather"),
     (2, "gpt", "megatron:tp=1,pp=1,dp=2,zero=1", ALL_GATHER),
+    (2, "gpt", "megatron:tp=1,pp=1,dp=2,zero=1", IN_PLACE),
     (4, "mlp", "megatron:tp=1,pp=1,dp=4,zero=1", "none"),
     (4, "mlp", "megatron:tp=2,pp=1,dp=2,zero=1", "none"),
     (4, "mlp", "megatron:tp=2,pp=1,dp=2,zero=1", ALL_GATHER),
+    (4, "mlp", "megatron:tp=2,pp=1,dp=2,zero=1", IN_PLACE_ALL_GATHER),
     (4, "gpt", "megatron:tp=1,pp=2,dp=2,zero=1", "none"),
     (2, "mlp", "megatron:tp=1,pp=1,dp=2,mb=2,zero=2", "none"),
     (2, "gpt", "megatron:tp=1,pp=1,dp=2,mb=2,zero=2", "none"),
@@ -91,6 +95,6 @@ def test_zero_trains_like_one_device(
     checks = _checks(world_size)[f"{model}-{strategy}-{fault}"]
     assert len(checks) == STEPS
     verdict = judge(checks)
-    assert verdict.passed == (fault in ("none", ALL_GATHER)), verdict.text
-    if fault not in ("none", ALL_GATHER):
+    assert verdict.passed == (fault in CORRECT), verdict.text
+    if fault not in CORRECT:
         assert FAULT_SEEN[fault] in verdict.text, verdict.text

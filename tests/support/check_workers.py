@@ -14,7 +14,9 @@ check must catch, patched into this process only (never into the code under test
 - `no-accumulate`: ZeRO-2's hook puts each micro-batch's reduce-scattered gradient in the
   shard's instead of adding it: with micro-batches, the shards keep the last one's only.
 And one variant that is not a bug (`ALL_GATHER`): the weight-gather buckets exchanged by one
-all-gather, as on backends other than gloo (`runtime.parallel.weight_gather`), here on gloo.
+all-gather, as on backends other than gloo (`runtime.parallel.weight_gather`), here on gloo;
+and two more (`IN_PLACE`, `IN_PLACE_ALL_GATHER`): every piece gathered in place, as pieces of
+`GATHER_IN_PLACE_BYTES` or more are, by broadcasts and by one all-gather.
 Lives elsewhere: the cases and what they must show (tests/runtime/test_check.py).
 """
 
@@ -116,7 +118,18 @@ def _all_gather_buckets() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _in_place(all_gather: bool) -> Iterator[None]:
+    with (
+        mock.patch("runtime.parallel.weight_gather.GATHER_IN_PLACE_BYTES", 0),
+        _all_gather_buckets() if all_gather else contextlib.nullcontext(),
+    ):
+        yield
+
+
 ALL_GATHER = "all-gather-buckets"
+IN_PLACE = "in-place-gathers"
+IN_PLACE_ALL_GATHER = "in-place-all-gathers"
 FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "none": contextlib.nullcontext,
     "grad-scale": _grad_scale,
@@ -125,6 +138,8 @@ FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "no-gather": _no_gather,
     "no-accumulate": _no_accumulate,
     ALL_GATHER: _all_gather_buckets,
+    IN_PLACE: lambda: _in_place(all_gather=False),
+    IN_PLACE_ALL_GATHER: lambda: _in_place(all_gather=True),
 }
 
 

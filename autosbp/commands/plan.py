@@ -69,7 +69,8 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategy",
         default="auto",
         help="auto (the search; auto:max_vp=V interleaves at most V chunks per device, "
-        "default 1: plain 1F1B), dp, fsdp or "
+        "default 1: plain 1F1B; auto:zb1 searches the zero-bubble schedule too; both: "
+        "auto:max_vp=2,zb1), dp, fsdp or "
         "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C][,vp=V][,schedule=zb1] "
         "(M micro-batches; E: expert-parallel degree, experts split over E of the D "
         "data-parallel devices; C: context-parallel degree, the sequence split in attention; V: "

@@ -59,7 +59,7 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             f"recompute {recompute!r} is not known; use auto, {', '.join(RECOMPUTE_MODES)}."
         )
     if strategy == "auto" or strategy.startswith("auto:"):
-        _check_max_vp(strategy)  # the v's it searches: `virtual_search`
+        auto_options(strategy)  # checked here; the v's and schedules it searches: `virtual_search`
         return Space(tuple(range(1, (max_stages or 1) + 1)), modes, allow=_own_kernels, zero=None)
     if strategy == "dp":
         return Space(
@@ -91,15 +91,24 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     )
 
 
-def _check_max_vp(strategy: str) -> None:
-    """`auto` or `auto:max_vp=V` (V >= 1: interleave up to V chunks per device)."""
-    most = strategy.removeprefix("auto").removeprefix(":max_vp=")
-    if strategy != "auto" and (not most.isdigit() or int(most) < 1):
+def auto_options(strategy: str) -> tuple[int, bool]:
+    """(V, zb1) of `auto[:OPTION[,OPTION]]`: `max_vp=V` (V >= 1: interleave up to V chunks per
+    device; 1 where absent) and `zb1` (search the zero-bubble schedule too; off where absent)."""
+    options = strategy.removeprefix("auto").removeprefix(":")
+    items = options.split(",") if options else []
+    most = [item.removeprefix("max_vp=") for item in items if item.startswith("max_vp=")]
+    others = [item for item in items if not item.startswith("max_vp=") and item != "zb1"]
+    if (
+        (strategy != "auto" and not items) or others or len(most) > 1 or items.count("zb1") > 1
+        or any(not v.isdigit() or int(v) < 1 for v in most)
+    ):  # fmt: skip
         raise PlanError(
-            f"{strategy!r}: auto takes one option, max_vp=V, a positive integer (the most "
+            f"{strategy!r}: auto takes the options max_vp=V, a positive integer (the most "
             "model chunks per pipeline device the search interleaves, e.g. auto:max_vp=2; "
-            "auto:max_vp=1 for plain 1F1B)."
+            "auto:max_vp=1 for plain 1F1B), and zb1 (the zero-bubble schedule searched too), "
+            "comma-separated, each once: e.g. auto:max_vp=2,zb1."
         )
+    return (int(most[0]) if most else 1), "zb1" in items
 
 
 def _megatron_space(

@@ -1,14 +1,15 @@
-"""Interleaved 1F1B in the auto search: the virtual-stage counts v (model chunks per pipeline
-device) that `auto` tries, the space of each, and one plan out of the searches of every v.
+"""Interleaved 1F1B and zero bubble in the auto search: the virtual-stage counts v (model
+chunks per pipeline device) and schedules that `auto` tries, the space of each, and one plan out
+of the searches of every one.
 
-Lives here: `VIRTUAL_STAGES` (the default v's), `search_spaces` (a strategy's spaces, one per
-v), `best_of` (the fastest of the per-v searches, with the gap proven over all of them). Lives
-elsewhere: one search (`search`: at v > 1 it counts each device v times and gives each chunk
+Lives here: `search_spaces` (a strategy's spaces, one per v and one for zb1), `best_of` (the
+fastest of the per-space searches, with the gap proven over all of them). Lives elsewhere: one
+search (`search`: at v > 1 it counts each device v times and gives each chunk
 1 / v of its memory), the rules of the interleaved schedule (`schedule.check_interleaving`), the
 bound that prunes interleaved configurations (`objective`: the device path bounds), hand plans
 (`hand_plans`: `vp=V` there is one space, as before).
 
-The space of v. `auto` searches v in VIRTUAL_STAGES (plain 1F1B: each v more is one more whole
+The space of v. `auto` searches v = 1 only (plain 1F1B: each v more is one more whole
 search, and at GPT-3 175B on 1024 devices v in {1, 2, 4} does not prove its gap within the default
 time limit), `auto:max_vp=V` the powers of two up to V (Megatron-LM's Table 1 layouts use 2 to 4). At v > 1 the stage counts are v x P virtual stages for
 P >= 2 pipeline devices (interleaving one stage has nothing to interleave) and v x P <= blocks
@@ -20,7 +21,16 @@ engine applies too). The runtime does not yet interleave a plan that gathers par
 bound still counts in the gap, a bound of the plans it drops too). A v whose space has no
 configuration, or none that fits, is left out; if every v is, the plain search's error stands.
 
-The gap. The search of v proves that no plan of its space predicts below L_v = best_v (1 -
+The zero-bubble schedule. `auto:zb1` adds one space: ZB-H1 (`autosbp.zero_bubble`) at every
+stage count from 2, without recomputation (the runtime's split backward would recompute each
+checkpointed block once per weight), v = 1; its search's bounds stay proofs
+(`zero_bubble_price`), but they omit the drain, so the gap proven over the union is looser
+where zb1's space has configurations near the best (the zoo GPT on 4 cpu-gloo devices: zb1's
+plan 2.7% faster than plain 1F1B's, gap 21% against 0.1%). Its winner is dropped, as an
+interleaved one, where it converts parameters (the runtime does not split a backward that
+re-gathers); opt-in for the same reasons: one more whole search, and a looser proof.
+
+The gap. The search of each space v proves that no plan of it predicts below L_v = best_v (1 -
 gap_v); the union of the spaces then has no plan below min_v L_v, so the plan kept (the least
 best_v) is within (best - min_v L_v) / best of the whole space, and "optimal" when that is
 within MIP_GAP. The time limit is the whole search's: each v gets what the earlier ones left
@@ -37,11 +47,10 @@ from dataclasses import replace
 from autosbp.capturing.graph import Role
 from autosbp.errors import PlanError
 from autosbp.planner.evaluate import Found
-from autosbp.planner.hand_plans import Space, strategy_space
+from autosbp.planner.hand_plans import Space, auto_options, strategy_space
 from autosbp.planner.problem import MIP_GAP
 from autosbp.sbp import Split
 
-VIRTUAL_STAGES = (1,)  # auto's default: plain 1F1B (each v more is a whole search: opt in)
 LEAST_TIME_S = 1e-3  # a search's time limit once the earlier v's spent the whole one
 
 
@@ -52,10 +61,14 @@ def search_spaces(strategy: str, recompute: str, blocks: int) -> list[Space]:
     if not strategy.startswith("auto"):
         return [space]
     spaces = [space]
-    for v in _virtual_stages(strategy):
+    most, zb1 = auto_options(strategy)
+    for v in (2**i for i in range(most.bit_length()) if 2**i <= most):
         counts = tuple(v * p for p in range(2, blocks // v + 1))
         if v > 1 and counts:
             spaces.append(replace(space, stage_counts=counts, virtual_stages=v))
+    counts = tuple(range(2, blocks + 1))
+    if zb1 and counts and "none" in space.recompute:  # zb1 runs without recomputation
+        spaces.append(replace(space, stage_counts=counts, recompute=("none",), schedule="zb1"))
     return spaces
 
 
@@ -83,13 +96,6 @@ def converts_parameters(found: Found) -> bool:
     return False
 
 
-def _virtual_stages(strategy: str) -> tuple[int, ...]:
-    if strategy == "auto":
-        return VIRTUAL_STAGES
-    most = int(strategy.removeprefix("auto:max_vp="))  # `strategy_space` checked it
-    return tuple(2**i for i in range(most.bit_length()) if 2**i <= most)
-
-
 def best_of(
     spaces: list[Space], search_one: Callable[[Space, float], Found], time_limit_s: float
 ) -> Found:
@@ -107,7 +113,9 @@ def best_of(
             first_error = first_error or exc
             continue
         least.append(_least_s(found))
-        if space.virtual_stages == 1 or not converts_parameters(found):
+        if (space.virtual_stages == 1 and space.schedule == "1f1b") or not converts_parameters(
+            found
+        ):
             founds.append(found)
     if not founds:
         assert first_error is not None

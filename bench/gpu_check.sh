@@ -4,18 +4,20 @@
 # Run: bash bench/gpu_check.sh [OUT]     (OUT default: gpu-check-out, in the current folder)
 #
 # With CUDA (torch sees a GPU):
-#   1. `autosbp profile` on CUDA with nccl, quick (one rank per GPU, at most 8);
+#   1. `autosbp profile` on CUDA with nccl, quick (one rank per GPU, at most 8; the profiler
+#      times collectives between pairs of ranks, so a machine of one GPU skips it);
 #   2. `autosbp plan` of the zoo mlp for 1 GPU with that profile (dgx-h100's if the profile
 #      failed: said so);
-#   3. `autosbp train --check` on CUDA with nccl, 1 process under that plan; and, with 2 GPUs
-#      or more, 2 processes under the auto plan for 2 GPUs;
+#   3. `autosbp train --check` on CUDA with nccl, 1 process under that plan; and the zoo gpt
+#      under the auto plan for 2 GPUs on 2 processes (with one GPU: for 1 GPU on 1 process);
 #   4. a few matmul shapes' measured TFLOP/s beside the dgx profiles' assumed efficiency
 #      (bench/matmul_efficiency.py).
 # Without CUDA: says so on one line, skips 1-3, and runs 4 on the CPU against cpu-gloo (so CI
 # keeps the script working: tests/cli/test_gpu_check.py).
 # Everything goes under OUT (each step's output in its own .log); the summary (OUT/summary.txt)
 # has one PASS / FAIL / SKIP line per step. A failing step does not stop the next ones; the
-# exit status is 1 if any step failed.
+# exit status is 1 if any step failed. Each step is stopped after STEP_TIMEOUT_S seconds
+# (default 300: a hung collective fails its step instead of the whole check).
 set -uo pipefail
 
 OUT=${1:-gpu-check-out}
@@ -34,7 +36,7 @@ step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, one summary line
     local name=$1
     shift
     local start=$SECONDS
-    if "$@" > "$OUT/$name.log" 2>&1; then
+    if timeout "${STEP_TIMEOUT_S:-300}" "$@" > "$OUT/$name.log" 2>&1; then
         say "PASS $name ($((SECONDS - start)) s): $*"
     else
         say "FAIL $name ($((SECONDS - start)) s, exit $?; see $OUT/$name.log): $*"
@@ -50,8 +52,12 @@ say "torch $("$PYTHON" -c 'import torch; print(torch.__version__)'), $gpus CUDA 
 
 if [ "$gpus" -ge 1 ]; then
     ranks=$((gpus < 8 ? gpus : 8))
-    step profile "$PYTHON" -m autosbp.cli profile --nproc "$ranks" --backend nccl --quick \
-        --out "$OUT/cuda-profile.json"
+    if [ "$ranks" -ge 2 ]; then
+        step profile "$PYTHON" -m autosbp.cli profile --nproc "$ranks" --backend nccl --quick \
+            --out "$OUT/cuda-profile.json"
+    else
+        say "SKIP profile: one GPU (the profiler times collectives between pairs of ranks)"
+    fi
     profile="$OUT/cuda-profile.json"
     if [ ! -f "$profile" ]; then
         profile=dgx-h100
@@ -61,14 +67,11 @@ if [ "$gpus" -ge 1 ]; then
         --out "$OUT/plan-1gpu.json" --force
     step train-1gpu "$PYTHON" -m autosbp.cli train mlp --nproc 1 --plan "$OUT/plan-1gpu.json" \
         --device cuda --backend nccl --steps 5 --check
-    if [ "$gpus" -ge 2 ]; then
-        step train-2gpu "$PYTHON" -m autosbp.cli train gpt --nproc 2 --plan auto \
-            --profile "$profile" --device cuda --backend nccl --steps 5 --check
-    else
-        say "SKIP train-2gpu: one GPU (2 processes need 2)"
-    fi
+    gpt_ranks=$((gpus < 2 ? gpus : 2))
+    step "train-gpt-${gpt_ranks}gpu" "$PYTHON" -m autosbp.cli train gpt --nproc "$gpt_ranks" \
+        --plan auto --profile "$profile" --device cuda --backend nccl --steps 5 --check
 else
-    say "SKIP profile, plan-1gpu, train-1gpu, train-2gpu: no CUDA device that torch can use (CPU build or no GPU); the matmul table below measures the CPU"
+    say "SKIP profile, plan-1gpu, train-1gpu, train-gpt: no CUDA device that torch can use (CPU build or no GPU); the matmul table below measures the CPU"
 fi
 
 step matmul "$PYTHON" bench/matmul_efficiency.py --repeats "${REPEATS:-20}"

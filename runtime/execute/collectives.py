@@ -45,6 +45,7 @@ __all__ = [
     "reduce_scatter_along",
     "run_step",
     "start_step",
+    "world_device",
 ]
 
 # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old names.
@@ -86,11 +87,20 @@ def _check_local(local: torch.Tensor | None, step: BoxingStep, rank: int) -> Non
         )
 
 
+def world_device() -> torch.device:
+    """Where this rank's tensors live: its current GPU where the world carries CUDA tensors by
+    NCCL (alone, or "cpu:gloo,cuda:nccl" as `launching.torchrun` joins it), else the CPU. A
+    buffer the runtime makes for a collective or a receive is made here, so a rank that
+    receives meets the sender's tensor on the same backend."""
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _placeholder(step: BoxingStep) -> torch.Tensor:
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    return torch.empty(0, dtype=step.dtype, device=device, requires_grad=torch.is_grad_enabled())
+    return torch.empty(
+        0, dtype=step.dtype, device=world_device(), requires_grad=torch.is_grad_enabled()
+    )
 
 
 class _BoxingHop(torch.autograd.Function):

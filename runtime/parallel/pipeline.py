@@ -49,6 +49,7 @@ from autosbp.plan import Plan
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Mesh, NdSbp, P, local_shape
 from autosbp.schedule import Phase, Step
+from runtime.execute.collectives import world_device
 from runtime.execute.instructions import Boxer
 from runtime.execute.program import Program, Value
 from runtime.parallel.split_backward import WeightGradients, input_gradients
@@ -195,7 +196,7 @@ class Transfers:
         with self.span("recv", mb):
             for peer, tag, metas in links:
                 for meta in metas:
-                    buffer = torch.empty(meta.shape, dtype=meta.dtype)
+                    buffer = torch.empty(meta.shape, dtype=meta.dtype, device=world_device())
                     _p2p(dist.irecv, buffer, peer, tag).wait(self.timeout)
                     if not backward and buffer.is_floating_point():
                         buffer.requires_grad_(True)
@@ -271,7 +272,7 @@ class Pipeline:
         of the loss (the mean over micro-batches on the loss's stage, 0 elsewhere)."""
         in_flight: dict[tuple[int, int], InFlight] = {}
         deferred: dict[tuple[int, int], WeightGradients] = {}
-        value = torch.zeros(())
+        value = torch.zeros((), device=world_device())
         for position, (phase, chunk, mb) in enumerate(self.order):
             last = position == self.last_backward
             if phase is Phase.FORWARD:

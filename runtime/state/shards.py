@@ -31,6 +31,7 @@ from autosbp.layout import shard_tensor
 from autosbp.plan import Plan
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Mesh, NdSbp, Partial, format_nd_sbp
+from runtime.execute.collectives import world_device
 from runtime.execute.instructions import Boxer
 
 __all__ = ["StageState", "shard_state", "state_layouts"]
@@ -99,7 +100,7 @@ class StageState:
                     gather = boxer.chain(layout, (B,) * boxer.mesh.ndim, shape, local.dtype)
                     whole = gather(local.detach()).clone()
                 else:
-                    whole = torch.empty(shape, dtype=self.dtypes[name])
+                    whole = torch.empty(shape, dtype=self.dtypes[name], device=world_device())
                 if staged:
                     dist.broadcast(whole, src=self.stage_roots[owner])
                 out[name] = whole

@@ -70,7 +70,8 @@ def evaluate(
 ) -> Evaluation:
     """`model`'s step at the weights and buffers `state` on `micro_batches` pieces of `inputs`
     (each loss scaled by 1/micro_batches), in the model's dtype; results widened to float64."""
-    dtype = next(model.parameters()).dtype
+    first = next(model.parameters())
+    dtype = first.dtype
     buffers = dict(model.named_buffers())
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -79,7 +80,7 @@ def evaluate(
         for name, b in buffers.items():
             if name in state:
                 b.copy_(state[name])
-    total = torch.zeros((), dtype=dtype)
+    total = torch.zeros((), dtype=dtype, device=first.device)
     m = micro_batches
     for piece in split_micro_batches(inputs, m):
         loss = model(*(x.to(dtype) if x.is_floating_point() else x for x in piece)) / m

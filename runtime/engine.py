@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autosbp.boxing.params import gathers_parameters
 from autosbp.capturing.batches import split_micro_batches
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import ExecutionError, NonFiniteError
@@ -54,7 +55,7 @@ from runtime.execute.groups import build_groups, world_timeout
 from runtime.execute.instructions import Boxer
 from runtime.execute.program import Program, Value, build_program
 from runtime.execute.signatures import read_signatures
-from runtime.parallel.gathers import GatherPolicy, gathers_parameters, plan_gather_policy
+from runtime.parallel.gathers import GatherPolicy, plan_gather_policy
 from runtime.parallel.grad_sync import GradSync, build_grad_sync
 from runtime.parallel.pipeline import (
     LossBoxing,
@@ -323,7 +324,9 @@ def _check_schedule(
             "activations; its weight-gradient passes would recompute each checkpointed block "
             "once per weight. Make the plan with --recompute none, or with schedule 1f1b."
         )
-    if (plan.virtual_stages > 1 or split) and gathers_parameters(graph, signatures, boxer):
+    if (plan.virtual_stages > 1 or split) and gathers_parameters(
+        graph, signatures.__getitem__, boxer.mesh
+    ):
         what = (
             f"runs the {plan.schedule} schedule (backward split in two)"
             if split

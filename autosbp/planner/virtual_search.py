@@ -16,10 +16,11 @@ P >= 2 pipeline devices (interleaving one stage has nothing to interleave) and v
 (a block per virtual stage: `pipeline.split_stages`); the search itself refuses micro-batch
 counts that are not a multiple of P (`schedule.check_interleaving`, the rule the runtime's
 engine applies too). The runtime does not yet interleave a plan that gathers parameters
-(runtime/engine.py): an interleaved winner whose consumers read a parameter in another layout
-(`converts_parameters`) is dropped, so no plan returned is one the runtime refuses (its v's
+(runtime/engine.py): an interleaved winner that gathers a parameter (`found_gathers_parameters`,
+the runtime's own test) is dropped, so no plan returned is one the runtime refuses (its v's
 bound still counts in the gap, a bound of the plans it drops too). A v whose space has no
-configuration, or none that fits, is left out; if every v is, the plain search's error stands.
+configuration, or none that fits, is left out; if every v is, the plain search's error stands
+(a hand plan's one space at vp=V or zb1 whose winner gathers: an error that says so).
 
 The zero-bubble schedule. `auto:zb1` adds one space: ZB-H1 (`autosbp.zero_bubble`) at every
 stage count from 2, without recomputation (the runtime's split backward would recompute each
@@ -27,7 +28,7 @@ checkpointed block once per weight), v = 1; its search's bounds stay proofs
 (`zero_bubble_price`), but they omit the drain, so the gap proven over the union is looser
 where zb1's space has configurations near the best (the zoo GPT on 4 cpu-gloo devices: zb1's
 plan 2.7% faster than plain 1F1B's, gap 21% against 0.1%). Its winner is dropped, as an
-interleaved one, where it converts parameters (the runtime does not split a backward that
+interleaved one, where it gathers parameters (the runtime does not split a backward that
 re-gathers); opt-in for the same reasons: one more whole search, and a looser proof.
 
 The gap. The search of each space v proves that no plan of it predicts below L_v = best_v (1 -
@@ -44,12 +45,11 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from autosbp.capturing.graph import Role
+from autosbp.boxing.params import gathers_parameters
 from autosbp.errors import PlanError
 from autosbp.planner.evaluate import Found
 from autosbp.planner.hand_plans import Space, auto_options, strategy_space
 from autosbp.planner.problem import MIP_GAP
-from autosbp.sbp import Split
 
 LEAST_TIME_S = 1e-3  # a search's time limit once the earlier v's spent the whole one
 
@@ -79,21 +79,26 @@ def _least_s(found: Found) -> float:
     return found.prediction.step_time_s * (1 - found.effort.gap)
 
 
-def converts_parameters(found: Found) -> bool:
-    """Does a consumer read a parameter split on a mesh dim (of 2 devices or more) in another
-    layout there: a collective (what the runtime does not interleave yet: it refuses a plan
-    that gathers parameters beside interleaving)? From a broadcast layout every conversion is a
-    local slice or zeroing; the test counts every other change, a superset of the gathers."""
-    mp, graph = found.problem, found.graph
-    wide = [d for d, size in enumerate(mp.mesh.shape) if size > 1]
-    for name, _ in graph.nodes(Role.PARAMETER):
-        have = mp.choice_of(found.solution, name).outputs[0]
-        for consumer in graph.graph.successors(name):
-            wants = mp.choice_of(found.solution, consumer).inputs
-            for _, i in graph.uses(name, consumer):
-                if any(isinstance(have[d], Split) and wants[i][d] != have[d] for d in wide):
-                    return True
-    return False
+def found_gathers_parameters(found: Found) -> bool:
+    """Does the plan gather a parameter (a collective between its stored layout and a
+    consumer's): the runtime's own test (`autosbp.boxing.params`), by which it refuses such a
+    plan beside interleaving or zero bubble. A stored S(0) read as P, say, is a local zeroing,
+    no gather."""
+    mp = found.problem
+    return gathers_parameters(found.graph, lambda name: mp.choice_of(found.solution, name), mp.mesh)
+
+
+def _gathers_error(space: Space) -> PlanError:
+    what = (
+        f"the {space.schedule} schedule (backward split in two)"
+        if space.schedule != "1f1b"
+        else f"{space.virtual_stages} interleaved model chunks per device"
+    )
+    return PlanError(
+        f"the best plan with {what} gathers parameters (an FSDP/ZeRO-3 layout), which the "
+        "runtime does not run beside that schedule yet. Plan with vp=1 and schedule 1f1b, or "
+        "with layouts that keep each parameter whole or split without gathers."
+    )
 
 
 def best_of(
@@ -113,10 +118,12 @@ def best_of(
             first_error = first_error or exc
             continue
         least.append(_least_s(found))
-        if (space.virtual_stages == 1 and space.schedule == "1f1b") or not converts_parameters(
+        if (space.virtual_stages == 1 and space.schedule == "1f1b") or not found_gathers_parameters(
             found
         ):
             founds.append(found)
+        else:
+            first_error = first_error or _gathers_error(space)
     if not founds:
         assert first_error is not None
         raise first_error

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from autosbp.boxing.params import has_collective
 from autosbp.capturing.graph import OpGraph, OpNode, Role, run_device
 from autosbp.errors import PlanError
 from autosbp.rules import NdSignature, local_op, mutated_inputs, pinned_inputs
@@ -39,7 +40,7 @@ from runtime.execute.instructions import (
     write_back_instruction,
 )
 from runtime.execute.op_comm import GroupComm
-from runtime.parallel.gathers import ParamBox, has_collective
+from runtime.parallel.gathers import ParamBox
 
 __all__ = ["ProgramBuilder", "last_uses"]
 

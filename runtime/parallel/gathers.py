@@ -3,10 +3,10 @@
 Lives here: `GatherPolicy` (what the plan says: how many blocks ahead to gather, which
 parameters to free after forward; `plan_gather_policy` reads it off a plan), `ParamBox` (a
 parameter boxing a program emitted), `ParamGather` (one that the program runs through the
-schedule), `gathers_parameters` (whether the plan gathers any parameter at all) and
-`plan_gathers` (boxes into gathers: units, re-gather, deferred gradients).
+schedule) and `plan_gathers` (boxes into gathers: units, re-gather, deferred gradients).
 Lives elsewhere: running them (`runtime.parallel.prefetch`), finding the boxes
-(`runtime.execute.program`).
+(`runtime.execute.program`), whether the plan gathers any parameter at all
+(`autosbp.boxing.params.gathers_parameters`, the planner's test too).
 
 Invariants: a unit is a run of boxes, in program order, whose readers lie in one repeated block
 (or a run outside blocks); every rank derives the same units from the same program, so every
@@ -15,21 +15,16 @@ group meets the same collectives in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autosbp.boxing.steps import BoxingStep, StepKind
-from autosbp.capturing.graph import OpGraph, Role
+from autosbp.boxing.steps import BoxingStep
 from autosbp.plan import Plan
-from autosbp.rules import NdSignature
-from runtime.execute.instructions import Boxer
 
 __all__ = [
     "GatherPolicy",
     "ParamBox",
     "ParamGather",
-    "gathers_parameters",
-    "has_collective",
     "plan_gather_policy",
     "plan_gathers",
 ]
@@ -72,22 +67,6 @@ class ParamBox:
     dst: int
     block: int | None
     steps: tuple[BoxingStep, ...]
-
-
-def has_collective(steps: Sequence[BoxingStep]) -> bool:
-    return any(step.kind is not StepKind.LOCAL for step in steps)
-
-
-def gathers_parameters(graph: OpGraph, signatures: Mapping[str, NdSignature], boxer: Boxer) -> bool:
-    """Whether any parameter's boxing to a consumer's layout holds a collective, on any stage
-    (every rank answers alike, from the whole graph)."""
-    return any(
-        has_collective(boxer.steps(have, want, attrs.outputs[0].shape))
-        for node, attrs in graph.nodes(Role.PARAMETER)
-        for consumer in graph.graph.successors(node)
-        for _, index in graph.uses(node, consumer)
-        if (have := signatures[node].outputs[0]) != (want := signatures[consumer].inputs[index])
-    )
 
 
 def plan_gathers(

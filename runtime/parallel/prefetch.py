@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from autosbp.boxing.params import gathers_parameters
 from autosbp.boxing.steps import dual_step
 from autosbp.capturing.graph import OpGraph
 from autosbp.rules import NdSignature
@@ -63,7 +64,7 @@ from autosbp.timeline import SpanHook
 from runtime.execute.collectives import StartedChain
 from runtime.execute.groups import ProcessGroups, build_groups
 from runtime.execute.instructions import Boxer
-from runtime.parallel.gathers import GatherPolicy, ParamGather, gathers_parameters
+from runtime.parallel.gathers import GatherPolicy, ParamGather
 
 __all__ = ["GatherCounts", "GatherSchedule", "GatherSetup", "gather_setup"]
 
@@ -99,7 +100,7 @@ def gather_setup(
 ) -> GatherSetup | None:
     """Process groups of the parameter gathers' own (a collective: every rank decides alike,
     from the whole graph), or None where the plan gathers no parameter."""
-    if not gathers_parameters(graph, signatures, boxer):
+    if not gathers_parameters(graph, signatures.__getitem__, boxer.mesh):
         return None
     return GatherSetup(policy, build_groups(meshes), build_groups(meshes), timeout)
 

@@ -19,7 +19,7 @@ from autosbp.planner.interleaved_cuts import with_cuts
 from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
 from autosbp.planner.problem import MIP_GAP, build_problem, predict, solve_mesh
 from autosbp.planner.search import mesh_shapes, search
-from autosbp.planner.virtual_search import best_of, converts_parameters, search_spaces
+from autosbp.planner.virtual_search import best_of, found_gathers_parameters, search_spaces
 from autosbp.schedule import simulate
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
 
@@ -100,7 +100,7 @@ def test_auto_interleaves_where_it_wins(seed: int) -> None:
     auto, plain = searched("auto:max_vp=4", seed), searched("auto:max_vp=1", seed)
     assert auto.problem.virtual_stages == 2 and plain.problem.virtual_stages == 1
     assert auto.prediction.step_time_s < plain.prediction.step_time_s
-    assert not converts_parameters(auto)  # the runtime interleaves it
+    assert not found_gathers_parameters(auto)  # the runtime interleaves it
     # the plan of auto's configuration, priced as the hand plan's space prices it: the same
     mp = auto.problem
     hand = replace(strategy_space("auto:max_vp=1", "auto", BLOCKS), stage_counts=(4,))
@@ -118,7 +118,7 @@ def searched_in(space: Space, seed: int) -> Found:
 
 def enumerate_with_v(seed: int) -> float:
     """The least predicted step over every configuration, v in {1, 2} (interleaved: P = 2
-    devices, 4 virtual stages, micro-batches a multiple of 2, interleaved winners that convert
+    devices, 4 virtual stages, micro-batches a multiple of 2, interleaved winners that gather
     parameters left out as `best_of` leaves them)."""
     graphs, prices = graphs_of("gpt"), RandomPrices.draw(seed)
     allow, best = strategy_space("auto").allow, math.inf
@@ -142,7 +142,7 @@ def enumerate_with_v(seed: int) -> float:
                     if solution is None:
                         continue
                     found = Found(mp, solution, predict(mp, solution), graphs[count])
-                    if v == 1 or not converts_parameters(found):
+                    if v == 1 or not found_gathers_parameters(found):
                         best = min(best, found.prediction.step_time_s)
     return best
 
@@ -196,7 +196,7 @@ def test_the_runtime_trains_what_the_interleaved_search_emits() -> None:
         lambda shape, d: cluster.link_class_for_mesh_dim(shape, d).value, space,
         optimizer="adam", memory_limit_bytes=None, time_limit_s=60.0, devices_per_node=2,
     )  # fmt: skip
-    assert not converts_parameters(found)
+    assert not found_gathers_parameters(found)
     ctx = PlanContext("cpu-gloo", 2**34, "auto", 8, torch.float32, "adam")
     plan = assemble_plan(found, ctx)
     assert plan.virtual_stages == 2

@@ -1,7 +1,8 @@
 """Context parallelism trained under `--check` (issue #30): every step within its bounds of one
 device, on 2 and 4 gloo processes, for the zoo GPT (causal SDPA: keys and values all-gathered,
 the halves balanced by swaps) and Hugging Face Llama with grouped-query attention (its causal
-mask a tensor, split with the rows), under `megatron:cp=2` and `megatron:tp=2,cp=2`; and the
+mask a tensor, split with the rows), under `megatron:cp=2` and `megatron:tp=2,cp=2`, Mistral
+(a sliding-window mask) and Qwen2 under `megatron:cp=2`; and the
 zoo GPT under `megatron:cp=2,ring=1` (the ring kernel, `rules.ring`).
 
 Oracle: the check's float64 single-device reference (runtime/verify/step_check.py), its verdict
@@ -34,12 +35,18 @@ from tests.support.check_workers import run_checked
 STEPS = 2
 LR = 1e-2
 WORKER_TIMEOUT_S = 600.0
-LLAMA = f"{Path(real_models.__file__).resolve()}:llama"
+LLAMA, MISTRAL, QWEN2 = (
+    f"{Path(real_models.__file__).resolve()}:{name}" for name in ("llama", "mistral", "qwen2")
+)  # GQA; Mistral's sliding-window mask a tensor too; Qwen2's projections biased
 GPT_ARGS = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "batch": 4}
-HF = importlib.util.find_spec("transformers") is not None  # the Llama cases need it
+HF = importlib.util.find_spec("transformers") is not None  # the HF cases need it
 RING = "megatron:cp=2,ring=1"  # every attention's kernel the ring's
 JOBS = {
-    2: [("gpt", "megatron:cp=2"), ("gpt", RING), *([(LLAMA, "megatron:cp=2")] if HF else [])],
+    2: [
+        ("gpt", "megatron:cp=2"),
+        ("gpt", RING),
+        *([(m, "megatron:cp=2") for m in (LLAMA, MISTRAL, QWEN2)] if HF else []),
+    ],
     4: [("gpt", "megatron:tp=2,cp=2"), *([(LLAMA, "megatron:tp=2,cp=2")] if HF else [])],
 }
 

@@ -27,6 +27,12 @@ def device_and_backend(device: str | None, backend: str | None) -> tuple[str, st
         )
     if device == "cuda":
         _check_gpus(backend)
+        if backend == "gloo":
+            raise ExecutionError(
+                "--device cuda --backend gloo: the runtime moves a GPU rank's tensors with NCCL "
+                "(gloo carries CPU tensors here); use --backend nccl, or --device cpu --backend "
+                "gloo."
+            )
     return device, backend
 
 

@@ -51,6 +51,7 @@ from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh, NdSbp, parse_nd_sbp
 from autosbp.timeline import SpanHook
 from autosbp.zero_bubble import plan_orders
+from runtime.execute.collectives import world_device
 from runtime.execute.groups import build_groups, world_timeout
 from runtime.execute.instructions import Boxer
 from runtime.execute.program import Program, Value, build_program
@@ -109,6 +110,7 @@ class Engine:
         non_finite: NonFinite = NonFinite.STOP,
     ) -> None:
         _check_world(plan)
+        _check_device(model)
         self.non_finite, self.skipped_steps = non_finite, 0
         graph = _checked_graph(model, example_inputs, plan, graph)
         self.plan, self.graph, self.micro_batches = plan, graph, plan.micro_batches
@@ -309,6 +311,19 @@ def _check_world(plan: Plan) -> None:
         )
     agree_on_plan(plan)
     plan.check_world(dist.get_world_size())
+
+
+def _check_device(model: nn.Module) -> None:
+    """The model's tensors live where the world carries them (`world_device`): the runtime
+    makes its receive and collective buffers there."""
+    where, carried = {t.device.type for t in model.state_dict().values()}, world_device().type
+    if where - {carried}:
+        raise ExecutionError(
+            f"the model's tensors are on {', '.join(sorted(where))}, but this world "
+            f"({dist.get_backend()}) carries {carried} tensors. Move the model with "
+            f".to('{carried}'), or join the world with the backend of its device "
+            "(nccl for cuda, gloo for cpu)."
+        )
 
 
 def _check_schedule(

@@ -485,6 +485,12 @@ CLI_CASES = [
         id="train-cuda-nccl-without-a-gpu",
         marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
     ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "1", "--device", "cuda", "--backend", "gloo"],
+        ("--device cuda --backend gloo", "with NCCL"), ("use --backend nccl",),
+        id="train-cuda-over-gloo",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: refused first"),
+    ),
     # checkpoint arguments
     pytest.param(
         ["train", "mlp", "--nproc", "2", "--resume"], ("--resume needs --checkpoint-dir DIR",),

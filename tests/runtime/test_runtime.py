@@ -35,6 +35,7 @@ from autosbp.planner.assemble import PlanContext, assemble_plan
 from autosbp.planner.hand_plans import strategy_space
 from autosbp.planner.search import search
 from autosbp.zoo import build_model
+from launching.workers import run_workers
 from runtime import Engine
 from runtime.verify.verdict import judge
 from tests.support.runtime_workers import run_cases
@@ -241,3 +242,22 @@ def test_engine_needs_a_distributed_world() -> None:
     module, inputs = _build("mlp")
     with pytest.raises(ExecutionError, match="torchrun"):
         Engine(module, _mlp_plan(), torch.optim.SGD, example_inputs=inputs)
+
+
+def _engine_error(rank: int, world_size: int, plan: dict[str, Any], device: str) -> str:
+    module, inputs = _build("mlp")
+    try:
+        Engine(module.to(device), Plan.from_json(plan), torch.optim.SGD, example_inputs=inputs)
+    except ExecutionError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.dist
+def test_engine_refuses_a_model_on_another_device_than_the_world_carries() -> None:
+    """A gloo world carries CPU tensors: a model elsewhere (meta here; cuda beside gloo on a
+    GPU machine) is refused on every rank with the fix, before any buffer is made."""
+    errors = run_workers(_engine_error, 2, (_plan_json("mlp", 2, "dp"), "meta"), timeout_s=60)
+    for error in errors:
+        assert "on meta, but this world (gloo) carries cpu tensors" in error, error
+        assert ".to('cpu')" in error

@@ -192,11 +192,11 @@ class Engine:
     ) -> Pipeline:
         """The stage's firings in the plan's schedule (`stage_orders`), each chunk's traffic
         with the other stages, the loss's seed, and the rank that tells every rank the loss."""
-        plan, graph = self.plan, self.graph
+        plan, graph, device = self.plan, self.graph, world_device()
         transfers = [
             Transfers(
                 build_links(graph, self.signatures, boundaries, meshes, chunk, self.index),
-                self._timeout, self._span,
+                self._timeout, self._span, device,
             )
             for chunk in self.chunks
         ]  # fmt: skip
@@ -215,6 +215,7 @@ class Engine:
             loss_root=loss_stage.device_ids[0],
             staged=len(meshes) > 1,
             span=self._span,
+            device=device,
             weights=tuple(self.parameters.values()),
         )
 

@@ -35,11 +35,10 @@ def gathers_parameters(
     """Whether any parameter's conversion to a consumer's layout on `mesh` holds a collective
     (every rank answers alike, from the whole graph and every node's signature)."""
     for node, attrs in graph.nodes(Role.PARAMETER):
-        have = signature_of(node).outputs[0]
+        have, shape = signature_of(node).outputs[0], attrs.outputs[0].shape
         for consumer in graph.graph.successors(node):
             for _, index in graph.uses(node, consumer):
                 want = signature_of(consumer).inputs[index]
-                shape = attrs.outputs[0].shape
                 if have != want and has_collective(plan_boxing(have, want, shape, mesh)):
                     return True
     return False

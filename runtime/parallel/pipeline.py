@@ -49,7 +49,6 @@ from autosbp.plan import Plan
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Mesh, NdSbp, P, local_shape
 from autosbp.schedule import Phase, Step
-from runtime.execute.collectives import world_device
 from runtime.execute.instructions import Boxer
 from runtime.execute.program import Program, Value
 from runtime.parallel.split_backward import WeightGradients, input_gradients
@@ -182,8 +181,10 @@ class Transfers:
     """One step's point-to-point traffic over `links`: `receive` blocks, `send` starts an
     isend kept until `wait` (the end of the step)."""
 
-    def __init__(self, links: Links, timeout: datetime.timedelta, span: Span) -> None:
-        self.links, self.timeout, self.span = links, timeout, span
+    def __init__(
+        self, links: Links, timeout: datetime.timedelta, span: Span, device: torch.device
+    ) -> None:
+        self.links, self.timeout, self.span, self.device = links, timeout, span, device
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def receive(self, mb: int, *, backward: bool) -> list[torch.Tensor]:
@@ -196,7 +197,7 @@ class Transfers:
         with self.span("recv", mb):
             for peer, tag, metas in links:
                 for meta in metas:
-                    buffer = torch.empty(meta.shape, dtype=meta.dtype, device=world_device())
+                    buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
                     _p2p(dist.irecv, buffer, peer, tag).wait(self.timeout)
                     if not backward and buffer.is_floating_point():
                         buffer.requires_grad_(True)
@@ -258,6 +259,7 @@ class Pipeline:
     loss_root: int
     staged: bool  # more than one stage: the loss is broadcast
     span: Span
+    device: torch.device  # where the loss is summed (`collectives.world_device`)
     weights: Sequence[torch.Tensor] = ()
     last_backward: int = field(init=False)  # the last firing in `order` that adds gradients
     split: bool = field(init=False)  # zero bubble: backward in two (input, weight)
@@ -272,7 +274,7 @@ class Pipeline:
         of the loss (the mean over micro-batches on the loss's stage, 0 elsewhere)."""
         in_flight: dict[tuple[int, int], InFlight] = {}
         deferred: dict[tuple[int, int], WeightGradients] = {}
-        value = torch.zeros((), device=world_device())
+        value = torch.zeros((), device=self.device)
         for position, (phase, chunk, mb) in enumerate(self.order):
             last = position == self.last_backward
             if phase is Phase.FORWARD:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from autosbp.overlap import GATHER_IN_PLACE_BYTES
-from runtime.execute.collectives import all_gather_single, world_device
+from runtime.execute.collectives import all_gather_single
 
 __all__ = ["GatherBucket", "GatheredParam", "gather_buckets"]
 
@@ -85,7 +85,9 @@ class GatherBucket:
             self._gather_in_place(broadcast)
             return
         region, own = self.region_numel, self.members.index(dist.get_rank())
-        flat = torch.empty(region * len(self.members), dtype=self.dtype, device=world_device())
+        flat = torch.empty(
+            region * len(self.members), dtype=self.dtype, device=self.params[0].shard.device
+        )
         regions = flat.split(region)
         offset = 0
         for p in self.params:  # this rank's shards, cast to the weights' dtype

@@ -71,7 +71,7 @@ class Outcome:
         return replace(best, effort=effort)
 
 
-FLOOR, NODES, LP = 0, 1, 2  # the bound a configuration in the heap holds (the module docstring)
+FLOOR, NODES, FOREST, LP = 0, 1, 2, 3  # the bound a configuration in the heap holds (`search`)
 Entry = tuple[float, int, int, Config, MeshProblem | None]
 
 
@@ -239,21 +239,32 @@ class BestFirst:
             found = self.ev.node_bound(config)
             if found is not None:  # None: the configuration has no plan
                 self.push(max(bound, found), NODES, config, None)
-        elif level == NODES:
-            shared = -math.inf
-            if self.has_plan():
-                shared = self.ev.shared_bound(config, self.time_left(), self.cutoff())
-                plan = self.ev.shared_plan(config)
-                if plan is not None:  # (2a) solved it
-                    self.keep(*plan, max(bound, shared))
-                    return
-            if shared > bound and not self.dives(shared):
-                self.push(shared, NODES, config, None)  # (2a) may have passed another's bound
+        elif level == NODES and self.has_plan():
+            forest = self.ev.forest_bound(config)
+            if forest > bound:  # back in: it may have passed another's bound, or the cutoff
+                self.push(forest, FOREST, config, None)
             else:
-                self.bound_by_lp(config, max(bound, shared))
+                self.bound_shared(config, bound)
+        elif level in (NODES, FOREST):
+            self.bound_shared(config, bound)
         else:
             assert mp is not None
             self.solve(config, bound, mp)
+
+    def bound_shared(self, config: Config, bound: float) -> None:
+        """Bound (2a) once there is a plan: back into the heap, or on to its LP bound (2) where
+        it dives or did not rise; kept as solved where (2a) solved it."""
+        shared = -math.inf
+        if self.has_plan():
+            shared = self.ev.shared_bound(config, self.time_left(), self.cutoff())
+            plan = self.ev.shared_plan(config)
+            if plan is not None:  # (2a) solved it
+                self.keep(*plan, max(bound, shared))
+                return
+        if shared > bound and not self.dives(shared):
+            self.push(shared, FOREST, config, None)  # (2a) may have passed another's bound
+        else:
+            self.bound_by_lp(config, max(bound, shared))
 
     def bound_by_lp(self, config: Config, bound: float) -> None:
         """Bound (2): back into the heap with the problem behind it, or on to its solve where it

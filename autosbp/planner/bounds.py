@@ -2,7 +2,8 @@
 
 Lives here: `compute_floors` (per compute node, a time no signature on a number of devices
 beats), `step_bound` (a step no plan of a configuration beats, from per-node times: floors, or
-each node's cheapest signature) and `unhidden_s` (the part of a node's time no overlap hides).
+each node's cheapest signature), `path_bound` (the pipeline's path bounds of per-stage sums)
+and `unhidden_s` (the part of a node's time no overlap hides).
 Lives elsewhere: the search that orders configurations by these bounds (`search`, whose
 docstring has the argument that they bound the predicted step), the objective's path bounds
 (`objective`), the LP bound (`problem.lower_bound_of`).
@@ -15,7 +16,7 @@ with non-negative weights (f, b, busy >= 0), and boxing and transfers only add t
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +60,8 @@ def step_bound(
     times: Mapping[str, np.ndarray],
     micro_batches: int,
     recompute: str,
+    *,
+    drain: bool = True,
 ) -> float:
     """A step time no plan with these stages, micro-batch count and recomputation can beat,
     from per-node times alone (`times` per representative node: per candidate, or one floor;
@@ -66,7 +69,7 @@ def step_bound(
     and no transfers: the largest over stages k of the path bounds P(0, k) (the fill to k, its
     micro-batches, the drain back to stage 0) and P(k, k) with k's update (the fill to k, its
     micro-batches, its update; a parameter's `times` may leave out the sync, which backward
-    may hide, `unhidden_s`)."""
+    may hide, `unhidden_s`); `path_bound` of those sums."""
     busy = [0.0] * num_stages
     first = [0.0] * num_stages  # forward of one micro-batch
     update = [0.0] * num_stages
@@ -81,9 +84,25 @@ def step_bound(
             forward = least / (1.0 + BACKWARD_FACTOR)
             busy[s] += least + (forward if recomputed(graph, name, recompute) else 0.0)
             first[s] += forward
+    return path_bound(busy, first, update, micro_batches, drain=drain)
+
+
+def path_bound(
+    busy: Sequence[float],
+    first: Sequence[float],
+    update: Sequence[float],
+    micro_batches: int,
+    *,
+    drain: bool = True,
+) -> float:
+    """The largest over stages k of the path bounds P(0, k) (the fill to k, its micro-batches,
+    the drain back to stage 0) and P(k, k) (the fill, its micro-batches, its update), from per
+    stage lower bounds of one micro-batch's busy time and forward and of the update, transfers
+    at 0 (`objective`'s derivation; each path bound only grows with its terms). `drain`: False
+    under zero bubble (zb1), whose drain passes B alone: only P(k, k) bounds its step."""
     return max(
-        micro_batches * busy[s] + max(sum(busy[:s]), sum(first[:s]) + update[s])
-        for s in range(num_stages)
+        micro_batches * busy[s] + max(sum(busy[:s]) if drain else 0.0, sum(first[:s]) + update[s])
+        for s in range(len(busy))
     )
 
 

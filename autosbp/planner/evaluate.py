@@ -3,7 +3,7 @@
 Lives here: `Evaluator` (a search's request and its caches: the graph of each micro-batch
 count and its ties, each count cut into each stage count with its floors, each graph priced on
 each stage mesh, what backward keeps, the shared bound (2a) per stage count, mesh and count)
-and its steps: the floor (0), node (1), shared (2a) and LP (2) bounds of a configuration, its
+and its steps: the floor (0), node (1), forest (1b), shared (2a) and LP (2) bounds of a configuration, its
 solve and the plan it makes (`search`'s module docstring says why each is a bound). Lives
 elsewhere: the order and stop rule (`search`), the workers that run these steps in other
 processes (`parallel`), the problem itself (`problem`).
@@ -28,6 +28,7 @@ from autosbp.errors import MicroBatchError, PlanError
 from autosbp.planner.autograd_probe import requires_grad_of
 from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
 from autosbp.planner.candidates import BoxingPricer, NodeStrategies, Prices
+from autosbp.planner.forest_bound import forest_bound
 from autosbp.planner.hand_plans import Space
 from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.kept import Kept, kept_for_backward
@@ -230,7 +231,7 @@ class Evaluator:
         """Bound (0)."""
         return step_bound(
             stages.graph, stages.copies, config.num_stages, stages.floors, config.count,
-            config.recompute,
+            config.recompute, drain=self.drains,
         )  # fmt: skip
 
     def node_bound(self, config: Config) -> float | None:
@@ -242,8 +243,22 @@ class Evaluator:
             return None
         times = {r: unhidden_s(priced.strategies[r]) for _, r in stages.copies}
         return step_bound(
-            stages.graph, stages.copies, config.num_stages, times, config.count, config.recompute
-        )
+            stages.graph, stages.copies, config.num_stages, times, config.count, config.recompute,
+            drain=self.drains,
+        )  # fmt: skip
+
+    def forest_bound(self, config: Config) -> float:
+        """Bound (1b): (1) with each stage's boxing, along a spanning forest of its edges."""
+        stages, priced = self.stages[(config.count, config.num_stages)], self.priced_of(config)
+        return forest_bound(
+            stages.tied, priced, config.num_stages, config.count, config.recompute,
+            self.request.prices.overlap_efficiency, drain=self.drains,
+        )  # fmt: skip
+
+    @property
+    def drains(self) -> bool:
+        """Do the schedule's path bounds drain (all but zero bubble's, `bounds.path_bound`)?"""
+        return self.request.space.schedule != "zb1"
 
     def shared_bound(self, config: Config, time_left_s: float, cutoff: float) -> float:
         """Bound (2a), of every recomputation mode of this stage count, mesh and count at once:

@@ -22,10 +22,12 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import MicroBatchError, NoFitError
 from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
+from autosbp.planner.forest_bound import forest_bound
 from autosbp.planner.hand_plans import strategy_space
 from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.kept import kept_for_backward
 from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
+from autosbp.planner.priced import price_graph
 from autosbp.planner.problem import (
     MIP_GAP,
     MeshProblem,
@@ -167,6 +169,7 @@ def bounds_of(graph: OpGraph, prices: RandomPrices, item: Solved) -> dict[str, f
     shares = kept_for_backward(graph, tie_graph(graph).representative, "none").backward_share
     floors = compute_floors(graph, prices, mp.mesh.size, {r for _, r in copies}, shares)
     nodes = {r: unhidden_s(mp.strategies[r]) for _, r in copies}
+    priced = price_graph(graph, mp.mesh, prices, strategy_space("auto").allow)
     args = (graph, copies, item.stages)
     least = build_problem(  # bound (2a): the least recomputation, no memory limit
         graph, mp.mesh, prices, optimizer="adam", memory_limit_bytes=None,
@@ -176,6 +179,9 @@ def bounds_of(graph: OpGraph, prices: RandomPrices, item: Solved) -> dict[str, f
     return {
         "floor": step_bound(*args, floors, item.count, mp.recompute),
         "nodes": step_bound(*args, nodes, item.count, mp.recompute),
+        "forest": forest_bound(
+            tied, priced, item.stages, item.count, mp.recompute, prices.overlap_efficiency
+        ),
         "shared": lower_bound_of(least, 60) or math.inf,
         "lp": lower_bound_of(mp, 60) or math.inf,
     }

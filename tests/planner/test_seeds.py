@@ -24,7 +24,8 @@ from autosbp.sbp import Mesh
 @dataclass
 class StatedBounds:
     """The evaluator's part that seeding reads, each configuration's bounds and value stated:
-    node bound, LP bound (never integral here) and the step its solve predicts."""
+    node bound (the forest bound too), LP bound (never integral here) and the step its solve
+    predicts."""
 
     stated: dict[Config, tuple[float, float, float]]
     calls: list[tuple[str, int]] = field(default_factory=list)  # (what, stage count)
@@ -35,6 +36,9 @@ class StatedBounds:
 
     def node_bound(self, config: Config) -> float:
         return self.stated[config][0]
+
+    def forest_bound(self, config: Config) -> float:
+        return self.stated[config][0]  # no higher than the node bound
 
     def shared_bound(self, config: Config, time_left_s: float, cutoff: float) -> float:
         return -math.inf  # one recomputation mode: no shared bound

@@ -1,0 +1,201 @@
+"""Bound (1b): the path bounds of `bounds` with each stage's boxing in them, every stage at the
+least that its nodes and a spanning forest of its edges can cost together.
+
+Lives here: `forest_min` (the least, over every choice of candidates, of a sum of node costs
+and of the costs of a spanning forest's edges: exact on the forest, by dynamic programming)
+and `forest_bound` (a configuration's bound from it). Lives elsewhere: the node bound (1) and
+the path bounds (`bounds`), the search that tries (1b) between (1) and the LP bound (2a)
+(`search`'s docstring), the prices it sums (`priced.Priced`, as `stage_terms` sums them).
+
+Why a bound. Per stage and micro-batch, the objective's busy time is a sum of node costs (each
+node at its candidate) and edge costs (each edge at its pair), all >= 0, less what the blocks'
+compute hides of the parameters' conversions: at most a (b - 1) / b < a of the stage's
+parameter edges inside blocks (`search`'s docstring; a the profile's overlap). So it is at
+least the compute nodes, the other edges, and (1 - a) times those parameter edges; the forward
+likewise, of the forward parts. Dropping the edges that would close a cycle only lowers such a
+sum, and on a forest its least over every choice is exact. A stage's update is at least each
+parameter's least update less a times its sync (the last backward hides at most a (1 - 1 / k)
+of the sync, `overlap.hidden_sync_s`). The path bounds only grow with each stage's busy time,
+forward and update, so they are at most the objective of every choice, which is at most
+`predict` of it (`objective`). Taking each stage, and busy time apart from forward, at its own
+least is a relaxation too: it only lowers the bound.
+
+What it sees that (1) does not: the tensor-parallel all-reduces and every other boxing a
+stage's choices force, along the chains of its ops (Llama 3 405B's configurations: (1) at
+14-17 s where the LP bound passes 30 s; (1b) at 20-30 s). What it misses: the edges left out
+of the forest (a residual's second path), the pairing of busy and update (a parameter's
+sharding cheapens its update but not its gathers), transfers, and the LP's coupling of stages.
+
+Cost: per configuration, one pass over the edges of each distinct stage (stages with the same
+tied counts share theirs) with a min-plus product per forest edge: 2-30 ms (GPT-3 175B on 1024
+A100s; Llama 3 405B on 8192 H100s), beside 0.1-1 s for an LP bound. Its edges are priced once
+per (count, mesh) (`Priced.edge_prices`), as the LP's build prices them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from autosbp.capturing.graph import Role
+from autosbp.planner.bounds import path_bound
+from autosbp.planner.pipeline import recomputed
+from autosbp.planner.priced import Priced
+from autosbp.planner.reduce import TiedStages
+
+__all__ = ["forest_bound", "forest_min"]
+
+Edges = Mapping[tuple[str, str], np.ndarray]
+
+
+def forest_min(nodes: Mapping[str, np.ndarray], edges: Edges) -> float:
+    """The least over every choice x of sum_r nodes[r][x_r] plus, over the edges (u, v) of a
+    spanning forest of `edges`, edges[u, v][x_u, x_v] (rows: u's candidates; both ends in
+    `nodes`). Exact on the forest (each subtree's least per choice of its root, passed up edge
+    by edge); at most the least with every edge, whose costs are >= 0. The forest keeps the
+    costliest edges first (by their mean finite cost)."""
+    adjacent = _spanning_forest(nodes, edges)
+    seen: set[str] = set()
+    total = 0.0
+    for root in nodes:
+        if root in seen:
+            continue
+        seen.add(root)
+        order: list[tuple[str, str | None, np.ndarray | None]] = [(root, None, None)]
+        for r, _, _ in order:  # grows as it goes: every node after its parent
+            for child, matrix in adjacent[r]:
+                if child not in seen:
+                    seen.add(child)
+                    order.append((child, r, matrix))
+        least = {r: np.asarray(nodes[r], dtype=float) for r, _, _ in order}
+        for r, parent, matrix in reversed(order):
+            if parent is not None:
+                least[parent] = least[parent] + np.min(matrix + least[r], axis=1)
+        total += float(np.min(least[root]))
+    return total
+
+
+def _spanning_forest(
+    nodes: Mapping[str, np.ndarray], edges: Edges
+) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """Kruskal's forest of the costliest edges: per node, its neighbours with the matrix whose
+    rows are the node's candidates."""
+    root = {r: r for r in nodes}
+
+    def find(r: str) -> str:
+        while root[r] != r:
+            root[r] = root[root[r]]
+            r = root[r]
+        return r
+
+    adjacent: dict[str, list[tuple[str, np.ndarray]]] = {r: [] for r in nodes}
+    for (u, v), matrix in sorted(edges.items(), key=lambda item: -_weight(item[1])):
+        a, b = find(u), find(v)
+        if a != b:
+            root[a] = b
+            adjacent[u].append((v, matrix))
+            adjacent[v].append((u, matrix.T))
+    return adjacent
+
+
+def _weight(matrix: np.ndarray) -> float:
+    finite = matrix[np.isfinite(matrix)]
+    return float(finite.mean()) if finite.size else 0.0
+
+
+class _Sums:
+    """One stage's node and edge costs of one micro-batch, busy and forward (per
+    representative and pair of representatives: tied copies add up, an edge between two copies
+    of one node lands on its diagonal), as `stage_terms.StageTerms` sums them."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, np.ndarray] = {}
+        self.edges: dict[tuple[str, str], np.ndarray] = {}
+
+    def node(self, r: str, values: np.ndarray) -> None:
+        self.nodes[r] = self.nodes[r] + values if r in self.nodes else values
+
+    def edge(self, key: tuple[str, str], matrix: np.ndarray) -> None:
+        if key[0] == key[1]:
+            self.node(key[0], np.diag(matrix))
+        else:
+            self.edges[key] = self.edges[key] + matrix if key in self.edges else matrix
+
+    def least(self, priced: Priced) -> float:
+        nodes = dict(self.nodes)
+        for pair in self.edges:
+            for r in pair:
+                if r not in nodes:
+                    nodes[r] = np.zeros(len(priced.strategies[r].candidates))
+        return forest_min(nodes, self.edges)
+
+
+def forest_bound(
+    tied: TiedStages,
+    priced: Priced,
+    num_stages: int,
+    micro_batches: int,
+    recompute: str,
+    overlap: float,
+    *,
+    drain: bool = True,
+) -> float:
+    """Bound (1b) of a configuration (the module docstring): the graph cut into stages as
+    `tied` counts it into `num_stages`, priced on the stage mesh (`priced`), the profile's
+    `overlap`; `drain`:
+    False under zero bubble (`bounds.path_bound`)."""
+    items: list[list[tuple]] = [[] for _ in range(num_stages)]
+    for (r, s, _), n in tied.nodes.items():
+        items[s].append(("node", r, n))
+    for ((u, v), s), n in tied.edges.items():
+        items[s].append(("edge", u, v, n))
+    update = [0.0] * num_stages
+    for (r, s, _), n in tied.nodes.items():
+        found = priced.strategies[r]
+        if priced.graph.node(r).role is Role.PARAMETER and found.sync_s is not None:
+            update[s] += n * float(np.min(found.compute_s - overlap * found.sync_s))
+    known: dict[frozenset, tuple[float, float]] = {}
+    busy, first = [], []
+    for s in range(num_stages):
+        key = frozenset(items[s])
+        if key not in known:
+            sums = _stage_sums(items[s], priced, recompute, overlap)
+            known[key] = (sums[0].least(priced), sums[1].least(priced))
+        busy.append(known[key][0])
+        first.append(known[key][1])
+    return path_bound(busy, first, update, micro_batches, drain=drain)
+
+
+def _stage_sums(
+    items: list[tuple], priced: Priced, recompute: str, overlap: float
+) -> tuple[_Sums, _Sums]:
+    """One stage's busy and forward sums (the module docstring: parameters' edges into blocks
+    at 1 - overlap of their cost; a recomputed node and its edges pay their forward again)."""
+    graph, rep = priced.graph, priced.representative
+    busy, forward = _Sums(), _Sums()
+    for item in items:
+        if item[0] == "node":
+            _, r, n = item
+            if graph.node(r).role is Role.COMPUTE:
+                found = priced.strategies[r]
+                fwd = found.forward_part_s()
+                again = fwd if recomputed(graph, r, recompute) else 0.0
+                busy.node(r, n * (found.compute_s + again))
+                forward.node(r, n * fwd)
+            continue
+        _, u, v, n = item
+        both, fwd_only = priced.edge_prices(u, v)
+        weight = float(n)
+        if graph.node(u).role is Role.PARAMETER and graph.node(rep[v]).block is not None:
+            weight *= 1.0 - overlap  # what the blocks' compute may hide of a gather
+        again = recomputed(graph, rep[v], recompute)
+        key = (rep[u], rep[v])
+        busy.edge(key, _scaled(both + fwd_only if again else both, weight))
+        forward.edge(key, _scaled(fwd_only, weight))
+    return busy, forward
+
+
+def _scaled(matrix: np.ndarray, weight: float) -> np.ndarray:
+    """weight x matrix, a forbidden pair (inf) forbidden still (also at weight 0)."""
+    return np.where(np.isinf(matrix), matrix, weight * matrix)

@@ -84,25 +84,30 @@ def step_bound(
             forward = least / (1.0 + BACKWARD_FACTOR)
             busy[s] += least + (forward if recomputed(graph, name, recompute) else 0.0)
             first[s] += forward
-    return path_bound(busy, first, update, micro_batches, drain=drain)
+    steady = [micro_batches * b + u for b, u in zip(busy, update, strict=True)]
+    return path_bound(busy, first, steady, micro_batches, drain=drain)
 
 
 def path_bound(
     busy: Sequence[float],
     first: Sequence[float],
-    update: Sequence[float],
+    steady: Sequence[float],
     micro_batches: int,
     *,
     drain: bool = True,
 ) -> float:
     """The largest over stages k of the path bounds P(0, k) (the fill to k, its micro-batches,
-    the drain back to stage 0) and P(k, k) (the fill, its micro-batches, its update), from per
-    stage lower bounds of one micro-batch's busy time and forward and of the update, transfers
-    at 0 (`objective`'s derivation; each path bound only grows with its terms). `drain`: False
-    under zero bubble (zb1), whose drain passes B alone: only P(k, k) bounds its step."""
+    the drain back to stage 0) and P(k, k) (the fill, its micro-batches and its update), from
+    per stage lower bounds of one micro-batch's busy time and forward, and of the micro-batches
+    and update together (`steady`), transfers at 0 (`objective`'s derivation; each path bound
+    only grows with its terms). `drain`: False under zero bubble (zb1), whose drain passes B
+    alone: only P(k, k) bounds its step."""
     return max(
-        micro_batches * busy[s] + max(sum(busy[:s]) if drain else 0.0, sum(first[:s]) + update[s])
-        for s in range(len(busy))
+        max(
+            micro_batches * busy[k] + sum(busy[:k]) if drain else 0.0,
+            sum(first[:k]) + steady[k],
+        )
+        for k in range(len(busy))
     )
 
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from autosbp.capturing.graph import Role
 from autosbp.planner.bounds import path_bound
+from autosbp.planner.candidates import NodeStrategies
 from autosbp.planner.pipeline import recomputed
 from autosbp.planner.priced import Priced
 from autosbp.planner.reduce import TiedStages
@@ -55,7 +56,13 @@ def forest_min(nodes: Mapping[str, np.ndarray], edges: Edges) -> float:
     `nodes`). Exact on the forest (each subtree's least per choice of its root, passed up edge
     by edge); at most the least with every edge, whose costs are >= 0. The forest keeps the
     costliest edges first (by their mean finite cost)."""
-    adjacent = _spanning_forest(nodes, edges)
+    adjacent, left_out = _spanning_forest(nodes, edges)
+    costs = {r: np.asarray(values, dtype=float) for r, values in nodes.items()}
+    for u, v in left_out:  # what the edge costs whatever the other end: on its ends
+        rows = np.min(edges[u, v], axis=1)
+        costs[u] = costs[u] + rows
+        finite = np.where(np.isinf(rows)[:, None], 0.0, rows[:, None])
+        costs[v] = costs[v] + np.min(edges[u, v] - finite, axis=0)
     seen: set[str] = set()
     total = 0.0
     for root in nodes:
@@ -68,7 +75,7 @@ def forest_min(nodes: Mapping[str, np.ndarray], edges: Edges) -> float:
                 if child not in seen:
                     seen.add(child)
                     order.append((child, r, matrix))
-        least = {r: np.asarray(nodes[r], dtype=float) for r, _, _ in order}
+        least = {r: costs[r] for r, _, _ in order}
         for r, parent, matrix in reversed(order):
             if parent is not None:
                 least[parent] = least[parent] + np.min(matrix + least[r], axis=1)
@@ -78,9 +85,9 @@ def forest_min(nodes: Mapping[str, np.ndarray], edges: Edges) -> float:
 
 def _spanning_forest(
     nodes: Mapping[str, np.ndarray], edges: Edges
-) -> dict[str, list[tuple[str, np.ndarray]]]:
+) -> tuple[dict[str, list[tuple[str, np.ndarray]]], list[tuple[str, str]]]:
     """Kruskal's forest of the costliest edges: per node, its neighbours with the matrix whose
-    rows are the node's candidates."""
+    rows are the node's candidates; and the edges left out."""
     root = {r: r for r in nodes}
 
     def find(r: str) -> str:
@@ -90,13 +97,16 @@ def _spanning_forest(
         return r
 
     adjacent: dict[str, list[tuple[str, np.ndarray]]] = {r: [] for r in nodes}
+    left_out: list[tuple[str, str]] = []
     for (u, v), matrix in sorted(edges.items(), key=lambda item: -_weight(item[1])):
         a, b = find(u), find(v)
         if a != b:
             root[a] = b
             adjacent[u].append((v, matrix))
             adjacent[v].append((u, matrix.T))
-    return adjacent
+        else:
+            left_out.append((u, v))
+    return adjacent, left_out
 
 
 def _weight(matrix: np.ndarray) -> float:
@@ -105,9 +115,9 @@ def _weight(matrix: np.ndarray) -> float:
 
 
 class _Sums:
-    """One stage's node and edge costs of one micro-batch, busy and forward (per
-    representative and pair of representatives: tied copies add up, an edge between two copies
-    of one node lands on its diagonal), as `stage_terms.StageTerms` sums them."""
+    """One stage's node and edge costs (per representative and pair of representatives: tied
+    copies add up, an edge between two copies of one node lands on its diagonal), as
+    `stage_terms.StageTerms` sums them."""
 
     def __init__(self) -> None:
         self.nodes: dict[str, np.ndarray] = {}
@@ -121,6 +131,12 @@ class _Sums:
             self.node(key[0], np.diag(matrix))
         else:
             self.edges[key] = self.edges[key] + matrix if key in self.edges else matrix
+
+    def times(self, factor: float) -> _Sums:
+        scaled = _Sums()
+        scaled.nodes = {r: factor * values for r, values in self.nodes.items()}
+        scaled.edges = {key: factor * matrix for key, matrix in self.edges.items()}
+        return scaled
 
     def least(self, priced: Priced) -> float:
         nodes = dict(self.nodes)
@@ -150,39 +166,41 @@ def forest_bound(
         items[s].append(("node", r, n))
     for ((u, v), s), n in tied.edges.items():
         items[s].append(("edge", u, v, n))
-    update = [0.0] * num_stages
-    for (r, s, _), n in tied.nodes.items():
-        found = priced.strategies[r]
-        if priced.graph.node(r).role is Role.PARAMETER and found.sync_s is not None:
-            update[s] += n * float(np.min(found.compute_s - overlap * found.sync_s))
-    known: dict[frozenset, tuple[float, float]] = {}
-    busy, first = [], []
+    known: dict[frozenset, tuple[float, ...]] = {}
+    busy, first, steady = [], [], []
     for s in range(num_stages):
         key = frozenset(items[s])
         if key not in known:
-            sums = _stage_sums(items[s], priced, recompute, overlap)
-            known[key] = (sums[0].least(priced), sums[1].least(priced))
+            sums = _stage_sums(items[s], priced, recompute, overlap, micro_batches)
+            known[key] = tuple(part.least(priced) for part in sums)
         busy.append(known[key][0])
         first.append(known[key][1])
-    return path_bound(busy, first, update, micro_batches, drain=drain)
+        steady.append(max(known[key][2:]))
+    return path_bound(busy, first, steady, micro_batches, drain=drain)
 
 
 def _stage_sums(
-    items: list[tuple], priced: Priced, recompute: str, overlap: float
-) -> tuple[_Sums, _Sums]:
-    """One stage's busy and forward sums (the module docstring: parameters' edges into blocks
-    at 1 - overlap of their cost; a recomputed node and its edges pay their forward again)."""
+    items: list[tuple], priced: Priced, recompute: str, overlap: float, micro_batches: int
+) -> tuple[_Sums, _Sums, _Sums, _Sums]:
+    """One stage's sums of one micro-batch's busy time and forward, and of its micro-batches
+    with its update (the module docstring: parameters' edges into blocks at 1 - overlap of
+    their cost; a recomputed node and its edges pay their forward again; a parameter's update
+    less overlap x its sync)."""
     graph, rep = priced.graph, priced.representative
-    busy, forward = _Sums(), _Sums()
+    busy, forward, update, hidden = _Sums(), _Sums(), _Sums(), _Sums()
     for item in items:
         if item[0] == "node":
             _, r, n = item
-            if graph.node(r).role is Role.COMPUTE:
-                found = priced.strategies[r]
+            found, role = priced.strategies[r], graph.node(r).role
+            if role is Role.COMPUTE:
                 fwd = found.forward_part_s()
                 again = fwd if recomputed(graph, r, recompute) else 0.0
                 busy.node(r, n * (found.compute_s + again))
                 forward.node(r, n * fwd)
+            elif role is Role.PARAMETER and found.sync_s is not None:
+                update.node(r, n * found.compute_s)
+                hidden.node(r, n * overlap * found.sync_s)
+                busy.node(r, n * _per_micro_batch(found, micro_batches))
             continue
         _, u, v, n = item
         both, fwd_only = priced.edge_prices(u, v)
@@ -193,7 +211,23 @@ def _stage_sums(
         key = (rep[u], rep[v])
         busy.edge(key, _scaled(both + fwd_only if again else both, weight))
         forward.edge(key, _scaled(fwd_only, weight))
-    return busy, forward
+    by_sync = busy.times(micro_batches)  # the last backward hides at most a x the sync ...
+    by_backward = busy.times(micro_batches - overlap)  # ... and at most a x itself
+    for r, values in update.nodes.items():
+        by_sync.node(r, values - hidden.nodes[r])
+        by_backward.node(r, values)
+    return busy, forward, by_sync, by_backward
+
+
+def _per_micro_batch(found: NodeStrategies, micro_batches: int) -> np.ndarray:
+    """A parameter's busy time per micro-batch (as `stage_terms` prices it): every backward but
+    the first adds into the gradient; ZeRO-2 reduce-scatters in every backward."""
+    busy = np.zeros(len(found.candidates))
+    if micro_batches > 1 and found.accumulate_s is not None:
+        busy = busy + (micro_batches - 1) / micro_batches * found.accumulate_s
+    if found.scatter_s is not None:
+        busy = busy + found.scatter_s
+    return busy
 
 
 def _scaled(matrix: np.ndarray, weight: float) -> np.ndarray:

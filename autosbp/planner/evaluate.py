@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -208,7 +208,7 @@ class Evaluator:
             representatives: Collection[str] = {r for _, r in copies}
             floors = compute_floors(
                 graph, self.request.prices, self.request.devices // num_stages, representatives,
-                self.kept_of(count)["none"].backward_share,
+                self.backward_share(count),
             )  # fmt: skip
             self.stages[key] = Stages(graph, split, tied, copies, floors)
         return self.stages[key]
@@ -256,8 +256,7 @@ class Evaluator:
         )  # fmt: skip
 
     @property
-    def drains(self) -> bool:
-        """Do the schedule's path bounds drain (all but zero bubble's, `bounds.path_bound`)?"""
+    def drains(self) -> bool:  # do the schedule's path bounds drain (`bounds.path_bound`)?
         return self.request.space.schedule != "zb1"
 
     def shared_bound(self, config: Config, time_left_s: float, cutoff: float) -> float:
@@ -329,6 +328,12 @@ class Evaluator:
                 r.space.zero,
             )  # fmt: skip
         return self.priced[key]
+
+    def backward_share(self, count: int) -> Mapping[str, float]:
+        """`kept.Kept.backward_share`, its structure's (from its first count: what the others
+        keep is only read once one of their configurations gets its node bound)."""
+        known = self.structural.get((self.structures[count], "none"))
+        return (known or self.kept_of(count)["none"]).backward_share
 
     def kept_of(self, count: int) -> dict[str, Kept]:
         """What backward keeps in the graph of `count` under each mode of the space, shared by

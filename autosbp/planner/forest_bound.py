@@ -11,25 +11,31 @@ Why a bound. Per stage and micro-batch, the objective's busy time is a sum of no
 node at its candidate) and edge costs (each edge at its pair), all >= 0, less what the blocks'
 compute hides of the parameters' conversions: at most a (b - 1) / b < a of the stage's
 parameter edges inside blocks (`search`'s docstring; a the profile's overlap). So it is at
-least the compute nodes, the other edges, and (1 - a) times those parameter edges; the forward
-likewise, of the forward parts. Dropping the edges that would close a cycle only lowers such a
-sum, and on a forest its least over every choice is exact. A stage's update is at least each
-parameter's least update less a times its sync (the last backward hides at most a (1 - 1 / k)
-of the sync, `overlap.hidden_sync_s`). The path bounds only grow with each stage's busy time,
-forward and update, so they are at most the objective of every choice, which is at most
-`predict` of it (`objective`). Taking each stage, and busy time apart from forward, at its own
-least is a relaxation too: it only lowers the bound.
+least B, the sum of the compute nodes, the parameters' accumulation, the other edges, and
+(1 - a) times those parameter edges; the forward likewise, of the forward parts. A stage's
+update u is its parameters' updates U less what its last backward hides, at most a x the
+sync S and at most a x that backward (`overlap.hidden_sync_s`), which is at most B; so the
+micro-batches and update of path bound P(k, k) together, m busy + u, are at least both
+m B + U - a S and (m - a) B + U, each again a sum of node and edge costs (m >= 1 >= a). Dropping
+the edges that would close a cycle only lowers such a sum (what a dropped edge costs whatever
+its other end chooses, its row and column minima, stays on its ends), and on a forest its
+least over every choice is exact. The path bounds only grow with each stage's busy time,
+forward and these sums, so they are at most the objective of every choice, which is at most
+`predict` of it (`objective`). Taking each stage, and each sum, at its own least is a
+relaxation too: it only lowers the bound.
 
 What it sees that (1) does not: the tensor-parallel all-reduces and every other boxing a
-stage's choices force, along the chains of its ops (Llama 3 405B's configurations: (1) at
-14-17 s where the LP bound passes 30 s; (1b) at 20-30 s). What it misses: the edges left out
-of the forest (a residual's second path), the pairing of busy and update (a parameter's
-sharding cheapens its update but not its gathers), transfers, and the LP's coupling of stages.
+stage's choices force, along the chains of its ops, and the sync of a replicated stage that one
+micro-batch's backward cannot hide (GPT-3 175B on 1024 A100s: 34 LP bounds instead of 124;
+Llama 3 405B on 8192 H100s: 27 instead of 117, where (1) sat at 14-17 s and the LPs above
+30 s). What it
+misses: the coupling of stages, transfers, and the LP's tighter accounting of what is hidden.
 
 Cost: per configuration, one pass over the edges of each distinct stage (stages with the same
-tied counts share theirs) with a min-plus product per forest edge: 2-30 ms (GPT-3 175B on 1024
-A100s; Llama 3 405B on 8192 H100s), beside 0.1-1 s for an LP bound. Its edges are priced once
-per (count, mesh) (`Priced.edge_prices`), as the LP's build prices them.
+tied counts share theirs) and a min-plus product per forest edge for each of its four sums:
+2-50 ms (GPT-3 175B on 1024 A100s; Llama 3 405B on 8192 H100s), beside 0.1-1 s for an LP
+bound. Its edges are priced once per (count, mesh) (`Priced.edge_prices`), as the LP's build
+prices them.
 """
 
 from __future__ import annotations

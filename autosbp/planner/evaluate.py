@@ -330,8 +330,7 @@ class Evaluator:
         return self.priced[key]
 
     def backward_share(self, count: int) -> Mapping[str, float]:
-        """`kept.Kept.backward_share`, its structure's (from its first count: what the others
-        keep is only read once one of their configurations gets its node bound)."""
+        """`kept.Kept.backward_share` of the structure's first count (it is structural)."""
         known = self.structural.get((self.structures[count], "none"))
         return (known or self.kept_of(count)["none"]).backward_share
 

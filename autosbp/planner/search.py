@@ -56,12 +56,12 @@ stage overflows with every node at its fewest bytes, or when its LP is infeasibl
 Seeds first. Before best-first, the configurations built as people build plans by hand
 (`BestFirst.seeds`: per stage count and mode, the stage mesh whose inner dim is a node, and the
 most micro-batches its outer dim splits evenly; Narayanan et al. 2021, section 3.3) are taken
-out of turn, cheapest node bound first, each on to its LP bound (2) (an integral LP is a
-plan); the SEED_SOLVES seeds of least LP bound are solved where they dive, each within
+out of turn, cheapest forest bound (1b) first, each on to its LP bound (2) (an integral LP is
+a plan); the SEED_SOLVES seeds of least LP bound are solved where they dive, each within
 SEED_SOLVE_S (a longer MIP waits for its turn; 76.1B/1024's first seed took 41 s). The
-first of them as soon as no seed left can bound below it (a seed's bound is at least its node
-bound, and the seeds come in that order), so that its plan cuts the seeds left; the second
-after the last seed. The winner of 1008B/3072 is the 64-stage seed, whose LP is fractional:
+first of them as soon as no seed left can bound below it (a seed's bound is at least its
+forest bound, and the seeds come in that order), so that its plan cuts the seeds left; the
+second after the last seed. The winner of 1008B/3072 is the 64-stage seed, whose LP is fractional:
 solved after the seeds without recomputation, before those with (whose node bounds are above
 its LP, and above its plan), it came at 9.5 s of one process instead of 13.9 s, after a
 first plan of 121 s at 8.2 s. On GPT-3/1024 the winner is the 8-stage seed, found 9 s into

@@ -97,8 +97,9 @@ What each bound costs (GPT-3 175B on 1024 A100s, 96 layers, 1248 configurations,
 machine; see bench/plan_speed.py): the floors (0) of every configuration together about 1 s
 (one cut into stages per count and stage count); a node bound (1) about 40 ms for the first
 configuration of a (count, mesh) (every node's candidates priced) and under 1 ms after; a
-forest bound (1b) 2-30 ms (each distinct stage's edges; it cut 55 of GPT-3's 124 LP bounds and 61
-of Llama 3 405B/8192's 117, 2026-12-05: searches 15.5 -> 11.4 s and 68 -> 48.5 s); an LP
+forest bound (1b) 2-50 ms (each distinct stage's edges: GPT-3's LP bounds 124 -> 33, Llama 3
+405B/8192's 117 -> 31; searches of 2 processes 15.5 -> 8.7-9.2 s and 68 -> 40-41 s, 2026-12-05,
+three quiet runs); an LP
 bound (2a or 2) about 0.3 s (0.2 s to build the problem: the boxing matrices and kept bytes of
 every edge, shared by the configurations of one (count, mesh); 0.1 s for HiGHS); a solve of an
 LP that is not integral 0.5-9 s (the MIP, `ilp`).

@@ -104,7 +104,7 @@ def path_bound(
     alone: only P(k, k) bounds its step."""
     return max(
         max(
-            micro_batches * busy[k] + sum(busy[:k]) if drain else 0.0,
+            (micro_batches * busy[k] + sum(busy[:k])) if drain else 0.0,
             sum(first[:k]) + steady[k],
         )
         for k in range(len(busy))

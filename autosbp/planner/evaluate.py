@@ -3,8 +3,8 @@
 Lives here: `Evaluator` (a search's request and its caches: the graph of each micro-batch
 count and its ties, each count cut into each stage count with its floors, each graph priced on
 each stage mesh, what backward keeps, the shared bound (2a) per stage count, mesh and count)
-and its steps: the floor (0), node (1), forest (1b), shared (2a) and LP (2) bounds of a configuration, its
-solve and the plan it makes (`search`'s module docstring says why each is a bound). Lives
+and its steps: the floor (0), node (1), forest (1b), shared (2a) and LP (2) bounds of a
+configuration, its solve and its plan (`search`'s docstring says why each is a bound). Lives
 elsewhere: the order and stop rule (`search`), the workers that run these steps in other
 processes (`parallel`), the problem itself (`problem`).
 

@@ -163,10 +163,10 @@ def forest_bound(
     *,
     drain: bool = True,
 ) -> float:
-    """Bound (1b) of a configuration (the module docstring): the graph cut into stages as
-    `tied` counts it into `num_stages`, priced on the stage mesh (`priced`), the profile's
-    `overlap`; `drain`:
-    False under zero bubble (`bounds.path_bound`)."""
+    """Bound (1b) of a configuration (the module docstring): the graph cut into `num_stages`
+    stages as `tied` counts it, priced on the stage mesh (`priced`), the profile's `overlap`;
+    `drain`: False under zero bubble (`bounds.path_bound`). Stages of equal counts share one
+    computation."""
     items: list[list[tuple]] = [[] for _ in range(num_stages)]
     for (r, s, _), n in tied.nodes.items():
         items[s].append(("node", r, n))

@@ -28,7 +28,7 @@ space it can be, with these lower bounds of every plan of c (so of V(c)), tried 
  (1b) forest: the same with each stage's boxing, every stage at the least its nodes and a
      spanning forest of its edges cost together (`forest_bound`: exact on the forest by dynamic
      programming; the gathers the blocks' compute may hide at 1 - a of their cost, a the
-     profile's overlap), once there is a plan to cut by;
+     profile's overlap), once there is a plan to cut by (and to rank the seeds);
  (2a) shared, by the recomputation modes of one stage count, mesh and micro-batch count: the
      LP relaxation, without memory constraints, of the least recomputing mode in the space;
  (2) LP: the LP relaxation of the configuration's ILP (`problem.lower_bound_of`).

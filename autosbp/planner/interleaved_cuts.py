@@ -1,13 +1,13 @@
-"""Cuts that make an interleaved configuration's ILP exact at its solution: the simulation's own
-critical paths added to the objective's path max term.
+"""Cuts that make a 1F1B configuration's ILP (interleaved, or plain: v = 1) exact at its
+solution: the simulation's own critical paths added to the objective's path max term.
 
 Lives here: `critical_entries` (one device's critical path through an interleaved timeline, as
 the objective's path entries), `with_cuts` (a problem with the critical paths of a choice added).
 Lives elsewhere: the loop that solves, cuts and solves again (`problem.solve_mesh`), the path
 bounds the objective starts from (`objective`), the schedule (`schedule.interleaved_orders`).
 
-Why each cut is a lower bound. Interleaved, every device runs its firings in an order fixed by
-(P, v, m) alone (`schedule.interleaved_orders`), and `run_orders` starts each firing when its
+Why each cut is a lower bound. Under 1F1B, interleaved or not, every device runs its firings in
+an order fixed by (P, v, m) alone (`schedule.interleaved_orders`), and `run_orders` starts each firing when its
 input has arrived and the device's previous firing has ended: a longest-path recurrence over a
 graph whose nodes (firings) and edges (the device's previous firing; the data it reads, with
 its transfer) do not depend on the costs. So for every path of that graph, the sum of its

@@ -35,9 +35,9 @@ Exact where it matters: in 1F1B with the slowest stage last (GPT-style pipelines
 stage holds the head and the loss), the pairs (s, last) are the simulation's critical paths (fill
 to the last stage, its steady state, the drain back to stage s, then stage s's update), and the
 objective equals the prediction (measured on GPT-3 configurations: equal to 1e-5). Where a
-middle stage is slowest the simulation can idle more than any path bound sees; the ILP then
-minimizes a lower bound, and the plan is priced by the simulation all the same. With one stage
-the objective is m busy + u exactly.
+middle stage is slowest the simulation can idle more than any path bound sees; the solve then
+cuts to it (`problem.cut_to_simulation`: the simulation's own critical paths, added until the
+objective reaches the simulated step). With one stage the objective is m busy + u exactly.
 
 Zero bubble (zb1): the drain passes B alone, which stage costs do not split from W, so only
 the pairs s = k stay bounds (the fill, m busy_k, u_k: `planner.zero_bubble_price`).

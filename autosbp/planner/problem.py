@@ -166,7 +166,7 @@ def bound_mesh(
         )
     except NoFitError:
         return None
-    if solution is None or mesh_problem.virtual_stages == 1:
+    if solution is None or mesh_problem.schedule == "zb1":
         return bound, solution
     cut = cut_to_simulation(mesh_problem, solution, time_limit_s, cutoff)
     return (bound, None) if cut is None else (max(bound, cut.objective * (1 - cut.gap)), cut)
@@ -183,22 +183,23 @@ def solve_mesh(
         )
     except NoFitError:
         return None
-    if solution is None or mesh_problem.virtual_stages == 1:
+    if solution is None or mesh_problem.schedule == "zb1":
         return solution
     return cut_to_simulation(mesh_problem, solution, time_limit_s, cutoff)
 
 
-MAX_CUTS = 8  # rounds of cuts per interleaved solve (a solve that stops short keeps its bound)
+MAX_CUTS = 8  # rounds of cuts per solve (a solve that stops short keeps its bound)
 
 
 def cut_to_simulation(
     mp: MeshProblem, solution: Solution, time_limit_s: float, cutoff: float = math.inf
 ) -> Solution | None:
-    """Interleaved: until the solution's objective reaches its prediction (to MIP_GAP), add the
-    simulation's critical paths at it (`interleaved_cuts`, each a lower bound of every choice's
-    step) and solve again; then the solution minimizes the simulated step (to MIP_GAP). None
-    if nothing beats `cutoff` once cut. After MAX_CUTS rounds the last solution stands, its
-    objective still a lower bound of the configuration's every plan."""
+    """1F1B, plain or interleaved (not zb1, whose timeline differs): until the solution's
+    objective reaches its prediction (to MIP_GAP), add the simulation's critical paths at it
+    (`interleaved_cuts`, each a lower bound of every choice's step) and solve again; then the
+    solution minimizes the simulated step (to MIP_GAP). None if nothing beats `cutoff` once
+    cut. After MAX_CUTS rounds the last solution stands, its objective still a lower bound of
+    the configuration's every plan."""
     problem = mp.problem
     for _ in range(MAX_CUTS):
         prediction = predict(mp, solution)

@@ -98,7 +98,7 @@ machine; see bench/plan_speed.py): the floors (0) of every configuration togethe
 (one cut into stages per count and stage count); a node bound (1) about 40 ms for the first
 configuration of a (count, mesh) (every node's candidates priced) and under 1 ms after; a
 forest bound (1b) 2-50 ms (each distinct stage's edges: GPT-3's LP bounds 124 -> 33, Llama 3
-405B/8192's 117 -> 31; searches of 2 processes 15.5 -> 8.7-9.2 s and 68 -> 40-41 s, 2026-12-05,
+405B/8192's 117 -> 32; searches of 2 processes 15.5 -> 8.4-8.6 s and 68 -> 42-45 s, 2026-12-05,
 three quiet runs); an LP
 bound (2a or 2) about 0.3 s (0.2 s to build the problem: the boxing matrices and kept bytes of
 every edge, shared by the configurations of one (count, mesh); 0.1 s for HiGHS); a solve of an

@@ -117,6 +117,17 @@ class NodeStrategies:
             pick(self.held_bytes), state, grad, pick(self.scatter_s),
         )  # fmt: skip
 
+    def per_micro_batch_s(self, micro_batches: int) -> np.ndarray:
+        """A parameter's busy time per micro-batch, per candidate: every backward but the first
+        adds into the gradient (`accumulate_s`), and ZeRO-2 reduce-scatters in every one."""
+        busy = np.zeros(len(self.candidates))
+        if micro_batches > 1:
+            assert self.accumulate_s is not None, f"{self.name}: priced without its accumulate"
+            busy = busy + (micro_batches - 1) / micro_batches * self.accumulate_s
+        if self.scatter_s is not None:
+            busy = busy + self.scatter_s
+        return busy
+
     def forward_part_s(self) -> np.ndarray:
         """Per candidate, the forward's share of `compute_s` (1 / (1 + BACKWARD_FACTOR) of it
         where the candidates state none)."""

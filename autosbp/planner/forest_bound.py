@@ -46,7 +46,6 @@ import numpy as np
 
 from autosbp.capturing.graph import Role
 from autosbp.planner.bounds import path_bound
-from autosbp.planner.candidates import NodeStrategies
 from autosbp.planner.pipeline import recomputed
 from autosbp.planner.priced import Priced
 from autosbp.planner.reduce import TiedStages
@@ -206,7 +205,7 @@ def _stage_sums(
             elif role is Role.PARAMETER and found.sync_s is not None:
                 update.node(r, n * found.compute_s)
                 hidden.node(r, n * overlap * found.sync_s)
-                busy.node(r, n * _per_micro_batch(found, micro_batches))
+                busy.node(r, n * found.per_micro_batch_s(micro_batches))
             continue
         _, u, v, n = item
         both, fwd_only = priced.edge_prices(u, v)
@@ -223,17 +222,6 @@ def _stage_sums(
         by_sync.node(r, values - hidden.nodes[r])
         by_backward.node(r, values)
     return busy, forward, by_sync, by_backward
-
-
-def _per_micro_batch(found: NodeStrategies, micro_batches: int) -> np.ndarray:
-    """A parameter's busy time per micro-batch (as `stage_terms` prices it): every backward but
-    the first adds into the gradient; ZeRO-2 reduce-scatters in every backward."""
-    busy = np.zeros(len(found.candidates))
-    if micro_batches > 1 and found.accumulate_s is not None:
-        busy = busy + (micro_batches - 1) / micro_batches * found.accumulate_s
-    if found.scatter_s is not None:
-        busy = busy + found.scatter_s
-    return busy
 
 
 def _scaled(matrix: np.ndarray, weight: float) -> np.ndarray:

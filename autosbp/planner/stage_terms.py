@@ -107,12 +107,8 @@ class StageTerms:
         self.update[s].node(r, n * found.compute_s)
         assert found.sync_s is not None, f"{r}: a parameter priced without its sync"
         self.sync[s].node(r, n * found.sync_s)
-        if micro_batches > 1:  # every backward but the first adds into the gradient
-            assert found.accumulate_s is not None
-            share = (micro_batches - 1) / micro_batches  # per micro-batch, m of them
-            self.busy[s].node(r, n * share * found.accumulate_s)
-        if found.scatter_s is not None:  # ZeRO-2: every micro-batch's backward, in line
-            self.busy[s].node(r, n * found.scatter_s)
+        if micro_batches > 1 or found.scatter_s is not None:  # accumulation, ZeRO-2's scatter
+            self.busy[s].node(r, n * found.per_micro_batch_s(micro_batches))
 
     def add_check(self, reduce_s: float, devices_stages: int) -> None:
         """The non-finite check's all-reduce, once per step on each of the `devices_stages`

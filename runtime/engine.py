@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosbp.boxing.params import gathers_parameters
+from autosbp.boxing.params import gathers_parameters, gathers_run_beside
 from autosbp.capturing.batches import split_micro_batches
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import ExecutionError, NonFiniteError
@@ -331,8 +331,8 @@ def _check_schedule(
     plan: Plan, graph: OpGraph, signatures: Mapping[str, NdSignature], boxer: Boxer
 ) -> None:
     """ExecutionError for a schedule this runtime cannot run: zero bubble beside recomputation,
-    interleaving or zero bubble beside parameter gathers (each chunk would prefetch on its own; a split backward would
-    re-gather in W; every rank decides alike, from the whole graph)."""
+    interleaving or zero bubble beside parameter gathers (`gathers_run_beside`; every rank
+    decides alike, from the whole graph)."""
     split = plan.schedule != "1f1b"
     if split and recomputed_nodes(plan, graph):
         raise ExecutionError(
@@ -340,7 +340,7 @@ def _check_schedule(
             "activations; its weight-gradient passes would recompute each checkpointed block "
             "once per weight. Make the plan with --recompute none, or with schedule 1f1b."
         )
-    if (plan.virtual_stages > 1 or split) and gathers_parameters(
+    if not gathers_run_beside(plan.virtual_stages, split) and gathers_parameters(
         graph, signatures.__getitem__, boxer.mesh
     ):
         what = (

@@ -1,10 +1,12 @@
 """Which parameters reach a consumer through a collective: the one test the planner and the
 runtime share of whether a plan gathers parameters (an FSDP/ZeRO-3 layout).
 
-Lives here: `has_collective` (a chain of steps holds one) and `gathers_parameters` (some
-parameter's conversion to a consumer's layout holds one). Lives elsewhere: the runtime's refusal
-of a gathering plan beside interleaving or zero bubble (`runtime.engine`), the search's drop of
-such a winner (`planner.virtual_search`), running the gathers (`runtime.parallel.gathers`).
+Lives here: `has_collective` (a chain of steps holds one), `gathers_parameters` (some
+parameter's conversion to a consumer's layout holds one) and `gathers_run_beside` (the
+schedules the runtime runs gathers beside). Lives elsewhere: the runtime's refusal of a
+gathering plan beside the others (`runtime.engine`), the planner's spaces that forbid gathers
+there (`planner.priced`: a gathering pair of a parameter's edge is priced infinite), running
+the gathers (`runtime.parallel.gathers`).
 
 Invariant: the steps are `plan_boxing`'s on one stage's mesh, the chain the runtime's `Boxer`
 runs (it drops relabels, which are local). A local step (slicing S from B, zero-padding P from S
@@ -21,12 +23,19 @@ from autosbp.capturing.graph import OpGraph, Role
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh
 
-__all__ = ["gathers_parameters", "has_collective"]
+__all__ = ["gathers_parameters", "gathers_run_beside", "has_collective"]
 
 
 def has_collective(steps: Sequence[BoxingStep]) -> bool:
     """Does one of `steps` exchange data between devices?"""
     return any(step.kind is not StepKind.LOCAL for step in steps)
+
+
+def gathers_run_beside(virtual_stages: int, split_backward: bool) -> bool:
+    """Does the runtime run parameter gathers beside this schedule? Not beside interleaving
+    (each chunk would prefetch on its own) nor beside a backward split in two (zero bubble: its
+    weight-gradient pass would gather again)."""
+    return virtual_stages == 1 and not split_backward
 
 
 def gathers_parameters(

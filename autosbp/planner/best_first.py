@@ -55,7 +55,8 @@ class Outcome:
         (2a) was solved without); NoFitError if there is none."""
         limit = state.ev.request.memory_limit_bytes
         if self.best is None:
-            raise NoFitError(state.ev.refusals.message(limit))
+            space = state.ev.request.space
+            raise NoFitError(state.ev.refusals.message(limit, gathers=space.may_gather))
         best = self.best
         if limit is not None and not best.problem.problem.memory:
             mp = best.problem

@@ -109,6 +109,20 @@ class BoxingPricer:
             )
         return found
 
+    def collectives(
+        self, src_ids: tuple[int, ...], dst_ids: tuple[int, ...], meta: TensorMeta
+    ) -> np.ndarray:
+        """[i, j]: does the chain of `meta` from layout src_ids[i] to dst_ids[j] exchange data
+        between devices (`boxing.params.has_collective`: the runtime's test of a gather)? A
+        pair without a chain is False here (its price is infinite already)."""
+        plan = _TablePlan.of(meta.shape, meta.dtype, self.mesh)
+
+        def collective(src: int, dst: int) -> bool:
+            found = None if src == dst else self._planned(src, dst, *plan.planning)
+            return found is not None and any(step[0] is not StepKind.LOCAL for step in found[0])
+
+        return np.array([[collective(s, d) for d in dst_ids] for s in src_ids], dtype=bool)
+
     def _table(
         self, src_ids: tuple[int, ...], dst_ids: tuple[int, ...], meta: TensorMeta, backward: bool
     ) -> np.ndarray:

@@ -342,9 +342,12 @@ def edge_matrices(
     uses: Sequence[tuple[int, int]],
     metas: Sequence[TensorMeta],
     pricer: BoxingPricer,
+    collectives: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`edge_matrix` forward and backward, and forward alone, from one pass over the uses
-    (each summed use by use as `edge_matrix` sums it)."""
+    (each summed use by use as `edge_matrix` sums it); without `collectives`, a pair whose
+    forward conversion exchanges data is forbidden (a parameter's gather where the runtime
+    runs none: `priced.Priced.gathers`)."""
     both = np.zeros((len(producer.candidates), len(consumer.candidates)))
     forward_only = np.zeros_like(both)
     for (out_idx, in_idx), meta in zip(uses, metas, strict=True):
@@ -359,6 +362,10 @@ def edge_matrices(
         if in_idx in consumer.pinned:  # no boxing into an in-place write (module header)
             same = np.equal.outer(np.arange(len(srcs)), _same_as(srcs, dsts))
             tables = [np.where(same, table, np.inf) for table in tables]
+        if not collectives:
+            ids = tuple(map(pricer.layout_id, srcs)), tuple(map(pricer.layout_id, dsts))
+            exchanged = pricer.collectives(*ids, meta)
+            tables = [np.where(exchanged, np.inf, table) for table in tables]
         pick = np.ix_(src_of, dst_of)
         both += tables[0][pick]
         forward_only += tables[1][pick]

@@ -325,7 +325,7 @@ class Evaluator:
             self.priced[key] = price_graph(
                 stages.graph, config.mesh, r.prices, r.space.allow, pricer,
                 stages.tied.representative, self.parameters, self.kept_of(config.count),
-                r.space.zero,
+                r.space.zero, r.space.may_gather,
             )  # fmt: skip
         return self.priced[key]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from autosbp.boxing.params import gathers_run_beside
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
 from autosbp.planner.pipeline import RECOMPUTE_MODES
@@ -44,6 +45,16 @@ class Space:
     # the v x P virtual stages, and the search counts each device v times (`search`)
     virtual_stages: int = 1
     schedule: str = "1f1b"  # the pipeline schedule (`schedule=zb1`: `autosbp.zero_bubble`)
+    # may a parameter reach a consumer through a collective (FSDP's gather)? Not in a Megatron
+    # layout, whose tensor parallelism computes on the stored pieces
+    gathers: bool = True
+
+    @property
+    def may_gather(self) -> bool:
+        """Gathers allowed here and run by the runtime beside this schedule
+        (`boxing.params.gathers_run_beside`): the search forbids the others' pairs
+        (`priced.Priced.gathers`), so no plan it returns is one the runtime refuses."""
+        return self.gathers and gathers_run_beside(self.virtual_stages, self.schedule == "zb1")
 
 
 def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | None = None) -> Space:
@@ -84,7 +95,7 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             space = replace(space, stage_counts=(pp * vp,), virtual_stages=vp)
         if schedule == "zb1":
             space = replace(space, recompute=_without_recompute(strategy, modes))
-        return replace(space, zero=zero, schedule=schedule)
+        return replace(space, zero=zero, schedule=schedule, gathers=False)
     raise PlanError(
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
         "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C[,ring=1]][,zero=1|2][,vp=V][,schedule=zb1]."

@@ -52,8 +52,10 @@ class Refusals:
             self.least_bytes, self.least = need, mp
         return any(f > mem.limit_bytes for f, mem in zip(floors, mp.problem.memory, strict=True))
 
-    def message(self, limit: float | None) -> str:
-        """Why nothing fits: the least memory any plan could need, and what takes it."""
+    def message(self, limit: float | None, gathers: bool = True) -> str:
+        """Why nothing fits: the least memory any plan could need, and what takes it; without
+        `gathers` (a space that forbids parameter gathers: `hand_plans.Space.may_gather`), that
+        a weight some op cannot read in its stored layout may be the cause."""
         if not self.built and not self.stuck and self.refused:
             return "; ".join(self.refused)
         stuck = ", ".join(f"{label} (shape {shape})" for label, shape in self.stuck.items())
@@ -69,8 +71,17 @@ class Refusals:
                 + " (a batch, or another dim, that the devices do not divide evenly?). Use a "
                 "batch the data-parallel degree divides, other degrees, or another device count."
                 + (f" Also: {'; '.join(self.refused)}." if self.refused else "")
+                + ("" if gathers else NO_GATHERS)
             )
         return _memory_message(mp, limit)
+
+
+NO_GATHERS = (
+    " This space gathers no parameter (a Megatron layout computes on its stored pieces, and "
+    "the runtime gathers none beside interleaving or zero bubble): a weight that some op "
+    "cannot read in the layout it is stored in has no plan here. Try auto (which may gather), "
+    "or vp=1 and schedule 1f1b."
+)
 
 
 def _memory_message(mp: MeshProblem, limit: float) -> str:

@@ -66,6 +66,10 @@ class Priced:
     graph: OpGraph
     pricer: BoxingPricer
     kept_memo: dict[str, Kept] = field(default_factory=dict, repr=False, compare=False)
+    # may a parameter reach a consumer through a collective (a gather)? Where not (a Megatron
+    # layout, or beside a schedule the runtime runs no gathers with:
+    # `boxing.params.gathers_run_beside`), such pairs of a parameter's edges are forbidden
+    gathers: bool = True
 
     matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict, repr=False, compare=False
@@ -144,7 +148,9 @@ class Priced:
         if found is None:
             uses, metas = key[2], key[3]
             su, sv = self.strategies[u], self.strategies[v]
-            found = self.matrices[key] = edge_matrices(su, sv, uses, metas, self.pricer)
+            collectives = self.gathers or self.graph.node(u).role is not Role.PARAMETER
+            found = edge_matrices(su, sv, uses, metas, self.pricer, collectives)
+            self.matrices[key] = found
         return found
 
     def edge_kept(self, u: str, v: str, recompute: str) -> EdgeKept:
@@ -185,6 +191,7 @@ def price_graph(
     memo: dict[Hashable, NodeStrategies] | None = None,
     kept_memo: dict[str, Kept] | None = None,
     zero: int | None = 0,
+    gathers: bool = True,
 ) -> Priced:
     """Candidates of every representative node (`reduce.tie_blocks`, or `representative` where
     given); edges on first use. `pricer`: a boxing pricer of `mesh` to reuse (its chains serve
@@ -193,7 +200,7 @@ def price_graph(
     keeps it, `_parameter_key`); `kept_memo`: what backward keeps, shared by every mesh of
     `graph` (with the same `representative`); `zero`: parameters' optimizer states split where
     they can be (1: ZeRO-1; 2: ZeRO-2, gradients too), never (0, the default), or the ILP's
-    choice per parameter (None)."""
+    choice per parameter (None); `gathers`: may a parameter be gathered (`Priced.gathers`)."""
     pricer = pricer or BoxingPricer(prices, mesh)
     rep = representative or tie_blocks(graph)
     kept_memo = {} if kept_memo is None else kept_memo
@@ -218,7 +225,7 @@ def price_graph(
         strategies[name] = without_dominated_kernels(allowed)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
-    return Priced(mesh, rep, strategies, graph, pricer, kept_memo)
+    return Priced(mesh, rep, strategies, graph, pricer, kept_memo, gathers=gathers)
 
 
 def _zero_stage(found: NodeStrategies, i: int) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from autosbp.boxing.params import gathers_run_beside
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError
 from autosbp.overlap import hidden_gather_s, hidden_sync_s
@@ -105,7 +106,8 @@ def build_problem(
     of `predict`'s interleaved schedule for every choice and equal to it on identical chunks.
     """
     split = split or split_stages(graph, 1)
-    priced = priced or price_graph(graph, mesh, prices, allow)
+    gathers = gathers_run_beside(virtual_stages, schedule == "zb1")
+    priced = priced or price_graph(graph, mesh, prices, allow, gathers=gathers)
     tied = tied or tie_stages(tie_graph(graph, priced.representative), split)
     blocks = tuple(len(b) for b in split.blocks)
     kept = zb1_in_flight_counts(split.num_stages, micro_batches) if schedule == "zb1" else None

@@ -151,8 +151,12 @@ class StageTerms:
                 extra = np.zeros_like(both)
             in_block = consumer.block is not None and self.identical
             if graph.node(u).role is Role.PARAMETER and in_block:
-                self.gather_forward[sv].edge(key, w * fwd_only)
-                self.gather_backward[sv].edge(key, w * (both - fwd_only + extra))
+                allowed = np.isfinite(both)  # a forbidden pair (a gather where none runs) is
+                # forbidden by `busy`: it hides nothing here
+                forward = np.where(allowed, fwd_only, 0.0)
+                self.gather_forward[sv].edge(key, w * forward)
+                backward = np.where(allowed, both, 0.0) - forward + extra
+                self.gather_backward[sv].edge(key, w * backward)
         for u, out_idx, sv in tied.sends:
             self.kinds[sv - 1][("send", rep[u], out_idx, graph.node(u).outputs[out_idx])] += 1
             local = p2p.local_bytes(priced.strategies[u], out_idx, graph.node(u).outputs[out_idx])

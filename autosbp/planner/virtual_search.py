@@ -16,20 +16,19 @@ P >= 2 pipeline devices (interleaving one stage has nothing to interleave) and v
 (a block per virtual stage: `pipeline.split_stages`); the search itself refuses micro-batch
 counts that are not a multiple of P (`schedule.check_interleaving`, the rule the runtime's
 engine applies too). The runtime does not yet interleave a plan that gathers parameters
-(runtime/engine.py): an interleaved winner that gathers a parameter (`found_gathers_parameters`,
-the runtime's own test) is dropped, so no plan returned is one the runtime refuses (its v's
-bound still counts in the gap, a bound of the plans it drops too). A v whose space has no
-configuration, or none that fits, is left out; if every v is, the plain search's error stands
-(a hand plan's one space at vp=V or zb1 whose winner gathers: an error that says so).
+(runtime/engine.py): a space at v > 1 forbids every gathering pair of a parameter's edges
+(`Space.may_gather`, the runtime's own test), so its search returns the best plan the runtime
+runs, and its bound is a bound of those. A v whose space has no configuration, or none that
+fits, is left out; if every v is, the plain search's error stands.
 
 The zero-bubble schedule. `auto:zb1` adds one space: ZB-H1 (`autosbp.zero_bubble`) at every
 stage count from 2, without recomputation (the runtime's split backward would recompute each
 checkpointed block once per weight), v = 1; its search's bounds stay proofs
 (`zero_bubble_price`), but they omit the drain, so the gap proven over the union is looser
 where zb1's space has configurations near the best (the zoo GPT on 4 cpu-gloo devices: zb1's
-plan 2.7% faster than plain 1F1B's, gap 21% against 0.1%). Its winner is dropped, as an
-interleaved one, where it gathers parameters (the runtime does not split a backward that
-re-gathers); opt-in for the same reasons: one more whole search, and a looser proof.
+plan 2.7% faster than plain 1F1B's, gap 21% against 0.1%). Its space forbids gathers, as an
+interleaved one does (the runtime does not split a backward that re-gathers); opt-in for the
+same reasons: one more whole search, and a looser proof.
 
 The gap. The search of each space v proves that no plan of it predicts below L_v = best_v (1 -
 gap_v); the union of the spaces then has no plan below min_v L_v, so the plan kept (the least
@@ -45,7 +44,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from autosbp.boxing.params import gathers_parameters
 from autosbp.errors import PlanError
 from autosbp.planner.evaluate import Found
 from autosbp.planner.hand_plans import Space, auto_options, strategy_space
@@ -79,28 +77,6 @@ def _least_s(found: Found) -> float:
     return found.prediction.step_time_s * (1 - found.effort.gap)
 
 
-def found_gathers_parameters(found: Found) -> bool:
-    """Does the plan gather a parameter (a collective between its stored layout and a
-    consumer's): the runtime's own test (`autosbp.boxing.params`), by which it refuses such a
-    plan beside interleaving or zero bubble. A stored S(0) read as P, say, is a local zeroing,
-    no gather."""
-    mp = found.problem
-    return gathers_parameters(found.graph, lambda name: mp.choice_of(found.solution, name), mp.mesh)
-
-
-def _gathers_error(space: Space) -> PlanError:
-    what = (
-        f"the {space.schedule} schedule (backward split in two)"
-        if space.schedule != "1f1b"
-        else f"{space.virtual_stages} interleaved model chunks per device"
-    )
-    return PlanError(
-        f"the best plan with {what} gathers parameters (an FSDP/ZeRO-3 layout), which the "
-        "runtime does not run beside that schedule yet. Plan with vp=1 and schedule 1f1b, or "
-        "with layouts that keep each parameter whole or split without gathers."
-    )
-
-
 def best_of(
     spaces: list[Space], search_one: Callable[[Space, float], Found], time_limit_s: float
 ) -> Found:
@@ -108,7 +84,7 @@ def best_of(
     status over all of them (the module docstring). The first space's error if none has a plan."""
     deadline = time.perf_counter() + time_limit_s
     founds: list[Found] = []
-    least: list[float] = []  # per search, no plan of its space below it (dropped ones too)
+    least: list[float] = []  # per search, no plan of its space below it
     first_error: PlanError | None = None
     for space in spaces:
         left_s = max(deadline - time.perf_counter(), LEAST_TIME_S)
@@ -118,12 +94,7 @@ def best_of(
             first_error = first_error or exc
             continue
         least.append(_least_s(found))
-        if (space.virtual_stages == 1 and space.schedule == "1f1b") or not found_gathers_parameters(
-            found
-        ):
-            founds.append(found)
-        else:
-            first_error = first_error or _gathers_error(space)
+        founds.append(found)
     if not founds:
         assert first_error is not None
         raise first_error

@@ -17,10 +17,12 @@ from autosbp.planner.hand_plans import Space, strategy_space
 from autosbp.planner.ilp_problem import Solution
 from autosbp.planner.interleaved_cuts import with_cuts
 from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
+from autosbp.planner.priced import Priced, price_graph
 from autosbp.planner.problem import MIP_GAP, build_problem, predict, solve_mesh
 from autosbp.planner.search import mesh_shapes, search
-from autosbp.planner.virtual_search import best_of, found_gathers_parameters, search_spaces
+from autosbp.planner.virtual_search import best_of, search_spaces
 from autosbp.schedule import simulate
+from tests.planner.test_gather_spaces import gathers
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
 
 BLOCKS = 4  # graphs_of's models: 4 blocks, so v = 2 on 2 pipeline devices (4 virtual stages)
@@ -44,18 +46,29 @@ def test_the_interleaved_objective_never_exceeds_the_simulated_step(seed: int) -
     graphs, prices = graphs_of("gpt"), RandomPrices.draw(20 + seed)
     rng = np.random.default_rng(seed)
     mesh = mesh_shapes(DEVICES // 2, lambda shape, d: link_of((2, *shape), d + 1))[0]
+    checked = 0
     for count, mode in ((2, "none"), (4, "full")):
         graph = graphs[count]
         mp = build_problem(
             graph, mesh, prices, optimizer="adam", memory_limit_bytes=None, micro_batches=count,
             split=split_stages(graph, 4), recompute=mode, virtual_stages=2,
+            priced=with_gathers(graph, mesh, prices),
         )  # fmt: skip
         for _ in range(30):
             choice = {v: int(rng.integers(len(c))) for v, c in mp.problem.node_costs.items()}
             value = mp.problem.objective(choice)
             if math.isfinite(value):
+                checked += 1
                 step = predict(mp, Solution(choice, value, "feasible", 0.0, 0.0)).step_time_s
                 assert value <= step * (1 + 1e-9), (count, mode, value, step)
+    assert checked >= 10
+
+
+def with_gathers(graph, mesh, prices) -> Priced:
+    """Prices that allow parameter gathers beside interleaving (which the runtime refuses, and
+    `build_problem` forbids): these tests draw choices at random, which the bound must hold
+    for whatever they gather, and which hit a forbidden pair too often otherwise."""
+    return price_graph(graph, mesh, prices, gathers=True)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -68,6 +81,7 @@ def test_a_cut_is_the_simulated_step_at_its_choice_and_a_bound_elsewhere(seed: i
     mp = build_problem(
         graphs[4], mesh, prices, optimizer="adam", memory_limit_bytes=None, micro_batches=4,
         split=split_stages(graphs[4], 4), recompute="selective", virtual_stages=2,
+        priced=with_gathers(graphs[4], mesh, prices),
     )  # fmt: skip
 
     def drawn() -> tuple[dict[str, int], float, float]:
@@ -100,7 +114,7 @@ def test_auto_interleaves_where_it_wins(seed: int) -> None:
     auto, plain = searched("auto:max_vp=4", seed), searched("auto:max_vp=1", seed)
     assert auto.problem.virtual_stages == 2 and plain.problem.virtual_stages == 1
     assert auto.prediction.step_time_s < plain.prediction.step_time_s
-    assert not found_gathers_parameters(auto)  # the runtime interleaves it
+    assert not gathers(auto)  # the runtime interleaves it
     # the plan of auto's configuration, priced as the hand plan's space prices it: the same
     mp = auto.problem
     hand = replace(strategy_space("auto:max_vp=1", "auto", BLOCKS), stage_counts=(4,))
@@ -118,8 +132,8 @@ def searched_in(space: Space, seed: int) -> Found:
 
 def enumerate_with_v(seed: int) -> float:
     """The least predicted step over every configuration, v in {1, 2} (interleaved: P = 2
-    devices, 4 virtual stages, micro-batches a multiple of 2, interleaved winners that gather
-    parameters left out as `best_of` leaves them)."""
+    devices, 4 virtual stages, micro-batches a multiple of 2, gathers forbidden as the runtime
+    refuses them there: `build_problem`'s own pricing)."""
     graphs, prices = graphs_of("gpt"), RandomPrices.draw(seed)
     allow, best = strategy_space("auto").allow, math.inf
     shapes = [(s, 1) for s in (1, 2, 4)] + [(2, 2)]  # (pipeline devices, v)
@@ -142,8 +156,8 @@ def enumerate_with_v(seed: int) -> float:
                     if solution is None:
                         continue
                     found = Found(mp, solution, predict(mp, solution), graphs[count])
-                    if v == 1 or not found_gathers_parameters(found):
-                        best = min(best, found.prediction.step_time_s)
+                    assert v == 1 or not gathers(found)
+                    best = min(best, found.prediction.step_time_s)
     return best
 
 
@@ -196,7 +210,7 @@ def test_the_runtime_trains_what_the_interleaved_search_emits() -> None:
         lambda shape, d: cluster.link_class_for_mesh_dim(shape, d).value, space,
         optimizer="adam", memory_limit_bytes=None, time_limit_s=60.0, devices_per_node=2,
     )  # fmt: skip
-    assert not found_gathers_parameters(found)
+    assert not gathers(found)
     ctx = PlanContext("cpu-gloo", 2**34, "auto", 8, torch.float32, "adam")
     plan = assemble_plan(found, ctx)
     assert plan.virtual_stages == 2

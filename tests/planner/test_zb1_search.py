@@ -1,9 +1,9 @@
 """The zero-bubble schedule in the auto search (`auto:zb1`, `virtual_search`): its options are
 checked, it adds one space (stage counts from 2, no recomputation), and the search over both
 schedules returns the least plan of an exhaustive enumeration that includes zb1 (the oracle:
-every configuration built and solved on its own, a zb1 plan priced by `predict_zb1`, winners
-that gather parameters left out as `best_of` leaves them), and a hand plan whose zb1 winner
-gathers is refused with the reason.
+every configuration built and solved on its own, a zb1 plan priced by `predict_zb1`, gathers
+forbidden as the runtime refuses them there), and a space whose every plan gathers beside zb1
+has no plan, with the reason.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ from dataclasses import replace
 
 import pytest
 
-from autosbp.errors import PlanError
+from autosbp.errors import NoFitError, PlanError
 from autosbp.planner.evaluate import Found
 from autosbp.planner.hand_plans import auto_options, strategy_space
 from autosbp.planner.pipeline import split_stages
 from autosbp.planner.problem import MIP_GAP, build_problem, solve_mesh
 from autosbp.planner.search import mesh_shapes
-from autosbp.planner.virtual_search import best_of, found_gathers_parameters, search_spaces
+from autosbp.planner.virtual_search import best_of, search_spaces
 from autosbp.planner.zero_bubble_price import predict_zb1, weight_shares
+from tests.planner.test_gather_spaces import gathers
 from tests.planner.test_interleaved_search import BLOCKS, searched, searched_in
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
 
@@ -69,8 +70,8 @@ def enumerate_zb1(seed: int) -> float:
                 if solution is None:
                     continue
                 prediction = predict_zb1(mp, solution, weight_shares(graphs[count]))
-                if not found_gathers_parameters(Found(mp, solution, prediction, graphs[count])):
-                    best = min(best, prediction.step_time_s)
+                assert not gathers(Found(mp, solution, prediction, graphs[count]))
+                best = min(best, prediction.step_time_s)
     return best
 
 
@@ -82,7 +83,7 @@ def test_auto_runs_zb1_where_it_wins(seed: int) -> None:
     found, plain = searched("auto:zb1", seed), searched("auto", seed)
     assert found.problem.schedule == "zb1" and plain.problem.schedule == "1f1b"
     assert found.prediction.step_time_s < plain.prediction.step_time_s
-    assert not found_gathers_parameters(found)  # the runtime splits its backward
+    assert not gathers(found)  # the runtime splits its backward
 
 
 @pytest.mark.slow
@@ -128,7 +129,7 @@ def test_the_runtime_trains_what_the_zb1_search_emits() -> None:
         replace(space, stage_counts=(2,), micro_batches=(2, 4)), optimizer="adam",
         memory_limit_bytes=None, time_limit_s=60.0, devices_per_node=2,
     )  # fmt: skip
-    assert not found_gathers_parameters(found)
+    assert not gathers(found)
     plan = assemble_plan(found, PlanContext("cpu-gloo", 2**34, "auto", 8, torch.float32, "adam"))
     assert plan.schedule == "zb1" and len(plan.stages) == 2
     spec = TrainSpec("gpt", args, plan.to_json(), 3, lr=1e-2, check=True)
@@ -137,10 +138,11 @@ def test_the_runtime_trains_what_the_zb1_search_emits() -> None:
     assert verdict.passed, verdict.text
 
 
-def test_a_hand_plan_whose_zb1_winner_gathers_is_refused_with_the_reason() -> None:
-    """One space (a hand plan's) whose winner gathers parameters beside zb1 (FSDP layouts): a
-    PlanError with the cause and the fix, not a plan the runtime refuses at its first step."""
-    space = replace(strategy_space("fsdp", "none", BLOCKS), stage_counts=(2,), schedule="zb1")
-    assert found_gathers_parameters(searched_in(space, 3))
-    with pytest.raises(PlanError, match=r"gathers parameters .* Plan with vp=1 and schedule 1f1b"):
-        best_of([space], lambda one, _: searched_in(one, 3), 60.0)
+def test_a_space_whose_every_plan_gathers_beside_zb1_has_none_and_says_why() -> None:
+    """FSDP's layouts (every weight stored split, read whole) beside zb1: the runtime runs no
+    gather there, so no plan, and a NoFitError that names the cause and the way out, rather
+    than a plan the runtime refuses at its first step."""
+    space = replace(strategy_space("fsdp", "none", BLOCKS), stage_counts=(2,))
+    assert gathers(searched_in(space, 3))  # its 1F1B plan gathers
+    with pytest.raises(NoFitError, match=r"gathers no parameter .* vp=1 and schedule 1f1b"):
+        best_of([replace(space, schedule="zb1")], lambda one, _: searched_in(one, 3), 60.0)

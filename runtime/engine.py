@@ -270,7 +270,7 @@ class Engine:
         optimizer step. Returns the full loss (the mean over micro-batches) on every rank.
         A loss or gradient that is nan or inf stops the step before its update (`non_finite`)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.grad_sync.zero_grad()  # bucketed gradients: zeroed views of their buckets
+        self.grad_sync.zero_grad()  # bucketed gradients: None, then views of their buckets
         self.update.zero_grad(self.grad_sync.holds)  # ZeRO-1's others: zeroed in place
         value = self.pipeline.run(split_micro_batches(batch, self.micro_batches))
         with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's slices

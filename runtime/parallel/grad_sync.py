@@ -17,12 +17,16 @@ Invariants:
   which backward finishes them), at most `bucket_bytes` each (DDP's bucket_cap_mb). A bucket's
   flat buffer lives across steps (a fresh one per step cost mlp-2048, 96 MiB of weights, about
   5% of its step against DDP, measured), and the gradients are views of it (DDP's
-  gradient_as_bucket_view): `zero_grad` zeroes it and hands the views back, autograd
-  accumulates into them in place, and the all-reduce runs on it without a copy, so a bucketed
-  gradient is held once, as the planner counts it (a copy held the bucket's gradients twice
-  from the launch on: 17% over the predicted peak of mlp's auto plan on 4 processes,
-  measured by tests/runtime/test_memory.py). Only the first step, before the buffer exists, copies.
-  A gradient backward never reached is None after `finish`, as without buckets.
+  gradient_as_bucket_view): `zero_grad` sets them to None, the first backward of a step that
+  finishes one (its post-accumulate hook) copies it into its view and hands the view back, the
+  later micro-batches accumulate into it in place, and the all-reduce runs on it without a
+  copy, so a bucketed gradient is held once, as the planner counts it (a copy held the
+  bucket's gradients twice from the launch on: 17% over the predicted peak of mlp's auto plan
+  on 4 processes, measured by tests/runtime/test_memory.py), and no step zeroes the buckets (a
+  pass over every gradient: 5 ms of mlp-1024's 90 ms step on 2 gloo processes, where the copy
+  replaces the add into zeros). A view backward never reached is zeroed at launch; its
+  gradient is None after `finish`, as without buckets. The first step, before the buffer
+  exists, copies at launch.
 - Every rank launches its buckets in bucket order (a ready bucket waits for the ones before it),
   so the collectives of a group meet in the same order everywhere. They run on process groups of
   their own: they never interleave with the boxing collectives backward runs meanwhile.
@@ -129,6 +133,7 @@ class GradSync:
         self._next = 0  # the next bucket to launch
         self._armed = False
         self._reached: set[torch.Tensor] = set()  # gradients the armed backward finished
+        self._view_of: dict[torch.Tensor, torch.Tensor] = {}  # once its bucket's buffer exists
         coords = mesh.coords(mesh.device_ids.index(dist.get_rank()))
         open_buckets: dict[tuple[Pattern, torch.dtype], _Bucket] = {}
         for name in reversed(list(params)):
@@ -146,17 +151,13 @@ class GradSync:
                 param.register_post_accumulate_grad_hook(self.gradient_ready)
 
     def zero_grad(self) -> None:
-        """Before a step's first backward: every bucketed gradient a zeroed view of its bucket
-        (from the second step on; the others None)."""
-        with torch.no_grad():
-            for bucket in self.buckets:
-                if bucket.flat is not None:
-                    bucket.flat.zero_()
-                    for param, view in zip(bucket.params, _views(bucket), strict=True):
-                        param.grad = view
+        """Before a step's first backward: every bucketed gradient None (its first backward
+        puts it into its view: `gradient_ready`)."""
+        for param in self._bucket_of:
+            param.grad = None
 
     def holds(self, param: torch.Tensor) -> bool:
-        """Whether `param`'s gradient is a view of a bucket (`zero_grad` zeroes it)."""
+        """Whether `param`'s gradient is a view of a bucket (`zero_grad` clears it)."""
         return param in self._bucket_of
 
     def arm(self) -> None:
@@ -175,8 +176,8 @@ class GradSync:
         for bucket in self.buckets:
             assert bucket.work is not None and bucket.flat is not None
             bucket.work.wait(self.timeout)
-            for param, view in zip(bucket.params, _views(bucket), strict=True):
-                param.grad = view if param in self._reached else None
+            for param in bucket.params:
+                param.grad = self._view_of[param] if param in self._reached else None
         self._reached.clear()
 
     def gradient_ready(self, param: torch.Tensor) -> None:
@@ -184,8 +185,11 @@ class GradSync:
         whoever adds a `deferred` parameter's gradient in). A parameter split on every mesh
         dim (in no bucket) has nothing to sync."""
         bucket = self._bucket_of.get(param)
-        if not self._armed or bucket is None:
-            return  # an earlier micro-batch (its gradients still accumulate), or no sync
+        if bucket is None:
+            return
+        self._into_view(param)
+        if not self._armed:
+            return  # an earlier micro-batch: its gradients still accumulate
         assert bucket.work is None, "a gradient accumulated twice in one backward"
         self._reached.add(param)
         bucket.waiting -= 1
@@ -196,6 +200,15 @@ class GradSync:
         self._launch(ready)
         self.launched_in_backward += self._next - before
 
+    def _into_view(self, param: torch.Tensor) -> None:
+        """A gradient of its own (the step's first backward to reach it) copied into its view
+        of the bucket, which becomes the gradient (the later ones accumulate into it)."""
+        view, grad = self._view_of.get(param), param.grad
+        if view is not None and grad is not None and grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(grad)
+            param.grad = view
+
     def _launch(self, until: int) -> None:
         """Start the all-reduce of every bucket before `until` not started yet, in order."""
         with torch.no_grad():
@@ -204,9 +217,11 @@ class GradSync:
                     like = bucket.params[0]
                     size = sum(p.numel() for p in bucket.params)
                     bucket.flat = torch.zeros(size, dtype=like.dtype, device=like.device)
-                for param, view in zip(bucket.params, _views(bucket), strict=True):
-                    if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-                        view.copy_(param.grad)  # not a view of the bucket: the first step
+                    self._view_of.update(zip(bucket.params, _views(bucket), strict=True))
+                for param in bucket.params:
+                    if param.grad is None:  # backward never reached it: zeros are synced
+                        self._view_of[param].zero_()
+                    self._into_view(param)  # the first step's, of their own till now
                 bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self._next = max(self._next, until)
 

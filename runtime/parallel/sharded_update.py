@@ -114,8 +114,8 @@ class ShardedUpdate:
     def zero_grad(self, zeroed: Callable[[torch.Tensor], bool]) -> None:
         """Before a step's first backward: the parameters' gradients zeroed in place (autograd
         accumulates into them: a buffer kept across steps, as Megatron-LM's grad buffer), but
-        for those whose gradient is `zeroed` already (a view of a bucket the gradient sync
-        zeroed whole: zeroing it again was a pass over every gradient per step)."""
+        for those whose gradient is `zeroed` already (a view of a bucket, which the gradient
+        sync clears and refills from the step's first backward: `GradSync.zero_grad`)."""
         with torch.no_grad():
             for entry in self._sharded.values():
                 if entry.param.grad is not None and not zeroed(entry.param):
@@ -137,13 +137,18 @@ class ShardedUpdate:
 
     def gather_weights(self) -> None:
         """After the optimizer's step: the updated shards converted back into their
-        parameters, the buckets' (`weight_gather`) first, bucket by bucket in graph order, then
-        every other in graph order, each conversion's collectives issued without waiting for
-        the previous, all waited for before returning."""
+        parameters, the buckets' (`weight_gather`) first (those gathered in place all started
+        at once, then the buffered ones bucket by bucket, in graph order), then every other in
+        graph order, each conversion's collectives issued without waiting for the previous,
+        all waited for before returning."""
         works: list[dist.Work] = []
         with torch.no_grad():
             for bucket in self._buckets:
-                bucket.gather(self._broadcast)
+                if bucket.in_place:
+                    works += bucket.start_in_place(self._broadcast)
+            for bucket in self._buckets:
+                if not bucket.in_place:
+                    bucket.gather(self._broadcast)
             for entry in self._sharded.values():
                 if entry.to_param is not None:
                     works += entry.to_param(entry.shard)

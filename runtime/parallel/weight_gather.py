@@ -21,7 +21,9 @@ all-gather into the piece), priced as a collective of its own
 (`param_candidates.shares_gather_bucket`).
 
 Invariants: every rank of a group builds the same buckets in the same order (graph order, the
-same program), and gathers them in that order; one bucket's buffer is alive at a time (a
+same program), and gathers them in that order (the in-place ones all started before the others,
+`sharded_update.gather_weights`: they hold no buffer, and their exchanges queue back to back
+where one at a time had each wait for the last); one bucket's buffer is alive at a time (a
 transient of at most the bucket bytes, held only during the gather, and freed when it ends); the values written are
 the shards' cast to the weight's dtype, as the unbucketed gather writes them.
 Reference: Megatron-LM's distributed optimizer (megatron/core/distributed/param_and_grad_buffer.py:
@@ -78,12 +80,16 @@ class GatherBucket:
         """Elements of one member's region: its slots of every parameter."""
         return sum(p.numel for p in self.params)
 
+    @property
+    def in_place(self) -> bool:
+        """One parameter, gathered in its own piece (no buffer: `start_in_place`)."""
+        return len(self.params) == 1 and self.params[0].in_place
+
     def gather(self, broadcast: bool) -> None:
-        """This rank's shards into every member's weights (`broadcast`: one broadcast per
-        member, else one all-gather); returns when they are written."""
-        if len(self.params) == 1 and self.params[0].in_place:
-            self._gather_in_place(broadcast)
-            return
+        """This rank's shards into every member's weights through the bucket's buffer
+        (`broadcast`: one broadcast per member, else one all-gather); returns when they are
+        written. An in-place bucket starts its exchange with `start_in_place` instead."""
+        assert not self.in_place, "an in-place bucket is gathered by start_in_place"
         region, own = self.region_numel, self.members.index(dist.get_rank())
         flat = torch.empty(
             region * len(self.members), dtype=self.dtype, device=self.params[0].shard.device
@@ -113,9 +119,10 @@ class GatherBucket:
         # on gloo's worker thread after the wait, and free it there at some later time.
         flat.untyped_storage().resize_(0)
 
-    def _gather_in_place(self, broadcast: bool) -> None:
-        """The one parameter's shard into its own slot, then the slots exchanged in the piece
-        itself (one all-gather where the slots are the piece's regions in member order)."""
+    def start_in_place(self, broadcast: bool) -> list[dist.Work]:
+        """The one parameter's shard into its own slot, then the slots' exchange in the piece
+        itself started (one all-gather where the slots are the piece's regions in member
+        order): the piece is written when the works returned are waited for."""
         (p,) = self.params
         own = p.slots[self.members.index(dist.get_rank())]
         p.param[own].view_as(p.shard).copy_(p.shard)
@@ -131,9 +138,7 @@ class GatherBucket:
         else:
             flat, mine = p.param.view(-1), p.param[own].view(-1)
             works = [all_gather_single(flat, mine, group=self.group, async_op=True)]
-        for work in works:
-            assert work is not None
-            work.wait()
+        return [work for work in works if work is not None]
 
 
 def gather_buckets(

@@ -151,8 +151,9 @@ class StageTerms:
                 extra = np.zeros_like(both)
             in_block = consumer.block is not None and self.identical
             if graph.node(u).role is Role.PARAMETER and in_block:
-                allowed = np.isfinite(both)  # a forbidden pair (a gather where none runs) is
-                # forbidden by `busy`: it hides nothing here
+                # a forbidden pair (a gather where none runs) is forbidden by `busy`, and hides
+                # nothing here (inf - inf would be nan)
+                allowed = np.isfinite(both)
                 forward = np.where(allowed, fwd_only, 0.0)
                 self.gather_forward[sv].edge(key, w * forward)
                 backward = np.where(allowed, both, 0.0) - forward + extra

@@ -30,9 +30,12 @@ Invariants:
 - Every rank launches its buckets in bucket order (a ready bucket waits for the ones before it),
   so the collectives of a group meet in the same order everywhere. They run on process groups of
   their own: they never interleave with the boxing collectives backward runs meanwhile.
-- Only the last micro-batch's backward launches (`arm`): earlier ones still accumulate. A leaf's
-  gradient is accumulated once per backward call, so when its hook fires in the armed backward
-  the gradient is final. Parameters backward never reaches are synced (as zeros) by `finish`.
+- Only the last backward that adds to a gradient launches (`arm`, given the parameters it
+  finishes: under interleaving each chunk's last backward finishes its own, and an earlier
+  chunk's come before the rank's last firing); earlier ones still accumulate. A leaf's
+  gradient is accumulated once per backward call, so when its hook fires in the backward armed
+  for it the gradient is final. Parameters backward never reaches are synced (as zeros) by
+  `finish`.
 - Every wait is bounded by the world's timeout.
 Reference: torch DDP's Reducer (Li et al. 2020, "PyTorch Distributed", section 3.2.3: bucketing,
 overlap, launch in bucket order); torch.Tensor.register_post_accumulate_grad_hook.
@@ -131,7 +134,8 @@ class GradSync:
         self.launched_in_backward = 0  # buckets the last armed backward launched itself
         self._bucket_of: dict[torch.Tensor, _Bucket] = {}
         self._next = 0  # the next bucket to launch
-        self._armed = False
+        self._stepping = False  # armed in this step (`arm` .. `finish`)
+        self._armed: set[torch.Tensor] = set()  # whose next hook finishes their gradient
         self._reached: set[torch.Tensor] = set()  # gradients the armed backward finished
         self._view_of: dict[torch.Tensor, torch.Tensor] = {}  # once its bucket's buffer exists
         coords = mesh.coords(mesh.device_ids.index(dist.get_rank()))
@@ -160,18 +164,23 @@ class GradSync:
         """Whether `param`'s gradient is a view of a bucket (`zero_grad` clears it)."""
         return param in self._bucket_of
 
-    def arm(self) -> None:
-        """Launch buckets from now on, as backward finishes their gradients: call right before
-        the last micro-batch's backward (the one that finishes every gradient)."""
-        for bucket in self.buckets:
-            bucket.waiting, bucket.work = len(bucket.params), None
-        self._next, self._armed, self.launched_in_backward = 0, True, 0
+    def arm(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Launch buckets from now on, as backward finishes the gradients of `params` (default:
+        every one): call right before the backward that finishes them (the last micro-batch's
+        of their chunk). The step's first call resets the buckets."""
+        if not self._stepping:
+            for bucket in self.buckets:
+                bucket.waiting, bucket.work = len(bucket.params), None
+            self._next, self.launched_in_backward, self._stepping = 0, 0, True
+        wanted = self._bucket_of if params is None else params
+        self._armed.update(p for p in wanted if p in self._bucket_of)
 
     def finish(self) -> None:
         """Launch the buckets not launched yet, wait for all, and set every synced gradient
         (parameters whose gradient is None stay None)."""
-        assert self._armed, "GradSync.finish without arm: call arm before the last backward"
-        self._armed = False
+        assert self._stepping, "GradSync.finish without arm: call arm before the last backward"
+        self._stepping = False
+        self._armed.clear()
         self._launch(len(self.buckets))
         for bucket in self.buckets:
             assert bucket.work is not None and bucket.flat is not None
@@ -188,7 +197,7 @@ class GradSync:
         if bucket is None:
             return
         self._into_view(param)
-        if not self._armed:
+        if param not in self._armed:
             return  # an earlier micro-batch: its gradients still accumulate
         assert bucket.work is None, "a gradient accumulated twice in one backward"
         self._reached.add(param)

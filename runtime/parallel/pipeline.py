@@ -7,7 +7,7 @@ and receives of one step), `LossBoxing` (the loss's seed and value) and `Pipelin
 forwards and backwards per micro-batch in its firing order, and the loss every rank returns).
 Lives elsewhere: the firing order (`autosbp.schedule.stage_orders`, the actor rules the planner
 priced), the stage's program (`runtime.execute.program`, which runs one micro-batch's forward),
-gradient sync (`runtime.parallel.grad_sync`, armed here before the last backward), the
+gradient sync (`runtime.parallel.grad_sync`, armed here before each chunk's last backward), the
 parameter gathers (`runtime.parallel.prefetch`, whose `finish_backward` runs here after each
 backward), the Engine that composes them (`runtime.engine`).
 
@@ -21,6 +21,10 @@ Invariants:
   its own tag (`boundary_tag`).
 - Interleaved (v model chunks per rank), each chunk is a stage of its own (its program, its
   traffic); the firing order says which chunk fires, and the loss is on the chunk that holds it.
+  A chunk's parameters are final at its own last backward, which comes before the rank's last
+  firing for every chunk but the first: the gradient sync is armed for them there
+  (`Pipeline.finishes`). Armed only at the rank's last firing, as it was until 2026-12-06, an
+  earlier chunk's synced gradients were dropped (zero) under any data or tensor parallelism.
 - Zero bubble (an order with WEIGHT firings, `autosbp.zero_bubble`): BACKWARD computes and sends
   the input gradients only, WEIGHT later adds the weights' (`runtime.parallel.split_backward`);
   gradient sync is armed before the last firing that adds gradients (the last WEIGHT).
@@ -37,7 +41,7 @@ activations and gradients by isend/irecv).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -246,7 +250,8 @@ class Pipeline:
     """This rank's part of one step: `order` (its firing order: (phase, chunk, micro-batch))
     of the forwards of `programs` (one per chunk the rank holds, in chunk order: one without
     interleaving) and their backwards, each chunk's values and gradients exchanged through its
-    `transfers`; `arm` runs right before the last backward (gradient sync), and `loss_root` is
+    `transfers`; `arm` runs right before each chunk's last backward (gradient sync: with the
+    chunk's tensors, and with None, every one, before the rank's last), and `loss_root` is
     the first rank of the loss's stage. With WEIGHT firings (zero bubble) each backward is
     split: `weights` are the tensors whose gradients WEIGHT adds (the stage's parameters)."""
 
@@ -255,7 +260,7 @@ class Pipeline:
     order: Sequence[Step]
     loss: LossBoxing | None
     micro_batches: int
-    arm: Callable[[], None]
+    arm: Callable[[Iterable[torch.Tensor] | None], None]
     loss_root: int
     staged: bool  # more than one stage: the loss is broadcast
     span: Span
@@ -263,11 +268,24 @@ class Pipeline:
     weights: Sequence[torch.Tensor] = ()
     last_backward: int = field(init=False)  # the last firing in `order` that adds gradients
     split: bool = field(init=False)  # zero bubble: backward in two (input, weight)
+    # firing -> the chunk parameters whose gradients it finishes (before the rank's last)
+    finishes: dict[int, list[torch.Tensor]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.split = any(phase is Phase.WEIGHT for phase, _, _ in self.order)
         last = Phase.WEIGHT if self.split else Phase.BACKWARD
-        self.last_backward = max(i for i, (phase, _, _) in enumerate(self.order) if phase is last)
+        final = {chunk: i for i, (phase, chunk, _) in enumerate(self.order) if phase is last}
+        self.last_backward = max(final.values())
+        at: dict[int, tuple[torch.Tensor, int]] = {}  # a chunk's tensors: its last such firing
+        for chunk, program in enumerate(self.programs):
+            for value in program.template:
+                if isinstance(value, torch.Tensor):
+                    held = at.get(id(value), (value, -1))
+                    at[id(value)] = (value, max(held[1], final[chunk]))
+        self.finishes = {}
+        for value, position in at.values():
+            if position < self.last_backward:
+                self.finishes.setdefault(position, []).append(value)
 
     def run(self, pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
         """Every firing of the step on the micro-batches `pieces`; returns this rank's share
@@ -277,6 +295,8 @@ class Pipeline:
         value = torch.zeros((), device=self.device)
         for position, (phase, chunk, mb) in enumerate(self.order):
             last = position == self.last_backward
+            if position in self.finishes:  # an earlier chunk's last backward: sync its own
+                self.arm(self.finishes[position])
             if phase is Phase.FORWARD:
                 in_flight[(chunk, mb)] = self._forward(pieces[mb], chunk, mb)
                 loss = in_flight[(chunk, mb)][2]
@@ -285,7 +305,7 @@ class Pipeline:
                         value += self.loss.value(loss.detach()) / self.micro_batches
             elif phase is Phase.WEIGHT:
                 if last:
-                    self.arm()  # gradients are final in this firing: sync them
+                    self.arm(None)  # every gradient is final in this firing: sync them
                 with self.span("weight", mb, chunk):
                     deferred.pop((chunk, mb)).run()
             else:
@@ -320,7 +340,7 @@ class Pipeline:
         transfers, program = self.transfers[chunk], self.programs[chunk]
         grads = transfers.receive(mb, backward=True)
         if last:
-            self.arm()  # gradients are final in this backward: sync them
+            self.arm(None)  # every gradient is final in this backward: sync them
         floating = [x for x in received if x.is_floating_point()]
         later = None
         with self.span("backward", mb, chunk):

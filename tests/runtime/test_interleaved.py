@@ -39,6 +39,11 @@ CHECKED: list[tuple[int, dict[str, Any], str]] = [
     (4, {**GPT, "layers": 8}, "megatron:tp=1,pp=4,dp=1,vp=2,mb=4"),
     # beside ZeRO-2 (gradients reduce-scattered over dp in every chunk's backward)
     (4, {**GPT, "layers": 4}, "megatron:tp=1,pp=2,dp=2,vp=2,mb=2,zero=2"),
+    # bucketed syncs over dp, and over tp (the replicated norms and biases): the second
+    # chunk's gradients are final before the rank's last backward (they read 0 until
+    # 2026-12-06, when the sync was armed only there)
+    (4, {**GPT, "layers": 4}, "megatron:tp=1,pp=2,dp=2,vp=2,mb=2"),
+    (4, {**GPT, "layers": 4}, "megatron:tp=2,pp=2,dp=1,vp=2,mb=4"),
 ]
 # Wide enough that a peak is hundreds of kB (test_memory.py's reason).
 WIDE = {"layers": 4, "hidden": 64, "heads": 2, "vocab": 128, "seq": 16, "batch": 4}

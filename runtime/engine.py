@@ -193,10 +193,11 @@ class Engine:
         """The stage's firings in the plan's schedule (`stage_orders`), each chunk's traffic
         with the other stages, the loss's seed, and the rank that tells every rank the loss."""
         plan, graph, device = self.plan, self.graph, world_device()
+        mailbox: dict = {}  # the rank's chunks, one to another
         transfers = [
             Transfers(
                 build_links(graph, self.signatures, boundaries, meshes, chunk, self.index),
-                self._timeout, self._span, device,
+                self._timeout, self._span, device, mailbox,
             )
             for chunk in self.chunks
         ]  # fmt: skip

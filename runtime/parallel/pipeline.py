@@ -41,6 +41,7 @@ activations and gradients by isend/irecv).
 from __future__ import annotations
 
 import datetime
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -183,13 +184,24 @@ def build_links(
 
 class Transfers:
     """One step's point-to-point traffic over `links`: `receive` blocks, `send` starts an
-    isend kept until `wait` (the end of the step)."""
+    isend kept until `wait` (the end of the step). A link to this rank itself (interleaved: a
+    value one chunk reads from an earlier chunk of the same rank, such as Hugging Face Llama's
+    rotary cos and sin, computed once and read by every layer) goes through `mailbox`, shared
+    by the rank's chunks: a copy queued per tag, in the order sent (gloo has no pair to
+    itself)."""
 
     def __init__(
-        self, links: Links, timeout: datetime.timedelta, span: Span, device: torch.device
+        self,
+        links: Links,
+        timeout: datetime.timedelta,
+        span: Span,
+        device: torch.device,
+        mailbox: dict[int, deque[torch.Tensor]] | None = None,
     ) -> None:
         self.links, self.timeout, self.span, self.device = links, timeout, span, device
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.rank = dist.get_rank()
+        self.mailbox = {} if mailbox is None else mailbox
 
     def receive(self, mb: int, *, backward: bool) -> list[torch.Tensor]:
         """This micro-batch's values from earlier stages (forward), or the gradients of the
@@ -201,8 +213,11 @@ class Transfers:
         with self.span("recv", mb):
             for peer, tag, metas in links:
                 for meta in metas:
-                    buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-                    _p2p(dist.irecv, buffer, peer, tag).wait(self.timeout)
+                    if peer == self.rank:
+                        buffer = self.mailbox[tag].popleft()
+                    else:
+                        buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                        _p2p(dist.irecv, buffer, peer, tag).wait(self.timeout)
                     if not backward and buffer.is_floating_point():
                         buffer.requires_grad_(True)
                     out.append(buffer)
@@ -215,7 +230,10 @@ class Transfers:
             for _ in metas:
                 tensor = tensors[position].detach().contiguous()
                 position += 1
-                self.pending.append((_p2p(dist.isend, tensor, peer, tag), tensor))
+                if peer == self.rank:  # the receiving chunk's own tensor, as a receive's is
+                    self.mailbox.setdefault(tag, deque()).append(tensor.clone())
+                else:
+                    self.pending.append((_p2p(dist.isend, tensor, peer, tag), tensor))
         assert position == len(tensors), f"sent {position} of {len(tensors)} values"
 
     def wait(self) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ from launching.workers import run_workers
 from runtime.jobs import TrainSpec, check_spec
 from runtime.verify.verdict import judge
 from tests.plan.test_plan_schedule import interleaved_plan
+from tests.support import real_models
 from tests.support.check_workers import run_checked
 from tests.support.memory_workers import assert_predicted_peak
 from tests.support.runtime_workers import run_cases
@@ -72,6 +75,23 @@ def test_interleaved_steps_match_one_device(n: int, args: dict[str, Any], strate
     checks = run_workers(run_checked, n, ([("vp", spec, "none")],), timeout_s=WORKER_TIMEOUT_S)
     verdict = judge(checks[0]["vp"])
     assert len(checks[0]["vp"]) == STEPS
+    assert verdict.passed, verdict.text
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_an_interleaved_hugging_face_llama_matches_one_device() -> None:
+    """Hugging Face Llama computes its rotary cos and sin once, before the first layer, and
+    every layer reads them: with 2 chunks a rank, a chunk reads them from the rank's own first
+    chunk (`Transfers`'s mailbox; a p2p to itself failed on gloo until 2026-12-06)."""
+    model = f"{Path(real_models.__file__).resolve()}:llama"
+    module, inputs = load_model(model, {"layers": 4})
+    strategy = "megatron:tp=1,pp=2,dp=2,vp=2,mb=2"
+    plan = auto_parallelize(module, inputs, devices=4, strategy=strategy, time_limit_s=60)
+    spec = TrainSpec(model, {"layers": 4}, plan.to_json(), STEPS, lr=LR, check=True)
+    checks = run_workers(run_checked, 4, ([("llama", spec, "none")],), timeout_s=WORKER_TIMEOUT_S)
+    verdict = judge(checks[0]["llama"])
     assert verdict.passed, verdict.text
 
 

@@ -100,9 +100,11 @@ def gpt2(batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0) -> M
 
 
 def _llama_like(config_class: Any, model_class: Any, **extra: Any) -> Callable[..., ModelAndInputs]:
-    def build(batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0) -> ModelAndInputs:
+    def build(
+        batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0, layers: int = 2
+    ) -> ModelAndInputs:
         config = config_class(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
             attention_dropout=0.0, **extra,
         )  # fmt: skip
@@ -111,10 +113,12 @@ def _llama_like(config_class: Any, model_class: Any, **extra: Any) -> Callable[.
     return build
 
 
-def llama(batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0) -> ModelAndInputs:
+def llama(
+    batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0, layers: int = 2
+) -> ModelAndInputs:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _llama_like(LlamaConfig, LlamaForCausalLM)(batch, seq, seed)
+    return _llama_like(LlamaConfig, LlamaForCausalLM)(batch, seq, seed, layers)
 
 
 def mistral(batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0) -> ModelAndInputs:

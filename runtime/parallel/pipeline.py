@@ -21,10 +21,8 @@ Invariants:
   its own tag (`boundary_tag`).
 - Interleaved (v model chunks per rank), each chunk is a stage of its own (its program, its
   traffic); the firing order says which chunk fires, and the loss is on the chunk that holds it.
-  A chunk's parameters are final at its own last backward, which comes before the rank's last
-  firing for every chunk but the first: the gradient sync is armed for them there
-  (`Pipeline.finishes`). Armed only at the rank's last firing, as it was until 2026-12-06, an
-  earlier chunk's synced gradients were dropped (zero) under any data or tensor parallelism.
+  A chunk's parameters are final at its own last backward, before the rank's last firing for
+  every chunk but the first: the gradient sync is armed for them there (`Pipeline.finishes`).
 - Zero bubble (an order with WEIGHT firings, `autosbp.zero_bubble`): BACKWARD computes and sends
   the input gradients only, WEIGHT later adds the weights' (`runtime.parallel.split_backward`);
   gradient sync is armed before the last firing that adds gradients (the last WEIGHT).
@@ -184,24 +182,17 @@ def build_links(
 
 class Transfers:
     """One step's point-to-point traffic over `links`: `receive` blocks, `send` starts an
-    isend kept until `wait` (the end of the step). A link to this rank itself (interleaved: a
-    value one chunk reads from an earlier chunk of the same rank, such as Hugging Face Llama's
-    rotary cos and sin, computed once and read by every layer) goes through `mailbox`, shared
-    by the rank's chunks: a copy queued per tag, in the order sent (gloo has no pair to
-    itself)."""
+    isend kept until `wait` (the end of the step). A link to this rank itself (an earlier
+    chunk's value, as HF Llama's rotary cos and sin) passes a copy through `mailbox`, queued
+    per tag and shared by the rank's chunks: gloo has no pair to itself."""
 
     def __init__(
-        self,
-        links: Links,
-        timeout: datetime.timedelta,
-        span: Span,
-        device: torch.device,
-        mailbox: dict[int, deque[torch.Tensor]] | None = None,
-    ) -> None:
+        self, links: Links, timeout: datetime.timedelta, span: Span, device: torch.device,
+        mailbox: dict[int, deque[torch.Tensor]],
+    ) -> None:  # fmt: skip
         self.links, self.timeout, self.span, self.device = links, timeout, span, device
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
-        self.rank = dist.get_rank()
-        self.mailbox = {} if mailbox is None else mailbox
+        self.rank, self.mailbox = dist.get_rank(), mailbox
 
     def receive(self, mb: int, *, backward: bool) -> list[torch.Tensor]:
         """This micro-batch's values from earlier stages (forward), or the gradients of the

@@ -2,7 +2,7 @@
 is the same on every rank, and resumes exactly.
 
 Lives here (one concept per module): what a rank needs of each global batch (`layout`:
-`InputSpec`, `BatchLayout`, `RankBatch`), a user's data loaded and checked (`sources`:
+`InputSpec`, `input_specs`, `BatchLayout`, `RankBatch`), a user's data loaded and checked (`sources`:
 `load_data`, `as_data`, the built-in data sets by name), which samples make each batch and
 where a job is in them (`sampler`), the loaders (`loader`: `RankLoader` for training,
 `EvalLoader` for evaluation, `LoadInfo`) and token data sets (`tokens`: `stdlib_text`,
@@ -23,7 +23,7 @@ of an epoch is dropped, and the position (epoch, samples consumed) resumes bit-e
 the consumed samples when the global batch changed (Megatron's consumed-samples sampler).
 """
 
-from runtime.data.layout import BatchLayout, Box, InputSpec, RankBatch
+from runtime.data.layout import BatchLayout, Box, InputSpec, RankBatch, input_specs
 from runtime.data.loader import EvalLoader, LoadInfo, RankLoader
 from runtime.data.sampler import Position, Sampler
 from runtime.data.sources import BUILT_IN, BatchData, Data, SampleData, as_data, load_data
@@ -45,6 +45,7 @@ __all__ = [
     "Sampler",
     "TokenWindows",
     "as_data",
+    "input_specs",
     "load_data",
     "stdlib_text",
     "token_file",

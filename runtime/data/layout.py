@@ -1,6 +1,7 @@
 """What one rank needs of each global batch: the model's inputs and this rank's box of each.
 
-Lives here: `InputSpec` (one model input: a sample's shape, the dtype the plan's graph takes),
+Lives here: `InputSpec` (one model input: a sample's shape, the dtype the plan's graph takes;
+`input_specs` reads them off example inputs),
 `BatchLayout` (the global batch, its micro-batches, and this rank's box of each input, which the
 engine derives from the plan), `RankBatch` (what a rank gets per step), the rows a layout reads
 (`BatchLayout.rows`) and the cut of one input to its box (`cut_piece`). Lives elsewhere: which
@@ -20,13 +21,14 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from autosbp.errors import DataError
 
-__all__ = ["BatchLayout", "Box", "InputSpec", "RankBatch", "cut_piece"]
+__all__ = ["BatchLayout", "Box", "InputSpec", "RankBatch", "cut_piece", "input_specs"]
 
 Box = tuple[slice, ...]
 # [micro-batch][input] -> this rank's piece of that input (None: the rank does not read it).
@@ -43,6 +45,23 @@ class InputSpec:
 
     def describe(self, position: int) -> str:
         return f"input #{position} `{self.name}`" if self.name else f"input #{position}"
+
+
+def input_specs(
+    example_inputs: Sequence[torch.Tensor],
+    names: Sequence[str] = (),
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[InputSpec, ...]:
+    """The specs of a model's example inputs (dim 0 the batch), named by `names` (forward's
+    parameters) where given; floating inputs in `compute_dtype` where given (the plan's)."""
+    return tuple(
+        InputSpec(
+            tuple(x.shape[1:]),
+            compute_dtype if compute_dtype is not None and x.is_floating_point() else x.dtype,
+            names[i] if i < len(names) else "",
+        )
+        for i, x in enumerate(example_inputs)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from runtime.data import (
     RankLoader,
     Sampler,
     as_data,
+    input_specs,
     load_data,
     stdlib_text,
     token_file,
@@ -452,11 +453,16 @@ def test_stdlib_text_is_byte_tokens_split_into_held_out_text() -> None:
 
 def test_an_image_data_set_feeds_a_non_text_model(data_file: Path) -> None:
     model, example = build_model("resnet")
-    specs = tuple(InputSpec(tuple(x.shape[1:]), x.dtype) for x in example)
+    specs = input_specs(example, ("images", "labels"), torch.float64)
+    assert specs == (
+        InputSpec((3, 8, 8), torch.float64, "images"),
+        InputSpec((), torch.int64, "labels"),
+    )
     data = load_data(f"{data_file}:images", {"n": 16})
     batch, info = next(RankLoader(data, BatchLayout.whole(4, specs, micro_batches=2), seed=0))
     assert info.rows_read == 4 and batch[0][0] is not None and batch[0][0].shape == (2, 3, 8, 8)
-    loss = model(*batch[0])
+    assert batch[0][0].dtype == torch.float64  # the plan's dtype, from float32 data
+    loss = model.double()(*batch[0])
     assert loss.shape == () and torch.isfinite(loss)
 
 

@@ -44,7 +44,7 @@ from autosbp.planner.param_candidates import gathers_in_bucket
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, NdSbp, Split, local_shape
 
-OPTIMIZER_STATES = {"adam": 2, "sgd_momentum": 1, "sgd": 0}
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
 
 
 def parameter_bytes_per_element(dtype: torch.dtype, optimizer: str) -> int:

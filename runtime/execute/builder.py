@@ -56,6 +56,8 @@ class ProgramBuilder:
     boxer: Boxer
     device: torch.device
     comm: GroupComm | None = None  # collectives inside ops (`autosbp.rules.comm`)
+    # A mixed recipe's gradient sum dtype for parameter boxings (None: the weights' own)
+    param_grad_dtype: torch.dtype | None = None
     slots: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
     boxed: dict[tuple[str, int, NdSbp], int] = dataclasses.field(default_factory=dict)
     steps: list[Instruction] = dataclasses.field(default_factory=list)
@@ -94,7 +96,8 @@ class ProgramBuilder:
         if key not in self.boxed:
             attrs = self.graph.node(node)
             meta = attrs.outputs[out]
-            box = self.boxer.chain(have, want, meta.shape, meta.dtype)
+            grad_dtype = self.param_grad_dtype if attrs.role is Role.PARAMETER else None
+            box = self.boxer.chain(have, want, meta.shape, meta.dtype, grad_dtype=grad_dtype)
             src, dst = self.slots[(node, out)], self.new_slot()
             steps = self.boxer.steps(have, want, meta.shape, meta.dtype)
             if attrs.role is Role.PARAMETER and has_collective(steps):

@@ -45,7 +45,7 @@ from runtime.execute.recompute_runs import checkpointed, recompute_runs
 from runtime.parallel.gathers import plan_gathers
 from runtime.parallel.prefetch import GatherSchedule, GatherSetup
 
-__all__ = ["InputLoader", "Program", "Value", "build_program"]
+__all__ = ["InputLoader", "Pieces", "Program", "Value", "build_program"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,26 @@ class InputLoader:
     slot: int
     meta: TensorMeta
     index: tuple[slice, ...] | None  # None: the whole tensor (B on every mesh dim)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """This rank's piece's shape."""
+        if self.index is None:
+            return self.meta.shape
+        return tuple(
+            len(range(*s.indices(n))) for s, n in zip(self.index, self.meta.shape, strict=True)
+        )
+
+
+class Pieces(tuple):  # type: ignore[type-arg]
+    """One micro-batch's inputs already cut to this rank's pieces (`runtime.data`'s RankBatch
+    entries; None where the rank reads none), as opposed to the whole micro-batch."""
+
+    __slots__ = ()
+
+
+def _described(dtype: torch.dtype, shape: Sequence[int]) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
 Value = tuple[str, int]  # (producer node, output index)
@@ -91,7 +111,7 @@ class Program:
 
     def run(
         self,
-        batch: Sequence[torch.Tensor],
+        batch: Sequence[torch.Tensor | None],
         received: Sequence[torch.Tensor] = (),
         micro_batch: int = 0,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -108,22 +128,25 @@ class Program:
         loss = values[self.loss_slot] if self.loss_slot is not None else None
         return loss, [values[slot] for slot in self.exports]
 
-    def _load(self, values: Values, batch: Sequence[torch.Tensor]) -> None:
+    def _load(self, values: Values, batch: Sequence[torch.Tensor | None]) -> None:
         if len(batch) != self.num_inputs:
             raise PlanError(
                 f"step() got {len(batch)} input tensors but model `{self.model_name}` takes "
                 f"{self.num_inputs}; pass them in forward's order, like the example inputs."
             )
+        local = isinstance(batch, Pieces)
         for loader in self.inputs:
             x = batch[loader.position]
-            if tuple(x.shape) != loader.meta.shape or x.dtype != loader.meta.dtype:
+            want = loader.local_shape if local else loader.meta.shape
+            if x is None or tuple(x.shape) != want or x.dtype != loader.meta.dtype:
+                got = "nothing" if x is None else _described(x.dtype, x.shape)
                 raise PlanError(
-                    f"input #{loader.position} of model `{self.model_name}` is "
-                    f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)} but the plan was "
-                    f"made for {loader.meta!r}; keep the batch shapes of the example inputs "
-                    "(or make a plan for the new shapes)."
+                    f"{'this rank' + chr(39) + 's piece of ' if local else ''}input "
+                    f"#{loader.position} of model `{self.model_name}` is {got} but the plan was "
+                    f"made for {_described(loader.meta.dtype, want)}; keep the batch shapes of "
+                    "the example inputs (or make a plan for the new shapes)."
                 )
-            values[loader.slot] = x if loader.index is None else x[loader.index]
+            values[loader.slot] = x if local or loader.index is None else x[loader.index]
 
 
 def build_program(
@@ -139,6 +162,7 @@ def build_program(
     sent: Sequence[Value] = (),
     recomputed: frozenset[str] = frozenset(),
     gathering: GatherSetup | None = None,
+    param_grad_dtype: torch.dtype | None = None,
 ) -> Program:
     """This rank's program for `stage` (every node when `stage_of` is None). `state` maps every
     parameter/buffer/constant name of the stage to this rank's local tensor in its plan layout.
@@ -146,10 +170,13 @@ def build_program(
     later ones, in exchange order (`runtime.parallel.pipeline.stage_values`).
     `recomputed` (the nodes the plan recomputes: `autosbp.plan.recomputed_nodes`) wraps each
     run of their steps in activation checkpointing. With `gathering`, parameter gathers run
-    through a `GatherSchedule` (`runtime.parallel.prefetch`)."""
+    through a `GatherSchedule` (`runtime.parallel.prefetch`). `param_grad_dtype`: the dtype a
+    parameter boxing's backward sums its gradient in (a mixed recipe's reduce dtype)."""
     device = next(iter(state.values())).device if state else torch.device("cpu")
     comm = GroupComm(boxer.mesh, coords, boxer.groups)
-    builder = ProgramBuilder(graph, signatures, boxer.mesh, coords, boxer, device, comm)
+    builder = ProgramBuilder(
+        graph, signatures, boxer.mesh, coords, boxer, device, comm, param_grad_dtype
+    )
     here = _stage_nodes(graph, stage_of, stage)
     imports = [builder.slots.setdefault(value, builder.new_slot()) for value in received]
     inputs = _load_inputs(builder, here)

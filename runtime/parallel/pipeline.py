@@ -279,6 +279,7 @@ class Pipeline:
     split: bool = field(init=False)  # zero bubble: backward in two (input, weight)
     # firing -> the chunk parameters whose gradients it finishes (before the rank's last)
     finishes: dict[int, list[torch.Tensor]] = field(init=False)
+    _seeds: list[float] = field(init=False, default_factory=list)  # this step's, per micro-batch
 
     def __post_init__(self) -> None:
         self.split = any(phase is Phase.WEIGHT for phase, _, _ in self.order)
@@ -296,9 +297,18 @@ class Pipeline:
             if position < self.last_backward:
                 self.finishes.setdefault(position, []).append(value)
 
-    def run(self, pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    def run(
+        self,
+        pieces: Sequence[Sequence[torch.Tensor]],
+        weights: Sequence[float] | None = None,
+        seed_scale: float = 1.0,
+    ) -> torch.Tensor:
         """Every firing of the step on the micro-batches `pieces`; returns this rank's share
-        of the loss (the mean over micro-batches on the loss's stage, 0 elsewhere)."""
+        of the loss (on the loss's stage the micro-batches' losses summed with `weights`,
+        default 1/m each: their mean; 0 elsewhere). Backward seeds each micro-batch's loss
+        with its weight times `seed_scale` (fp16's loss scale)."""
+        m = self.micro_batches
+        self._seeds = [w * seed_scale for w in (weights or [1.0 / m] * m)]
         in_flight: dict[tuple[int, int], InFlight] = {}
         deferred: dict[tuple[int, int], WeightGradients] = {}
         value = torch.zeros((), device=self.device)
@@ -311,7 +321,7 @@ class Pipeline:
                 loss = in_flight[(chunk, mb)][2]
                 if loss is not None and self.loss is not None:
                     with torch.no_grad():
-                        value += self.loss.value(loss.detach()) / self.micro_batches
+                        value += self.loss.value(loss.detach()) * (self._seeds[mb] / seed_scale)
             elif phase is Phase.WEIGHT:
                 if last:
                     self.arm(None)  # every gradient is final in this firing: sync them
@@ -322,6 +332,25 @@ class Pipeline:
                 later = self._backward(chunk, mb, flight, last=last)
                 if later is not None:
                     deferred[(chunk, mb)] = later
+        for transfers in self.transfers:
+            transfers.wait()
+        return value
+
+    def run_forwards(self, pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """The forwards alone (evaluation, under no_grad): micro-batch after micro-batch, each
+        through this rank's chunks in order. Every forward depends only on forwards earlier in
+        that order (an earlier micro-batch, or an earlier chunk of its own), and every rank
+        runs its forwards in it, so the blocking receives cannot deadlock. Returns this rank's
+        share of the loss, as `run`."""
+        value = torch.zeros((), device=self.device)
+        for mb, piece in enumerate(pieces):
+            for chunk in range(len(self.programs)):
+                _, _, loss = self._forward(piece, chunk, mb)
+                gathers = self.programs[chunk].gathers
+                if gathers is not None:
+                    gathers.finish_backward(mb)  # no backward follows: end the pass
+                if loss is not None and self.loss is not None:
+                    value += self.loss.value(loss.detach()) / self.micro_batches
         for transfers in self.transfers:
             transfers.wait()
         return value
@@ -355,7 +384,7 @@ class Pipeline:
         with self.span("backward", mb, chunk):
             seed = None
             if loss is not None and self.loss is not None:
-                seed = self.loss.seed(loss) * (1.0 / self.micro_batches)
+                seed = self.loss.seed(loss) * self._seeds[mb]
             roots, root_grads = _roots(seed, exports, grads)
             if self.split:
                 found, later = input_gradients(roots, root_grads, floating, self.weights)

@@ -56,6 +56,7 @@ from autosbp.boxing.steps import dual_nd_sbp, local_box
 from autosbp.sbp import Mesh, NdSbp, Partial
 from runtime.execute.collectives import group_ranks
 from runtime.execute.instructions import Boxer, TensorFn
+from runtime.parallel.grad_sync import Register, autograd_hook
 from runtime.parallel.weight_gather import GatherBucket, GatheredParam, gather_buckets
 
 __all__ = ["ShardedUpdate", "build_sharded_update"]
@@ -84,6 +85,7 @@ class ShardedUpdate:
         sharded: Mapping[str, _Sharded],
         layouts: Mapping[str, NdSbp],
         buckets: Sequence[GatherBucket] = (),
+        register: Register = autograd_hook,
     ) -> None:
         self._sharded = dict(sharded)
         self._buckets = tuple(buckets)  # the bucketed gathers, in graph order
@@ -91,7 +93,7 @@ class ShardedUpdate:
         self.layouts = dict(layouts)  # name -> the layout of the tensor the optimizer steps
         for entry in self._sharded.values():
             if entry.in_backward:
-                entry.param.register_post_accumulate_grad_hook(_scatter_now(entry))
+                register(entry.param, _scatter_now(entry))
 
     @property
     def names(self) -> frozenset[str]:
@@ -200,6 +202,7 @@ def build_sharded_update(
     boxer: Boxer,
     bucket_bytes: int,
     in_backward: frozenset[str] = frozenset(),
+    register: Register = autograd_hook,
 ) -> ShardedUpdate:
     """This rank's `ShardedUpdate` for its stage's `parameters` (name -> local piece in
     `layouts`), with their optimizer states in `state_layouts` (every stage's), the gradients
@@ -230,7 +233,7 @@ def build_sharded_update(
             param, shard, to_shard, to_param, name in in_backward, slice_synced
         )
     layouts_stepped = {name: state_layouts[name] for name in parameters}
-    return ShardedUpdate(sharded, layouts_stepped, gather_buckets(bucketed, bucket_bytes))
+    return ShardedUpdate(sharded, layouts_stepped, gather_buckets(bucketed, bucket_bytes), register)
 
 
 def _view(slot: tuple[slice, ...]) -> TensorFn:

@@ -19,7 +19,7 @@ import torch
 
 from autosbp.cli import main
 from runtime.state.checkpoint_format import read_manifest
-from runtime.verify.finite import _not_finite
+from runtime.parallel.grad_norm import _not_finite
 
 MODEL = """
 import torch
@@ -138,4 +138,5 @@ def test_the_two_norm_screen_flags_exactly_the_non_finite_gradients(
     """Oracle: torch.isfinite over every element (the 2-norm screens, the max-norm confirms)."""
     expected = [i for i, g in enumerate(grads) if not bool(torch.isfinite(g).all())]
     assert expected == flagged
-    assert _not_finite(grads).tolist() == flagged
+    norms = torch.stack(torch._foreach_norm(grads, 2))
+    assert _not_finite(grads, norms) == flagged

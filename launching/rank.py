@@ -46,7 +46,7 @@ from terminal.errors import AutosbpError
 __all__ = ["Failure", "ParentDeath", "ProgressTable", "RankLog", "report_progress", "worker"]
 
 LABEL_BYTES = 160  # a progress report is cut to this many bytes of UTF-8: a line of a message
-DONE_VALUES = 4  # numbers a rank may report about its last unit of work (their meaning: the job's)
+DONE_VALUES = 8  # numbers a rank may report about its last unit of work (their meaning: the job's)
 PARENT_POLL_S = 0.5  # without prctl: how often a rank looks whether its parent is still there
 STACK_SIGNAL = signal.SIGUSR1  # the parent asks a rank for its Python stacks with it
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>

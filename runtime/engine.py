@@ -59,6 +59,7 @@ from runtime.execute.groups import build_groups, world_timeout
 from runtime.execute.instructions import Boxer
 from runtime.execute.program import Pieces, Program, Value, build_program
 from runtime.execute.signatures import read_signatures
+from runtime.optim import OptimizerRecipe
 from runtime.parallel.gathers import GatherPolicy, plan_gather_policy
 from runtime.parallel.grad_norm import clip_gradients, report_gradients
 from runtime.parallel.grad_sync import GradSync, build_grad_sync
@@ -80,7 +81,7 @@ from runtime.state.shards import StageState, shard_state, state_layouts
 from runtime.state.startup import agree_on_plan, broadcast_initial_state
 from runtime.verify.finite import NonFinite
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "clip_refusal"]
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 Boundaries = Mapping[tuple[int, int], Sequence[Value]]
@@ -89,7 +90,10 @@ Boundaries = Mapping[tuple[int, int], Sequence[Value]]
 class Engine:
     """Runs training steps of `model` under `plan` on this rank (call on every rank).
 
-    `optimizer_factory(local_params)` builds the optimizer over this rank's shards;
+    `optimizer_factory(local_params)` builds the optimizer over this rank's shards (or an
+    `runtime.optim.OptimizerRecipe`, which also sees their names and whole shapes: weight decay
+    on matrices only); `clip_grad_norm` clips the gradients by their global norm (the plan must
+    have priced it);
     `example_inputs` are the inputs the plan was made with (their shapes are checked); `graph`
     is an already captured graph of one micro-batch of `model` to skip capturing again;
     `recorder` (an autosbp.timeline.Recorder, or any SpanHook) wraps every actor firing of
@@ -106,7 +110,7 @@ class Engine:
         self,
         model: nn.Module,
         plan: Plan,
-        optimizer_factory: OptimizerFactory,
+        optimizer_factory: OptimizerFactory | OptimizerRecipe,
         *,
         example_inputs: Sequence[torch.Tensor],
         graph: OpGraph | None = None,
@@ -161,7 +165,11 @@ class Engine:
         )  # fmt: skip
         self.grad_sync = self._build_grad_sync(meshes, self.program.gathers)
         self._connect_precision()
-        self.optimizer = optimizer_factory(list(self.optimized.values()))
+        self.optimizer = (
+            optimizer_factory.build(self.optimized, self.shapes)
+            if isinstance(optimizer_factory, OptimizerRecipe)
+            else optimizer_factory(list(self.optimized.values()))
+        )
         self.recorder = recorder
         self._span = recorder.span if recorder is not None else _no_span
         self.pipeline = self._build_pipeline(meshes, stage_of, boundaries)
@@ -480,13 +488,18 @@ def _check_clip(plan: Plan, clip_grad_norm: float | None) -> None:
             "no clipping."
         )
     if (clip_grad_norm is not None) != plan.clips_gradients:
-        made = "with" if plan.clips_gradients else "without"
-        raise ExecutionError(
-            f"the plan was priced {made} gradient clipping, but the engine was asked "
-            f"{'for none' if clip_grad_norm is None else f'to clip at {clip_grad_norm:g}'}; "
-            "make the plan with the same clipping (`autosbp plan --clip-grad-norm`, "
-            "auto_parallelize(..., clip_grad_norm=...))."
-        )
+        raise clip_refusal(plan, clip_grad_norm)
+
+
+def clip_refusal(plan: Plan, clip_grad_norm: float | None) -> ExecutionError:
+    """The error for clipping the plan did not price (or no clipping where it did)."""
+    made = "with" if plan.clips_gradients else "without"
+    asked = "none" if clip_grad_norm is None else f"clipping at {clip_grad_norm:g}"
+    return ExecutionError(
+        f"the plan was priced {made} gradient clipping, but the job asks for {asked}; make "
+        "the plan with the same clipping (`--clip-grad-norm` at `autosbp plan` and `autosbp "
+        "train`, or auto_parallelize(..., clip_grad_norm=...))."
+    )
 
 
 def _check_device(model: nn.Module) -> None:

@@ -92,6 +92,7 @@ import torch
 from torch import nn
 
 from autosbp.errors import ExecutionError
+from runtime.optim import OptimizerRecipe
 from runtime.verify.one_device import (
     Evaluation,
     Float32Fallback,
@@ -126,13 +127,16 @@ class Reference:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: OptimizerFactory | None,
+        optimizer: OptimizerFactory | OptimizerRecipe | None,
         micro_batches: int,
         inputs: Sequence[torch.Tensor],
         dropout: tuple[str, ...] = (),
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         require_deterministic(model, inputs, dropout)
-        self.fp32 = copy.deepcopy(model)
+        self.compute = compute_dtype or next(model.parameters()).dtype
+        self.unit = unit_roundoff(self.compute)
+        self.fp32 = copy.deepcopy(model).to(self.compute)  # the draws: the plan's own dtype
         self.fp64 = copy.deepcopy(model).double()
         self.fallback = Float32Fallback()
         self.weights = {
@@ -140,7 +144,7 @@ class Reference:
             for name, p in model.named_parameters()
             if p.requires_grad
         }
-        self.optimizer = optimizer(list(self.weights.values())) if optimizer else None
+        self.optimizer = _optimizer(optimizer, self.weights)
         self.micro_batches = micro_batches
         self.dropout = dropout
         self.frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
@@ -157,8 +161,9 @@ class Reference:
         """Compare the plan's step `step` (its weights `before`, loss, synced `gradients`, and
         state `after`) with one device at the same weights."""
         exact = self._exact(before, inputs)
-        samples = [evaluate(self.fp32, before, inputs, self.micro_batches)] + [
-            evaluate(self.fp32, *nudged(before, inputs, seed=step * NUDGED + k), self.micro_batches)
+        cast = _in_dtype(before, self.compute), _inputs_in(inputs, self.compute)
+        samples = [evaluate(self.fp32, *cast, self.micro_batches)] + [
+            evaluate(self.fp32, *nudged(*cast, seed=step * NUDGED + k), self.micro_batches)
             for k in range(NUDGED)
         ]
         noise = _noise(exact, samples)
@@ -172,13 +177,16 @@ class Reference:
             _relative_error([s.gradients[n] for n in kept], [exact.gradients[n] for n in kept])
             for s in samples
         )[-2]  # the second largest, as for each value (`_noise`)
-        rows = [_deviation(Kind.LOSS, "loss", torch.tensor(loss), exact.loss, noise, rounding)]
+        unit = self.unit
+        rows = [
+            _deviation(Kind.LOSS, "loss", torch.tensor(loss), exact.loss, noise, rounding, unit)
+        ]
         rows += [
-            _deviation(Kind.GRADIENT, n, gradients[n], exact.gradients[n], noise, rounding)
+            _deviation(Kind.GRADIENT, n, gradients[n], exact.gradients[n], noise, rounding, unit)
             for n in kept
         ]
         rows += [
-            _deviation(Kind.BUFFER, n, after[n], b, noise, rounding)
+            _deviation(Kind.BUFFER, n, after[n], b, noise, rounding, unit)
             for n, b in exact.buffers.items()
         ]
         if self.optimizer is not None:
@@ -232,12 +240,13 @@ class StepChecker:
         engine: Engine,
         model: nn.Module,
         inputs: Sequence[torch.Tensor],
-        optimizer: OptimizerFactory | None,
+        optimizer: OptimizerFactory | OptimizerRecipe | None,
         dropout: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
+        compute = engine.precision.compute_dtype
         self.reference = (
-            Reference(model, optimizer, engine.micro_batches, inputs, dropout)
+            Reference(model, optimizer, engine.micro_batches, inputs, dropout, compute)
             if engine.rank == 0
             else None
         )
@@ -260,6 +269,7 @@ def _deviation(
     exact: torch.Tensor,
     noise: Mapping[str, float],
     rounding: float,
+    unit: float = 2.0**-24,
 ) -> Deviation:
     """One tensor of the forward/backward against float64 (header, 1.); an integer tensor (a
     step counter) must be equal."""
@@ -269,12 +279,38 @@ def _deviation(
     plan = widen(plan)
     size = float(exact.norm())
     own = noise["loss" if kind is Kind.LOSS else f"{kind.value} {name}"]
-    bound = NOISE_FACTOR * max(own, rounding * size, U_FP32 * size)
+    bound = NOISE_FACTOR * max(own, rounding * size, unit * size)
     error = float((plan - exact).norm())
     scale = float((plan * exact).sum() / (exact * exact).sum()) if size > 0 else None
     if scale is not None and float((plan - scale * exact).norm()) > bound:
         scale = None  # no single factor explains the difference
     return Deviation(kind, name, tuple(exact.shape), error, bound, size, scale)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u of a floating dtype: |fl(x) - x| <= u |x| (2^-24 fp32, 2^-8 bf16, 2^-11 fp16)."""
+    return float(torch.finfo(dtype).eps) / 2
+
+
+def _optimizer(
+    optimizer: OptimizerFactory | OptimizerRecipe | None, weights: Mapping[str, torch.Tensor]
+) -> torch.optim.Optimizer | None:
+    """The job's optimizer over the reference's whole fp32 weights."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, OptimizerRecipe):
+        return optimizer.build(weights, {n: tuple(w.shape) for n, w in weights.items()})
+    return optimizer(list(weights.values()))
+
+
+def _in_dtype(state: State, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The plan's weights as its programs read them: floating ones cast to the compute dtype
+    (under a mixed recipe, the fp32 masters rounded once, as the engine's copies are)."""
+    return {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+
+
+def _inputs_in(inputs: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    return tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
 
 
 def _noise(exact: Evaluation, samples: Sequence[Evaluation]) -> dict[str, float]:

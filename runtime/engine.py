@@ -125,6 +125,8 @@ class Engine:
         self.non_finite, self.skipped_steps = non_finite, 0
         self.clip_grad_norm = clip_grad_norm
         self.grad_norm = 0.0  # the last step's, before clipping (`runtime.parallel.grad_norm`)
+        # The last step's micro-batch weights where not 1/m each (`pipeline.SharedLoss`)
+        self.loss_weights: list[float] | None = None
         self.precision = plan.precision
         self.loss_scale = LossScale() if self.precision.loss_scaling == "dynamic" else None
         graph = _checked_graph(model, example_inputs, plan, graph)
@@ -319,8 +321,13 @@ class Engine:
         with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's slices
             self.grad_sync.finish()
             self.update.scatter_gradients()
-        loss = self.pipeline.share_loss(value)  # every rank has the loss of the last stage
+        shared = self.pipeline.share_loss(value)  # every rank: the last stage's loss
+        loss, self.loss_weights = shared.loss, shared.weights
         with self._span("optimizer"):  # the check, then the update (priced as one)
+            if shared.factor != 1.0:  # micro-batches weighed by their kept targets: n_k / N
+                grads = [t.grad for t in self.optimized.values() if t.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, shared.factor)
             bad = self._check_gradients(loss)
             if bad is None:
                 if self.clip_grad_norm is not None:
@@ -366,7 +373,7 @@ class Engine:
             value = self.pipeline.run_forwards(self._pieces(batch))
             for name, tensor in kept.items():
                 self.shards.state[name].copy_(tensor)
-        return self.pipeline.share_loss(value)
+        return self.pipeline.share_loss(value, weights=False).loss
 
     def batch_layout(self) -> BatchLayout:
         """What this rank needs of each global batch: per user input, its piece of one

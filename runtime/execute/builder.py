@@ -29,11 +29,20 @@ import torch
 from autosbp.boxing.params import has_collective
 from autosbp.capturing.graph import OpGraph, OpNode, Role, run_device
 from autosbp.errors import PlanError
-from autosbp.rules import NdSignature, local_op, mutated_inputs, pinned_inputs
+from autosbp.rules import (
+    MeanOverTargets,
+    NdSignature,
+    kept_targets,
+    local_op,
+    mean_over_targets,
+    mutated_inputs,
+    pinned_inputs,
+)
 from autosbp.sbp import Mesh, NdSbp, format_nd_sbp
 from runtime.execute.instructions import (
     Boxer,
     Instruction,
+    Values,
     box_instruction,
     clone_instruction,
     compute_instruction,
@@ -66,6 +75,9 @@ class ProgramBuilder:
     owners: list[str] = dataclasses.field(default_factory=list)  # the node each step serves
     template: list[Any] = dataclasses.field(default_factory=list)
     param_boxes: list[ParamBox] = dataclasses.field(default_factory=list)
+    # Per mean cross-entropy over class indices: the slot of its micro-batch's kept-target
+    # count, and its target's size (the count when nothing is ignored)
+    counts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     current: str = ""
 
     def new_slot(self, value: Any = None) -> int:
@@ -138,6 +150,24 @@ class ProgramBuilder:
         self.emit(compute_instruction(op, ins, outs), ins, outs)
         for index in mutated_inputs(attrs):
             self.write_back(name, index, ins[index])
+        mean = mean_over_targets(attrs)
+        if mean is not None:
+            self.count_kept(mean, ins, attrs.inputs[mean.target].numel)
+
+    def count_kept(self, mean: MeanOverTargets, ins: tuple[int, ...], size: int) -> None:
+        """The kept targets of a mean cross-entropy's micro-batch into a slot of their own (its
+        target is whole on every device: `autosbp.rules.loss`), for the loss weights."""
+        target, weight = ins[mean.target], None if mean.weight is None else ins[mean.weight]
+        slot = self.new_slot()
+
+        def count(values: Values) -> None:
+            classes = None if weight is None else values[weight]
+            with torch.no_grad():
+                values[slot] = kept_targets(values[target], classes, mean.ignore_index)
+
+        reads = (target,) if weight is None else (target, weight)
+        self.emit(count, reads, (slot,))
+        self.counts.append((slot, size))
 
     def is_boxed(self, consumer: str, index: int, slot: int) -> bool:
         node, out = self.graph.producers(consumer)[index]  # type: ignore[misc]

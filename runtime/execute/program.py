@@ -108,13 +108,18 @@ class Program:
     exports: tuple[int, ...] = ()
     gathers: GatherSchedule | None = None  # parameter gathers run ahead (runtime.parallel.prefetch)
     op_comm: GroupComm | None = None  # collectives inside ops: spans go to its `span_hook`
+    # Per mean cross-entropy over class indices: the slot of its kept-target count and its
+    # target's size (`ProgramBuilder.count_kept`)
+    counts: tuple[tuple[int, int], ...] = ()
 
     def run(
         self,
         batch: Sequence[torch.Tensor | None],
         received: Sequence[torch.Tensor] = (),
         micro_batch: int = 0,
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor], tuple[tuple[torch.Tensor, int], ...]]:
+        """This micro-batch's forward: the local loss (None off its stage), the values later
+        stages need, and each mean cross-entropy's kept-target count with its target's size."""
         values: Values = list(self.template)
         self._load(values, batch)
         for slot, value in zip(self.imports, received, strict=True):
@@ -126,7 +131,8 @@ class Program:
                 for slot in frees:
                     values[slot] = None
         loss = values[self.loss_slot] if self.loss_slot is not None else None
-        return loss, [values[slot] for slot in self.exports]
+        counted = tuple((values[slot], size) for slot, size in self.counts)
+        return loss, [values[slot] for slot in self.exports], counted
 
     def _load(self, values: Values, batch: Sequence[torch.Tensor | None]) -> None:
         if len(batch) != self.num_inputs:
@@ -182,7 +188,8 @@ def build_program(
     inputs = _load_inputs(builder, here)
     loss = _emit_nodes(builder, here, state)
     exports = [builder.slots[value] for value in sent]
-    keep = {*exports, *builder.persistent_slots()} | ({loss[0]} if loss else set())
+    keep = {*exports, *builder.persistent_slots(), *(slot for slot, _ in builder.counts)}
+    keep |= {loss[0]} if loss else set()
     frees = last_uses(builder.reads, builder.writes, keep)
     runs = recompute_runs(builder, recomputed)
     gathers = _schedule_gathers(builder, runs, set(exports), state, gathering)
@@ -200,6 +207,7 @@ def build_program(
         exports=tuple(exports),
         gathers=gathers,
         op_comm=comm,
+        counts=tuple(builder.counts),
     )
 
 

@@ -66,10 +66,16 @@ class Evaluation:
 
 
 def evaluate(
-    model: nn.Module, state: State, inputs: Sequence[torch.Tensor], micro_batches: int
+    model: nn.Module,
+    state: State,
+    inputs: Sequence[torch.Tensor],
+    micro_batches: int,
+    weights: Sequence[float] | None = None,
 ) -> Evaluation:
     """`model`'s step at the weights and buffers `state` on `micro_batches` pieces of `inputs`
-    (each loss scaled by 1/micro_batches), in the model's dtype; results widened to float64.
+    (each loss scaled by 1/micro_batches, or by `weights`: the plan's, where a mean
+    cross-entropy's micro-batches were weighed by their kept targets), in the model's dtype;
+    results widened to float64.
     A model below fp32 runs the mixed recipe (`autosbp.plan.Precision`): each micro-batch's
     gradients, and losses, are accumulated in fp32."""
     first = next(model.parameters())
@@ -86,8 +92,9 @@ def evaluate(
     total = torch.zeros((), dtype=summed, device=first.device)
     grads: dict[str, torch.Tensor] = {}
     m = micro_batches
-    for piece in split_micro_batches(inputs, m):
-        loss = model(*(x.to(dtype) if x.is_floating_point() else x for x in piece)) / m
+    for k, piece in enumerate(split_micro_batches(inputs, m)):
+        loss = model(*(x.to(dtype) if x.is_floating_point() else x for x in piece))
+        loss = loss * weights[k] if weights is not None else loss / m
         loss.backward()
         total += loss.detach().to(summed)
         if summed != dtype:  # into fp32, each micro-batch's own gradient freed

@@ -157,13 +157,16 @@ class Reference:
         loss: float,
         gradients: State,
         after: State,
+        weights: Sequence[float] | None = None,
     ) -> StepCheck:
         """Compare the plan's step `step` (its weights `before`, loss, synced `gradients`, and
-        state `after`) with one device at the same weights."""
-        exact = self._exact(before, inputs)
+        state `after`) with one device at the same weights, its micro-batches weighed as the
+        plan weighed them (`weights`: by their kept targets; None: 1/m each)."""
+        exact = self._exact(before, inputs, weights)
         cast = _in_dtype(before, self.compute), _inputs_in(inputs, self.compute)
-        samples = [evaluate(self.fp32, *cast, self.micro_batches)] + [
-            evaluate(self.fp32, *nudged(*cast, seed=step * NUDGED + k), self.micro_batches)
+        m = self.micro_batches
+        samples = [evaluate(self.fp32, *cast, m, weights)] + [
+            evaluate(self.fp32, *nudged(*cast, seed=step * NUDGED + k), m, weights)
             for k in range(NUDGED)
         ]
         noise = _noise(exact, samples)
@@ -198,12 +201,14 @@ class Reference:
         )  # fmt: skip
         return StepCheck.of(step, float(exact.loss), rounding, rows, notes)
 
-    def _exact(self, state: State, inputs: Sequence[torch.Tensor]) -> Evaluation:
+    def _exact(
+        self, state: State, inputs: Sequence[torch.Tensor], weights: Sequence[float] | None
+    ) -> Evaluation:
         """The float64 evaluation; a model that runs in fp32 (just did) but not in float64, for
         a reason other than one op's kernel, gets an error that says so."""
         try:
             with self.fallback:
-                return evaluate(self.fp64, state, inputs, self.micro_batches)
+                return evaluate(self.fp64, state, inputs, self.micro_batches, weights)
         except Exception as error:
             raise ExecutionError(
                 f"--check's float64 reference failed: the model runs in fp32 but not in float64 "
@@ -259,7 +264,8 @@ class StepChecker:
         before, self.before = self.before, after
         if self.reference is None:
             return None
-        return self.reference.check(step, inputs, before, loss, gradients, after)
+        weights = self.engine.loss_weights
+        return self.reference.check(step, inputs, before, loss, gradients, after, weights)
 
 
 def _deviation(

@@ -198,6 +198,7 @@ class Reference:
         notes = Notes(
             tuple(excluded), self.dropout, tuple(sorted(self.fallback.ops)), self.frozen,
             updates_compared=self.optimizer is not None,
+            dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.compute, "fp32"),
         )  # fmt: skip
         return StepCheck.of(step, float(exact.loss), rounding, rows, notes)
 
@@ -238,7 +239,8 @@ class StepChecker:
     `StepCheck`. Build it right before the first step to check (after loading a checkpoint);
     `optimizer` is the job's, or None when the engine's optimizer already holds state the
     reference cannot know (a resumed job): updates are then not compared, and the verdict says
-    so."""
+    so. A step the engine skipped (fp16's loss scale overflowed: no update) is not compared:
+    `after_step` returns None for it."""
 
     def __init__(
         self,
@@ -256,13 +258,15 @@ class StepChecker:
             else None
         )
         self.before = engine.full_state_dict()
+        self.skipped = engine.skipped_steps  # a step the engine skips is not compared
 
     def after_step(
         self, step: int, inputs: Sequence[torch.Tensor], loss: float
     ) -> StepCheck | None:
         gradients, after = self.engine.full_gradients(), self.engine.full_state_dict()
         before, self.before = self.before, after
-        if self.reference is None:
+        skipped, self.skipped = self.engine.skipped_steps > self.skipped, self.engine.skipped_steps
+        if self.reference is None or skipped:  # fp16's loss scale overflowed: no update made
             return None
         weights = self.engine.loss_weights
         return self.reference.check(step, inputs, before, loss, gradients, after, weights)

@@ -24,9 +24,9 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.errors import MicroBatchError, PlanError
 from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
-from autosbp.planner.hand_plans import Space, hand_strategies, strategy_space
-from autosbp.planner.search import Found, GraphFor, TimeLimitWarning, divisors, search
-from autosbp.planner.virtual_search import best_of, search_spaces
+from autosbp.planner.search.entry import Found, GraphFor, TimeLimitWarning, divisors, search
+from autosbp.planner.search.schedules import best_of, search_spaces
+from autosbp.planner.space.strategy import Space, hand_strategies, strategy_space
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers

@@ -2,7 +2,7 @@
 
 Lives here: the "ring" kernel of the sequence-split SDPA row (`ring_variants`, offered beside the
 all-gather kernel for the same layouts, `NdSignature.kernel`), what it exchanges
-(`ring_exchanges`, priced by `autosbp.planner.op_comm`) and the kernel (`build_ring_attention`).
+(`ring_exchanges`, priced by `autosbp.planner.timing.op_exchanges`) and the kernel (`build_ring_attention`).
 Lives elsewhere: the row, its all-gather kernel and the causal balance (`context`), the ring
 step on real groups (`runtime.execute.op_comm.GroupComm.shift`).
 

@@ -5,7 +5,7 @@ Lives here: `ShardedUpdate` (this rank's parameters whose plan puts their optimi
 another layout than the weight's: the shard the optimizer steps, the gradient's conversion to
 it after backward and the updated shard's conversion back to the weight's layout after the
 step) and `build_sharded_update`. Lives elsewhere: the choice of layouts and its price
-(`autosbp.planner.param_candidates`; the plan's `params[name].optimizer_state_sbp`), the
+(`autosbp.planner.timing.param_candidates`; the plan's `params[name].optimizer_state_sbp`), the
 bucketed gradient sync (`runtime.parallel.grad_sync`), the conversions
 (`runtime.execute.instructions.Boxer`).
 

@@ -12,12 +12,12 @@ from dataclasses import replace
 import pytest
 
 from autosbp.boxing.params import gathers_parameters
-from autosbp.planner.evaluate import Found
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.pipeline import split_stages
-from autosbp.planner.priced import price_graph
-from autosbp.planner.problem import MIP_GAP, build_problem, predict, solve_mesh
-from autosbp.planner.search import mesh_shapes, search
+from autosbp.planner.problem.build import MIP_GAP, build_problem, predict, solve_mesh
+from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.search.entry import mesh_shapes, search
+from autosbp.planner.search.evaluator import Found
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.space.strategy import strategy_space
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
 
 

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from autosbp.errors import PlanError
-from autosbp.planner.evaluate import Found
-from autosbp.planner.hand_plans import Space, strategy_space
-from autosbp.planner.ilp_problem import Solution
-from autosbp.planner.interleaved_cuts import with_cuts
-from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
-from autosbp.planner.priced import Priced, price_graph
-from autosbp.planner.problem import MIP_GAP, build_problem, predict, solve_mesh
-from autosbp.planner.search import mesh_shapes, search
-from autosbp.planner.virtual_search import best_of, search_spaces
+from autosbp.planner.ilp.formulation import Solution
+from autosbp.planner.problem.build import MIP_GAP, build_problem, predict, solve_mesh
+from autosbp.planner.problem.priced import Priced, price_graph
+from autosbp.planner.problem.simulation_cuts import with_cuts
+from autosbp.planner.search.entry import mesh_shapes, search
+from autosbp.planner.search.evaluator import Found
+from autosbp.planner.search.schedules import best_of, search_spaces
+from autosbp.planner.space.stages import RECOMPUTE_MODES, split_stages
+from autosbp.planner.space.strategy import Space, strategy_space
 from autosbp.schedule import simulate
 from tests.planner.test_gather_spaces import gathers
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of

@@ -30,7 +30,7 @@ from autosbp.capturing.graph import (
     TensorMeta,
     run_device,
 )
-from autosbp.planner.autograd_probe import PROBE_DEVICE, Saved, requires_grad_of, saved_by
+from autosbp.planner.memory.autograd_probe import PROBE_DEVICE, Saved, requires_grad_of, saved_by
 from autosbp.rules.core import resolve_refs
 from autosbp.zoo import build_model
 from tests.rules.test_rules_zoo import TINY, node_inputs, node_values
@@ -195,7 +195,7 @@ def test_an_op_the_probe_cannot_run_keeps_everything(caplog: pytest.LogCaptureFi
         "nonzero", Role.COMPUTE, target=ATEN.nonzero.default, args=(InputRef(0),), inputs=(x,),
         outputs=(TensorMeta((5, 2), torch.int64),),
     )  # fmt: skip
-    with caplog.at_level("INFO", logger="autosbp.planner.autograd_probe"):
+    with caplog.at_level("INFO", logger="autosbp.planner.memory.autograd_probe"):
         got = saved_by(attrs, (True,))
     assert got == Saved(frozenset({0}), frozenset({0}), 0, (False,), known=False)
     assert "not probed" in caplog.text

@@ -21,14 +21,11 @@ import torch
 from autosbp.capturing.graph import OpGraph
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import MicroBatchError, NoFitError
-from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
-from autosbp.planner.forest_bound import forest_bound
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.ilp_problem import Solution
-from autosbp.planner.kept import kept_for_backward
-from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
-from autosbp.planner.priced import price_graph
-from autosbp.planner.problem import (
+from autosbp.planner.bounds.forest import forest_bound
+from autosbp.planner.bounds.nodes import compute_floors, step_bound, unhidden_s
+from autosbp.planner.ilp.formulation import Solution
+from autosbp.planner.memory.kept import kept_for_backward
+from autosbp.planner.problem.build import (
     MIP_GAP,
     MeshProblem,
     build_problem,
@@ -36,8 +33,11 @@ from autosbp.planner.problem import (
     predict,
     solve_mesh,
 )
-from autosbp.planner.reduce import tie_graph, tie_stages
-from autosbp.planner.search import divisors, mesh_shapes, search
+from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.search.entry import divisors, mesh_shapes, search
+from autosbp.planner.space.stages import RECOMPUTE_MODES, split_stages
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.space.ties import tie_graph, tie_stages
 from autosbp.zoo import build_model
 
 DEVICES, PER_NODE = 4, 2
@@ -303,7 +303,7 @@ def test_on_the_time_limit_the_plan_is_feasible_with_the_gap_proven_so_far(
 ) -> None:
     # The time runs out right after the first plan is kept: the search returns it as
     # "feasible" with the gap it proved, and the enumeration's optimum is within that gap.
-    from autosbp.planner import best_first
+    from autosbp.planner.search import best_first
 
     graphs, prices = graphs_of("gpt"), RandomPrices.draw(3)
     keep = best_first.BestFirst.keep

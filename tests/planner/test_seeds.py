@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from autosbp.planner.best_first import BestFirst
-from autosbp.planner.ilp_problem import Solution
-from autosbp.planner.space import Config
+from autosbp.planner.ilp.formulation import Solution
+from autosbp.planner.search.best_first import BestFirst
+from autosbp.planner.space.configs import Config
 from autosbp.sbp import Mesh
 
 

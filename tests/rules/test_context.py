@@ -18,8 +18,8 @@ import torch
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.layout import assemble_tensor
 from autosbp.planner.api import ClusterPrices
-from autosbp.planner.candidates import BACKWARD_FACTOR
-from autosbp.planner.problem import price_graph
+from autosbp.planner.problem.build import price_graph
+from autosbp.planner.timing.candidates import BACKWARD_FACTOR
 from autosbp.rules import NdSignature, exchanges, nd_signatures
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.rules.oracle import node_from_call, run_global, simulate

@@ -1,4 +1,4 @@
-"""The ILP of `autosbp.planner.ilp` as sparse matrices, and the solvers that run on them.
+"""The ILP of `autosbp.planner.ilp.solving` as sparse matrices, and the solvers that run on them.
 
 Lives here: `LinearProgram` (the formulation of `ilp`'s docstring as numpy/scipy matrices: one
 build serves the LP and the MIP; HiGHS reads its columns, `LinearProgram.columns`, built in one
@@ -36,7 +36,7 @@ try:  # HiGHS as scipy binds it, for `linprog` (private: where it moves, `_linpr
     from scipy.optimize._highspy import _core as _HIGHS  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - scipy < 1.15
     _HIGHS = None
-from autosbp.planner.ilp_problem import Costs, Key, MaxTerm, Problem
+from autosbp.planner.ilp.formulation import Costs, Key, MaxTerm, Problem
 
 Values = dict[Key, list[float]]  # per node, its candidates' values
 

@@ -21,7 +21,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autosbp.capturing.graph import OpGraph, OpNode, Role
-from autosbp.planner.candidates import (
+from autosbp.planner.memory.device_bytes import candidate_bytes, pair_bytes
+from autosbp.planner.memory.kept import Kept, kept_for_backward
+from autosbp.planner.space.stages import recomputed
+from autosbp.planner.space.ties import tie_blocks, twin_key
+from autosbp.planner.timing.candidates import (
     BoxingPricer,
     NodeStrategies,
     Prices,
@@ -31,10 +35,6 @@ from autosbp.planner.candidates import (
     sync_bucket_bytes,
     without_dominated_kernels,
 )
-from autosbp.planner.kept import Kept, kept_for_backward
-from autosbp.planner.memory import candidate_bytes, pair_bytes
-from autosbp.planner.pipeline import recomputed
-from autosbp.planner.reduce import tie_blocks, twin_key
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, Mesh
 

@@ -29,9 +29,9 @@ from dataclasses import replace
 
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.overlap import hidden_sync_s
-from autosbp.planner.autograd_probe import requires_grad_of
-from autosbp.planner.ilp_problem import Solution
-from autosbp.planner.problem import MeshProblem, Prediction, predict
+from autosbp.planner.ilp.formulation import Solution
+from autosbp.planner.memory.autograd_probe import requires_grad_of
+from autosbp.planner.problem.build import MeshProblem, Prediction, predict
 from autosbp.zero_bubble import run_zb1, zb1_orders
 
 __all__ = ["predict_zb1", "weight_s", "weight_shares"]

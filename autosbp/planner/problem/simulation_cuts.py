@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from autosbp.planner.ilp_problem import MaxTerm, Problem
-from autosbp.planner.objective import Entry, StageCosts, Weighted, path_terms, update_parts
+from autosbp.planner.ilp.formulation import MaxTerm, Problem
+from autosbp.planner.timing.objective import Entry, StageCosts, Weighted, path_terms, update_parts
 from autosbp.schedule import Firing, Phase, Timeline
 
 FiringKey = tuple[Phase, int, int]  # (phase, virtual stage, micro-batch)

@@ -45,9 +45,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from autosbp.errors import PlanError
-from autosbp.planner.evaluate import Found
-from autosbp.planner.hand_plans import Space, auto_options, strategy_space
-from autosbp.planner.problem import MIP_GAP
+from autosbp.planner.problem.build import MIP_GAP
+from autosbp.planner.search.evaluator import Found
+from autosbp.planner.space.strategy import Space, auto_options, strategy_space
 
 LEAST_TIME_S = 1e-3  # a search's time limit once the earlier v's spent the whole one
 

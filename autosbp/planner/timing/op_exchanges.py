@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autosbp.capturing.graph import OpNode
-from autosbp.planner.boxing_prices import Prices
+from autosbp.planner.timing.boxing_prices import Prices
 from autosbp.rules import Exchange, NdSignature, exchanges
 from autosbp.sbp import Mesh
 

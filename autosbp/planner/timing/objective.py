@@ -78,7 +78,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autosbp.planner.ilp_problem import Costs, MaxTerm, MemoryConstraint
+from autosbp.planner.ilp.formulation import Costs, MaxTerm, MemoryConstraint
 
 
 @dataclass(frozen=True)

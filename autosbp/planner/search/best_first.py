@@ -19,13 +19,13 @@ from dataclasses import dataclass, field, replace
 
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError, PlanError
-from autosbp.planner.evaluate import Evaluator, Found, SearchEffort
-from autosbp.planner.ilp import SolverTimeoutError
-from autosbp.planner.pipeline import recompute_runs
-from autosbp.planner.problem import MIP_GAP, MeshProblem
-from autosbp.planner.space import (
+from autosbp.planner.ilp.solving import SolverTimeoutError
+from autosbp.planner.problem.build import MIP_GAP, MeshProblem
+from autosbp.planner.search.evaluator import Evaluator, Found, SearchEffort
+from autosbp.planner.space.configs import (
     Config,
 )
+from autosbp.planner.space.stages import recompute_runs
 from autosbp.schedule import check_interleaving
 
 # A configuration whose LP bound is below this share of the best plan so far dives to its LP

@@ -16,7 +16,7 @@ import numpy as np
 
 from autosbp.capturing.graph import OpGraph
 from autosbp.plan import format_bytes
-from autosbp.planner.problem import MeshProblem
+from autosbp.planner.problem.build import MeshProblem
 
 
 @dataclass

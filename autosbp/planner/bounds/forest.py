@@ -45,10 +45,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from autosbp.capturing.graph import Role
-from autosbp.planner.bounds import path_bound
-from autosbp.planner.pipeline import recomputed
-from autosbp.planner.priced import Priced
-from autosbp.planner.reduce import TiedStages
+from autosbp.planner.bounds.nodes import path_bound
+from autosbp.planner.problem.priced import Priced
+from autosbp.planner.space.stages import recomputed
+from autosbp.planner.space.ties import TiedStages
 
 __all__ = ["forest_bound", "forest_min"]
 

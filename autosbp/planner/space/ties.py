@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from autosbp.capturing.graph import OpGraph, Role
-from autosbp.planner.pipeline import StageSplit, read_outside_block
+from autosbp.planner.space.stages import StageSplit, read_outside_block
 
 
 def tie_blocks(graph: OpGraph) -> dict[str, str]:

@@ -28,16 +28,16 @@ from autosbp.boxing.params import gathers_run_beside
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError
 from autosbp.overlap import hidden_gather_s, hidden_sync_s
-from autosbp.planner.candidates import NodeStrategies, Prices
-from autosbp.planner.finite_check import check_step_s
-from autosbp.planner.ilp import bound_or_solve, solve_below
-from autosbp.planner.ilp_problem import MemoryConstraint, Problem, Solution
-from autosbp.planner.interleaved_cuts import with_cuts
-from autosbp.planner.objective import StageCosts, objective_terms
-from autosbp.planner.pipeline import StageSplit, interleaved_in_flight, split_stages
-from autosbp.planner.priced import Allow, Priced, price_graph
-from autosbp.planner.reduce import TiedStages, tie_graph, tie_stages
-from autosbp.planner.stage_terms import P2P, StageTerms
+from autosbp.planner.ilp.formulation import MemoryConstraint, Problem, Solution
+from autosbp.planner.ilp.solving import bound_or_solve, solve_below
+from autosbp.planner.problem.priced import Allow, Priced, price_graph
+from autosbp.planner.problem.simulation_cuts import with_cuts
+from autosbp.planner.problem.stage_terms import P2P, StageTerms
+from autosbp.planner.space.stages import StageSplit, interleaved_in_flight, split_stages
+from autosbp.planner.space.ties import TiedStages, tie_graph, tie_stages
+from autosbp.planner.timing.candidates import NodeStrategies, Prices
+from autosbp.planner.timing.finite_check import check_step_s
+from autosbp.planner.timing.objective import StageCosts, objective_terms
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh
 from autosbp.schedule import run_schedule

@@ -63,10 +63,10 @@ import torch
 
 from autosbp import overlap
 from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta
-from autosbp.planner.boxing_prices import BoxingPricer, Prices
-from autosbp.planner.finite_check import gradient_check_s
-from autosbp.planner.op_comm import exchange_cost
-from autosbp.planner.param_candidates import parameter_prices, with_zero_states
+from autosbp.planner.timing.boxing_prices import BoxingPricer, Prices
+from autosbp.planner.timing.finite_check import gradient_check_s
+from autosbp.planner.timing.op_exchanges import exchange_cost
+from autosbp.planner.timing.param_candidates import parameter_prices, with_zero_states
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs, work_fraction
 from autosbp.sbp import Broadcast, NdSbp, local_shape
 

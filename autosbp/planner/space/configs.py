@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from autosbp.planner.reduce import TiedGraph
+from autosbp.planner.space.ties import TiedGraph
 from autosbp.sbp import Mesh
 
 LinkOf = Callable[[tuple[int, ...], int], str]  # (mesh shape, mesh dim) -> link class name

@@ -59,8 +59,8 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from autosbp.errors import NoFitError, PlanError
-from autosbp.planner.ilp_problem import Key, MaxTerm, Problem, Solution
-from autosbp.planner.ilp_solvers import (
+from autosbp.planner.ilp.formulation import Key, MaxTerm, Problem, Solution
+from autosbp.planner.ilp.solvers import (
     CutOff,
     Relaxed,
     Values,

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field, replace
 
 from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpGraph, OpNode, Role
-from autosbp.planner.autograd_probe import requires_grad_of, saved_by
-from autosbp.planner.pipeline import recompute_runs
-from autosbp.planner.reduce import twin_key
+from autosbp.planner.memory.autograd_probe import requires_grad_of, saved_by
+from autosbp.planner.space.stages import recompute_runs
+from autosbp.planner.space.ties import twin_key
 
 __all__ = ["Kept", "KeptUse", "kept_for_backward"]
 

@@ -29,9 +29,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from autosbp.errors import NoFitError, PlanError
-from autosbp.planner.best_first import BestFirst, Outcome
-from autosbp.planner.evaluate import Evaluator, Found, Request
-from autosbp.planner.space import Config
+from autosbp.planner.search.best_first import BestFirst, Outcome
+from autosbp.planner.search.evaluator import Evaluator, Found, Request
+from autosbp.planner.space.configs import Config
 
 MIN_CONFIGURATIONS = 64  # a default search smaller than this runs in one process (a fork costs)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from autosbp.boxing.params import gathers_run_beside
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
-from autosbp.planner.pipeline import RECOMPUTE_MODES
-from autosbp.planner.priced import Allow
+from autosbp.planner.problem.priced import Allow
+from autosbp.planner.space.stages import RECOMPUTE_MODES
 from autosbp.rules import NdSignature
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split

@@ -119,18 +119,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from autosbp.planner.best_first import BestFirst
-from autosbp.planner.candidates import Prices
-from autosbp.planner.evaluate import Evaluator, Found, GraphFor, Request, SearchEffort
-from autosbp.planner.hand_plans import Space
-from autosbp.planner.parallel import search_in_processes
-from autosbp.planner.space import (
+from autosbp.planner.search.best_first import BestFirst
+from autosbp.planner.search.evaluator import Evaluator, Found, GraphFor, Request, SearchEffort
+from autosbp.planner.search.processes import search_in_processes
+from autosbp.planner.space.configs import (
     Config,
     LinkOf,
     divisors,
     mesh_shapes,
     powers_of_two_dividing,
 )
+from autosbp.planner.space.strategy import Space
+from autosbp.planner.timing.candidates import Prices
 
 __all__ = [
     "Config", "Found", "GraphFor", "LinkOf", "SearchEffort", "TimeLimitWarning", "divisors",

@@ -25,17 +25,12 @@ import numpy as np
 
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import MicroBatchError, PlanError
-from autosbp.planner.autograd_probe import requires_grad_of
-from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
-from autosbp.planner.candidates import BoxingPricer, NodeStrategies, Prices
-from autosbp.planner.forest_bound import forest_bound
-from autosbp.planner.hand_plans import Space
-from autosbp.planner.ilp_problem import Solution
-from autosbp.planner.kept import Kept, kept_for_backward
-from autosbp.planner.nofit import Refusals
-from autosbp.planner.pipeline import RECOMPUTE_MODES, StageSplit, split_stages
-from autosbp.planner.priced import Priced, price_graph
-from autosbp.planner.problem import (
+from autosbp.planner.bounds.forest import forest_bound
+from autosbp.planner.bounds.nodes import compute_floors, step_bound, unhidden_s
+from autosbp.planner.ilp.formulation import Solution
+from autosbp.planner.memory.autograd_probe import requires_grad_of
+from autosbp.planner.memory.kept import Kept, kept_for_backward
+from autosbp.planner.problem.build import (
     MeshProblem,
     Prediction,
     bound_mesh,
@@ -44,9 +39,14 @@ from autosbp.planner.problem import (
     predict,
     solve_mesh,
 )
-from autosbp.planner.reduce import TiedGraph, TiedStages, tie_graph, tie_stages
-from autosbp.planner.space import Config, LinkOf, divisors, mesh_shapes, structure
-from autosbp.planner.zero_bubble_price import predict_zb1, weight_shares
+from autosbp.planner.problem.priced import Priced, price_graph
+from autosbp.planner.search.nofit import Refusals
+from autosbp.planner.space.configs import Config, LinkOf, divisors, mesh_shapes, structure
+from autosbp.planner.space.stages import RECOMPUTE_MODES, StageSplit, split_stages
+from autosbp.planner.space.strategy import Space
+from autosbp.planner.space.ties import TiedGraph, TiedStages, tie_graph, tie_stages
+from autosbp.planner.timing.candidates import BoxingPricer, NodeStrategies, Prices
+from autosbp.planner.timing.zero_bubble_price import predict_zb1, weight_shares
 from autosbp.sbp import Mesh
 
 GraphFor = Callable[[int], OpGraph]  # micro-batch count -> the graph of one micro-batch

@@ -24,7 +24,7 @@ import math
 import torch
 
 from autosbp.capturing.graph import TensorMeta
-from autosbp.planner.boxing_prices import Prices
+from autosbp.planner.timing.boxing_prices import Prices
 from autosbp.sbp import Mesh, NdSbp, local_shape
 
 __all__ = ["CHECK_BYTES", "check_step_s", "gradient_check_s"]

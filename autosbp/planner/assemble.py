@@ -28,7 +28,7 @@ from autosbp.planner.ilp.formulation import Costs, Solution
 from autosbp.planner.memory.device_bytes import is_view_conversion
 from autosbp.planner.problem.build import MeshProblem
 from autosbp.planner.search.entry import Found
-from autosbp.planner.space.stages import recomputed
+from autosbp.planner.space.recomputation import recomputed
 from autosbp.rules import exchanges
 from autosbp.sbp import Broadcast, NdSbp, format_nd_sbp, parse_nd_sbp
 

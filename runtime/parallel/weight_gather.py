@@ -6,7 +6,7 @@ Lives here: `GatherBucket` (parameters whose shards are contiguous slots of thei
 pieces, over one group, in graph order up to the plan's bucket bytes) and `gather_buckets`
 (the buckets of a stage's sharded parameters). Lives elsewhere: which parameters are sharded,
 their shards and the other gathers (`runtime.parallel.sharded_update`); the price
-(`autosbp.planner.timing.param_candidates.gathers_in_bucket`, `parameter_prices`).
+(`autosbp.planner.memory.gather_buffers.gathers_in_bucket`, `parameter_prices`).
 
 How a bucket gathers: one flat buffer in the weights' dtype, in regions of equal size, one per
 member in the group's rank order; region k holds member k's slots of every parameter of the

@@ -17,11 +17,13 @@ import torch
 
 from autosbp.capturing.export import capture
 from autosbp.capturing.graph import Role
-from autosbp.planner.problem.build import build_problem, predict, solve_mesh
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.solve import solve_mesh
 from autosbp.planner.space.stages import split_stages
 from autosbp.planner.timing.boxing_prices import BoxingPricer
 from autosbp.planner.timing.candidates import sync_bucket_bytes
 from autosbp.planner.timing.param_candidates import parameter_prices
+from autosbp.planner.timing.predict import predict
 from autosbp.sbp import Mesh, local_shape
 from autosbp.zoo import build_model
 from tests.planner.test_planner import a100_prices

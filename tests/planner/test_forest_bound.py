@@ -18,12 +18,15 @@ from autosbp.errors import NoFitError
 from autosbp.planner.bounds.forest import forest_bound, forest_min
 from autosbp.planner.bounds.nodes import step_bound, unhidden_s
 from autosbp.planner.ilp.solving import solve
-from autosbp.planner.problem.build import build_problem, gathers_hidden, predict, solve_mesh
+from autosbp.planner.problem.build import build_problem
 from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import solve_mesh
 from autosbp.planner.search.entry import mesh_shapes
-from autosbp.planner.space.stages import RECOMPUTE_MODES, split_stages
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.stages import split_stages
 from autosbp.planner.space.strategy import strategy_space
 from autosbp.planner.space.ties import tie_graph, tie_stages
+from autosbp.planner.timing.predict import gathers_hidden, predict
 from autosbp.planner.timing.zero_bubble_price import predict_zb1, weight_shares
 from autosbp.sbp import Mesh
 from autosbp.schedule import check_interleaving

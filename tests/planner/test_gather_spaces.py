@@ -12,12 +12,14 @@ from dataclasses import replace
 import pytest
 
 from autosbp.boxing.params import gathers_parameters
-from autosbp.planner.problem.build import MIP_GAP, build_problem, predict, solve_mesh
+from autosbp.planner.problem.build import build_problem
 from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
 from autosbp.planner.search.entry import mesh_shapes, search
 from autosbp.planner.search.evaluator import Found
 from autosbp.planner.space.stages import split_stages
 from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.timing.predict import predict
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from autosbp.errors import PlanError
 from autosbp.planner.api import auto_parallelize
-from autosbp.planner.space.stages import interleaved_in_flight
+from autosbp.planner.memory.in_flight import interleaved_in_flight
 from autosbp.planner.space.strategy import strategy_space
 from autosbp.schedule import simulate
 from autosbp.zoo import load_model

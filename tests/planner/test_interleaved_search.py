@@ -13,14 +13,17 @@ import pytest
 
 from autosbp.errors import PlanError
 from autosbp.planner.ilp.formulation import Solution
-from autosbp.planner.problem.build import MIP_GAP, build_problem, predict, solve_mesh
+from autosbp.planner.problem.build import build_problem
 from autosbp.planner.problem.priced import Priced, price_graph
 from autosbp.planner.problem.simulation_cuts import with_cuts
+from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
 from autosbp.planner.search.entry import mesh_shapes, search
 from autosbp.planner.search.evaluator import Found
 from autosbp.planner.search.schedules import best_of, search_spaces
-from autosbp.planner.space.stages import RECOMPUTE_MODES, split_stages
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.stages import split_stages
 from autosbp.planner.space.strategy import Space, strategy_space
+from autosbp.planner.timing.predict import predict
 from autosbp.schedule import simulate
 from tests.planner.test_gather_spaces import gathers
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of

@@ -26,8 +26,9 @@ from autosbp.plan import Plan, load_plan, save_plan, summary_table
 from autosbp.planner.api import ClusterPrices, plan_graph, plan_graphs
 from autosbp.planner.ilp.formulation import MemoryConstraint, Problem, Solution
 from autosbp.planner.ilp.solving import brute_force, solve
-from autosbp.planner.problem.build import MIP_GAP, build_problem
+from autosbp.planner.problem.build import build_problem
 from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import MIP_GAP
 from autosbp.planner.search.entry import divisors, powers_of_two_dividing
 from autosbp.planner.space.stages import split_stages
 from autosbp.planner.space.strategy import strategy_space

@@ -20,10 +20,12 @@ import torch.nn.functional as F
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.planner.api import ClusterPrices
-from autosbp.planner.problem.build import MeshProblem, build_problem, solve_mesh
+from autosbp.planner.problem.build import MeshProblem, build_problem
 from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import solve_mesh
 from autosbp.planner.space.configs import mesh_shapes
-from autosbp.planner.space.stages import RECOMPUTE_MODES, recompute_runs, split_stages
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES, recompute_runs
+from autosbp.planner.space.stages import split_stages
 from autosbp.planner.space.strategy import hand_strategies, strategy_space
 from autosbp.zoo import ZOO_MODELS, build_model
 from autosbp.zoo.models import CausalSelfAttention, Gpt

@@ -22,22 +22,19 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import MicroBatchError, NoFitError
 from autosbp.planner.bounds.forest import forest_bound
+from autosbp.planner.bounds.lp import lower_bound_of
 from autosbp.planner.bounds.nodes import compute_floors, step_bound, unhidden_s
 from autosbp.planner.ilp.formulation import Solution
 from autosbp.planner.memory.kept import kept_for_backward
-from autosbp.planner.problem.build import (
-    MIP_GAP,
-    MeshProblem,
-    build_problem,
-    lower_bound_of,
-    predict,
-    solve_mesh,
-)
+from autosbp.planner.problem.build import MeshProblem, build_problem
 from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
 from autosbp.planner.search.entry import divisors, mesh_shapes, search
-from autosbp.planner.space.stages import RECOMPUTE_MODES, split_stages
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.stages import split_stages
 from autosbp.planner.space.strategy import strategy_space
 from autosbp.planner.space.ties import tie_graph, tie_stages
+from autosbp.planner.timing.predict import predict
 from autosbp.zoo import build_model
 
 DEVICES, PER_NODE = 4, 2

@@ -12,10 +12,12 @@ import pytest
 
 from autosbp.planner.ilp.formulation import Solution
 from autosbp.planner.ilp.solving import solve_below
-from autosbp.planner.problem.build import MIP_GAP, build_problem, predict, solve_mesh
+from autosbp.planner.problem.build import build_problem
 from autosbp.planner.problem.simulation_cuts import with_cuts
+from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
 from autosbp.planner.search.entry import mesh_shapes
 from autosbp.planner.space.stages import split_stages
+from autosbp.planner.timing.predict import predict
 from autosbp.schedule import simulate
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
 

@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 
 from autosbp.errors import NoFitError, PlanError
-from autosbp.planner.problem.build import MIP_GAP, build_problem, solve_mesh
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
 from autosbp.planner.search.entry import mesh_shapes
 from autosbp.planner.search.evaluator import Found
 from autosbp.planner.search.schedules import best_of, search_spaces

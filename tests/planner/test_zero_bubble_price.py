@@ -131,8 +131,9 @@ def test_the_priced_zb1_bubble_is_the_brute_force_one(stages: int, micro_batches
     flight, and its 1F1B prediction (`predict`) is the one the problem always had."""
     from autosbp.capturing.export import capture_micro_batch
     from autosbp.planner.ilp.solving import solve
-    from autosbp.planner.problem.build import build_problem, predict
+    from autosbp.planner.problem.build import build_problem
     from autosbp.planner.space.stages import split_stages
+    from autosbp.planner.timing.predict import predict
     from autosbp.planner.timing.zero_bubble_price import predict_zb1, weight_s
     from autosbp.sbp import Mesh
     from tests.planner.test_planner import a100_prices

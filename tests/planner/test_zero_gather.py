@@ -20,7 +20,7 @@ import torch
 from autosbp.boxing.steps import local_box
 from autosbp.capturing.graph import TensorMeta
 from autosbp.overlap import GATHER_IN_PLACE_BYTES
-from autosbp.planner.timing.param_candidates import (
+from autosbp.planner.memory.gather_buffers import (
     gather_staging_bytes,
     gathers_in_bucket,
     shares_gather_bucket,

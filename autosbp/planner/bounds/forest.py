@@ -47,7 +47,7 @@ import numpy as np
 from autosbp.capturing.graph import Role
 from autosbp.planner.bounds.nodes import path_bound
 from autosbp.planner.problem.priced import Priced
-from autosbp.planner.space.stages import recomputed
+from autosbp.planner.space.recomputation import recomputed
 from autosbp.planner.space.ties import TiedStages
 
 __all__ = ["forest_bound", "forest_min"]

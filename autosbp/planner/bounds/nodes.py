@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from autosbp.capturing.graph import OpGraph, Role
-from autosbp.planner.space.stages import recomputed
+from autosbp.planner.space.recomputation import recomputed
 from autosbp.planner.timing.candidates import BACKWARD_FACTOR, NodeStrategies, Prices, returns_view
 from autosbp.rules import work_fraction
 

@@ -1,11 +1,35 @@
-"""The strategy-choice ILP's problem and solution, as plain values (the formulation is in `ilp`).
+"""The strategy-choice ILP: pick one candidate per node, minimizing node + edge costs under memory.
+
+The whole formulation (tight edge / local-marginal-polytope form, no big-M):
+
+  variables   x[v, i] in {0, 1}     node v takes candidate i
+              y[e, i, j] in [0, 1]  edge e = (u, v) takes the pair (i, j); only allowed pairs exist
+  objective   min  sum_v sum_i c[v, i] x[v, i]  +  sum_e sum_(i,j) c[e, i, j] y[e, i, j]
+  one-hot     sum_i x[v, i] = 1                                   for every node v
+  marginals   sum_j y[e, i, j] = x[u, i]    for every edge e = (u, v) and candidate i of u
+              sum_i y[e, i, j] = x[v, j]    for every edge e = (u, v) and candidate j of v
+  memory      sum_v sum_i m[k, v, i] x[v, i] + sum_e sum_(i,j) m[k, e, i, j] y[e, i, j]
+                  <= limit[k] - constant[k]                           for every constraint k
+  max terms   + w[t] z[t],  z[t] >= (the node + edge costs of part p) + sum_t' c[t, p, t'] z[t']
+                                            for every part p of term t (t' < t, c >= 0)
+
+A max term prices the slowest of several parts (a pipeline: the slowest stage sets the steady
+state, `MaxTerm`); z[t] is continuous and, minimized, equals the largest part. A part may hold
+earlier terms with non-negative coefficients (a max of sums of maxes: a stage's time that is
+itself the larger of communication and compute); those z only ever push the outer ones up, so
+at the optimum each equals its largest part too.
+
+With x integral the marginals force y integral (row i of e holds x[u, i], column j holds x[v, j]),
+so only x needs integrality, and the LP relaxation is often integral already (autoparallel
+PR #484). A forbidden pair (i, j) has no y variable, which forbids choosing i and j together.
 
 Lives here: `Problem` (costs per node candidate and edge pair in seconds, memory constraints in
 bytes per node candidate and per edge pair, max terms, which may nest), its parts (`Costs`,
 `MaxTerm`, `MemoryConstraint`) and `Solution`; pricing one assignment (`Problem.objective`,
-`Problem.term_values`, `Problem.feasible`). Lives elsewhere: the formulation and the
-search over relaxations (`ilp`), the sparse matrices and solvers (`ilp_solvers`). This module
-imports neither: the solvers read these types, `ilp` reads both.
+`Problem.term_values`, `Problem.feasible`). Lives elsewhere: the solve over relaxations
+(`ilp.solving`), the sparse matrices and solvers (`ilp.solvers`). This module imports neither:
+the solvers read these types, `solving` reads both.
+Reference: docs/planner.md ("The ILP"); autoparallel optimize_sharding.py; Alpa auto_sharding.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""The ILP of `autosbp.planner.ilp.solving` as sparse matrices, and the solvers that run on them.
+"""The ILP of `ilp.formulation` as sparse matrices, and the solvers that run on them.
 
-Lives here: `LinearProgram` (the formulation of `ilp`'s docstring as numpy/scipy matrices: one
+Lives here: `LinearProgram` (the formulation of `ilp.formulation` as numpy/scipy matrices: one
 build serves the LP and the MIP; HiGHS reads its columns, `LinearProgram.columns`, built in one
 sort rather than through scipy's CSR and CSC conversions), `relax` (the LP relaxation by HiGHS
 through scipy, with its reduced costs), `fix_by_reduced_costs` (drops the candidates and pairs that no solution better
 than a known value can use), `solve_mip` (the same matrices with x integral, by OR-Tools; CBC by
 default: HiGHS through pywraplp ignores the gap setting and prints a banner).
-Lives elsewhere: the problem's types (`ilp_problem`, imported here), what the problem means
-and the search over relaxations (`ilp`, which imports this module; never the other way).
+Lives elsewhere: the problem's types (`ilp.formulation`, imported here), the solve over
+relaxations (`ilp.solving`, which imports this module; never the other way).
 
 Reduced-cost fixing (textbook branch and bound; MIP solvers do it inside once they hold an
 incumbent): with an optimal LP dual, every feasible x satisfies c x >= L + sum_j d_j x_j for the

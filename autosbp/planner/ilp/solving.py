@@ -1,23 +1,4 @@
-"""The strategy-choice ILP: pick one candidate per node, minimizing node + edge costs under memory.
-
-The whole formulation (tight edge / local-marginal-polytope form, no big-M):
-
-  variables   x[v, i] in {0, 1}     node v takes candidate i
-              y[e, i, j] in [0, 1]  edge e = (u, v) takes the pair (i, j); only allowed pairs exist
-  objective   min  sum_v sum_i c[v, i] x[v, i]  +  sum_e sum_(i,j) c[e, i, j] y[e, i, j]
-  one-hot     sum_i x[v, i] = 1                                   for every node v
-  marginals   sum_j y[e, i, j] = x[u, i]    for every edge e = (u, v) and candidate i of u
-              sum_i y[e, i, j] = x[v, j]    for every edge e = (u, v) and candidate j of v
-  memory      sum_v sum_i m[k, v, i] x[v, i] + sum_e sum_(i,j) m[k, e, i, j] y[e, i, j]
-                  <= limit[k] - constant[k]                           for every constraint k
-  max terms   + w[t] z[t],  z[t] >= (the node + edge costs of part p) + sum_t' c[t, p, t'] z[t']
-                                            for every part p of term t (t' < t, c >= 0)
-
-A max term prices the slowest of several parts (a pipeline: the slowest stage sets the steady
-state, `MaxTerm`); z[t] is continuous and, minimized, equals the largest part. A part may hold
-earlier terms with non-negative coefficients (a max of sums of maxes: a stage's time that is
-itself the larger of communication and compute); those z only ever push the outer ones up, so
-at the optimum each equals its largest part too.
+"""The strategy-choice ILP solved: by parts, over relaxations, below a cutoff.
 
 Max terms make the MIP slow (measured: 2-9 s per pipelined GPT-3 problem, where the same problem
 without them takes under a second). So `solve` first prices each max term by one chosen part ("the last stage is
@@ -26,24 +7,19 @@ exceeds the max), and its solution's true objective an upper bound. When they me
 gap) the solution is optimal; otherwise the parts that were largest at that solution are chosen
 next, and after a few rounds the full formulation with z[t] decides.
 
-With x integral the marginals force y integral (row i of e holds x[u, i], column j holds x[v, j]),
-so only x needs integrality, and the LP relaxation is often integral already (autoparallel
-PR #484). A forbidden pair (i, j) has no y variable, which forbids choosing i and j together.
-
 A fractional LP is rounded (the MIP over the candidates it uses), and that solution's value
 fixes the columns whose reduced costs show they cannot beat it, before the MIP of what is left
-(`ilp_solvers.fix_by_reduced_costs`): a binding memory limit makes the LP fractional at a few
+(`ilp.solvers.fix_by_reduced_costs`): a binding memory limit makes the LP fractional at a few
 nodes, and the fixing keeps about a fifth of the columns.
 
-Lives here: `solve`,
-`solve_below` (which gives up as soon as a bound shows nothing beats a cutoff: a search skips
+Lives here: `solve`, `solve_below` (which gives up as soon as a bound shows nothing beats a cutoff: a search skips
 hopeless problems) and `lower_bound` (a search orders problems by it), `brute_force` (the
-oracle for tests). Lives elsewhere: the problem's types (`ilp_problem`: `Problem`, plain
-numbers: costs in seconds, memory in bytes), the problem as sparse matrices and the solvers run on them
-(`ilp_solvers`: the LP relaxation by HiGHS through scipy, the MIP by OR-Tools, CBC by default),
-turning a graph, a mesh and a cost model into a Problem (`planner`), reducing graphs before
-solving (`reduce`).
-Reference: docs/architecture.md ("Planner"); autoparallel optimize_sharding.py; Alpa auto_sharding.py.
+oracle for tests). Lives elsewhere: the formulation and its values (`ilp.formulation`: `Problem`, plain numbers:
+costs in seconds, memory in bytes), the problem as sparse matrices and the solvers run on them
+(`ilp.solvers`: the LP relaxation by HiGHS through scipy, the MIP by OR-Tools, CBC by default),
+turning a graph, a mesh and a cost model into a Problem (`problem.build`), tying repeated blocks
+before solving (`space.ties`).
+Reference: docs/planner.md ("The ILP").
 """
 
 from __future__ import annotations
@@ -124,7 +100,7 @@ def solve_below(
 
     A fractional LP is rounded first: the MIP over the candidates the LP uses (a few per node)
     gives a solution, and its value fixes every column whose reduced cost shows it cannot beat
-    that (`ilp_solvers.fix_by_reduced_costs`) before the MIP of the whole problem."""
+    that (`ilp.solvers.fix_by_reduced_costs`) before the MIP of the whole problem."""
     start = time.perf_counter()
     _check_memory_floor(problem)
     deadline = start + time_limit_s  # one limit for every step below

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from autosbp.capturing.graph import OpNode, Role, TensorMeta
+from autosbp.planner.memory.gather_buffers import gathers_in_bucket
 from autosbp.planner.memory.kept import KeptUse
-from autosbp.planner.timing.param_candidates import gathers_in_bucket
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, NdSbp, Split, local_shape
 

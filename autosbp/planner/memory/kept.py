@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpGraph, OpNode, Role
 from autosbp.planner.memory.autograd_probe import requires_grad_of, saved_by
-from autosbp.planner.space.stages import recompute_runs
+from autosbp.planner.space.recomputation import recompute_runs
 from autosbp.planner.space.ties import twin_key
 
 __all__ = ["Kept", "KeptUse", "kept_for_backward"]

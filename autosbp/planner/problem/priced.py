@@ -15,7 +15,7 @@ representative's `NodeStrategies`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -23,7 +23,8 @@ import numpy as np
 from autosbp.capturing.graph import OpGraph, OpNode, Role
 from autosbp.planner.memory.device_bytes import candidate_bytes, pair_bytes
 from autosbp.planner.memory.kept import Kept, kept_for_backward
-from autosbp.planner.space.stages import recomputed
+from autosbp.planner.space.recomputation import recomputed
+from autosbp.planner.space.strategy import Allow
 from autosbp.planner.space.ties import tie_blocks, twin_key
 from autosbp.planner.timing.candidates import (
     BoxingPricer,
@@ -35,10 +36,7 @@ from autosbp.planner.timing.candidates import (
     sync_bucket_bytes,
     without_dominated_kernels,
 )
-from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, Mesh
-
-Allow = Callable[[OpGraph, str, NdSignature], bool]  # may node `name` take this candidate?
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,11 @@ import numpy as np
 from autosbp.capturing.graph import OpNode, Role
 from autosbp.overlap import GRAD_BUCKET_BYTES, PREFETCH_BLOCKS, sync_buckets
 from autosbp.planner.ilp.formulation import Costs, MemoryConstraint
-from autosbp.planner.space.stages import in_flight, recomputed
+from autosbp.planner.memory.gather_buffers import gather_staging_bytes
+from autosbp.planner.memory.in_flight import in_flight
+from autosbp.planner.space.recomputation import recomputed
 from autosbp.planner.timing.candidates import NodeStrategies, Prices
 from autosbp.planner.timing.objective import StageCosts
-from autosbp.planner.timing.param_candidates import gather_staging_bytes
 from autosbp.sbp import Mesh, local_shape
 
 __all__ = ["P2P", "StageTerms"]

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field, replace
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError, PlanError
 from autosbp.planner.ilp.solving import SolverTimeoutError
-from autosbp.planner.problem.build import MIP_GAP, MeshProblem
+from autosbp.planner.problem.build import MeshProblem
+from autosbp.planner.problem.solve import MIP_GAP
 from autosbp.planner.search.evaluator import Evaluator, Found, SearchEffort
 from autosbp.planner.space.configs import (
     Config,
 )
-from autosbp.planner.space.stages import recompute_runs
+from autosbp.planner.space.recomputation import recompute_runs
 from autosbp.schedule import check_interleaving
 
 # A configuration whose LP bound is below this share of the best plan so far dives to its LP

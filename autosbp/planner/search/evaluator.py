@@ -26,26 +26,22 @@ import numpy as np
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import MicroBatchError, PlanError
 from autosbp.planner.bounds.forest import forest_bound
+from autosbp.planner.bounds.lp import bound_mesh
 from autosbp.planner.bounds.nodes import compute_floors, step_bound, unhidden_s
 from autosbp.planner.ilp.formulation import Solution
 from autosbp.planner.memory.autograd_probe import requires_grad_of
 from autosbp.planner.memory.kept import Kept, kept_for_backward
-from autosbp.planner.problem.build import (
-    MeshProblem,
-    Prediction,
-    bound_mesh,
-    build_problem,
-    gather_constraints,
-    predict,
-    solve_mesh,
-)
+from autosbp.planner.problem.build import MeshProblem, build_problem, gather_constraints
 from autosbp.planner.problem.priced import Priced, price_graph
+from autosbp.planner.problem.solve import solve_mesh
 from autosbp.planner.search.nofit import Refusals
 from autosbp.planner.space.configs import Config, LinkOf, divisors, mesh_shapes, structure
-from autosbp.planner.space.stages import RECOMPUTE_MODES, StageSplit, split_stages
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.stages import StageSplit, split_stages
 from autosbp.planner.space.strategy import Space
 from autosbp.planner.space.ties import TiedGraph, TiedStages, tie_graph, tie_stages
 from autosbp.planner.timing.candidates import BoxingPricer, NodeStrategies, Prices
+from autosbp.planner.timing.predict import Prediction, predict
 from autosbp.planner.timing.zero_bubble_price import predict_zb1, weight_shares
 from autosbp.sbp import Mesh
 

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from autosbp.errors import PlanError
-from autosbp.planner.problem.build import MIP_GAP
+from autosbp.planner.problem.solve import MIP_GAP
 from autosbp.planner.search.evaluator import Found
 from autosbp.planner.space.strategy import Space, auto_options, strategy_space
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass, replace
 from autosbp.boxing.params import gathers_run_beside
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
-from autosbp.planner.problem.priced import Allow
-from autosbp.planner.space.stages import RECOMPUTE_MODES
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES
 from autosbp.rules import NdSignature
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
@@ -380,3 +379,6 @@ def _own_kernels(graph: OpGraph, name: str, sig: NdSignature) -> bool:
     this CPU, bench/runtime.py, which the flop-based price does not see); a hand plan asks for
     a variant (`megatron:...,cp=C,ring=1`)."""
     return not sig.kernel
+
+
+Allow = Callable[[OpGraph, str, NdSignature], bool]  # may node `name` take this candidate?

@@ -4,8 +4,8 @@ Lives here: `zero_state_layout` (the distributed optimizer's layout of a paramet
 states: ZeRO-1), `with_zero_states` (a parameter's candidates, each once more with its states
 sharded where it has any), and the per-step update and gradient-accumulation times of a local
 shard (`optimizer_s`, `accumulate_s`). Lives elsewhere: pricing the candidates' syncs and the
-`NodeStrategies` they fill (`candidates`), their bytes (`memory.parameter_bytes`), what the
-runtime runs (`runtime.parallel.sharded_update`).
+`NodeStrategies` they fill (`candidates`), their bytes (`memory.device_bytes.parameter_bytes_per_element`,
+`memory.gather_buffers`), what the runtime runs (`runtime.parallel.sharded_update`).
 
 Invariants:
 - A state layout differs from its parameter's layout only on mesh dims where the parameter is
@@ -22,19 +22,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from autosbp.boxing.steps import dual_nd_sbp
 from autosbp.capturing.graph import TensorMeta
-from autosbp.overlap import GATHER_IN_PLACE_BYTES
+from autosbp.planner.memory.gather_buffers import shares_gather_bucket
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, NdSbp, Split, local_shape, split_factors
 
 __all__ = [
     "OPTIMIZER_BYTES_PER_ELEMENT", "OPTIMIZER_FLOPS_PER_ELEMENT", "ParameterPrices",
-    "accumulate_s", "gather_staging_bytes", "gathers_in_bucket", "optimizer_s",
-    "parameter_prices", "shares_gather_bucket", "with_zero_states", "zero_state_layout",
+    "accumulate_s", "optimizer_s", "parameter_prices", "with_zero_states", "zero_state_layout",
 ]  # fmt: skip
 
 # Adam on an fp32 master copy reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per
@@ -95,58 +93,6 @@ def with_zero_states(
         [*([None] * len(candidates)), *(q for _, q in both)],
         [*([None] * (len(candidates) + len(twins))), *(q for _, q in twins)],
     )
-
-
-def gathers_in_bucket(
-    layout: NdSbp, state_layout: NdSbp, shape: Sequence[int], mesh_shape: Sequence[int]
-) -> bool:
-    """Whether the runtime gathers a parameter's updated shard (in `state_layout`) back into
-    its weight (in `layout`) inside a bucket (`runtime.parallel.weight_gather`): where the
-    layouts differ on one mesh dim d only, splitting tensor dim k there, and every member's
-    shard is a contiguous slot of its weight piece. Inside: no later mesh dim of more than one
-    device splits k in `layout` (pieces are cut in mesh-dim order, so a later cut would cut
-    across d's). Contiguous: every dim of the piece before k holds one element."""
-    differ = [d for d, (a, b) in enumerate(zip(layout, state_layout, strict=True)) if a != b]
-    split = state_layout[differ[0]] if len(differ) == 1 else None
-    if not isinstance(split, Split):
-        return False
-    d, k = differ[0], split.dim
-    for e in range(d + 1, len(layout)):
-        sbp = layout[e]
-        if isinstance(sbp, Split) and sbp.dim == k and mesh_shape[e] > 1:
-            return False
-    piece = local_shape(tuple(shape), layout, tuple(mesh_shape))
-    return all(n == 1 for n in piece[:k])
-
-
-def shares_gather_bucket(
-    meta: TensorMeta, layout: NdSbp, state_layout: NdSbp, mesh_shape: Sequence[int]
-) -> bool:
-    """Whether the gather of the parameter `meta` shares a bucket's buffer with others
-    (`gathers_in_bucket` and its weight piece under `GATHER_IN_PLACE_BYTES`); else it is a
-    collective of its own, in place where `gathers_in_bucket`."""
-    if not gathers_in_bucket(layout, state_layout, meta.shape, mesh_shape):
-        return False
-    piece = math.prod(local_shape(meta.shape, layout, tuple(mesh_shape)))
-    return piece * meta.dtype.itemsize < GATHER_IN_PLACE_BYTES
-
-
-def gather_staging_bytes(
-    meta: TensorMeta,
-    candidates: Sequence[NdSignature],
-    states: Sequence[NdSbp | None],
-    mesh_shape: Sequence[int],
-) -> np.ndarray:
-    """Per candidate, what the parameter takes of a weight-gather bucket's buffer
-    (`runtime.parallel.weight_gather`: its weight piece, every member's slot, in the weight's
-    dtype) where `shares_gather_bucket`, else 0: held only while the bucket gathers, after the
-    optimizer's step."""
-    out = np.zeros(len(candidates))
-    for i, (sig, q) in enumerate(zip(candidates, states, strict=True)):
-        p = sig.outputs[0]
-        if q is not None and shares_gather_bucket(meta, p, q, mesh_shape):
-            out[i] = math.prod(local_shape(meta.shape, p, tuple(mesh_shape))) * meta.dtype.itemsize
-    return out
 
 
 # (src, dst, tensor, bucket bytes) -> seconds: `candidates.BoxingPricer.bucketed_time_s`

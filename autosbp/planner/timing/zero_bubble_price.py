@@ -26,15 +26,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Protocol
 
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.overlap import hidden_sync_s
 from autosbp.planner.ilp.formulation import Solution
 from autosbp.planner.memory.autograd_probe import requires_grad_of
-from autosbp.planner.problem.build import MeshProblem, Prediction, predict
+from autosbp.planner.timing.candidates import NodeStrategies
+from autosbp.planner.timing.predict import Configured, Prediction, predict
 from autosbp.zero_bubble import run_zb1, zb1_orders
 
 __all__ = ["predict_zb1", "weight_s", "weight_shares"]
+
+
+class Solved(Configured, Protocol):
+    """What zb1's price reads of one configuration's problem (`problem.build.MeshProblem`)."""
+
+    @property
+    def graph(self) -> OpGraph | None: ...
+    @property
+    def representative(self) -> Mapping[str, str]: ...
+    @property
+    def strategies(self) -> Mapping[str, NodeStrategies]: ...
 
 
 def weight_shares(graph: OpGraph) -> dict[str, float]:
@@ -54,7 +67,7 @@ def weight_shares(graph: OpGraph) -> dict[str, float]:
     return out
 
 
-def weight_s(mp: MeshProblem, solution: Solution, shares: Mapping[str, float]) -> list[float]:
+def weight_s(mp: Solved, solution: Solution, shares: Mapping[str, float]) -> list[float]:
     """Each stage's W per micro-batch under `solution`: its ops' backward (each candidate's
     compute minus its forward) times their weight share; ops of weights alone (a transpose, a
     cast of a weight) whole, as their backward only carries weight gradients."""
@@ -72,7 +85,7 @@ def weight_s(mp: MeshProblem, solution: Solution, shares: Mapping[str, float]) -
     return out
 
 
-def predict_zb1(mp: MeshProblem, solution: Solution, shares: Mapping[str, float]) -> Prediction:
+def predict_zb1(mp: Solved, solution: Solution, shares: Mapping[str, float]) -> Prediction:
     """`solution`'s step under zb1: `predict`'s per-stage forward, backward, transfer and
     update, each backward split into B (the rest) and W (`weight_s`, at most the backward; the
     first stage's whole backward), run in zb1's orders; peak memory as the problem's constraints count it (built with

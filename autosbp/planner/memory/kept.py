@@ -49,7 +49,7 @@ from autosbp.planner.memory.autograd_probe import requires_grad_of, saved_by
 from autosbp.planner.space.recomputation import recompute_runs
 from autosbp.planner.space.ties import twin_key
 
-__all__ = ["Kept", "KeptUse", "kept_for_backward"]
+__all__ = ["Kept", "KeptMemo", "KeptUse", "kept_for_backward"]
 
 _STATE = (Role.PARAMETER, Role.BUFFER, Role.INPUT)  # values counted apart (model state, inputs)
 
@@ -299,3 +299,39 @@ def _priced(
 
 def _uses(pairs: Mapping[tuple[int, int], tuple[bool, bool]]) -> tuple[KeptUse, ...]:
     return tuple(KeptUse(o, i, *flags) for (o, i), flags in sorted(pairs.items()))
+
+
+@dataclass
+class KeptMemo:
+    """What backward keeps in the graph of each micro-batch count under each mode, as a search
+    shares it: every mesh of a count shares its `Kept`; counts whose graphs have one structure
+    (rebatched graphs, `space.configs.structure`) share which values are kept and which require
+    grad (`kept_for_backward`'s `like` and `flags`), each count its own bytes. `none` is always
+    kept (the backward shares and the parameters some consumer keeps are read from it)."""
+
+    modes: tuple[str, ...]  # the space's recomputation modes
+    by_count: dict[int, dict[str, Kept]] = field(default_factory=dict)
+    structural: dict[tuple[Hashable, str], Kept] = field(default_factory=dict)  # (structure, mode)
+    flags: dict[Hashable, dict] = field(default_factory=dict)  # per structure: requires grad
+
+    def of(
+        self, count: int, graph: OpGraph, structure: Hashable, representative: Mapping[str, str]
+    ) -> dict[str, Kept]:
+        """What backward keeps in `graph` (of `count` micro-batches) under each mode."""
+        if count not in self.by_count:
+            flags = self.flags.get(structure)
+            if flags is None:
+                flags = self.flags[structure] = requires_grad_of(graph)
+            memo = self.by_count[count] = {}
+            for mode in dict.fromkeys(("none", *self.modes)):
+                like = self.structural.get((structure, mode))
+                memo[mode] = kept_for_backward(graph, representative, mode, like=like, flags=flags)
+                self.structural.setdefault((structure, mode), memo[mode])
+        return self.by_count[count]
+
+    def backward_share(
+        self, count: int, graph: OpGraph, structure: Hashable, representative: Mapping[str, str]
+    ) -> Mapping[str, float]:
+        """`Kept.backward_share` of the structure's first count (it is structural)."""
+        known = self.structural.get((structure, "none"))
+        return (known or self.of(count, graph, structure, representative)["none"]).backward_share

@@ -15,7 +15,7 @@ representative's `NodeStrategies`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -267,3 +267,38 @@ def _restricted(
             or _zero_stage(found, i) == zero
         ]
     return found if keep == list(range(len(found.candidates))) else found.restricted(keep)
+
+
+@dataclass
+class MeshPrices:
+    """The prices a search shares across its configurations: one `Priced` per (micro-batch
+    count, stage mesh), shared by every stage count and recomputation mode; one boxing pricer
+    per stage mesh, shared by every count (its chains serve every micro-batch size); the
+    parameters' candidates, shared by every count and mesh (`price_graph`'s memo)."""
+
+    prices: Prices
+    allow: Allow | None
+    zero: int | None
+    gathers: bool
+    priced: dict[tuple[int, Mesh], Priced] = field(default_factory=dict)
+    pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
+    parameters: dict[Hashable, NodeStrategies] = field(default_factory=dict)
+
+    def of(
+        self,
+        count: int,
+        mesh: Mesh,
+        graph: OpGraph,
+        representative: dict[str, str],
+        kept: Callable[[], dict[str, Kept]],
+    ) -> Priced:
+        """The prices of `graph` (of `count` micro-batches) on `mesh`; `kept`: what backward
+        keeps in it, asked for on first use."""
+        key = (count, mesh)
+        if key not in self.priced:
+            pricer = self.pricers.setdefault(mesh, BoxingPricer(self.prices, mesh))
+            self.priced[key] = price_graph(
+                graph, mesh, self.prices, self.allow, pricer, representative, self.parameters,
+                kept(), self.zero, self.gathers,
+            )  # fmt: skip
+        return self.priced[key]

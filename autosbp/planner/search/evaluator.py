@@ -1,17 +1,19 @@
 """One configuration's bounds and solve, with what configurations share cached.
 
-Lives here: `Evaluator` (a search's request and its caches: the graph of each micro-batch
-count and its ties, each count cut into each stage count with its floors, each graph priced on
-each stage mesh, what backward keeps, the shared bound (2a) per stage count, mesh and count)
-and its steps: the floor (0), node (1), forest (1b), shared (2a) and LP (2) bounds of a
-configuration, its solve and its plan (`search`'s docstring says why each is a bound). Lives
-elsewhere: the order and stop rule (`search`), the workers that run these steps in other
-processes (`parallel`), the problem itself (`problem`).
+Lives here: `Evaluator` (a search's request and what its configurations share: the graph of
+each micro-batch count and its ties, each count cut into each stage count with its floors, the
+shared bound (2a) per stage count, mesh and count; the prices per count and mesh,
+`problem.priced.MeshPrices`, and what backward keeps, `memory.kept.KeptMemo`, each with its
+own caches) and its steps: the floor (0), node (1), forest (1b), shared (2a) and LP (2) bounds
+of a configuration, its solve and its plan (docs/planner.md says why each is a bound). Lives
+elsewhere: the bounds' formulas (`bounds`), the order and stop rule (`search.best_first`), the
+workers that run these steps in other processes (`search.processes`), the problem itself
+(`problem`).
 
 Shared work: counts whose graphs have one structure (rebatched graphs) share the cut into
-stages and its counts; every mesh of a count shares what backward keeps; every count shares
-the parameters' candidates (`price_graph`'s memo); every problem of one (count, mesh) shares
-its candidates, boxing matrices and kept bytes (`priced.Priced`).
+stages and its counts, and which values backward keeps; every mesh of a count shares what
+backward keeps; every count shares the parameters' candidates; every problem of one (count,
+mesh) shares its candidates, boxing matrices and kept bytes (`problem.priced.Priced`).
 """
 
 from __future__ import annotations
@@ -29,10 +31,9 @@ from autosbp.planner.bounds.forest import forest_bound
 from autosbp.planner.bounds.lp import bound_mesh
 from autosbp.planner.bounds.nodes import compute_floors, step_bound, unhidden_s
 from autosbp.planner.ilp.formulation import Solution
-from autosbp.planner.memory.autograd_probe import requires_grad_of
-from autosbp.planner.memory.kept import Kept, kept_for_backward
+from autosbp.planner.memory.kept import Kept, KeptMemo
 from autosbp.planner.problem.build import MeshProblem, build_problem, gather_constraints
-from autosbp.planner.problem.priced import Priced, price_graph
+from autosbp.planner.problem.priced import MeshPrices, Priced
 from autosbp.planner.problem.solve import solve_mesh
 from autosbp.planner.search.nofit import Refusals
 from autosbp.planner.space.configs import Config, LinkOf, divisors, mesh_shapes, structure
@@ -40,7 +41,7 @@ from autosbp.planner.space.recomputation import RECOMPUTE_MODES
 from autosbp.planner.space.stages import StageSplit, split_stages
 from autosbp.planner.space.strategy import Space
 from autosbp.planner.space.ties import TiedGraph, TiedStages, tie_graph, tie_stages
-from autosbp.planner.timing.candidates import BoxingPricer, NodeStrategies, Prices
+from autosbp.planner.timing.candidates import Prices
 from autosbp.planner.timing.predict import Prediction, predict
 from autosbp.planner.timing.zero_bubble_price import predict_zb1, weight_shares
 from autosbp.sbp import Mesh
@@ -134,12 +135,8 @@ class Evaluator:
     stages: dict[tuple[int, int], Stages] = field(default_factory=dict)
     structures: dict[int, Hashable] = field(default_factory=dict)  # per count (`space.structure`)
     cuts: dict[tuple[Hashable, int], tuple[StageSplit, TiedStages]] = field(default_factory=dict)
-    priced: dict[tuple[int, Mesh], Priced] = field(default_factory=dict)
-    pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
-    parameters: dict[Hashable, NodeStrategies] = field(default_factory=dict)  # `price_graph`
-    kept: dict[int, dict[str, Kept]] = field(default_factory=dict)  # per count and mode
-    structural: dict[tuple[Hashable, str], Kept] = field(default_factory=dict)  # (structure, mode)
-    flags: dict[Hashable, dict] = field(default_factory=dict)  # per structure: requires grad
+    priced: MeshPrices = field(init=False)  # per (count, mesh), shared across them
+    kept: KeptMemo = field(init=False)  # what backward keeps, per count and mode
     shares: dict[int, dict[str, float]] = field(default_factory=dict)  # zb1: per graph id
     shared: dict[tuple[int, Mesh, int], float] = field(default_factory=dict)  # bound (2a)
     shared_plans: dict[tuple[int, Mesh, int], tuple[MeshProblem, Solution]] = field(
@@ -147,6 +144,11 @@ class Evaluator:
     )  # where bound (2a) is a plan
     bounded: int = 0
     solved: int = 0
+
+    def __post_init__(self) -> None:
+        space = self.request.space
+        self.priced = MeshPrices(self.request.prices, space.allow, space.zero, space.may_gather)
+        self.kept = KeptMemo(space.recompute)
 
     # ---- the space ---------------------------------------------------------------------------
     def counts(self) -> list[int]:
@@ -313,39 +315,26 @@ class Evaluator:
 
     # ---- problems and plans ------------------------------------------------------------------
     def priced_of(self, config: Config) -> Priced:
-        key = (config.count, config.mesh)
-        if key not in self.priced:
-            r = self.request
-            stages = self.stages[(config.count, config.num_stages)]
-            pricer = self.pricers.setdefault(config.mesh, BoxingPricer(r.prices, config.mesh))
-            self.priced[key] = price_graph(
-                stages.graph, config.mesh, r.prices, r.space.allow, pricer,
-                stages.tied.representative, self.parameters, self.kept_of(config.count),
-                r.space.zero, r.space.may_gather,
-            )  # fmt: skip
-        return self.priced[key]
+        """The prices of `config`'s graph on its stage mesh (`problem.priced.MeshPrices`)."""
+        stages = self.stages[(config.count, config.num_stages)]
+        return self.priced.of(
+            config.count, config.mesh, stages.graph, stages.tied.representative,
+            lambda: self.kept_of(config.count),
+        )  # fmt: skip
 
     def backward_share(self, count: int) -> Mapping[str, float]:
-        """`kept.Kept.backward_share` of the structure's first count (it is structural)."""
-        known = self.structural.get((self.structures[count], "none"))
-        return (known or self.kept_of(count)["none"]).backward_share
+        """`Kept.backward_share` of the graph of `count` (`memory.kept.KeptMemo`)."""
+        return self.kept.backward_share(count, *self._kept_key(count))
 
     def kept_of(self, count: int) -> dict[str, Kept]:
-        """What backward keeps in the graph of `count` under each mode of the space, shared by
-        its meshes; counts of one structure share which values (`kept.kept_for_backward`)."""
-        if count not in self.kept:
-            graph, shape = self.graphs[count], self.structures[count]
-            assert graph is not None
-            representative = self.ties[count].representative
-            flags = self.flags.get(shape)
-            if flags is None:
-                flags = self.flags[shape] = requires_grad_of(graph)
-            memo = self.kept[count] = {}
-            for mode in dict.fromkeys(("none", *self.request.space.recompute)):
-                like = self.structural.get((shape, mode))
-                memo[mode] = kept_for_backward(graph, representative, mode, like=like, flags=flags)
-                self.structural.setdefault((shape, mode), memo[mode])
-        return self.kept[count]
+        """What backward keeps in the graph of `count` under each mode of the space
+        (`memory.kept.KeptMemo`)."""
+        return self.kept.of(count, *self._kept_key(count))
+
+    def _kept_key(self, count: int) -> tuple[OpGraph, Hashable, dict[str, str]]:
+        graph = self.graphs[count]
+        assert graph is not None
+        return graph, self.structures[count], self.ties[count].representative
 
     def build(self, config: Config, memory_limit_bytes: float | None) -> MeshProblem:
         r = self.request

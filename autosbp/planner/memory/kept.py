@@ -332,6 +332,8 @@ class KeptMemo:
     def backward_share(
         self, count: int, graph: OpGraph, structure: Hashable, representative: Mapping[str, str]
     ) -> Mapping[str, float]:
-        """`Kept.backward_share` of the structure's first count (it is structural)."""
+        """`Kept.backward_share`, its structure's: from its first count (it is structural, and
+        what the other counts keep is only read once one of their configurations gets its node
+        bound)."""
         known = self.structural.get((structure, "none"))
         return (known or self.of(count, graph, structure, representative)["none"]).backward_share

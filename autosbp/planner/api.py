@@ -96,7 +96,7 @@ def auto_parallelize(
     none, selective or full), best-first by proven bounds over the whole space within
     `time_limit_s` (`search`); `strategy` restricts it to a hand plan (dp, fsdp,
     megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model. `compare`: also price the usual
-    hand plans (`strategies.hand_strategies`) into `Plan.hand_plans`. When the time limit stops
+    hand plans (`space.strategy.hand_strategies`) into `Plan.hand_plans`. When the time limit stops
     the search before it proves its plan optimal, the best plan so far is returned with a
     `TimeLimitWarning` that says the proven gap and how to raise the limit. `jobs`: processes
     the search runs in (default: every core, for spaces of 64 configurations or more).

@@ -3,7 +3,7 @@
 The check (`runtime.verify.finite.first_non_finite`) reads every local gradient once (one
 fused max-norm op) and all-reduces one integer over the world, each step. Oracles: the
 profile's own prices, asked here directly: per parameter candidate, its update less the sync
-and optimizer `param_candidates.parameter_prices` gives is a streaming read of its local
+and optimizer `timing.param_candidates.parameter_prices` gives is a streaming read of its local
 gradient; per stage, the predicted update less its parameters' updates is the op's floor
 and one 8-byte all-reduce over the world.
 """

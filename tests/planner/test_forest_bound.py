@@ -1,4 +1,4 @@
-"""Bound (1b) (`forest_bound`): `forest_min` is the brute-force least on a forest and never above
+"""Bound (1b) (`bounds.forest`): `forest_min` is the brute-force least on a forest and never above
 it with cycles; the bound, and the node bound (1), are at most the ILP objective and the
 predicted step of every configuration solved on its own, under 1F1B (with every recomputation
 mode), interleaved 1F1B (v = 2) and zero bubble, whose path bounds do not drain (the node

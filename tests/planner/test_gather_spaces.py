@@ -1,8 +1,8 @@
-"""Spaces without parameter gathers (`Space.may_gather`, `priced.Priced.gathers`): a Megatron
-hand plan computes on its stored pieces, and interleaved or zero-bubble spaces hold only plans
-the runtime runs. The oracle is the runtime's own test (`boxing.params.gathers_parameters`) on
-each plan; each case also solves the same space with gathers allowed, whose plan gathers (so
-the case is not vacuous) and can only be faster."""
+"""Spaces without parameter gathers (`Space.may_gather`, `problem.priced.Priced.gathers`): a
+Megatron hand plan computes on its stored pieces, and interleaved or zero-bubble spaces hold only
+plans the runtime runs. The oracle is the runtime's own test (`boxing.params.gathers_parameters`) on
+each plan; each case also solves the same space with gathers allowed, whose plan gathers (so the
+case is not vacuous) and can only be faster."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Interleaving in the auto search (`virtual_search`): the device path bounds never exceed the
+"""Interleaving in the auto search (`search.schedules`): the device path bounds never exceed the
 interleaved simulation, auto picks v > 1 where it wins, and the search over v returns the least
 plan of an exhaustive enumeration that includes v (the oracle: every configuration built and
 solved on its own, its plan priced by the simulation)."""
@@ -76,8 +76,8 @@ def with_gathers(graph, mesh, prices) -> Priced:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_cut_is_the_simulated_step_at_its_choice_and_a_bound_elsewhere(seed: int) -> None:
-    # `interleaved_cuts`: the critical paths read at one choice price that choice exactly (the
-    # objective with them equals the simulation) and no other choice above its simulation.
+    # `problem.simulation_cuts`: the critical paths read at one choice price that choice exactly
+    # (the objective with them equals the simulation) and no other choice above its simulation.
     graphs, prices = graphs_of("gpt"), RandomPrices.draw(30 + seed)
     rng = np.random.default_rng(seed)
     mesh = mesh_shapes(DEVICES // 2, lambda shape, d: link_of((2, *shape), d + 1))[0]

@@ -198,8 +198,9 @@ def test_the_runtime_checkpoints_the_runs_the_planner_prices() -> None:
 
 @pytest.mark.parametrize("model", ["gpt-eager", "moe", "resnet"])
 def test_a_count_keeps_what_another_count_of_its_structure_says(model: str) -> None:
-    # The search reads what backward keeps once per structure (`evaluate.Evaluator.kept_of`):
-    # read off another micro-batch count's graph, it equals reading this graph afresh.
+    # The search reads what backward keeps once per structure
+    # (`search.evaluator.Evaluator.kept_of`): read off another micro-batch count's graph, it equals
+    # reading this graph afresh.
     from autosbp.planner.memory.kept import kept_for_backward
     from autosbp.planner.space.ties import tie_graph
 

@@ -1,14 +1,15 @@
-"""What autograd keeps, as `planner.saved` reads it, equals what autograd's own nodes hold.
+"""What autograd keeps, as `planner.memory.autograd_probe` reads it, equals what autograd's own
+nodes hold.
 
-The probe (`saved.saved_by`) runs each op on fake tensors under `saved_tensors_hooks`. The
-oracle here runs the same op on the node's real inputs (the zoo graphs interpreted node by node,
-`test_rules_zoo.node_values`: valid indices and targets), walks the autograd graph from its
-outputs back to its inputs, and reads every node's `_saved_*` attributes (a different reader of
-the same facts: the attributes torch's generated backward code uses). Both must agree, op by op,
-on which inputs and outputs are kept, the bytes of the other tensors kept, and which outputs
-require grad, for every compute op of every zoo model here, and of every model of the
-real-model suite in `bench/saved_probe.py` (its captures take a minute: outside the CI suite).
-A few well-known rows are pinned too, so a silent change of both readers at once is seen.
+The probe (`memory.autograd_probe.saved_by`) runs each op on fake tensors under
+`saved_tensors_hooks`. The oracle here runs the same op on the node's real inputs (the zoo graphs
+interpreted node by node, `test_rules_zoo.node_values`: valid indices and targets), walks the
+autograd graph from its outputs back to its inputs, and reads every node's `_saved_*` attributes (a
+different reader of the same facts: the attributes torch's generated backward code uses). Both must
+agree, op by op, on which inputs and outputs are kept, the bytes of the other tensors kept, and
+which outputs require grad, for every compute op of every zoo model here, and of every model of the
+real-model suite in `bench/saved_probe.py` (its captures take a minute: outside the CI suite). A few
+well-known rows are pinned too, so a silent change of both readers at once is seen.
 """
 
 from __future__ import annotations

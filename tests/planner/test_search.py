@@ -219,7 +219,7 @@ def test_search_returns_the_optimum_of_exhaustive_enumeration(
 def test_two_processes_find_the_plan_one_finds(
     model: str, seed: int, fraction: float | None
 ) -> None:
-    # The search split over 2 processes (`parallel`: each its share of the (count, mesh)
+    # The search split over 2 processes (`search.processes`: each its share of the (count, mesh)
     # pairs, every one cutting with the best plan of both) returns the plan of 1 process: the
     # same configuration, signatures and step, proven optimal, over the same space.
     graphs, prices = graphs_of(model), RandomPrices.draw(seed)

@@ -1,7 +1,7 @@
-"""The simulation's critical paths cut plain 1F1B too (`interleaved_cuts` with v = 1): where the
-ILP's path bounds see less than the simulation (a middle stage slowest), the solve cuts until
-its objective reaches its simulated step, and its plan is then no slower than the uncut
-solve's; each cut prices its own choice exactly and no other above its simulation."""
+"""The simulation's critical paths cut plain 1F1B too (`problem.simulation_cuts` with v = 1): where
+the ILP's path bounds see less than the simulation (a middle stage slowest), the solve cuts until
+its objective reaches its simulated step, and its plan is then no slower than the uncut solve's;
+each cut prices its own choice exactly and no other above its simulation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The zero-bubble schedule in the auto search (`auto:zb1`, `virtual_search`): its options are
+"""The zero-bubble schedule in the auto search (`auto:zb1`, `search.schedules`): its options are
 checked, it adds one space (stage counts from 2, no recomputation), and the search over both
 schedules returns the least plan of an exhaustive enumeration that includes zb1 (the oracle:
 every configuration built and solved on its own, a zb1 plan priced by `predict_zb1`, gathers

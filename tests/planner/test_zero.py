@@ -1,5 +1,5 @@
 """The distributed optimizer (ZeRO-1 and ZeRO-2) in the planner: optimizer states and gradients
-as SBPs of each parameter (`param_candidates`), chosen by the ILP like any layout.
+as SBPs of each parameter (`timing.param_candidates`), chosen by the ILP like any layout.
 
 Oracles: the state layout's rules by table (split exactly where the weight is replicated on more
 than one device, evenly); the bytes against ZeRO's own count (Rajbhandari et al. 2020 section

@@ -1,4 +1,4 @@
-"""zb1 priced as it runs (`planner.zero_bubble_price`): the priced bubble and step against a
+"""zb1 priced as it runs (`planner.timing.zero_bubble_price`): the priced bubble and step against a
 brute-force run of the actor rules with separate B and W durations, zb1 with no weight work is
 exactly the runtime's 1F1B, and the memory priced with zb1's activations in flight.
 

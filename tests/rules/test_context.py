@@ -4,7 +4,7 @@ Oracles: the op on whole tensors (one device) for every sequence-split signature
 devices (threads exchanging in memory, float64); torch autograd on one device for the kernel's
 forward and backward on 2 and 4 gloo processes (all-gather of keys and values, its reduce-scatter
 in backward, the causal halves swapped with the mirrored device); the cost model's collective
-prices summed by hand for the planner's node cost (the one hook, `planner.op_comm`).
+prices summed by hand for the planner's node cost (the one hook, `planner.timing.op_exchanges`).
 """
 
 from __future__ import annotations

@@ -1,40 +1,18 @@
-"""Bound (1b): the path bounds of `bounds` with each stage's boxing in them, every stage at the
-least that its nodes and a spanning forest of its edges can cost together.
+"""Bound (1b): the path bounds of `bounds.nodes` with each stage's boxing in them, every stage at
+the least that its nodes and a spanning forest of its edges can cost together.
 
 Lives here: `forest_min` (the least, over every choice of candidates, of a sum of node costs
 and of the costs of a spanning forest's edges: exact on the forest, by dynamic programming)
 and `forest_bound` (a configuration's bound from it). Lives elsewhere: the node bound (1) and
-the path bounds (`bounds`), the search that tries (1b) between (1) and the LP bound (2a)
-(`search`'s docstring), the prices it sums (`priced.Priced`, as `stage_terms` sums them).
+the path bounds (`bounds.nodes`), the search that tries (1b) between (1) and the LP bound (2a)
+(`search.best_first`), the prices it sums (`problem.priced.Priced`, as `problem.stage_terms`
+sums them).
 
-Why a bound. Per stage and micro-batch, the objective's busy time is a sum of node costs (each
-node at its candidate) and edge costs (each edge at its pair), all >= 0, less what the blocks'
-compute hides of the parameters' conversions: at most a (b - 1) / b < a of the stage's
-parameter edges inside blocks (`search`'s docstring; a the profile's overlap). So it is at
-least B, the sum of the compute nodes, the parameters' accumulation, the other edges, and
-(1 - a) times those parameter edges; the forward likewise, of the forward parts. A stage's
-update u is its parameters' updates U less what its last backward hides, at most a x the
-sync S and at most a x that backward (`overlap.hidden_sync_s`), which is at most B; so the
-micro-batches and update of path bound P(k, k) together, m busy + u, are at least both
-m B + U - a S and (m - a) B + U, each again a sum of node and edge costs (m >= 1 >= a). Dropping
-the edges that would close a cycle only lowers such a sum (what a dropped edge costs whatever
-its other end chooses, its row and column minima, stays on its ends), and on a forest its
-least over every choice is exact. The path bounds only grow with each stage's busy time,
-forward and these sums, so they are at most the objective of every choice, which is at most
-`predict` of it (`objective`). Taking each stage, and each sum, at its own least is a
-relaxation too: it only lowers the bound.
-
-What it sees that (1) does not: the tensor-parallel all-reduces and every other boxing a
-stage's choices force, along the chains of its ops, and the sync of a replicated stage that one
-micro-batch's backward cannot hide (GPT-3 175B on 1024 A100s: 34 LP bounds instead of 124;
-Llama 3 405B on 8192 H100s: 27 instead of 117, where (1) sat at 14-17 s and the LPs above
-30 s). What it
-misses: the coupling of stages, transfers, and the LP's tighter accounting of what is hidden.
-
-Cost: per configuration, one pass over the edges of each distinct stage (stages with the same
-tied counts share theirs) and a min-plus product per forest edge for each of its four sums:
-2-50 ms (GPT-3 175B on 1024 A100s; Llama 3 405B on 8192 H100s), beside 0.1-1 s for an LP
-bound. Its edges are priced once per (count, mesh) (`Priced.edge_prices`), as the LP's build
+Invariant: at most the ILP's objective of every choice, so at most the predicted step (why:
+docs/planner.md, "Bounds and search"). Cost: per configuration, one pass over the edges of each
+distinct stage (stages with the same tied counts share theirs) and a min-plus product per forest
+edge for each of its four sums (2-50 ms on GPT-3 175B / 1024 A100s, beside 0.1-1 s for an LP
+bound); its edges are priced once per (count, mesh) (`Priced.edge_prices`), as the LP's build
 prices them.
 """
 
@@ -122,7 +100,7 @@ def _weight(matrix: np.ndarray) -> float:
 class _Sums:
     """One stage's node and edge costs (per representative and pair of representatives: tied
     copies add up, an edge between two copies of one node lands on its diagonal), as
-    `stage_terms.StageTerms` sums them."""
+    `problem.stage_terms.StageTerms` sums them."""
 
     def __init__(self) -> None:
         self.nodes: dict[str, np.ndarray] = {}
@@ -162,10 +140,10 @@ def forest_bound(
     *,
     drain: bool = True,
 ) -> float:
-    """Bound (1b) of a configuration (the module docstring): the graph cut into `num_stages`
-    stages as `tied` counts it, priced on the stage mesh (`priced`), the profile's `overlap`;
-    `drain`: False under zero bubble (`bounds.path_bound`). Stages of equal counts share one
-    computation."""
+    """Bound (1b) of a configuration (docs/planner.md, "Bounds and search"): the graph cut into
+    `num_stages` stages as `tied` counts it, priced on the stage mesh (`problem.priced`), the
+    profile's `overlap`; `drain`: False under zero bubble (`bounds.nodes.path_bound`). Stages of
+    equal counts share one computation."""
     items: list[list[tuple]] = [[] for _ in range(num_stages)]
     for (r, s, _), n in tied.nodes.items():
         items[s].append(("node", r, n))
@@ -187,9 +165,9 @@ def forest_bound(
 def _stage_sums(
     items: list[tuple], priced: Priced, recompute: str, overlap: float, micro_batches: int
 ) -> tuple[_Sums, _Sums, _Sums, _Sums]:
-    """One stage's sums of one micro-batch's busy time and forward, and of its micro-batches
-    with its update (the module docstring: parameters' edges into blocks at 1 - overlap of
-    their cost; a recomputed node and its edges pay their forward again; a parameter's update
+    """One stage's sums of one micro-batch's busy time and forward, and of its micro-batches with
+    its update (docs/planner.md, "Bounds and search": parameters' edges into blocks at 1 - overlap
+    of their cost; a recomputed node and its edges pay their forward again; a parameter's update
     less overlap x its sync)."""
     graph, rep = priced.graph, priced.representative
     busy, forward, update, hidden = _Sums(), _Sums(), _Sums(), _Sums()

@@ -4,12 +4,12 @@ Lives here: `compute_floors` (per compute node, a time no signature on a number 
 beats), `step_bound` (a step no plan of a configuration beats, from per-node times: floors, or
 each node's cheapest signature), `path_bound` (the pipeline's path bounds of per-stage sums)
 and `unhidden_s` (the part of a node's time no overlap hides).
-Lives elsewhere: the search that orders configurations by these bounds (`search`, whose
-docstring has the argument that they bound the predicted step), the objective's path bounds
-(`objective`), the LP bound (`problem.lower_bound_of`).
+Lives elsewhere: the search that orders configurations by these bounds (`search.best_first`;
+why they bound the predicted step: docs/planner.md, "Bounds and search"), the objective's path
+bounds (`timing.objective`), the forest bound (`bounds.forest`), the LP bound (`bounds.lp`).
 
-Both bounds are the path bounds of `objective` with every per-node cost at its least and every
-edge (boxing) and transfer at 0, which can only lower them: a path bound sums per-node costs
+Both bounds are the path bounds of `timing.objective` with every per-node cost at its least and
+every edge (boxing) and transfer at 0, which can only lower them: a path bound sums per-node costs
 with non-negative weights (f, b, busy >= 0), and boxing and transfers only add time.
 """
 
@@ -38,8 +38,8 @@ def compute_floors(
     signature on `devices` devices can take (one value: its flops and bytes spread evenly; a
     signature's local share is never smaller, and the roofline only grows with flops and
     bytes). `backward_share`: per node, the share of backward that runs, as its candidates are
-    priced (`kept.Kept.backward_share`; 1 where absent). The flops are those the least working
-    kernel computes (`rules.work_fraction` of no signature: causal attention's kept scores)."""
+    priced (`memory.kept.Kept.backward_share`; 1 where absent). The flops are those the least
+    working kernel computes (`rules.work_fraction` of no signature: causal attention's kept scores)."""
     shares = backward_share or {}
     floors: dict[str, np.ndarray] = {}
     for name, attrs in graph.nodes(Role.COMPUTE):
@@ -99,7 +99,7 @@ def path_bound(
     """The largest over stages k of the path bounds P(0, k) (the fill to k, its micro-batches,
     the drain back to stage 0) and P(k, k) (the fill, its micro-batches and its update), from
     per stage lower bounds of one micro-batch's busy time and forward, and of the micro-batches
-    and update together (`steady`), transfers at 0 (`objective`'s derivation; each path bound
+    and update together (`steady`), transfers at 0 (`timing.objective`'s derivation; each path bound
     only grows with its terms). `drain`: False under zero bubble (zb1), whose drain passes B
     alone: only P(k, k) bounds its step."""
     return max(

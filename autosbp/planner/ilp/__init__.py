@@ -1,5 +1,5 @@
 """The strategy-choice ILP in general: pick one candidate per node, minimizing node + edge
-costs under memory constraints (the formulation: `solving`'s docstring, docs/planner.md).
+costs under memory constraints (the formulation: `formulation`'s docstring; docs/planner.md).
 
 Lives here: `formulation` (the problem and its solution as plain values), `solvers` (the problem
 as sparse matrices; the LP by HiGHS, the MIP by OR-Tools) and `solving` (the solve over

@@ -1,19 +1,16 @@
 """The ILP of `ilp.formulation` as sparse matrices, and the solvers that run on them.
 
-Lives here: `LinearProgram` (the formulation of `ilp.formulation` as numpy/scipy matrices: one
-build serves the LP and the MIP; HiGHS reads its columns, `LinearProgram.columns`, built in one
-sort rather than through scipy's CSR and CSC conversions), `relax` (the LP relaxation by HiGHS
-through scipy, with its reduced costs), `fix_by_reduced_costs` (drops the candidates and pairs that no solution better
-than a known value can use), `solve_mip` (the same matrices with x integral, by OR-Tools; CBC by
-default: HiGHS through pywraplp ignores the gap setting and prints a banner).
-Lives elsewhere: the problem's types (`ilp.formulation`, imported here), the solve over
-relaxations (`ilp.solving`, which imports this module; never the other way).
+Lives here: `LinearProgram` (the formulation of `ilp.formulation` as numpy/scipy matrices: one build
+serves the LP and the MIP; HiGHS reads its columns, `LinearProgram.columns`, built in one sort
+rather than through scipy's CSR and CSC conversions), `relax` (the LP relaxation by HiGHS through
+scipy, with its reduced costs), `fix_by_reduced_costs` (drops the candidates and pairs that no
+solution better than a known value can use), `solve_mip` (the same matrices with x integral, by
+OR-Tools; CBC by default: HiGHS through pywraplp ignores the gap setting and prints a banner). Lives
+elsewhere: the problem's types (`ilp.formulation`, imported here), the solve over relaxations
+(`ilp.solving`, which imports this module; never the other way).
 
-Reduced-cost fixing (textbook branch and bound; MIP solvers do it inside once they hold an
-incumbent): with an optimal LP dual, every feasible x satisfies c x >= L + sum_j d_j x_j for the
-LP optimum L and the reduced costs d_j >= 0 of the columns at their lower bound 0 (columns at
-their upper bound add d_j (x_j - 1) >= 0). A column whose d_j exceeds U - L, for a value U some
-solution already reaches, is 0 in every solution better than U.
+Reduced-cost fixing is textbook branch and bound (MIP solvers do it inside once they hold an
+incumbent); why it keeps every better solution: docs/planner.md, "The ILP".
 """
 
 from __future__ import annotations
@@ -154,8 +151,8 @@ FIXING_TOLERANCE = 1e-7  # relative; HiGHS's optima and duals are good to ~1e-9 
 
 def fix_by_reduced_costs(problem: Problem, relaxed: Relaxed, upper_s: float) -> Problem:
     """`problem` less the candidates and edge pairs whose reduced cost exceeds `upper_s` - the
-    LP bound, so its solutions include every solution of `problem` better than `upper_s` (the
-    module docstring)."""
+    LP bound, so its solutions include every solution of `problem` better than `upper_s`
+    (docs/planner.md, "The ILP": reduced-cost fixing)."""
     slack_s = upper_s - relaxed.bound_s
     slack_s += FIXING_TOLERANCE * max(abs(upper_s), abs(relaxed.bound_s))  # the LP's own error
     return restrict(problem, relaxed.lp, relaxed.reduced_s <= slack_s)
@@ -178,7 +175,7 @@ def restrict(problem: Problem, lp: LinearProgram, keep: np.ndarray) -> Problem:
 
 
 class LinearProgram:
-    """The formulation of `ilp`'s docstring as sparse matrices: columns x (per node, its
+    """The formulation of `ilp.formulation` as sparse matrices: columns x (per node, its
     candidates), y (per edge, its allowed pairs), z (per max term); rows one-hot, marginals
     (equalities), memory and max terms (upper bounds). Costs are scaled so the largest is 1e3
     (`objective_scale`), memory rows by their limit."""

@@ -1,20 +1,20 @@
 """Per-device memory of a strategy: model states by their layout, what backward keeps by its.
 
-Lives here: bytes per parameter element for each optimizer and dtype, and the bytes the ILP's
-memory constraints sum: per node candidate (`candidate_bytes`: model states, user inputs and
-buffers, the outputs and intermediates a node keeps for backward) and per edge pair
-(`pair_bytes`: what a kept use holds once its value is converted to the consumer's layout,
-a table per use from each layout's bytes and a view mask cached per layout lists).
-Lives elsewhere: what is kept (`kept`: read off the graph with autograd's own facts,
-`autograd_probe`), time prices (`candidates`), the constraints themselves (`ilp_problem.MemoryConstraint`,
-summed per stage with the micro-batches in flight by `stage_terms`).
+Lives here: bytes per parameter element for each optimizer and dtype, and the bytes the ILP's memory
+constraints sum: per node candidate (`candidate_bytes`: model states, user inputs and buffers, the
+outputs and intermediates a node keeps for backward) and per edge pair (`pair_bytes`: what a kept
+use holds once its value is converted to the consumer's layout, a table per use from each layout's
+bytes and a view mask cached per layout lists). Lives elsewhere: what is kept (`memory.kept`: read
+off the graph with autograd's own facts, `memory.autograd_probe`), time prices
+(`timing.candidates`), the constraints themselves (`ilp.formulation.MemoryConstraint`, summed per
+stage with the micro-batches in flight by `problem.stage_terms`).
 
 Model (Rajbhandari et al. 2020, ZeRO, section 3.1, for model states; for activations, what
-autograd saves, as `kept` derives it, where Korthikanti et al. 2022 section 4 count by hand):
+autograd saves, as `memory.kept` derives it, where Korthikanti et al. 2022 section 4 count by hand):
 - a parameter element costs its value and its gradient in the training dtype, plus optimizer
   states in fp32 (Adam: 2, SGD with momentum: 1, SGD: 0) and an fp32 master copy when training
   in bf16/fp16: 16 bytes per element for Adam in either precision; with its states in a ZeRO-1
-  layout (`param_candidates.zero_state_layout`), value and gradient by the parameter's layout,
+  layout (`timing.param_candidates.zero_state_layout`), value and gradient by the parameter's layout,
   states, the fp32 shard the optimizer updates (the master copy, made in fp32 training too)
   and its fp32 gradient (held from the reduce-scatter to the next step) by the states' layout,
   as `runtime.parallel.sharded_update` holds them; with its gradient in that layout too
@@ -22,7 +22,7 @@ autograd saves, as `kept` derives it, where Korthikanti et al. 2022 section 4 co
   the shard's as backward makes it and freed);
 - a kept output counts its local tensor in the node's layout; a kept intermediate (a norm's
   mean, a dropout mask) its whole bytes times the node's share of the work (the smallest
-  local/global ratio of its tensors, as `candidates` prices the work);
+  local/global ratio of its tensors, as `timing.candidates` prices the work);
 - a kept use counts, on its edge, the converted copy where the conversion makes one (any
   collective, or a zero fill), and nothing where it is a view (a slice of B, or no conversion),
   unless the use is its value's only holder: then the producer's own tensor is what it keeps.
@@ -69,7 +69,7 @@ def candidate_bytes(
     a parameter's states (optimizer states in `state` where given: ZeRO-1; its gradient too
     where `gradient` is given, the same layout: ZeRO-2), a buffer's or
     input's tensor, or a compute node's kept `outputs` and intermediates (`extra_bytes`, whole;
-    `kept.Kept` says which)."""
+    `memory.kept.Kept` says which)."""
     role = attrs.role
     if role is Role.PARAMETER:
         meta = attrs.outputs[0]

@@ -2,14 +2,14 @@
 
 Lives here: `Kept` (per representative node, the outputs it keeps in its own layout and the
 intermediates its backward keeps; per edge, the uses whose consumer keeps the value, which the
-layouts then price as the producer's tensor or as a boxed copy) and `kept_for_backward`, which
-reads it off the graph with what autograd saves (`autograd_probe`). Lives elsewhere: bytes per candidate
-and pair (`memory`), recomputation modes (`pipeline`), ties (`reduce`).
+layouts then price as the producer's tensor or as a boxed copy) and `kept_for_backward`, which reads
+it off the graph with what autograd saves (`memory.autograd_probe`). Lives elsewhere: bytes per
+candidate and pair (`memory`), recomputation modes (`space.stages`), ties (`space.ties`).
 
-The facts (autograd's, per op, `autograd_probe.saved_by`):
+The facts (autograd's, per op, `memory.autograd_probe.saved_by`):
 - a value is kept when a backward that will run saves it: its consumer's (an input it saves),
   its producer's (an output it saves, e.g. softmax), or a checkpointed run's (the inputs of a
-  recomputed run (`pipeline.recompute_runs`: the runtime checkpoints each run, which
+  recomputed run (`space.recomputation.recompute_runs`: the runtime checkpoints each run, which
   saves what it reads from outside it, as produced, not its parameters: one use of each such
   value stands for it, on the edge into the run);
 - a view keeps its input exactly when something keeps its output (it aliases it), whatever
@@ -71,7 +71,7 @@ class KeptUse:
 @dataclass(frozen=True)
 class Kept:
     """What one graph keeps per micro-batch in flight (the module docstring), per
-    representative node and per edge twin (`reduce.twin_key`)."""
+    representative node and per edge twin (`space.ties.twin_key`)."""
 
     outputs: Mapping[str, frozenset[int]]  # kept in the node's own layout
     extra_bytes: Mapping[str, int]  # intermediates its backward saves (whole tensors)
@@ -197,7 +197,7 @@ def _graph_terms(
 
 
 def _head(key: Hashable) -> tuple:
-    """An edge twin's key (`reduce.twin_key`) less its tensors."""
+    """An edge twin's key (`space.ties.twin_key`) less its tensors."""
     assert isinstance(key, tuple)
     return key[:3]
 

@@ -84,20 +84,20 @@ def build_problem(
 ) -> MeshProblem:
     """The ILP of `graph` (one micro-batch) with `split`'s stages, each on a mesh like `mesh`.
 
-    Objective (`objective`): with stages, the largest of the 1F1B path bounds (Narayanan et
-    al. 2021 section 2.2: the fill to a stage, its steady state, the drain, a stage's update),
-    a lower bound of the simulated step for every choice and equal to it with the slowest
-    stage last; with one stage, micro_batches x the stage time plus its update. Within a
-    stage, ops and activations' boxing run one after another; parameters' conversions overlap
-    the compute of identical blocks (`overlap.hidden_gather_s`) and the gradient sync the
-    last backward (`overlap.hidden_sync_s`). Memory: one constraint per stage, what backward
-    keeps x the micro-batches in flight there (`stage_terms`), on node candidates and on edge
-    pairs (the converted copies kept, unless a parameter re-gathers them). Interleaved
-    (`virtual_stages` v > 1: `split` holds v x P virtual stages), each virtual stage keeps the
-    micro-batches its chunk holds at its device's peak (`pipeline.interleaved_in_flight`) and
-    the objective adds to 1F1B's path bounds over the virtual stages the device path bounds
-    (`objective`: each device's chunks' whole load, its chunk-0 fill and drain), a lower bound
-    of `predict`'s interleaved schedule for every choice and equal to it on identical chunks.
+    Objective (`timing.objective`): with stages, the largest of the 1F1B path bounds (Narayanan et
+    al. 2021 section 2.2: the fill to a stage, its steady state, the drain, a stage's update), a
+    lower bound of the simulated step for every choice and equal to it with the slowest stage last;
+    with one stage, micro_batches x the stage time plus its update. Within a stage, ops and
+    activations' boxing run one after another; parameters' conversions overlap the compute of
+    identical blocks (`overlap.hidden_gather_s`) and the gradient sync the last backward
+    (`overlap.hidden_sync_s`). Memory: one constraint per stage, what backward keeps x the
+    micro-batches in flight there (`problem.stage_terms`), on node candidates and on edge pairs (the
+    converted copies kept, unless a parameter re-gathers them). Interleaved (`virtual_stages` v > 1:
+    `split` holds v x P virtual stages), each virtual stage keeps the micro-batches its chunk holds
+    at its device's peak (`memory.in_flight.interleaved_in_flight`) and the objective adds to 1F1B's
+    path bounds over the virtual stages the device path bounds (`timing.objective`: each device's
+    chunks' whole load, its chunk-0 fill and drain), a lower bound of `predict`'s interleaved
+    schedule for every choice and equal to it on identical chunks.
     """
     split = split or split_stages(graph, 1)
     gathers = gathers_run_beside(virtual_stages, schedule == "zb1")

@@ -2,10 +2,11 @@
 candidates of each node (`price_graph`, restricted by a hand plan's `Allow`), and, on first use,
 the boxing matrices of each edge twin and what backward keeps (`Priced`).
 
-Lives here: `Priced`, `EdgeKept`, `price_graph` and the candidates a hand plan allows. Lives
-elsewhere: the problem of one configuration built from these prices (`problem`), the prices
-themselves (`candidates`, `memory`, what backward keeps: `kept`), tied blocks (`reduce`), the
-per-stage sums (`stage_terms`).
+Lives here: `Priced`, `EdgeKept`, `price_graph`, the candidates a hand plan allows, and
+`MeshPrices` (what a search shares of them across its configurations). Lives elsewhere: the
+problem of one configuration built from these prices (`problem.build`), the prices themselves
+(`timing`, `memory`; what backward keeps: `memory.kept`), tied blocks (`space.ties`), the
+per-stage sums (`problem.stage_terms`).
 
 Invariants: every entry is a function of (graph, mesh, representative) and its key alone
 (twin edges, one representative node, one recomputation mode), so one `Priced` serves every
@@ -41,8 +42,8 @@ from autosbp.sbp import Broadcast, Mesh
 
 @dataclass(frozen=True)
 class EdgeKept:
-    """What an edge's kept uses (`kept.Kept`) cost per pair of its endpoints' candidates, per
-    micro-batch: the bytes they keep until backward (`memory.pair_bytes`), the forward
+    """What an edge's kept uses (`memory.kept.Kept`) cost per pair of its endpoints' candidates, per
+    micro-batch: the bytes they keep until backward (`memory.device_bytes.pair_bytes`), the forward
     conversion of them (what a re-gather repeats) and the copies a recomputed consumer keeps
     while its block recomputes."""
 
@@ -71,7 +72,7 @@ class Priced:
 
     matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict, repr=False, compare=False
-    )  # per edge twin (`reduce.twin_key`), filled on first use
+    )  # per edge twin (`space.ties.twin_key`), filled on first use
     saved: dict[tuple, np.ndarray] = field(
         default_factory=dict, repr=False, compare=False
     )  # per (representative, optimizer, recomputation), filled on first use
@@ -79,7 +80,7 @@ class Priced:
     identical: list[bool] = field(default_factory=list, repr=False, compare=False)  # once
 
     def blocks_identical(self) -> bool:
-        """Are the graph's repeated blocks all alike (`reduce.tie_blocks` ties them)?"""
+        """Are the graph's repeated blocks all alike (`space.ties.tie_blocks` ties them)?"""
         if not self.identical:
             tied = self.representative
             if all(r == n for n, r in tied.items()):  # untied by request, or not alike
@@ -88,7 +89,8 @@ class Priced:
         return self.identical[0]
 
     def kept(self, recompute: str) -> Kept:
-        """What backward keeps under `recompute` (`kept.kept_for_backward`), once per graph."""
+        """What backward keeps under `recompute` (`memory.kept.kept_for_backward`), once per
+        graph."""
         if recompute not in self.kept_memo:
             self.kept_memo[recompute] = kept_for_backward(
                 self.graph, self.representative, recompute
@@ -97,7 +99,7 @@ class Priced:
 
     def kept_bytes(self, name: str, optimizer: str, recompute: str) -> np.ndarray:
         """Per candidate, the bytes node `name` (a representative) keeps on a device with one
-        micro-batch in flight: model states, or what its backward keeps (`kept`)."""
+        micro-batch in flight: model states, or what its backward keeps (`memory.kept`)."""
         key = (name, optimizer, recompute)
         if key not in self.saved:
             kept = self.kept(recompute)
@@ -119,7 +121,8 @@ class Priced:
     def _bytes(
         self, name: str, optimizer: str, outputs: frozenset[int], extra: int, held: bool
     ) -> np.ndarray:
-        """Per candidate: `candidate_bytes`, plus what its exchanges hold (`op_comm`) if `held`."""
+        """Per candidate: `candidate_bytes`, plus what its exchanges hold (`timing.op_exchanges`)
+        if `held`."""
         attrs, found = self.graph.node(name), self.strategies[name]
         exchanged = found.held_bytes if held and found.held_bytes is not None else 0.0
         return exchanged + np.array(
@@ -191,7 +194,7 @@ def price_graph(
     zero: int | None = 0,
     gathers: bool = True,
 ) -> Priced:
-    """Candidates of every representative node (`reduce.tie_blocks`, or `representative` where
+    """Candidates of every representative node (`space.ties.tie_blocks`, or `representative` where
     given); edges on first use. `pricer`: a boxing pricer of `mesh` to reuse (its chains serve
     every micro-batch size); `memo`: parameters' candidates to reuse across graphs (a
     parameter's depend only on its tensor, the mesh, the sync bucket and whether a consumer
@@ -204,7 +207,7 @@ def price_graph(
     kept_memo = {} if kept_memo is None else kept_memo
     if (
         "none" not in kept_memo
-    ):  # which parameters some consumer keeps (`candidates.node_strategies`)
+    ):  # which parameters some consumer keeps (`timing.candidates.node_strategies`)
         kept_memo["none"] = kept_for_backward(graph, rep, "none")
     regatherable = kept_memo["none"].regatherable
     bucket_bytes = sync_bucket_bytes(graph)
@@ -236,8 +239,8 @@ def _zero_stage(found: NodeStrategies, i: int) -> int:
 def _parameter_key(
     attrs: OpNode, mesh: Mesh, bucket_bytes: int, regatherable: bool
 ) -> Hashable | None:
-    """What a parameter's candidates and prices (`candidates.node_strategies`) read, or None for
-    other nodes (their candidates read their inputs and the graph around them)."""
+    """What a parameter's candidates and prices (`timing.candidates.node_strategies`) read, or None
+    for other nodes (their candidates read their inputs and the graph around them)."""
     if attrs.role is not Role.PARAMETER:
         return None
     metas = (tuple(attrs.inputs), tuple(attrs.outputs))

@@ -3,22 +3,13 @@ solution: the simulation's own critical paths added to the objective's path max 
 
 Lives here: `critical_entries` (one device's critical path through an interleaved timeline, as
 the objective's path entries), `with_cuts` (a problem with the critical paths of a choice added).
-Lives elsewhere: the loop that solves, cuts and solves again (`problem.solve_mesh`), the path
-bounds the objective starts from (`objective`), the schedule (`schedule.interleaved_orders`).
+Lives elsewhere: the loop that solves, cuts and solves again (`problem.solve.cut_to_simulation`),
+the path bounds the objective starts from (`timing.objective`), the schedule
+(`schedule.interleaved_orders`).
 
-Why each cut is a lower bound. Under 1F1B, interleaved or not, every device runs its firings in
-an order fixed by (P, v, m) alone (`schedule.interleaved_orders`), and `run_orders` starts each
-firing when its input has arrived and the device's previous firing has ended: a longest-path
-recurrence over a graph whose nodes (firings) and edges (the device's previous firing; the data
-it reads, with its transfer) do not depend on the costs. So for every path of that graph, the
-sum of its firings' durations and its edges' transfers is at most the time its last firing ends,
-for every choice of signatures, and a path to device s's last firing plus one part of each of
-its chunks' updates is at most device s's end, so at most the step (`objective`'s module
-docstring gives the update parts; the path's exposed times enter as there,
-`objective.path_terms`). At the choice the path was read from it is the simulation's own
-critical path, so with the cut the objective equals `predict` there: a solve that cuts until its
-solution's objective reaches its prediction has minimized the simulated step itself (every other
-choice's objective, a lower bound of its step, is no less).
+Invariant: each cut is a lower bound of every choice's simulated step (the orders depend on
+(P, v, m) alone, so a path's firings and transfers end before its last firing does), and equals
+the prediction at the choice it was read from (docs/planner.md, "Cuts to the simulation").
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def cut_to_simulation(
 ) -> Solution | None:
     """1F1B, plain or interleaved (not zb1, whose timeline differs): until the solution's
     objective reaches its prediction (to MIP_GAP), add the simulation's critical paths at it
-    (`interleaved_cuts`, each a lower bound of every choice's step) and solve again; then the
+    (`problem.simulation_cuts`, each a lower bound of every choice's step) and solve again; then the
     solution minimizes the simulated step (to MIP_GAP). None if nothing beats `cutoff` once
     cut. After MAX_CUTS rounds the last solution stands, its objective still a lower bound of
     the configuration's every plan."""

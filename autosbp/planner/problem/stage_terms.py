@@ -4,19 +4,18 @@ Lives here: `StageTerms` (per stage: busy and forward time per micro-batch, tran
 update and its sync, memory per node candidate and edge pair, and one block's parameter
 communication and compute, which prefetching overlaps), filled from the tied counts of a graph
 cut into stages; tied nodes and edges are added once per group, times its count. Lives
-elsewhere: the prices it sums (`priced.Priced`, `candidates`, `memory`, `kept`), the objective made
-of the sums (`objective`), the problem (`problem.build_problem`).
+elsewhere: the prices it sums (`problem.priced.Priced`, `timing.candidates`, `memory`), the
+objective made of the sums (`timing.objective`), the problem (`problem.build.build_problem`).
 
-Memory per stage (k = the micro-batches in flight, `pipeline.in_flight`): model states once;
-what backward keeps (`kept`) k times: outputs and intermediates on nodes, kept uses on edges
-(the producer's tensor or a converted copy, `memory.pair_bytes`). A parameter candidate that
-re-gathers keeps no copy across: its copies are alive only while their block runs, with the
-next PREFETCH_BLOCKS blocks' prefetched beside them ((1 + PREFETCH_BLOCKS) blocks' worth of
-copies at once), and its consumer's edge pays the forward conversion again per micro-batch in
-backward. A recomputed block holds, one block at a time, what its ops save while recomputing.
-"One block's worth" sums the copies of a block's edges over the stage's blocks divided by their
-number, exact where the blocks are identical; where they are not, every block's (an upper
-bound).
+Memory per stage (k = the micro-batches in flight, `memory.in_flight.in_flight`): model states once;
+what backward keeps (`memory.kept`) k times: outputs and intermediates on nodes, kept uses on edges
+(the producer's tensor or a converted copy, `memory.device_bytes.pair_bytes`). A parameter candidate
+that re-gathers keeps no copy across: its copies are alive only while their block runs, with the
+next PREFETCH_BLOCKS blocks' prefetched beside them ((1 + PREFETCH_BLOCKS) blocks' worth of copies
+at once), and its consumer's edge pays the forward conversion again per micro-batch in backward. A
+recomputed block holds, one block at a time, what its ops save while recomputing. "One block's
+worth" sums the copies of a block's edges over the stage's blocks divided by their number, exact
+where the blocks are identical; where they are not, every block's (an upper bound).
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ class StageTerms:
         )
         self.memory = [_Acc(sparse=True) for _ in blocks]
         # At the weight gather, after the step: what is held but activations, and the
-        # gather's buffer (`param_candidates.gather_staging_bytes`, at most one bucket's)
+        # gather's buffer (`memory.gather_buffers.gather_staging_bytes`, at most one bucket's)
         self.update_memory, self.staging = [_Acc() for _ in blocks], [_Acc() for _ in blocks]
         self.gather_forward, self.compute_forward, self.gather_backward, self.compute_backward = (
             [_Acc() for _ in blocks] for _ in range(4)
@@ -113,7 +112,7 @@ class StageTerms:
 
     def add_check(self, reduce_s: float, devices_stages: int) -> None:
         """The non-finite check's all-reduce, once per step on each of the `devices_stages`
-        pipeline devices' updates (`finite_check.check_step_s`; a device holds virtual stages
+        pipeline devices' updates (`timing.finite_check.check_step_s`; a device holds virtual stages
         d, d + P, ... of an interleaved plan): added to every candidate of the first parameter
         of the device's first chunk that has one, a constant every choice pays (a device
         without parameters skips no check, but has no update to hold it: left out)."""

@@ -1,11 +1,11 @@
 """The best-first search itself: configurations in a heap by their proven bounds, refined,
-dived into, solved, until the least bound reaches the best plan (the derivation and the order
-are in `planner.search`'s docstring).
+dived into, solved, until the least bound reaches the best plan (the derivation and the order:
+docs/planner.md, "Bounds and search").
 
 Lives here: `BestFirst` (the heap, the seeds taken first, the stop rule) and `Outcome` (where
 one search, or one process's share of it, ended). Lives elsewhere: the entry point and the
-proof (`search`), one configuration's work (`evaluate`), the search split over processes
-(`parallel`), which runs a `BestFirst` per process.
+proof (`search`), one configuration's work (`search.evaluator`), the search split over processes
+(`search.processes`), which runs a `BestFirst` per process.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from autosbp.planner.space.recomputation import recompute_runs
 from autosbp.schedule import check_interleaving
 
 # A configuration whose LP bound is below this share of the best plan so far dives to its LP
-# bound (2) at once, and below the second share on to its MIP (the docstring).
+# bound (2) at once, and below the second share on to its MIP (docs/planner.md, "The order").
 DIVE_BELOW, SOLVE_BELOW = 0.98, 0.9
 FIRST_PLAN_S = 10.0  # the least solver time of each step before the first plan (a floor, assumed)
 SEED_SOLVE_S = 5.0  # the most each of those solves may take out of turn (assumed: a MIP usually
 # takes 0.1-2 s; a longer one waits for its turn)
-SEED_SOLVES = 2  # the seeds with the least LP bounds solved before best-first (the docstring)
+SEED_SOLVES = 2  # the seeds of least LP bound solved before best-first (docs/planner.md, "Seeds")
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class BestFirst:
     def seed_first(self) -> None:
         """Before best-first, out of turn, the configurations a cheap estimate says are
         likeliest to win (`seeds`), cheapest forest bound (1b) first, each on to its LP bound
-        and its solve as far as the dive rules take it (the module docstring). The seed of
+        and its solve as far as the dive rules take it (docs/planner.md, "Seeds"). The seed of
         least LP bound is solved as soon as no seed left can bound below it: a seed's bound is
         at least its forest bound, and the rest come in that order; its plan then cuts the
         seeds left (1008B on 3072 A100s: the optimum 5 s sooner, the recomputing seeds cut;

@@ -133,7 +133,9 @@ class Evaluator:
     graphs: dict[int, OpGraph | None] = field(default_factory=dict)  # None: refused
     ties: dict[int, TiedGraph] = field(default_factory=dict)
     stages: dict[tuple[int, int], Stages] = field(default_factory=dict)
-    structures: dict[int, Hashable] = field(default_factory=dict)  # per count (`space.structure`)
+    structures: dict[int, Hashable] = field(
+        default_factory=dict
+    )  # per count (`space.configs.structure`)
     cuts: dict[tuple[Hashable, int], tuple[StageSplit, TiedStages]] = field(default_factory=dict)
     priced: MeshPrices = field(init=False)  # per (count, mesh), shared across them
     kept: KeptMemo = field(init=False)  # what backward keeps, per count and mode
@@ -254,7 +256,7 @@ class Evaluator:
         )  # fmt: skip
 
     @property
-    def drains(self) -> bool:  # do the schedule's path bounds drain (`bounds.path_bound`)?
+    def drains(self) -> bool:  # do the schedule's path bounds drain (`bounds.nodes.path_bound`)?
         return self.request.space.schedule != "zb1"
 
     def shared_bound(self, config: Config, time_left_s: float, cutoff: float) -> float:
@@ -352,7 +354,7 @@ class Evaluator:
         )  # fmt: skip
 
     def found(self, mp: MeshProblem, solution: Solution) -> Found:
-        """`solution` priced as its schedule runs (`problem.predict`, `predict_zb1`)."""
+        """`solution` priced as its schedule runs (`timing.predict.predict`, `predict_zb1`)."""
         assert mp.graph is not None, "the search builds its problems with their graph"
         if mp.schedule == "zb1":  # its graph is one of `graphs`: a stable id
             if id(mp.graph) not in self.shares:

@@ -54,7 +54,7 @@ class Refusals:
 
     def message(self, limit: float | None, gathers: bool = True) -> str:
         """Why nothing fits: the least memory any plan could need, and what takes it; without
-        `gathers` (a space that forbids parameter gathers: `hand_plans.Space.may_gather`), that
+        `gathers` (a space that forbids parameter gathers: `space.strategy.Space.may_gather`), that
         a weight some op cannot read in its stored layout may be the cause."""
         if not self.built and not self.stuck and self.refused:
             return "; ".join(self.refused)

@@ -2,19 +2,17 @@
 process cuts with the best plan any of them has found.
 
 Lives here: `search_in_processes` (the shares, the processes, the shared best step, and the
-outcome put back together: the best plan, the least bound left, the effort). Lives elsewhere:
-the search each process runs (`best_first.BestFirst`), one configuration's work (`evaluate`).
+outcome put back together: the best plan, the least bound left, the effort) and
+`available_cores`. Lives elsewhere: the search each process runs (`search.best_first.BestFirst`),
+one configuration's work (`search.evaluator`).
 
-The seeds (`best_first.BestFirst.seed_first`) are taken here first, once, so every process starts
-with the seeds' plan as its cutoff and none takes them again. Why it stays sound. A process's
-share is whole (count, mesh) pairs, dealt in turn in the order
-of the space (so each pair is priced once, by one process); each process runs the same
-best-first search over its share, with the cutoff of the best step found by any process (a
-shared double, only ever lowered). Every bound it uses is a bound of its own configurations,
-so the least bound left over all processes bounds the whole space, and the gap is proven as
-in one process. Processes are forked once the graphs are captured and tied (children inherit
-them: no pickling, no imports), and each runs torch on one thread. The winner's plan is built
-again here from its configuration and choice (one problem: the choice is the solve's).
+Invariants: a share is whole (count, mesh) pairs, dealt in turn in the order of the space, so
+each pair is priced once, by one process; the seeds (`BestFirst.seed_first`) are taken here
+first, once, so every process starts with the seeds' plan as its cutoff; the cutoff is a shared
+double, only ever lowered; the gap is proven as in one process (docs/planner.md, "Over
+processes"). Processes are forked once the graphs are captured and tied (children inherit them:
+no pickling, no imports), each runs torch on one thread; the winner's plan is built again here
+from its configuration and choice.
 """
 
 from __future__ import annotations

@@ -4,37 +4,19 @@ of the searches of every one.
 
 Lives here: `search_spaces` (a strategy's spaces, one per v and one for zb1), `best_of` (the
 fastest of the per-space searches, with the gap proven over all of them). Lives elsewhere: one
-search (`search`: at v > 1 it counts each device v times and gives each chunk
-1 / v of its memory), the rules of the interleaved schedule (`schedule.check_interleaving`), the
-bound that prunes interleaved configurations (`objective`: the device path bounds), hand plans
-(`hand_plans`: `vp=V` there is one space, as before).
+search (`search.entry`: at v > 1 it counts each device v times and gives each chunk 1 / v of
+its memory), the rules of the interleaved schedule (`schedule.check_interleaving`), the bounds
+that prune interleaved configurations (`timing.objective`: the device path bounds), hand plans
+(`space.strategy`: `vp=V` there is one space).
 
-The space of v. `auto` searches v = 1 only (plain 1F1B: each v more is one more whole
-search, and at GPT-3 175B on 1024 devices v in {1, 2, 4} does not prove its gap within the default
-time limit), `auto:max_vp=V` the powers of two up to V (Megatron-LM's Table 1 layouts use 2 to 4). At v > 1 the stage counts are v x P virtual stages for
-P >= 2 pipeline devices (interleaving one stage has nothing to interleave) and v x P <= blocks
-(a block per virtual stage: `pipeline.split_stages`); the search itself refuses micro-batch
-counts that are not a multiple of P (`schedule.check_interleaving`, the rule the runtime's
-engine applies too). The runtime does not yet interleave a plan that gathers parameters
-(runtime/engine.py): a space at v > 1 forbids every gathering pair of a parameter's edges
-(`Space.may_gather`, the runtime's own test), so its search returns the best plan the runtime
-runs, and its bound is a bound of those. A v whose space has no configuration, or none that
-fits, is left out; if every v is, the plain search's error stands.
-
-The zero-bubble schedule. `auto:zb1` adds one space: ZB-H1 (`autosbp.zero_bubble`) at every
-stage count from 2, without recomputation (the runtime's split backward would recompute each
-checkpointed block once per weight), v = 1; its search's bounds stay proofs
-(`zero_bubble_price`), but they omit the drain, so the gap proven over the union is looser
-where zb1's space has configurations near the best (the zoo GPT on 4 cpu-gloo devices: zb1's
-plan 2.7% faster than plain 1F1B's, gap 21% against 0.1%). Its space forbids gathers, as an
-interleaved one does (the runtime does not split a backward that re-gathers); opt-in for the
-same reasons: one more whole search, and a looser proof.
-
-The gap. The search of each space v proves that no plan of it predicts below L_v = best_v (1 -
-gap_v); the union of the spaces then has no plan below min_v L_v, so the plan kept (the least
-best_v) is within (best - min_v L_v) / best of the whole space, and "optimal" when that is
-within MIP_GAP. The time limit is the whole search's: each v gets what the earlier ones left
-(a search without a plan yet still finds its first: `search`'s time limit).
+Invariants: `auto` searches v = 1 only; `auto:max_vp=V` the powers of two up to V, at stage
+counts v x P with P >= 2 and v x P <= blocks; `auto:zb1` one more space, zb1 at every stage
+count from 2 without recomputation. A space at v > 1, and zb1's, forbids every gathering pair of
+a parameter's edges (`Space.may_gather`, the runtime's own test), so its search returns the best
+plan the runtime runs. A v whose space has no configuration, or none that fits, is left out; if
+every v is, the plain search's error stands. The gap kept is proven over the union of the
+spaces, and the time limit is the whole search's: each v gets what the earlier ones left
+(docs/planner.md, "One search per schedule").
 """
 
 from __future__ import annotations
@@ -54,7 +36,8 @@ LEAST_TIME_S = 1e-3  # a search's time limit once the earlier v's spent the whol
 
 def search_spaces(strategy: str, recompute: str, blocks: int) -> list[Space]:
     """The spaces `strategy` searches: one for a hand plan; for `auto[:max_vp=V]` one per v
-    whose space has a stage count (the module docstring)."""
+    whose space has a stage count (the module docstring; docs/planner.md, "One search per
+    schedule")."""
     space = strategy_space(strategy, recompute, blocks)
     if not strategy.startswith("auto"):
         return [space]
@@ -81,7 +64,8 @@ def best_of(
     spaces: list[Space], search_one: Callable[[Space, float], Found], time_limit_s: float
 ) -> Found:
     """The fastest plan of `search_one(space, time limit)` over `spaces`, its effort's gap and
-    status over all of them (the module docstring). The first space's error if none has a plan."""
+    status over all of them (docs/planner.md, "One search per schedule"). The first space's
+    error if none has a plan."""
     deadline = time.perf_counter() + time_limit_s
     founds: list[Found] = []
     least: list[float] = []  # per search, no plan of its space below it

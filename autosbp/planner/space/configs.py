@@ -4,7 +4,7 @@ Lives here: the stage meshes of a device count (`mesh_shapes`), the micro-batch 
 batch (`divisors`, and `powers_of_two_dividing` for callers that want those alone), one
 configuration (`Config`), and what cutting a graph into stages reads of it (`structure`, so
 counts whose graphs cut alike share the cut). Lives elsewhere: what a strategy allows
-(`strategies.Space`), the search over these (`search`).
+(`space.strategy.Space`), the search over these (`search`).
 """
 
 from __future__ import annotations

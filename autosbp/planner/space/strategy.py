@@ -1,6 +1,6 @@
-"""Hand plans as restrictions of the search: `dp`, `fsdp`, `megatron:tp=..,pp=..,dp=..[,cp=..]`
-(and `auto`: every rule's own kernel, no other restriction) become a `Space`: the stage counts, meshes, micro-batch counts,
-recomputation modes and candidate signatures the search may choose from.
+"""Hand plans as restrictions of the search: `dp`, `fsdp`, `megatron:tp=..,pp=..,dp=..[,cp=..]` (and
+`auto`: every rule's own kernel, no other restriction) become a `Space`: the stage counts, meshes,
+micro-batch counts, recomputation modes and candidate signatures the search may choose from.
 
 Lives here: `strategy_space` (parse a strategy), `hand_strategies` (the usual hand plans for a
 device count, priced beside auto). Lives elsewhere: the search (`search`), the candidates
@@ -52,7 +52,7 @@ class Space:
     def may_gather(self) -> bool:
         """Gathers allowed here and run by the runtime beside this schedule
         (`boxing.params.gathers_run_beside`): the search forbids the others' pairs
-        (`priced.Priced.gathers`), so no plan it returns is one the runtime refuses."""
+        (`problem.priced.Priced.gathers`), so no plan it returns is one the runtime refuses."""
         return self.gathers and gathers_run_beside(self.virtual_stages, self.schedule == "zb1")
 
 
@@ -69,7 +69,9 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             f"recompute {recompute!r} is not known; use auto, {', '.join(RECOMPUTE_MODES)}."
         )
     if strategy == "auto" or strategy.startswith("auto:"):
-        auto_options(strategy)  # checked here; the v's and schedules it searches: `virtual_search`
+        auto_options(
+            strategy
+        )  # checked here; the v's and schedules it searches: `search.schedules`
         return Space(tuple(range(1, (max_stages or 1) + 1)), modes, allow=_own_kernels, zero=None)
     if strategy == "dp":
         return Space(

@@ -7,7 +7,7 @@ representative (the first once per graph, the second per stage count). The probl
 sums the costs and memory of tied nodes onto their representative and merges the edges between
 them, so a 96-layer transformer costs the solver what one layer costs, and it loops over these
 counts, not over the graph, so it builds about as fast as for one layer.
-Lives elsewhere: building and solving the problem (`problem`, `ilp`), stages (`pipeline`).
+Lives elsewhere: building and solving the problem (`problem`, `ilp`), stages (`space.stages`).
 
 This restricts the search to plans where every repeated block takes the same signatures, as
 Megatron-LM and Alpa do; the result is exact for that space (brute force agrees in the tests).

@@ -3,8 +3,8 @@
 Lives here: `Prices` (what the planner needs from a hardware profile; costmodel's `Cluster`
 provides it) and `BoxingPricer` (a chain's time from the profile's collective prices, cached
 by layout, shape and dtype; a gradient's share of a fused bucket). Lives elsewhere: the chains
-(`autosbp.boxing`), the node and edge prices built on these (`candidates`), communication
-inside an op (`op_comm`), the hardware numbers (`costmodel.prices`).
+(`autosbp.boxing`), the node and edge prices built on these (`timing.candidates`), communication
+inside an op (`timing.op_exchanges`), the hardware numbers (`costmodel.prices`).
 
 Invariants: a price depends only on its key (the pricer's mesh and prices are fixed); a
 conversion with no chain is forbidden (an infinite price); a LOCAL step is free.

@@ -1,22 +1,24 @@
 """Price every strategy of every node and edge: the numbers the ILP chooses between.
 
 Lives here: per node, its candidate nd-signatures with compute time (forward + backward) and the
-bytes they keep on a device; per edge, the matrix of boxing times between the producer's output
-and the consumer's input; for parameters, the gradient synchronisation their layout implies.
-Lives elsewhere: the signatures (`rules`), boxing prices (`boxing_prices`), communication inside
-an op (`op_comm`), the hardware prices (`costmodel`, behind the `Prices` protocol), the ILP (`ilp`), the memory accounting (`memory`).
+bytes they keep on a device; per edge, the matrix of boxing times between the producer's output and
+the consumer's input; for parameters, the gradient synchronisation their layout implies. Lives
+elsewhere: the signatures (`rules`), boxing prices (`timing.boxing_prices`), communication inside an
+op (`timing.op_exchanges`), the hardware prices (`costmodel`, behind the `Prices` protocol), the ILP
+(`ilp`), the memory accounting (`memory`).
 
 Model (every constant states where it comes from):
 - compute: roofline `op_time_s(local_flops, local_bytes)`, plus the exchanges a signature runs
-  inside the op (`op_comm.exchange_cost`, the one hook: forward and backward, exposed as the
-  runtime runs them, and the bytes they hold); local flops = flops x the smallest
-  local/global size ratio among the op's tensors (the share of the work one device does: 1/n for
-  data-, tensor- and contraction-split matmuls alike) x the fraction of it the kernel computes
-  (`rules.work_fraction`: causal attention computes part of the dense product it is counted
-  at, as much as the profile's `causal_skip` says); local bytes = the local tensors' bytes.
-  Backward = BACKWARD_FACTOR x forward x the share of its floating inputs that require grad
-  (`kept.Kept.backward_share`, below 1 under frozen weights) (2: a matmul's backward is two
-  matmuls of the same size; Narayanan et al. 2021 section 3.3 count 3x forward for forward + backward).
+  inside the op (`timing.op_exchanges.exchange_cost`, the one hook: forward and backward, exposed as
+  the runtime runs them, and the bytes they hold); local flops = flops x the smallest local/global
+  size ratio among the op's tensors (the share of the work one device does: 1/n for data-, tensor-
+  and contraction-split matmuls alike) x the fraction of it the kernel computes
+  (`rules.work_fraction`: causal attention computes part of the dense product it is counted at, as
+  much as the profile's `causal_skip` says); local bytes = the local tensors' bytes. Backward =
+  BACKWARD_FACTOR x forward x the share of its floating inputs that require grad
+  (`memory.kept.Kept.backward_share`, below 1 under frozen weights) (2: a matmul's backward is two
+  matmuls of the same size; Narayanan et al. 2021 section 3.3 count 3x forward for forward +
+  backward).
 - an op that returns a view of its input (its schema says so and it has its own kernel, so it
   cannot decompose into a copy the way reshape, flatten or contiguous of a non-contiguous
   tensor do) moves no data: it costs the per-op overhead floor alone, forward and backward.
@@ -30,23 +32,23 @@ Model (every constant states where it comes from):
   An input v writes in place (or a view on the way to such a write: `rules.pinned_inputs`) is
   forbidden to change layout (an infinite price): a boxed copy would take the write away from
   the tensor the model reads afterwards, so a plan never asks the runtime for it.
-- a parameter stored split whose consumer keeps its converted copy for backward (`kept`) has
+- a parameter stored split whose consumer keeps its converted copy for backward (`memory.kept`) has
   each layout twice (FSDP's reshard_after_forward): kept (the copy stays until backward: bytes
   per micro-batch in flight, `memory`) or re-gathered (freed after forward and converted again
   before backward: the forward conversion once more per micro-batch, priced by the builder on
-  the edge, `stage_terms`); `NodeStrategies.regather` says which candidate is which.
+  the edge, `problem.stage_terms`); `NodeStrategies.regather` says which candidate is which.
 - a parameter in layout p pays, once per step, the gradient sync dual(p) -> p (P -> B
   all-reduce where the parameter is replicated: data parallel's all-reduce; nothing where it is
   split: FSDP's reduce-scatter is already the backward of its all-gather), as its share of a
   fused bucket's collective (`BoxingPricer.bucketed_time_s`), and its optimizer
-  update on the local shard (memory-bound: `param_candidates.optimizer_s`) and the runtime's
-  non-finite check of its local gradient (`finite_check`); with micro-batches,
+  update on the local shard (memory-bound: `timing.param_candidates.optimizer_s`) and the runtime's
+  non-finite check of its local gradient (`timing.finite_check`); with micro-batches,
   each backward after the first adds its gradient into the accumulated one (autograd's
   AccumulateGrad: read both, write one), priced per micro-batch by the builder.
 - ZeRO-1 and ZeRO-2: a replicated layout has each candidate again with its optimizer states
   split (`NodeStrategies.state`), and once more with its gradient accumulated split too
   (`NodeStrategies.gradient`: reduce-scattered in every micro-batch's backward,
-  `NodeStrategies.scatter_s`), priced by `param_candidates.parameter_prices`.
+  `NodeStrategies.scatter_s`), priced by `timing.param_candidates.parameter_prices`.
 Node times of compute ops are per micro-batch; parameter times are per step: the problem builder
 scales them.
 """
@@ -169,14 +171,15 @@ def node_strategies(
     backward_share: float = 1.0,
     allow: Callable[[OpGraph, str, NdSignature], bool] | None = None,
 ) -> NodeStrategies:
-    """Candidates of node `name`: per micro-batch compute time, or per step for parameters
-    (their gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`).
-    `regatherable` (a parameter some consumer keeps, `kept.Kept.regatherable`): each layout that
-    is not B on every mesh dim comes twice, kept and re-gathered (the module header).
-    `backward_share`: of an op's floating inputs, the share whose gradient backward computes
-    (`kept.Kept.backward_share`: under frozen weights, less than 1). `allow(graph, name, sig)`:
-    of a node that is not a parameter, the candidates to price (the others are dropped unpriced;
-    each candidate is priced alone); a parameter's are all priced (`priced._restricted`)."""
+    """Candidates of node `name`: per micro-batch compute time, or per step for parameters (their
+    gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`). `regatherable` (a
+    parameter some consumer keeps, `memory.kept.Kept.regatherable`): each layout that is not B on
+    every mesh dim comes twice, kept and re-gathered (the module header). `backward_share`: of an
+    op's floating inputs, the share whose gradient backward computes
+    (`memory.kept.Kept.backward_share`: under frozen weights, less than 1). `allow(graph, name,
+    sig)`: of a node that is not a parameter, the candidates to price (the others are dropped
+    unpriced; each candidate is priced alone); a parameter's are all priced
+    (`problem.priced._restricted`)."""
     attrs = graph.node(name)
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
@@ -187,7 +190,7 @@ def node_strategies(
         candidates = tuple(sig for sig in candidates if allow(graph, name, sig))
     forward, backward, held = [], [], []
     roofline = _Roofline(attrs, mesh_shape, pricer.prices)
-    for sig in candidates:  # the op's compute, and its exchanges through one hook (`op_comm`)
+    for sig in candidates:  # the op's compute, and its exchanges through one hook (`op_exchanges`)
         fwd = roofline.forward_s(sig)
         bwd = BACKWARD_FACTOR * fwd * backward_share
         comm = exchange_cost(attrs, sig, pricer.mesh, pricer.prices, fwd, bwd)
@@ -347,7 +350,7 @@ def edge_matrices(
     """`edge_matrix` forward and backward, and forward alone, from one pass over the uses
     (each summed use by use as `edge_matrix` sums it); without `collectives`, a pair whose
     forward conversion exchanges data is forbidden (a parameter's gather where the runtime
-    runs none: `priced.Priced.gathers`)."""
+    runs none: `problem.priced.Priced.gathers`)."""
     both = np.zeros((len(producer.candidates), len(consumer.candidates)))
     forward_only = np.zeros_like(both)
     for (out_idx, in_idx), meta in zip(uses, metas, strict=True):

@@ -4,8 +4,8 @@ Lives here: `gradient_check_s` (one parameter's share: the 2-norm's read of its 
 gradient) and `check_step_s` (the fused op's floor, and the one all-reduce of one integer over
 the world). Lives elsewhere: the check
 itself (`runtime.verify.finite.first_non_finite`, run after the gradient sync and before the
-optimizer, inside the runtime's "optimizer" span), where these are added (`candidates`, per
-parameter candidate into its update; `stage_terms.StageTerms.add_check`, once per stage).
+optimizer, inside the runtime's "optimizer" span), where these are added (`timing.candidates`, per
+parameter candidate into its update; `problem.stage_terms.StageTerms.add_check`, once per stage).
 
 Model: `torch._foreach_norm(ord=2)` (the runtime's screen; the max-norm only re-reads a
 gradient found non-finite) is one fused op over every local gradient: it reads

@@ -2,73 +2,18 @@
 predicts, for every choice of signatures, and equal to it on the pipelines the planner meets.
 
 Lives here: `StageCosts` (per stage, the ILP-keyed costs its times are made of) and
-`objective_terms` (node costs, edge costs and max terms of the ILP built from them). Lives
-elsewhere: summing the graph into stage costs (`problem`), the simulation (`schedule.simulate`,
-priced by `problem.predict`), the solver (`ilp`).
+`objective_terms` (node costs, edge costs and max terms of the ILP built from them): the 1F1B
+path bounds P(s, k, j) over pairs of stages (runs of identical stages reduce them), the device
+path bounds D(s, d, j) of interleaved 1F1B, zb1's P(k, k) alone, and what the blocks' compute
+hides of the parameters' conversions as max terms (`_Hiding`). Lives elsewhere: summing the
+graph into stage costs (`problem.stage_terms`), the simulation (`autosbp.schedule`, priced by
+`timing.predict`), the cuts that make it exact where a middle stage is slowest
+(`problem.simulation_cuts`), the solver (`ilp`).
 
-Why a lower bound. The search (`search`) proves that no configuration beats its plan by
-bounding each configuration from below; an LP relaxation bounds this objective, so the
-objective itself must never exceed what `predict` says of the same choice. Write, per stage s
-and one micro-batch, f_s its forward, b_s its backward (busy - forward, with recomputation),
-busy_s = f_s + b_s, t_s the transfer of its outputs to stage s + 1 (t of the last stage is 0),
-and u_s its update less the sync its last backward hides (`overlap.hidden_sync_s`):
-u_s = update_s - h_s min(sync_s, b_s) = max(update_s - h_s sync_s, update_s - h_s b_s), with
-h_s = overlap (1 - 1 / buckets_s). In the simulation:
-- stage k's first firing (the forward of micro-batch 0) starts after every earlier stage's
-  forward of micro-batch 0 and its transfer: at >= sum_{s' < k} (f_s' + t_s');
-- stage k runs its 2m firings one at a time, m x busy_k in all, and the last of them is the
-  backward of micro-batch m - 1 (backwards run in micro-batch order, each after its forward);
-- the backward of micro-batch m - 1 on stage s' starts after that of stage s' + 1 has ended and
-  its gradient has arrived (t_s'), so stage s's last firing ends at
-      E_s >= sum_{s' < k} (f_s' + t_s') + m busy_k + sum_{s <= s' < k} (b_s' + t_s')
-  for every k >= s (a chain of firings that precede one another);
-- stage s ends its step at E_s + u_s, and the step is the latest stage end.
-So for every pair s <= k and part j of u_s, the path bound
-      P(s, k, j) = sum_{s' < k} (f_s' + t_s') + m busy_k + sum_{s <= s' < k} (b_s' + t_s') + u_s^j
-is at most the simulated step, for every choice; their largest (the ILP's max term) is too,
-over any set of pairs. The ILP takes the pairs (s, k) with s the first and k the last stage of a
-run of identical stages (same `kinds`: the same tied nodes, edges and transfers, so the same
-costs): within a run, a later k or an earlier s only adds non-negative terms (f, b, t >= 0 per
-candidate and pair), so the other pairs never exceed these.
-
-Exact where it matters: in 1F1B with the slowest stage last (GPT-style pipelines: the last
-stage holds the head and the loss), the pairs (s, last) are the simulation's critical paths (fill
-to the last stage, its steady state, the drain back to stage s, then stage s's update), and the
-objective equals the prediction (measured on GPT-3 configurations: equal to 1e-5). Where a
-middle stage is slowest the simulation can idle more than any path bound sees; the solve then
-cuts to it (`problem.cut_to_simulation`: the simulation's own critical paths, added until the
-objective reaches the simulated step). With one stage the objective is m busy + u exactly.
-
-Zero bubble (zb1): the drain passes B alone, which stage costs do not split from W, so only
-the pairs s = k stay bounds (the fill, m busy_k, u_k: `planner.zero_bubble_price`).
-
-Interleaved 1F1B (v chunks per device, virtual stage c P + d on device d; `problem.predict`
-ends device d's step at its last firing plus the sum of its chunks' u). The pairs above, over
-the v P virtual stages, stay bounds (each virtual stage's firings still chain as above, and a
-device ends after each of its chunks), but they see one chunk's load. The device path bounds
-see the device's: write F_d = sum_{q < d} (f_q + t_q), the chunk-0 fill to device d.
-- every firing on device d starts at >= F_d: each needs the forward of its micro-batch on the
-  virtual stages 0..d - 1 (chunk 0, the same costs for every micro-batch) and their transfers;
-- device d runs its 2 m v firings one at a time, m sum_c busy_{c P + d} in all;
-- its last firing is chunk 0's backward of micro-batch m - 1 (the backwards run the forwards'
-  (chunk, micro-batch) sequence with the chunks reversed: `schedule.chunk_order`), which
-  drains through the chunk-0 virtual stages d - 1, ..., s as above;
-so for devices s <= d and each sum j over the chunks of one part of each chunk's u (at most
-device s's update less what its last backwards hide):
-      D(s, d, j) = F_d + m sum_c busy_{c P + d} + sum_{s <= q < d} (b_q + t_q) + U_s^j
-is at most the simulated step. With identical chunks it is the interleaved schedule's step
-(the bubble (P - 1) (f + b) / v of Narayanan et al. 2021 section 2.2 for d = P - 1, s = 0), where
-the virtual-stage pairs see 1 / v of the steady state. Pairs reduce by runs of identical devices
-(every chunk's kind), as above.
-
-Hidden parameter conversions (`overlap.hidden_gather_s`, FSDP's prefetch). On a stage of
-b >= 2 identical blocks, f_s and b_s above are the exposed times: the serial ones less
-n a min(G, C) per direction (n = b - 1 slots, a the overlap, G and C one block's parameter
-conversions and compute in that direction), as `predict` hands them to the simulation, so the
-derivation holds unchanged (still >= 0: n G < the stage's conversions). Linear form (`_Hiding`):
-a min(G, C) = G + C - T with T = max(C + (1 - a) G, G + (1 - a) C), so an exposed time is
-linear plus n T, a max term with a positive weight (one stage) or held, with coefficient
-weight x n >= 0, inside the path-bound term's parts (stages: nested max terms, `ilp`).
+Invariant: for every choice, the objective is at most `timing.predict.predict` of it (each path
+bound is a chain of firings that precede one another in the simulation); the search's bounds
+rest on this. The derivation: docs/planner.md, "The step: the objective" and "Schedules".
+Reference: Narayanan et al. 2021 section 2.2 (the bubble of 1F1B and of its interleaving).
 """
 
 from __future__ import annotations
@@ -124,11 +69,12 @@ def objective_terms(
     costs: StageCosts, keys: Sequence[str], micro_batches: int, virtual_stages: int = 1,
     schedule: str = "1f1b",
 ) -> tuple[NodeCosts, EdgeCosts, tuple[MaxTerm, ...]]:  # fmt: skip
-    """Node costs, edge costs and max terms of the objective (the module docstring): with one
-    stage m x busy (less what the blocks' compute hides of the parameters' conversions) + the
-    update, each hiding a max term of its own; with stages, the largest path bound, whose parts
-    hold the stages' hiding terms (nested max terms); interleaved (`virtual_stages` v > 1:
-    `costs` holds v x P virtual stages), the device path bounds too; zb1: P(k, k) alone."""
+    """Node costs, edge costs and max terms of the objective (docs/planner.md, "The step: the
+    objective"): with one stage m x busy (less what the blocks' compute hides of the parameters'
+    conversions) + the update, each hiding a max term of its own; with stages, the largest path
+    bound, whose parts hold the stages' hiding terms (nested max terms); interleaved
+    (`virtual_stages` v > 1: `costs` holds v x P virtual stages), the device path bounds too; zb1:
+    P(k, k) alone."""
     m, busy = micro_batches, costs.busy
     layout = _Layout(costs)
     hiding = _Hiding(costs)
@@ -198,7 +144,8 @@ def path_terms(
     costs: StageCosts, paths: Sequence[tuple[list[Entry], list[Weighted]]]
 ) -> tuple[list[Costs], list[Mapping[int, float]]]:
     """Parts (and their hiding terms' coefficients) of the path max term for `paths`, each a
-    path's entries and an update part (`interleaved_cuts` adds the simulation's own paths)."""
+    path's entries and an update part (`problem.simulation_cuts` adds the simulation's own
+    paths)."""
     layout, hiding = _Layout(costs), _Hiding(costs)
     parts: list[Costs] = []
     nested: list[Mapping[int, float]] = []
@@ -210,9 +157,10 @@ def path_terms(
 
 
 def _device_paths(costs: StageCosts, v: int, m: int) -> list[tuple[list[Entry], list[Weighted]]]:
-    """Interleaved, D(s, d) and device s's update parts for each pair s <= d of devices (the
-    module docstring), s the first device of a run of identical devices and d the last of a run
-    at or after it: within a run, a later d or an earlier s only adds non-negative terms."""
+    """Interleaved, D(s, d) and device s's update parts for each pair s <= d of devices
+    (docs/planner.md, "Interleaved 1F1B"), s the first device of a run of identical devices and d
+    the last of a run at or after it: within a run, a later d or an earlier s only adds non-negative
+    terms."""
     p = len(costs.busy) // v
     chunks = [[c * p + d for c in range(v)] for d in range(p)]
     runs = _runs_by(p, lambda d: tuple(
@@ -323,8 +271,9 @@ def update_parts(costs: StageCosts, s: int) -> list[list[Weighted]]:
 
 
 def _runs(costs: StageCosts) -> list[list[int]]:
-    """The runs of identical consecutive stages (same kind and buckets), in stage order. The
-    module docstring: pairs (first of a run, last of a run at or after it) dominate the others."""
+    """The runs of identical consecutive stages (same kind and buckets), in stage order. As
+    docs/planner.md derives: pairs (first of a run, last of a run at or after it) dominate the
+    others."""
     kinds = costs.kinds
     return _runs_by(len(costs.busy), lambda s: (kinds[s] if kinds else s, costs.sync_buckets[s]))
 

@@ -1,10 +1,10 @@
 """The one hook that prices communication inside an op: its exchanges' time and held bytes.
 
 Lives here: `ExchangeCost` (a candidate's exchanges priced: the exposed time in forward and in
-backward, and the bytes they hold until backward) and `exchange_cost` (the hook `candidates`
+backward, and the bytes they hold until backward) and `exchange_cost` (the hook `timing.candidates`
 calls for every compute candidate). Lives elsewhere: what an op exchanges (`rules.exchanges`,
 declared by its rule: `rules.comm.Exchange`), the collective prices (`costmodel.prices`,
-behind `boxing_prices.Prices`), the runtime that runs them (`runtime.execute.op_comm`).
+behind `timing.boxing_prices.Prices`), the runtime that runs them (`runtime.execute.op_comm`).
 
 Model:
 - each exchange costs `Prices.collective_time_s(kind, message_bytes, n, link)` with n the

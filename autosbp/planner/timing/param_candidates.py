@@ -2,10 +2,11 @@
 
 Lives here: `zero_state_layout` (the distributed optimizer's layout of a parameter's optimizer
 states: ZeRO-1), `with_zero_states` (a parameter's candidates, each once more with its states
-sharded where it has any), and the per-step update and gradient-accumulation times of a local
-shard (`optimizer_s`, `accumulate_s`). Lives elsewhere: pricing the candidates' syncs and the
-`NodeStrategies` they fill (`candidates`), their bytes (`memory.device_bytes.parameter_bytes_per_element`,
-`memory.gather_buffers`), what the runtime runs (`runtime.parallel.sharded_update`).
+sharded where it has any), and the per-step update and gradient-accumulation times of a local shard
+(`optimizer_s`, `accumulate_s`). Lives elsewhere: pricing the candidates' syncs and the
+`NodeStrategies` they fill (`timing.candidates`), their bytes
+(`memory.device_bytes.parameter_bytes_per_element`, `memory.gather_buffers`), what the runtime runs
+(`runtime.parallel.sharded_update`).
 
 Invariants:
 - A state layout differs from its parameter's layout only on mesh dims where the parameter is
@@ -42,7 +43,7 @@ OPTIMIZER_FLOPS_PER_ELEMENT = 12
 
 
 class _OpPrices(Protocol):
-    """The part of `candidates.Prices` these prices read."""
+    """The part of `timing.boxing_prices.Prices` these prices read."""
 
     def op_time_s(
         self, flops: float, nbytes: float, dtype: torch.dtype, transcendentals: float = 0.0
@@ -77,7 +78,7 @@ def with_zero_states(
     shape: Sequence[int],
     mesh_shape: Sequence[int],
 ) -> tuple[tuple[NdSignature, ...], list[bool], list[NdSbp | None], list[NdSbp | None]]:
-    """`candidates` (with their `regather` flags), then each whose layout has a ZeRO state
+    """`timing.candidates` (with their `regather` flags), then each whose layout has a ZeRO state
     layout q twice more: with its states in q (ZeRO-1), and with its states and gradient in q
     (ZeRO-2). Returns (candidates, regather flags, state layout per candidate, gradient layout
     per candidate; None: the parameter's own)."""
@@ -95,7 +96,7 @@ def with_zero_states(
     )
 
 
-# (src, dst, tensor, bucket bytes) -> seconds: `candidates.BoxingPricer.bucketed_time_s`
+# (src, dst, tensor, bucket bytes) -> seconds: `timing.boxing_prices.BoxingPricer.bucketed_time_s`
 SyncPrice = Callable[[NdSbp, NdSbp, TensorMeta, int], float]
 
 
@@ -122,15 +123,15 @@ def parameter_prices(
     mesh_shape: tuple[int, ...],
     bucket_bytes: int,
 ) -> ParameterPrices:
-    """Per candidate (its layout p, its `states` layout q or None, its `gradients` layout: q
-    or None), as `runtime.parallel.sharded_update` runs them: without q, the sync
-    dual(p) -> p inside a bucket of `bucket_bytes` and the optimizer on p's shard; ZeRO-1, the
-    same bucketed sync (backward may hide it, as DDP's; the shard's gradient is then a slice
-    of the synced one), after backward the all-gather q -> p (nothing hidden; inside a bucket
-    of `bucket_bytes` where `shares_gather_bucket`, else one collective per parameter) and the
-    optimizer on q's shard; ZeRO-2, the reduce-scatter dual(p) -> q in every micro-batch's backward, in line
-    (unbucketed: one collective per parameter as its gradient is made, nothing hidden), the
-    adds on q's shard, after the step's backward the all-gather and the optimizer on q's."""
+    """Per candidate (its layout p, its `states` layout q or None, its `gradients` layout: q or
+    None), as `runtime.parallel.sharded_update` runs them: without q, the sync dual(p) -> p inside a
+    bucket of `bucket_bytes` and the optimizer on p's shard; ZeRO-1, the same bucketed sync
+    (backward may hide it, as DDP's; the shard's gradient is then a slice of the synced one), after
+    backward the all-gather q -> p (nothing hidden; inside a bucket of `bucket_bytes` where
+    `shares_gather_bucket`, else one collective per parameter) and the optimizer on q's shard;
+    ZeRO-2, the reduce-scatter dual(p) -> q in every micro-batch's backward, in line (unbucketed:
+    one collective per parameter as its gradient is made, nothing hidden), the adds on q's shard,
+    after the step's backward the all-gather and the optimizer on q's."""
     found = ParameterPrices([], [], [], [])
     for sig, q, g in zip(candidates, states, gradients, strict=True):
         p = sig.outputs[0]

@@ -45,10 +45,11 @@ class Configured(Protocol):
 class Prediction:
     """A solved problem priced as the runtime runs it (`schedule.run_schedule`; interleaved,
     `peak_bytes` and `bubble_s` are each virtual stage's device's, all its chunks): per stage its
-    per-micro-batch forward/backward (what stays exposed of the parameters' conversions
-    included, `gather_hidden_s` of them hidden behind the blocks' compute), transfer to the
-    next stage and per-step update (seconds; `sync_s` of it the gradient sync, the rest the
-    optimizer's), the part of the update's sync that the last backward hides, and peak bytes; the step time is when the last stage finishes its update."""
+    per-micro-batch forward/backward (what stays exposed of the parameters' conversions included,
+    `gather_hidden_s` of them hidden behind the blocks' compute), transfer to the next stage and
+    per-step update (seconds; `sync_s` of it the gradient sync, the rest the optimizer's), the part
+    of the update's sync that the last backward hides, and peak bytes; the step time is when the
+    last stage finishes its update."""
 
     step_time_s: float
     forward_s: tuple[float, ...]
@@ -60,7 +61,7 @@ class Prediction:
     bubble_s: tuple[float, ...]
     gather_hidden_s: tuple[float, ...] = ()  # per micro-batch, forward + backward
     sync_s: tuple[float, ...] = ()  # of update_s, the gradient sync (the rest: the optimizer)
-    weight_s: tuple[float, ...] = ()  # zb1: of backward_s, W's (`zero_bubble_price`)
+    weight_s: tuple[float, ...] = ()  # zb1: of backward_s, W's (`timing.zero_bubble_price`)
 
 
 def predict(mp: Configured, solution: Solution) -> Prediction:

@@ -2,24 +2,17 @@
 
 Lives here: `weight_shares` (per op, the part of its backward that computes the gradients of
 inputs a parameter alone feeds: W's part), `weight_s` (each stage's W per micro-batch under a
-solution) and `predict_zb1` (a solved problem's step under zb1: `predict`'s
-per-stage times with each backward split into B and W, run through `zero_bubble.run_zb1`).
-Lives elsewhere: the orders and their run (`autosbp.zero_bubble`), 1F1B's prediction
-(`problem.predict`), the ILP (its objective stays 1F1B's path bounds: see below).
+solution) and `predict_zb1` (a solved problem's step under zb1: `timing.predict`'s per-stage
+times with each backward split into B and W, run through `zero_bubble.run_zb1`). Lives
+elsewhere: the orders and their run (`autosbp.zero_bubble`), 1F1B's prediction
+(`timing.predict`), the ILP (its objective keeps zb1's path bounds P(k, k):
+`timing.objective`).
 
-Model (derived, not fitted):
-- An op's backward computes one gradient per floating input that requires grad, each as much
-  work as its share (`candidates.BACKWARD_FACTOR`, `kept.Kept.backward_share`): a matmul of an
-  activation by a weight spends half its backward on the weight's gradient. W of a stage is the
-  sum over its ops of that share of their backward; B the rest of the stage's backward
-  (boxing's backward, the activations' gradients). The first stage has no input gradient to
-  send: the runtime runs its backward whole in W, right after its empty B (stage 0 defers no
-  W), and so does the price (the same times; its last W, the whole backward, hides its sync).
-- The gradient sync is armed before the last W (the last firing that adds gradients), so the
-  last W hides part of it (`overlap.hidden_sync_s` with W's duration).
-- The ILP's objective under zb1 keeps only the path bounds that stay bounds of zb1's step
-  (`objective`: P(k, k), no drain), so the search's bounds and gap remain proofs; it sees no
-  W (not a linear term of the ILP's stage costs), so its bound is loose by up to the drain.
+Model (derived, not fitted; docs/planner.md, "Zero bubble"): each gradient of a floating input
+that requires grad is as much work as its share (`timing.candidates.BACKWARD_FACTOR`,
+`Kept.backward_share`); W of a stage sums its ops' weight shares of their backward, B is the
+rest. The first stage runs its backward whole in W (it has no input gradient to send); the
+gradient sync is armed before the last W, which hides part of it (`overlap.hidden_sync_s`).
 """
 
 from __future__ import annotations
@@ -86,10 +79,10 @@ def weight_s(mp: Solved, solution: Solution, shares: Mapping[str, float]) -> lis
 
 
 def predict_zb1(mp: Solved, solution: Solution, shares: Mapping[str, float]) -> Prediction:
-    """`solution`'s step under zb1: `predict`'s per-stage forward, backward, transfer and
-    update, each backward split into B (the rest) and W (`weight_s`, at most the backward; the
-    first stage's whole backward), run in zb1's orders; peak memory as the problem's constraints count it (built with
-    schedule zb1: `zero_bubble.zb1_in_flight_counts`)."""
+    """`solution`'s step under zb1: `predict`'s per-stage forward, backward, transfer and update,
+    each backward split into B (the rest) and W (`weight_s`, at most the backward; the first stage's
+    whole backward), run in zb1's orders; peak memory as the problem's constraints count it (built
+    with schedule zb1: `zero_bubble.zb1_in_flight_counts`)."""
     assert mp.virtual_stages == 1, "zb1 runs plain stages"
     base = predict(mp, solution)
     p, m = mp.split.num_stages, mp.micro_batches

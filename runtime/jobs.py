@@ -20,7 +20,7 @@ reference never counts in a step of the others: they wait for it there).
 The batch is the model's example inputs at every step (the demo's task is to fit them), rank 0's
 on every rank, so the single-device reference sees exactly what the plan sees; parameters start
 from rank 0's values (the Engine broadcasts them).
-Job control: every step and every actor firing is reported to the launcher (`_Progress`), whose
+Job control: every step and every span the Engine runs (each firing) is reported to the launcher (`_Progress`), whose
 watchdog ends the job when a rank makes no progress for `stall_timeout_s`; there is no deadline
 for the job. With `checkpoint_dir`, the state is saved every `checkpoint_every` steps and after
 the last, so a killed job loses at most that many steps; `resume` continues from the checkpoint
@@ -67,7 +67,7 @@ class TrainSpec:
     lr: float = 1e-2
     check: bool = False
     stall_timeout_s: float = STALL_TIMEOUT_S  # no progress this long on a rank ends the job
-    trace: bool = False  # record every actor firing of every rank (TrainResult.events)
+    trace: bool = False  # record every span of every rank (TrainResult.events)
     checkpoint_dir: str | None = None  # save the state here (runtime.state.checkpoint)
     checkpoint_every: int = CHECKPOINT_EVERY  # steps between saves; and after the last step
     resume: bool = False  # continue from the checkpoint in checkpoint_dir, if there is one
@@ -349,9 +349,9 @@ def _slowest_rank_s(seconds: float) -> float:
 
 
 class _Progress:
-    """The Engine's span hook in a job: each actor firing it starts is this rank's progress and
+    """The Engine's span hook in a job: each span it starts is this rank's progress and
     activity for the launcher's watchdog (`report_progress`, a few microseconds); with a
-    Recorder, firings are recorded too."""
+    Recorder, the spans are recorded too."""
 
     def __init__(self, recorder: Recorder | None) -> None:
         self.recorder = recorder

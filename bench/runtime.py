@@ -21,7 +21,7 @@ Rows, each with its target:
   torch.distributed.pipelining's `Schedule1F1B` (4 micro-batches, the loss scaled by 1/4, Adam
   per stage) on the same model cut at the same place: each torch stage holds exactly the
   parameters the plan puts on that stage (checked), so the blocks are dealt as
-  autosbp.planner.pipeline.split_stages deals them; target <= 1.0.
+  autosbp.planner.space.stages.split_stages deals them; target <= 1.0.
 - 2-stage interleaved 1F1B: our Engine under `megatron:tp=1,pp=2,dp=1,vp=2,mb=4` (2 chunks per
   rank) vs torch.distributed.pipelining's `ScheduleInterleaved1F1B` on the same 4 chunks (a
   `PipelineStage` per chunk, 2 per rank), on models of 4 blocks (one per chunk); target <= 1.0.

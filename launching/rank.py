@@ -18,7 +18,7 @@ Invariants:
 - The rank joins the world through the parent's store on 127.0.0.1 (a client; the parent is the
   server) and never listens beyond loopback itself (gloo's sockets: see `launching.workers`).
 - Reports are cheap (a time and a short label written into shared memory, a few microseconds)
-  so a rank may report every actor firing; outside a `run_workers` rank they do nothing.
+  so a rank may report every firing; outside a `run_workers` rank they do nothing.
 - A failure is stamped and reported before the process group goes (the moment its peers start
   failing), so the parent can tell the cause from its consequences.
 """

@@ -96,9 +96,10 @@ class Engine:
     have priced it);
     `example_inputs` are the inputs the plan was made with (their shapes are checked); `graph`
     is an already captured graph of one micro-batch of `model` to skip capturing again;
-    `recorder` (an autosbp.timeline.Recorder, or any SpanHook) wraps every actor firing of
-    every step, and the parameter gathers, re-gathers and gradient reduce-scatters that run
-    beside them (`runtime.parallel.prefetch`). `gathers` runs those as asked instead of as the
+    `recorder` (an autosbp.timeline.Recorder, or any SpanHook) wraps every firing of every
+    step (a forward, backward or weight of one micro-batch in the stage's order), and the
+    parameter gathers, re-gathers and gradient reduce-scatters that run beside them
+    (`runtime.parallel.prefetch`). `gathers` runs those as asked instead of as the
     plan says (`plan_gather_policy`: its prefetch depth and re-gathered parameters).
     `non_finite`: a step whose loss or a gradient is nan or inf raises `NonFiniteError` before
     its update (STOP), or makes no update and counts in `skipped_steps` (SKIP). Before

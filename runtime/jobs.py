@@ -17,7 +17,8 @@ slowest rank's, from entering the step to leaving it. Each rank times its `Engin
 ranks take the maximum (an all-reduce after the step and its check, so rank 0's float64
 reference never counts in a step of the others: they wait for it there).
 
-Job control: every step and every actor firing is reported to the launcher, whose watchdog
+Job control: every step and every span the Engine runs (each firing) is reported to the
+launcher, whose watchdog
 ends the job when a rank makes no progress for `stall_timeout_s`; there is no deadline for the
 job. With `checkpoint_dir`, the state is saved every `checkpoint_every` steps and after the
 last, so a killed job loses at most that many steps; `resume` continues from the checkpoint
@@ -60,7 +61,7 @@ class TrainSpec:
     lr: float = 1e-2  # the peak learning rate (`runtime.optim.LrSchedule`)
     check: bool = False
     stall_timeout_s: float = STALL_TIMEOUT_S  # no progress this long on a rank ends the job
-    trace: bool = False  # record every actor firing of every rank (TrainResult.events)
+    trace: bool = False  # record every span of every rank (TrainResult.events)
     checkpoint_dir: str | None = None  # save the state here (runtime.state.checkpoint)
     checkpoint_every: int = CHECKPOINT_EVERY  # steps between saves; and after the last step
     resume: bool = False  # continue from the checkpoint in checkpoint_dir, if there is one

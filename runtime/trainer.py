@@ -403,9 +403,9 @@ def _device(kind: str) -> torch.device:
 
 
 class _Progress:
-    """The Engine's span hook in a job: each actor firing it starts is this rank's progress and
+    """The Engine's span hook in a job: each span it starts is this rank's progress and
     activity for the launcher's watchdog (`report_progress`, a few microseconds); with a
-    Recorder, firings are recorded too."""
+    Recorder, the spans are recorded too."""
 
     def __init__(self, recorder: Recorder | None) -> None:
         self.recorder = recorder

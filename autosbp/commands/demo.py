@@ -93,7 +93,7 @@ def _gpt3(layers: int, out: Path, console: Console, time_limit_s: float) -> Path
     """Plan GPT-3 175B on 1024 A100s and print it beside the Megatron-LM plan; save the plan."""
     from autosbp.capturing.rebatch import micro_batch_graphs
     from autosbp.planner.api import plan_graphs
-    from autosbp.planner.space import divisors
+    from autosbp.planner.space.configs import divisors
     from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron
 
     hand, hand_count = gpt3_megatron(layers)

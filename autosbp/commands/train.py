@@ -89,11 +89,12 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     )
     parser.add_argument(
         "--trace", type=Path,
-        help="write every rank's actor firings as a Chrome trace (JSON) (default: none)",
+        help="write every rank's spans (its firings, receives, collectives and update) as a "
+        "Chrome trace (JSON) (default: none)",
     )  # fmt: skip
     parser.add_argument(
         "--stall-timeout", type=positive_float, default=STALL_TIMEOUT_S, metavar="SECONDS",
-        help="stop the job when a rank makes no progress (no step, no actor firing) for this "
+        help="stop the job when a rank makes no progress (no step, no firing) for this "
         f"long; a job that progresses runs as long as it needs (default: {STALL_TIMEOUT_S:g} "
         "s)",
     )  # fmt: skip

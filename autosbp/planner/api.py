@@ -25,9 +25,9 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.errors import MicroBatchError, PlanError
 from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
-from autosbp.planner.hand_plans import Space, hand_strategies, strategy_space
-from autosbp.planner.search import Found, GraphFor, TimeLimitWarning, divisors, search
-from autosbp.planner.virtual_search import best_of, search_spaces
+from autosbp.planner.search.entry import Found, GraphFor, TimeLimitWarning, divisors, search
+from autosbp.planner.search.schedules import best_of, search_spaces
+from autosbp.planner.space.strategy import Space, hand_strategies, strategy_space
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers
@@ -100,7 +100,7 @@ def auto_parallelize(
     none, selective or full), best-first by proven bounds over the whole space within
     `time_limit_s` (`search`); `strategy` restricts it to a hand plan (dp, fsdp,
     megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model. `compare`: also price the usual
-    hand plans (`strategies.hand_strategies`) into `Plan.hand_plans`. When the time limit stops
+    hand plans (`space.strategy.hand_strategies`) into `Plan.hand_plans`. When the time limit stops
     the search before it proves its plan optimal, the best plan so far is returned with a
     `TimeLimitWarning` that says the proven gap and how to raise the limit. `jobs`: processes
     the search runs in (default: every core, for spaces of 64 configurations or more).

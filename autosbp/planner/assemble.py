@@ -25,11 +25,11 @@ from autosbp.plan import (
     StagePlan,
 )
 from autosbp.plan.values import DTYPE_NAMES
-from autosbp.planner.ilp_problem import Costs, Solution
-from autosbp.planner.memory import is_view_conversion
-from autosbp.planner.pipeline import recomputed
-from autosbp.planner.problem import MeshProblem
-from autosbp.planner.search import Found
+from autosbp.planner.ilp.formulation import Costs, Solution
+from autosbp.planner.memory.device_bytes import is_view_conversion
+from autosbp.planner.problem.build import MeshProblem
+from autosbp.planner.search.entry import Found
+from autosbp.planner.space.recomputation import recomputed
 from autosbp.rules import exchanges
 from autosbp.sbp import Broadcast, NdSbp, format_nd_sbp, parse_nd_sbp
 

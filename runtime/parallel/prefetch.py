@@ -19,7 +19,7 @@ Invariants:
   weight of unit u waits for unit u's re-gathers likewise, then starts every re-gathered unit
   down to u - d, in descending order. So a unit's collective buffers (gloo stages a gather's
   whole output beside it) are gone before the next units' are made: FSDP2's order, and the
-  (1 + d) blocks' copies `autosbp.planner.stage_terms` prices. Forward and backward run the same program in the same order on every rank of a
+  (1 + d) blocks' copies `autosbp.planner.problem.stage_terms` prices. Forward and backward run the same program in the same order on every rank of a
   stage, so every group meets the same collectives in the same order. Gathers run on process
   groups of their own, gradient reduce-scatters on others: neither waits behind the boxing of
   activations, nor behind each other.

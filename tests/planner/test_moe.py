@@ -25,7 +25,7 @@ from autosbp.capturing.graph import OpGraph, OpNode, Role, TensorMeta
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import PlanError
 from autosbp.planner.api import auto_parallelize, plan_graphs
-from autosbp.planner.hand_plans import strategy_space
+from autosbp.planner.space.strategy import strategy_space
 from autosbp.rules import NdSignature
 from autosbp.sbp import B, Mesh, NdSbp, S, dtensor_names, parse_nd_sbp
 from autosbp.zoo import MoeMlp, build_model, expert_capacity, load_model

@@ -24,14 +24,15 @@ from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import PlanError
 from autosbp.plan import Plan, load_plan, save_plan, summary_table
 from autosbp.planner.api import ClusterPrices, plan_graph, plan_graphs
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.ilp import brute_force, solve
-from autosbp.planner.ilp_problem import MemoryConstraint, Problem, Solution
-from autosbp.planner.pipeline import split_stages
-from autosbp.planner.priced import price_graph
-from autosbp.planner.problem import MIP_GAP, build_problem
-from autosbp.planner.reduce import tie_graph, tie_stages
-from autosbp.planner.search import divisors, powers_of_two_dividing
+from autosbp.planner.ilp.formulation import MemoryConstraint, Problem, Solution
+from autosbp.planner.ilp.solving import brute_force, solve
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import MIP_GAP
+from autosbp.planner.search.entry import divisors, powers_of_two_dividing
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.space.ties import tie_graph, tie_stages
 from autosbp.sbp import Mesh, Split, parse_nd_sbp
 from autosbp.zoo import GPT3_175B, ZOO_MODELS, build_model, gpt3_175b, gpt3_megatron
 from costmodel import Cluster, load_profile
@@ -466,7 +467,7 @@ def test_compare_prices_hand_plans_beside_auto(tmp_path) -> None:
 def test_compute_floors_never_exceed_any_signature(mesh: tuple[int, ...]) -> None:
     # The search skips configurations by these floors: they must be lower bounds (sizes where
     # memory traffic, not the per-op overhead, sets many ops' times: views included).
-    from autosbp.planner.bounds import compute_floors
+    from autosbp.planner.bounds.nodes import compute_floors
 
     model, inputs = build_model(
         "gpt", device="meta", layers=1, hidden=1024, heads=8, seq=512, batch=8
@@ -486,7 +487,7 @@ def test_boxing_prices_reused_across_shapes_equal_fresh_ones() -> None:
     import itertools
 
     from autosbp.capturing.graph import TensorMeta
-    from autosbp.planner.candidates import BoxingPricer
+    from autosbp.planner.timing.candidates import BoxingPricer
     from autosbp.sbp import Broadcast, Partial
 
     prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=2))

@@ -1,5 +1,5 @@
 """The distributed optimizer (ZeRO-1 and ZeRO-2) in the planner: optimizer states and gradients
-as SBPs of each parameter (`param_candidates`), chosen by the ILP like any layout.
+as SBPs of each parameter (`timing.param_candidates`), chosen by the ILP like any layout.
 
 Oracles: the state layout's rules by table (split exactly where the weight is replicated on more
 than one device, evenly); the bytes against ZeRO's own count (Rajbhandari et al. 2020 section
@@ -22,13 +22,13 @@ from autosbp.capturing.graph import OpNode, Role, TensorMeta
 from autosbp.errors import PlanError
 from autosbp.plan import Plan, check_plan
 from autosbp.planner.api import auto_parallelize
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.ilp import solve
-from autosbp.planner.ilp_problem import Problem
-from autosbp.planner.memory import candidate_bytes
-from autosbp.planner.param_candidates import zero_state_layout
-from autosbp.planner.priced import Priced
-from autosbp.planner.problem import build_problem, price_graph
+from autosbp.planner.ilp.formulation import Problem
+from autosbp.planner.ilp.solving import solve
+from autosbp.planner.memory.device_bytes import candidate_bytes
+from autosbp.planner.problem.build import build_problem, price_graph
+from autosbp.planner.problem.priced import Priced
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.timing.param_candidates import zero_state_layout
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh, parse_nd_sbp
 from autosbp.zoo import build_model

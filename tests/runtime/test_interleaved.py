@@ -98,7 +98,7 @@ def test_an_interleaved_hugging_face_llama_matches_one_device() -> None:
 @pytest.mark.dist
 def test_interleaved_peak_memory_is_the_predicted_peak() -> None:
     """Each rank holds its 2 chunks' states and their activations in flight at the rank's peak
-    (`planner.pipeline.interleaved_in_flight`)."""
+    (`planner.memory.in_flight.interleaved_in_flight`)."""
     plan = _plan(2, tuple(sorted(WIDE.items())), "megatron:tp=1,pp=2,dp=1,vp=2,mb=4")
     case = {"id": "vp2", "model": "gpt", "model_kwargs": WIDE, "plan": plan, "regather": None}
     assert_predicted_peak(case, 2)

@@ -89,7 +89,7 @@ def worlds() -> Callable[[int], dict[str, list[dict[str, float]]]]:
 # a free the profiler had not counted (`runtime.verify.peak_memory`'s header). Since every
 # thread is counted: 1.064 on every rank in 43 runs beside 3 busy processes.
 #
-# Priced since the non-finite check joined the update (`autosbp.planner.finite_check`), the
+# Priced since the non-finite check joined the update (`autosbp.planner.timing.finite_check`), the
 # auto plan of gpt-wide on 2 ranks under the tests' made-up prices (1 GB/s memory) is another
 # one: attention and MLP tensor-parallel, where it was replicated attention. Its peak is
 # over-predicted: 0.888 on both ranks in a steady step (681,044 of 767,362 bytes), 0.97-0.98 on

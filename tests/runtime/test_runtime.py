@@ -32,8 +32,8 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.plan import Plan
 from autosbp.planner.assemble import PlanContext, assemble_plan
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.search import search
+from autosbp.planner.search.entry import search
+from autosbp.planner.space.strategy import strategy_space
 from autosbp.zoo import build_model
 from launching.workers import run_workers
 from runtime import Engine

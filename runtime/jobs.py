@@ -24,7 +24,7 @@ Job control: every step and every actor firing is reported to the launcher (`_Pr
 watchdog ends the job when a rank makes no progress for `stall_timeout_s`; there is no deadline
 for the job. With `checkpoint_dir`, the state is saved every `checkpoint_every` steps and after
 the last, so a killed job loses at most that many steps; `resume` continues from the checkpoint
-there (its optimizer step count is the number of steps trained: checkpoints need Adam). The
+there (at the steps trained it stores, under any plan and any optimizer). The
 optimizer is the plan's (`plan_optimizer`: fused Adam, SGD or SGD with momentum), the one whose
 states and update the planner priced.
 A testing hook, `runtime.verify.faults.FAULT_ENV`, makes one rank fail at one step.
@@ -130,20 +130,8 @@ def plan_optimizer(kind: str, lr: float) -> Callable[[Any], torch.optim.Optimize
 
 
 def check_spec(spec: TrainSpec, plan: Plan) -> None:
-    """What a job refuses before any process starts: a plan's optimizer it cannot train with,
-    checkpoints without Adam (a checkpoint counts the steps trained by Adam's `step`) and of an
-    interleaved plan."""
+    """What a job refuses before any process starts: a plan's optimizer it cannot train with."""
     plan_optimizer(plan.optimizer, spec.lr)
-    if spec.checkpoint_dir is not None and plan.optimizer != "adam":
-        raise ExecutionError(
-            f"checkpoints need the plan's optimizer to be adam (they count the steps trained by "
-            f"Adam's step), but the plan is for {plan.optimizer}; train without "
-            "--checkpoint-dir, or make the plan with `autosbp plan --optimizer adam`."
-        )
-    if spec.checkpoint_dir is not None:
-        from runtime.state.checkpoint_load import refuse_interleaved
-
-        refuse_interleaved(plan.virtual_stages, "save")
 
 
 def train(spec: TrainSpec, on_step: Callable[[StepProgress], None] | None = None) -> TrainResult:
@@ -379,7 +367,7 @@ def _resume(engine: Any, spec: TrainSpec) -> int:
     if not (Path(spec.checkpoint_dir) / MANIFEST).is_file():
         return 0  # the job was stopped before its first checkpoint
     report_progress(f"loading the checkpoint in {spec.checkpoint_dir}", grace_s=STARTUP_S)
-    return load_checkpoint(engine, spec.checkpoint_dir).optimizer_step
+    return load_checkpoint(engine, spec.checkpoint_dir).step
 
 
 def _checkpoint(engine: Any, spec: TrainSpec, step: int) -> None:
@@ -391,4 +379,4 @@ def _checkpoint(engine: Any, spec: TrainSpec, step: int) -> None:
         return
     if done % spec.checkpoint_every == 0 or done == spec.steps:
         report_progress(f"step {step}: saving a checkpoint", grace_s=STARTUP_S)
-        save_checkpoint(engine, spec.checkpoint_dir)
+        save_checkpoint(engine, spec.checkpoint_dir, step=done)

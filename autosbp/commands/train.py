@@ -163,10 +163,6 @@ def _train_command(
     first = _first_step(args.checkpoint_dir, args.checkpoint_every, args.resume, console)
     profile = args.profile or (None if device == "cpu" else FALLBACK_PROFILE)
     plan = on_rank0(lambda: plan_for(args.model, model_args, args.plan, nproc, profile, console))
-    if args.checkpoint_dir is not None:  # before launching: checkpoints hold no chunks yet
-        from runtime.state.checkpoint_load import refuse_interleaved
-
-        refuse_interleaved(plan.virtual_stages, "save")
     if first >= args.steps:
         console.print(
             f"{args.checkpoint_dir} holds {first} trained steps, and --steps is {args.steps}: "
@@ -228,11 +224,11 @@ def _first_step(directory: Path | None, every: int | None, resume: bool, console
     if not resume:
         raise ExecutionError(
             f"--checkpoint-dir {directory} holds a checkpoint of "
-            f"{printable(manifest.model_name)} after {manifest.optimizer_step} steps; pass "
+            f"{printable(manifest.model_name)} after {manifest.step} steps; pass "
             "--resume to continue from it, or choose another folder (a job never overwrites "
             "another's checkpoint)."
         )
-    return manifest.optimizer_step
+    return manifest.step
 
 
 def plan_for(

@@ -516,11 +516,14 @@ CLI_CASES = [
         ("Use another checkpoint",), id="train-manifest-negative-step",
     ),
     pytest.param(
-        ["train", "gpt", "--model-args", "layers=4,hidden=32,heads=2,vocab=64,seq=8,batch=8",
-         "--nproc", "2", "--plan", "megatron:tp=1,pp=2,dp=1,vp=2,mb=2",
-         "--checkpoint-dir", "{in}/ckpt-new"],
-        ("interleaves 2 model chunks", "checkpoints do not record chunks"),
-        ("Train with a vp=1 plan",), id="train-checkpoint-of-an-interleaved-plan",
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-newer", "--resume"],
+        ("version 4", "reads versions 2 to 3"), ("written by a newer autosbp",),
+        id="train-checkpoint-of-a-newer-version",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-badextra", "--resume"],
+        ("is damaged", "training.extra is a list"), ("Use another checkpoint",),
+        id="train-manifest-extra-not-an-object",
     ),
 ]  # fmt: skip
 
@@ -761,6 +764,11 @@ API_CASES = [
         lambda ctx: read_manifest(ctx.inputs / "ckpt-escape"), ExecutionError,
         ("names the rank file '../../../../../etc/hostname'", "is not a file of"),
         ("Use another checkpoint",), id="manifest-names-a-file-outside",
+    ),
+    pytest.param(
+        lambda ctx: read_manifest(ctx.inputs / "ckpt-newer"), ExecutionError,
+        ("version 4", "reads versions 2 to 3"), ("written by a newer autosbp",),
+        id="manifest-of-a-newer-version",
     ),
 ]  # fmt: skip
 NAN = float("nan")

@@ -81,7 +81,7 @@ def test_a_kill_during_a_publish_resumes_from_the_last_complete_checkpoint(
     else:
         assert "resuming" not in out
     assert ("put back from ckpt.old" in out) == (at == 3)
-    assert read_manifest(broken).optimizer_step == read_manifest(whole).optimizer_step == 6
+    assert read_manifest(broken).step == read_manifest(whole).step == 6
     got, want = _saved_tensors(broken), _saved_tensors(whole)
     assert got.keys() == want.keys()
     differ = [key for key in want if not torch.equal(got[key], want[key])]

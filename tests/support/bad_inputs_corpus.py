@@ -194,8 +194,10 @@ def write_corpus(
 ) -> None:
     """plan-<name>.json for every PLAN_EDITS (from `dp` or `pp`, plan JSON), plan-nested.json
     (100,000 brackets deep), plan-dupparams.json (a parameter listed three times), profile-<name>.json for every PROFILE_EDITS (from `profile`),
-    bad_models.py (MODELS), ckpt-escape/manifest.json (ESCAPING_MANIFEST) and
-    ckpt-negstep/manifest.json (the same, naming its own rank file, at step -7)."""
+    bad_models.py (MODELS), ckpt-escape/manifest.json (ESCAPING_MANIFEST),
+    ckpt-negstep/manifest.json (the same, naming its own rank file, at step -7),
+    ckpt-newer/manifest.json (version 4), and ckpt-badextra/manifest.json (version 3 whose
+    extra state is a list)."""
     (root / "bad_models.py").write_text(MODELS)
     (root / "ckpt-escape").mkdir()
     (root / "ckpt-escape" / "manifest.json").write_text(json.dumps(ESCAPING_MANIFEST))
@@ -203,6 +205,14 @@ def write_corpus(
     negative["files"] = [{**ESCAPING_MANIFEST["files"][0], "name": "rank00000.pt"}]
     (root / "ckpt-negstep").mkdir()
     (root / "ckpt-negstep" / "manifest.json").write_text(json.dumps(negative))
+    own_file = {**ESCAPING_MANIFEST, "files": negative["files"]}
+    manifests = {
+        "ckpt-newer": {**own_file, "version": 4},
+        "ckpt-badextra": {**own_file, "version": 3, "training": {"step": 1, "extra": [1]}},
+    }
+    for name, manifest in manifests.items():
+        (root / name).mkdir()
+        (root / name / "manifest.json").write_text(json.dumps(manifest))
     for name, (base, edit) in PLAN_EDITS.items():
         data = json.loads(json.dumps(dp if base == "dp" else pp))
         edit(data)

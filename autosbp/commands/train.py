@@ -148,7 +148,25 @@ def _train_command(
     device: str,
     backend: str,
     console: Console,
-    on_rank0: Callable[[Callable[[], Plan]], Plan],
+    on_rank0: Callable[[Callable[[], Any]], Any],
+) -> int:
+    """`_train_held`, the checkpoint folder held by this job from before it is looked into
+    until the job ends (one live job per folder: `runtime.state.checkpoint_lock`)."""
+    if args.checkpoint_dir is None:
+        return _train_held(args, nproc, device, backend, console, on_rank0)
+    from runtime.state.checkpoint_lock import hold_checkpoint_dir
+
+    with hold_checkpoint_dir(args.checkpoint_dir, on_rank0):
+        return _train_held(args, nproc, device, backend, console, on_rank0)
+
+
+def _train_held(
+    args: argparse.Namespace,
+    nproc: int,
+    device: str,
+    backend: str,
+    console: Console,
+    on_rank0: Callable[[Callable[[], Any]], Any],
 ) -> int:
     """Make or load the plan (on rank 0 under torchrun: `on_rank0`), then train under it."""
     from autosbp.zoo import parse_model_args

@@ -50,16 +50,11 @@ import numpy as np
 import pytest
 import torch
 
-from autosbp.cli import main
 from autosbp.errors import ExecutionError
 from autosbp.layout import assemble_tensor, shard_tensor
-from autosbp.plan import save_plan
-from autosbp.planner.api import auto_parallelize
 from autosbp.sbp import Mesh, parse_nd_sbp
-from autosbp.zoo import build_model
 from launching.workers import run_workers
 from runtime.state.checkpoint import MANIFEST, read_manifest
-from runtime.verify.faults import FAULT_ENV
 from tests.runtime.test_runtime import MEGATRON, MODELS, _build, _plan_json
 from tests.support.bad_inputs_corpus import ESCAPING_MANIFEST
 from tests.support.checkpoint_workers import OPTIMIZERS, run_checkpoint_cases
@@ -538,59 +533,6 @@ def test_save_refuses_state_it_cannot_hold(runs: Any, case_id: str, text: str) -
         assert result.get("error", "").startswith("ExecutionError"), result
         assert text in result["error"], result["error"]
     assert not (root / case_id).exists() and not (root / f"{case_id}.tmp").exists()
-
-
-# ------------------------------------------------------------------- from the command line
-CLI_STEPS, CLI_EVERY, KILLED_AT = 6, 2, 3  # rank 1 dies before step 3: the step-2 save survives
-
-
-def _cli_train(plan: Path, directory: Path, *extra: str) -> int:
-    argv = ["train", "mlp", "--nproc", "2", "--plan", str(plan), "--steps", str(CLI_STEPS),
-            "--checkpoint-dir", str(directory), "--checkpoint-every", str(CLI_EVERY), *extra]  # fmt: skip
-    return main(argv)
-
-
-def _saved_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every rank file (state and optimizer), keyed by rank and name."""
-    manifest = read_manifest(directory)
-    return {
-        f"{record.rank}:{key}": tensor
-        for record in manifest.files
-        for key, tensor in torch.load(directory / record.name, weights_only=True).items()
-    }
-
-
-@pytest.mark.slow
-@pytest.mark.dist
-@pytest.mark.timeout(300)
-def test_a_killed_job_resumes_from_the_cli_as_if_uninterrupted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`autosbp train --checkpoint-dir D --checkpoint-every 2`: killed before step 3, the job
-    has lost one step (at most 2); `--resume` trains steps 2..5, and its last checkpoint equals
-    an uninterrupted run's bit for bit: the same plan, processes and kernels replay the same
-    arithmetic, and a checkpoint restores the parameters and Adam's moments and step exactly."""
-    model, inputs = build_model("mlp")
-    plan = auto_parallelize(model, inputs, devices=2, strategy="dp", time_limit_s=10)
-    plan_path = save_plan(plan, tmp_path / "plan.json")
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
-    assert _cli_train(plan_path, whole) == 0
-    with monkeypatch.context() as patch:
-        patch.setenv(FAULT_ENV, f"rank=1,step={KILLED_AT},kind=kill")
-        assert _cli_train(plan_path, broken) == 2
-    saved_step = read_manifest(broken).step
-    assert saved_step == 2 and KILLED_AT - saved_step <= CLI_EVERY
-    assert _cli_train(plan_path, broken) == 2  # a checkpoint is never overwritten unasked
-    assert "pass --resume to continue from it" in capsys.readouterr().err
-    assert _cli_train(plan_path, broken, "--resume") == 0
-    assert f"resuming from the checkpoint in {broken} at step 2" in capsys.readouterr().out
-    assert read_manifest(broken).step == read_manifest(whole).step == 6
-    got, want = _saved_tensors(broken), _saved_tensors(whole)
-    assert got.keys() == want.keys()
-    differ = [key for key in want if not torch.equal(got[key], want[key])]
-    assert differ == [], f"resumed tensors differ from the uninterrupted run's: {differ}"
-    assert _cli_train(plan_path, broken, "--resume") == 0  # nothing left: says so, trains nothing
-    assert "nothing left to train" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,10 @@ launcher, whose watchdog
 ends the job when a rank makes no progress for `stall_timeout_s`; there is no deadline for the
 job. With `checkpoint_dir`, the state is saved every `checkpoint_every` steps and after the
 last, so a killed job loses at most that many steps; `resume` continues from the checkpoint
-there, with the data where it was. The optimizer is the plan's kind (`runtime.optim`), the one
-whose states and update the planner priced. A testing hook, `runtime.verify.faults.FAULT_ENV`,
+there, with the data where it was, under any plan and any optimizer. One live job per folder:
+`autosbp train` holds it (`runtime.state.checkpoint_lock`; a caller of `train` holds it with
+`hold_checkpoint_dir`). The optimizer is the plan's kind (`runtime.optim`), the one whose
+states and update the planner priced. A testing hook, `runtime.verify.faults.FAULT_ENV`,
 makes one rank fail at one step.
 """
 

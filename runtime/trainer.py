@@ -283,9 +283,9 @@ class _Job:
             return {}  # the job was stopped before its first checkpoint
         report_progress(f"loading the checkpoint in {spec.checkpoint_dir}", grace_s=STARTUP_S)
         manifest = load_checkpoint(self.engine, spec.checkpoint_dir)
-        self.engine.weights.refresh()
-        extra = dict(getattr(manifest, "extra", None) or {})
-        self.first = int(extra.get("step", manifest.optimizer_step))
+        self.engine.weights.refresh()  # the compute copies of the loaded masters
+        extra = dict(manifest.extra)
+        self.first = manifest.step
         if "loss_scale" in extra and self.engine.loss_scale is not None:
             self.engine.loss_scale = LossScale.from_state(extra["loss_scale"])
         return extra
@@ -301,15 +301,12 @@ class _Job:
         if done % spec.checkpoint_every and done != spec.steps:
             return
         report_progress(f"step {step}: saving a checkpoint", grace_s=STARTUP_S)
-        extra: dict[str, Any] = {
-            "step": done,
-            "model_keys": list(self.model.state_dict()),
-        }
+        extra: dict[str, Any] = {"model_keys": list(self.model.state_dict())}
         if self.loader is not None:
             extra["data"] = self.loader.state()
         if self.engine.loss_scale is not None:
             extra["loss_scale"] = self.engine.loss_scale.state()
-        save_checkpoint(self.engine, spec.checkpoint_dir, extra=extra)
+        save_checkpoint(self.engine, spec.checkpoint_dir, step=done, extra=extra)
 
     def write_model(self) -> None:
         """With `save_model`: the whole state dict under the model's own names, written by

@@ -267,7 +267,25 @@ def _train_command(
     device: str,
     backend: str,
     console: Console,
-    on_rank0: Callable[[Callable[[], Plan]], Plan],
+    on_rank0: Callable[[Callable[[], Any]], Any],
+) -> int:
+    """`_train_held`, the checkpoint folder held by this job from before it is looked into
+    until the job ends (one live job per folder: `runtime.state.checkpoint_lock`)."""
+    if args.checkpoint_dir is None:
+        return _train_held(args, nproc, device, backend, console, on_rank0)
+    from runtime.state.checkpoint_lock import hold_checkpoint_dir
+
+    with hold_checkpoint_dir(args.checkpoint_dir, on_rank0):
+        return _train_held(args, nproc, device, backend, console, on_rank0)
+
+
+def _train_held(
+    args: argparse.Namespace,
+    nproc: int,
+    device: str,
+    backend: str,
+    console: Console,
+    on_rank0: Callable[[Callable[[], Any]], Any],
 ) -> int:
     """Make or load the plan (on rank 0 under torchrun: `on_rank0`), then train under it."""
     from autosbp.zoo import parse_model_args
@@ -289,10 +307,6 @@ def _train_command(
     plan = on_rank0(
         lambda: plan_for(args.model, model_args, args.plan, nproc, profile, console, recipe=recipe)
     )
-    if args.checkpoint_dir is not None:  # before launching: checkpoints hold no chunks yet
-        from runtime.state.checkpoint_load import refuse_interleaved
-
-        refuse_interleaved(plan.virtual_stages, "save")
     if first >= args.steps:
         console.print(
             f"{args.checkpoint_dir} holds {first} trained steps, and --steps is {args.steps}: "
@@ -381,11 +395,11 @@ def _first_step(directory: Path | None, every: int | None, resume: bool, console
     if not resume:
         raise ExecutionError(
             f"--checkpoint-dir {directory} holds a checkpoint of "
-            f"{printable(manifest.model_name)} after {manifest.optimizer_step} steps; pass "
+            f"{printable(manifest.model_name)} after {manifest.step} steps; pass "
             "--resume to continue from it, or choose another folder (a job never overwrites "
             "another's checkpoint)."
         )
-    return manifest.optimizer_step
+    return manifest.step
 
 
 @dataclass(frozen=True, slots=True)

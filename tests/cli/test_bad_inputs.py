@@ -45,6 +45,7 @@ from costmodel import load_profile, save_profile
 from costmodel.profile_codec import profile_from_dict
 from launching.errors import ExecutionError
 from runtime.state.checkpoint_format import read_manifest
+from runtime.state.checkpoint_lock import hold_checkpoint_dir
 from tests.plan.test_plan_json import sample_plan
 from tests.support.bad_inputs_corpus import write_corpus
 
@@ -516,11 +517,26 @@ CLI_CASES = [
         ("Use another checkpoint",), id="train-manifest-negative-step",
     ),
     pytest.param(
-        ["train", "gpt", "--model-args", "layers=4,hidden=32,heads=2,vocab=64,seq=8,batch=8",
-         "--nproc", "2", "--plan", "megatron:tp=1,pp=2,dp=1,vp=2,mb=2",
-         "--checkpoint-dir", "{in}/ckpt-new"],
-        ("interleaves 2 model chunks", "checkpoints do not record chunks"),
-        ("Train with a vp=1 plan",), id="train-checkpoint-of-an-interleaved-plan",
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-newer", "--resume"],
+        ("version 4", "reads versions 2 to 3"), ("written by a newer autosbp",),
+        id="train-checkpoint-of-a-newer-version",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-badextra", "--resume"],
+        ("is damaged", "training.extra is a list"), ("Use another checkpoint",),
+        id="train-manifest-extra-not-an-object",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-locked"],
+        ("is in use by the job of pid 4242 on host elsewhere.example",
+         "destroy each other's checkpoints"),
+        ("remove", "ckpt-locked.lock and start again"),
+        id="train-checkpoint-dir-held-by-another-host",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-badlock"],
+        ("locked by {in}/ckpt-badlock.lock", "does not name a job"),
+        ("If no job uses this folder, remove",), id="train-checkpoint-dir-damaged-lock",
     ),
 ]  # fmt: skip
 
@@ -761,6 +777,16 @@ API_CASES = [
         lambda ctx: read_manifest(ctx.inputs / "ckpt-escape"), ExecutionError,
         ("names the rank file '../../../../../etc/hostname'", "is not a file of"),
         ("Use another checkpoint",), id="manifest-names-a-file-outside",
+    ),
+    pytest.param(
+        lambda ctx: read_manifest(ctx.inputs / "ckpt-newer"), ExecutionError,
+        ("version 4", "reads versions 2 to 3"), ("written by a newer autosbp",),
+        id="manifest-of-a-newer-version",
+    ),
+    pytest.param(
+        lambda ctx: hold_checkpoint_dir(ctx.inputs / "ckpt-locked").__enter__(), ExecutionError,
+        ("pid 4242 on host elsewhere.example",), ("Wait for that job to end", "remove"),
+        id="checkpoint-dir-held-by-another-host",
     ),
 ]  # fmt: skip
 NAN = float("nan")

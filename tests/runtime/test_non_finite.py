@@ -84,7 +84,7 @@ def test_a_nan_loss_stops_the_job_at_its_step_with_the_checkpoint_intact(
     assert "--skip-non-finite" in err and "Traceback" not in err, err
     # the oracle: a job asked for exactly the steps before the nan
     assert _train(model, "--steps", str(NAN_STEP), "--checkpoint-dir", str(ended)) == 0
-    assert read_manifest(stopped).optimizer_step == read_manifest(ended).optimizer_step == 2
+    assert read_manifest(stopped).step == read_manifest(ended).step == 2
     got, want = _parameters(stopped), _parameters(ended)
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []

@@ -56,6 +56,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-tied": ("gpt", {**GPT, "tied": True}),
     "gpt-2l": ("gpt", {**GPT, "layers": 2}),
     "gpt-2l-tied": ("gpt", {**GPT, "layers": 2, "tied": True}),
+    "gpt-4l": ("gpt", {**GPT, "layers": 4}),  # 4 blocks: vp=2 runs 2 x 2 chunks (test_checkpoint)
     "widedeep": ("widedeep", WIDEDEEP),
     "resnet": ("resnet", {"channels": 4, "blocks": 1, "classes": 4, "image": 4, "batch": 4}),
     # Wide enough that a peak is hundreds of kB: tests/runtime/test_memory.py's 10% is then far

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from autosbp.cli import main
-from runtime.state.checkpoint_format import read_manifest
 from runtime.parallel.grad_norm import _not_finite
+from runtime.state.checkpoint_format import read_manifest
 
 MODEL = """
 import torch

@@ -312,13 +312,13 @@ def _step(job: _Job, spec: TrainSpec, step: int) -> float:
         if spec.checkpoint_dir is not None:
             last = max(job.first, step // spec.checkpoint_every * spec.checkpoint_every)
             saved = (
-                f" The checkpoint in {spec.checkpoint_dir} (after {last} steps) is intact: "
-                "--resume continues from it."
+                f" The checkpoint in {spec.checkpoint_dir} (after {last} step"
+                f"{'s' if last != 1 else ''}) is intact: --resume continues from it."
                 if last
                 else " No checkpoint was saved before it."
             )
-        raise ExecutionError(
-            f"step {step}: {exc.what}, so the job stopped before that step's update (the "
+        raise ExecutionError(  # the table's numbering: its first step is 1
+            f"step {step + 1}: {exc.what}, so the job stopped before that step's update (the "
             f"parameters are those the step began with).{saved} Fix the cause (a lower --lr, "
             "the data, an op that overflows in its dtype), or pass --skip-non-finite to skip such "
             "steps' updates as large-scale trainers do."

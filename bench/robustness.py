@@ -126,6 +126,37 @@ CASES: tuple[Case, ...] = (
         _train("dp", "--check", "--steps", "3", model="{in}/bad_models.py:unseeded", args=""),
         ok=True,
     ),
+    # issue #48: real causes before launch, and the numbers a user sees
+    *(
+        Case(f"plan-{name}", "bad plan", _train(f"{{in}}/plan-{name}.json", model="gpt", args=""))
+        for name in ("exchanges-removed", "exchanges-swapped", "exchanges-added")
+    ),
+    Case("explain-plan-version-next", "bad plan", ("explain", "{in}/plan-vnext.json")),
+    *(
+        Case(
+            f"plan-{name}",
+            "wrong message",
+            (
+                "plan",
+                "mlp",
+                "--model-args",
+                "layers=4",
+                "--devices",
+                "2",
+                "--strategy",
+                strategy,
+                *extra,
+                "--out",
+                "{in}/out.json",
+            ),
+        )
+        for name, strategy, extra in (
+            ("vp2-mb1", "megatron:tp=1,pp=2,dp=1,vp=2,mb=1", ()),
+            ("pp2-mb1", "megatron:tp=1,pp=2,dp=1,mb=1", ()),
+            ("vp2-degrees-4-on-2", "megatron:tp=2,pp=2,dp=1,vp=2", ()),
+            ("vp2-no-fit", "megatron:tp=1,pp=2,dp=1,vp=2,mb=2", ("--memory-gib", "0.0001")),
+        )
+    ),
     Case("escapes-in-plan-show", "security", ("show", "{in}/plan-escape.json")),
     Case("escapes-in-plan-explain", "security", ("explain", "{in}/plan-escape.json")),
     Case(
@@ -138,26 +169,19 @@ CASES: tuple[Case, ...] = (
 
 # ------------------------------------------------------------------------------- inputs
 def prepare(root: Path) -> None:
-    """Two real plans (mlp with 4 blocks: data parallel, and 2 stages), and every damaged plan
-    and profile and bad model of the shared corpus (tests/support/bad_inputs_corpus.py)."""
-    for name, strategy in (("dp", "dp"), ("pp", "megatron:tp=1,pp=2,dp=1")):
-        _cli(
-            [
-                "plan",
-                "mlp",
-                "--model-args",
-                "layers=4",
-                "--devices",
-                "2",
-                "--strategy",
-                strategy,
-                "--out",
-                str(root / f"{name}.json"),
-            ]
-        )
-    dp, pp = (json.loads((root / f"{n}.json").read_text()) for n in ("dp", "pp"))
+    """Three real plans (mlp with 4 blocks: data parallel, and 2 stages; the zoo gpt under
+    context parallelism), and every damaged plan and profile and bad model of the shared corpus
+    (tests/support/bad_inputs_corpus.py)."""
+    for name, model, strategy in (
+        ("dp", ("mlp", "--model-args", "layers=4"), "dp"),
+        ("pp", ("mlp", "--model-args", "layers=4"), "megatron:tp=1,pp=2,dp=1"),
+        ("cp", ("gpt",), "megatron:tp=1,pp=1,dp=1,cp=2"),
+    ):
+        out = str(root / f"{name}.json")
+        _cli(["plan", *model, "--devices", "2", "--strategy", strategy, "--out", out])
+    plans = {n: json.loads((root / f"{n}.json").read_text()) for n in ("dp", "pp", "cp")}
     profile = json.loads((REPO / "costmodel" / "profiles" / "cpu-gloo.json").read_text())
-    write_corpus(root, dp, pp, profile)
+    write_corpus(root, plans, profile)
 
 
 # ------------------------------------------------------------------------------ running

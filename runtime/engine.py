@@ -6,8 +6,8 @@ the plan fits this world and model (and that every rank holds the same plan), th
 optimizer and the pipeline; `step` (one training step: the pipeline's firings, then gradient
 sync and the optimizer), `full_state_dict` and `full_gradients`. Lives elsewhere, one part per
 module: the plan and its whole-plan checks (`autosbp.plan`), capture
-(`autosbp.capturing.export`), the ranks' agreement on the plan and on rank 0's initial state
-(`runtime.state.startup`), the sharded state and its assembly (`runtime.state.shards`), the
+(`autosbp.capturing.export`), the ranks' agreement on the plan, on the graph and on rank 0's
+initial state (`runtime.state.startup`), the sharded state and its assembly (`runtime.state.shards`), the
 program (`runtime.execute.program`), process groups and collectives (`runtime.execute.groups`,
 `runtime.execute.collectives`), the stages' meshes, their traffic and the firing loop
 (`runtime.parallel.pipeline`, in the order `autosbp.zero_bubble.plan_orders` gives), gradient
@@ -17,8 +17,8 @@ that the constructor composes.
 
 Invariants:
 - Everything is planned in the constructor; `step` runs prebuilt closures only.
-- The constructor's collectives (the plan's agreement, process groups, the initial state) run
-  in the same order on every rank.
+- The constructor's collectives (the plan's and the graph's agreement, process groups, the
+  initial state) run in the same order on every rank.
 - A parameter in layout p ends backward with its gradient in dual(p) (P where p has B, S where p
   has S); the sync boxes dual(p) -> p (`runtime.parallel.grad_sync`). A parameter read on a
   later stage (a tied embedding) is sent there every micro-batch and its gradient sent back.
@@ -78,7 +78,7 @@ from runtime.parallel.precision import LossScale, Weights
 from runtime.parallel.prefetch import GatherSchedule, gather_setup
 from runtime.parallel.sharded_update import build_sharded_update
 from runtime.state.shards import StageState, shard_state, state_layouts
-from runtime.state.startup import agree_on_plan, broadcast_initial_state
+from runtime.state.startup import agree_on_graph, agree_on_plan, broadcast_initial_state
 from runtime.verify.finite import NonFinite
 
 __all__ = ["Engine", "clip_refusal"]
@@ -103,8 +103,8 @@ class Engine:
     plan says (`plan_gather_policy`: its prefetch depth and re-gathered parameters).
     `non_finite`: a step whose loss or a gradient is nan or inf raises `NonFiniteError` before
     its update (STOP), or makes no update and counts in `skipped_steps` (SKIP). Before
-    anything else, every rank checks that all hold the same plan, and takes rank 0's initial
-    parameters and buffers (`runtime.state.startup`).
+    anything else, every rank checks that all hold the same plan and captured the same graph,
+    and takes rank 0's initial parameters and buffers (`runtime.state.startup`).
     """
 
     def __init__(
@@ -556,13 +556,14 @@ def _checked_graph(
     model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan, graph: OpGraph | None
 ) -> OpGraph:
     """`graph`, or `model` captured at one micro-batch (what the program runs), checked to be
-    the graph the plan was made for."""
+    the graph of every other rank, then the graph the plan was made for."""
     if graph is None:
         from autosbp.capturing.export import capture_micro_batch
 
         graph = capture_micro_batch(
             model, example_inputs, plan.micro_batches, dtype=DTYPES[plan.dtype]
         )
+    agree_on_graph(graph)  # one graph on every rank, before any rank refuses it alone
     plan.check_model(graph.fingerprint(), f"model `{graph.model_name}`")
     check_plan(plan, graph)
     return graph

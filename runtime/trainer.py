@@ -332,8 +332,8 @@ def _step(job: _Job, spec: TrainSpec, step: int, batch: Any) -> float:
         if spec.checkpoint_dir is not None:
             last = max(job.first, step // spec.checkpoint_every * spec.checkpoint_every)
             saved = (
-                f" The checkpoint in {spec.checkpoint_dir} (after {last} steps) is intact: "
-                "--resume continues from it."
+                f" The checkpoint in {spec.checkpoint_dir} (after {last} step"
+                f"{'s' if last != 1 else ''}) is intact: --resume continues from it."
                 if last
                 else " No checkpoint was saved before it."
             )

@@ -74,6 +74,7 @@ class GraphBuilder:
         self.name = name
         self.graph = OpGraph(nx.DiGraph(), [], name, program)
         self.module_stacks: dict[str, list[tuple[str, str]]] = {}
+        self.sources: dict[str, str] = {}  # compute node -> the Python stack that made it
         self.buffer_mutations: dict[str, tuple[str, int]] = {}
         self._program = program
         self._specs = {s.arg.name: s for s in program.graph_signature.input_specs}
@@ -176,6 +177,7 @@ class GraphBuilder:
             module_path=source.module_path,
         )  # fmt: skip
         self.module_stacks[name] = self.module_stacks.get(location[0], [])
+        self.sources[name] = region.meta.get("stack_trace") or ""
         self.graph.add_node(name, detach, [location])
         return (name, 0)
 
@@ -208,6 +210,7 @@ class GraphBuilder:
         name = self._key(node)
         stack = [(str(p), str(t)) for p, t in (node.meta.get("nn_module_stack") or {}).values()]
         self.module_stacks[name] = stack
+        self.sources[name] = node.meta.get("stack_trace") or ""
         compute = OpNode(
             op, Role.COMPUTE, target=target, args=args, kwargs=kwargs, inputs=inputs,
             outputs=outputs, flops=count_flops(op, inputs, outputs),

@@ -16,7 +16,9 @@ Invariants:
   meta and the same model on the CPU give the same nodes, arguments and fingerprint.
 - Nodes are the export's placeholders (PARAMETER/BUFFER/INPUT), its ATen calls (COMPUTE) minus
   bookkeeping calls that return no tensor and have no users (`_assert_tensor_metadata` ...), and
-  one OUTPUT node named "output" fed by the scalar loss. `order` is the export's program order.
+  one OUTPUT node named "output" fed by the scalar loss. `order` is the export's program order,
+  but for runs of one loop over an unordered collection, put in one order whatever the
+  process's hash seed, and named as export named their places (`interchangeable`).
 - `getitem` is folded: an edge's `uses` holds (tensor output index of the producer, InputRef index
   of the consumer); a multi-output op lists its tensor outputs in order (non-tensors skipped).
 - Buffer updates of the training IR (`add_` on `num_batches_tracked`, batch norm's running
@@ -58,6 +60,7 @@ from autosbp.capturing.builder import GraphBuilder, tensors_of
 from autosbp.capturing.ctc import padded_ctc
 from autosbp.capturing.failures import explain_export_failure, torch_report_held_back
 from autosbp.capturing.graph import STRIDE_FREE, InputRef, OpGraph, Role, run_device
+from autosbp.capturing.interchangeable import order_interchangeable_runs
 from autosbp.capturing.repeats import capture_by_repeats
 from autosbp.capturing.training_ifs import (
     Absorbed,
@@ -295,13 +298,16 @@ def _build_opgraph(program: ExportedProgram, model: nn.Module, name: str) -> OpG
     for node in program.graph.nodes:
         builder.add(node)
     graph = builder.graph
+    renamed = order_interchangeable_runs(graph, builder.sources)  # whatever the hash seed
+    stacks = {renamed.get(n, n): stack for n, stack in builder.module_stacks.items()}
+    mutations = {k: (renamed.get(n, n), i) for k, (n, i) in builder.buffer_mutations.items()}
     tied = _drop_tied_aliases(graph, model)
     graph.unknown_ops = _unknown_ops(graph)
     graph.meta = {
         "constants": dict(program.constants),
-        "buffer_mutations": builder.buffer_mutations,
+        "buffer_mutations": mutations,
         "tied": tied,
-        "block_container": assign_blocks(graph, builder.module_stacks),
+        "block_container": assign_blocks(graph, stacks),
     }
     return graph
 

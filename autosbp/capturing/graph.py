@@ -17,7 +17,7 @@ import enum
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +177,10 @@ class OpGraph:
         for src, dst in self.graph.edges:
             yield src, dst, self.uses(src, dst)
 
+    def readers(self, name: str) -> list[str]:
+        """The nodes that read an output of `name`."""
+        return list(self.graph.successors(name))
+
     def producers(self, name: str) -> list[tuple[str, int] | None]:
         """For each tensor input of `name`, (producer node, its output index)."""
         out: list[tuple[str, int] | None] = [None] * len(self.node(name).inputs)
@@ -200,6 +204,23 @@ class OpGraph:
     def set_node(self, name: str, node: OpNode) -> None:
         """Replace the data of node `name` (its edges stay)."""
         self.graph.nodes[name][_NODE] = node
+
+    def rename(self, mapping: Mapping[str, str]) -> None:
+        """Give node `old` the name `mapping[old]`, `mapping` a permutation of some names: the
+        nodes trade places in `order`, which keeps its list of names. The networkx graph is
+        rebuilt as `add_node` builds it (nodes in `order`, each one's edges in input order)."""
+        if not mapping:
+            return
+        old_of = {new: old for old, new in mapping.items()}
+        assert sorted(old_of) == sorted(mapping), "a rename must be a permutation of names"
+        source, graph = self.graph, nx.DiGraph()
+        for name in self.order:
+            graph.add_node(name, **{_NODE: self.node(old_of.get(name, name))})
+        for name in self.order:
+            for src, attrs in source.pred[old_of.get(name, name)].items():
+                graph.add_edge(mapping.get(src, src), name, **{_USES: attrs[_USES]})
+        self.graph = graph
+        self.__dict__.pop("weight_only", None)  # a cached property of the old names
 
     def remove_node(self, name: str) -> None:
         """Drop node `name` and its edges (and from `order`)."""

@@ -18,7 +18,8 @@ The plan alone:
 - numbers: a positive predicted step time, non-negative parts; micro-batches dividing the batch.
 With the model's graph (of one micro-batch, as the plan was made):
 - the plan covers every node once, with the node's op, and names no other;
-- every signature is one the node's rule offers on the mesh (what the runtime would refuse);
+- every signature is one the node's rule offers on the mesh, with the collectives its kernel
+  runs inside the op (`exchanges`) as the plan states them (what the runtime would refuse);
 - data flows forward: a node's value goes to its own stage or a later one (stages run in
   order: a value sent back to an earlier stage would wait forever);
 - every parameter's entry matches its node: layout, stage, shape;
@@ -257,7 +258,7 @@ def _numbers(plan: Plan) -> list[str]:
 
 
 def _coverage(plan: Plan, graph: OpGraph) -> list[str]:
-    from autosbp.rules import NdSignature, nd_signatures
+    from autosbp.rules import exchanges, find_signature
 
     out = []
     missing = [name for name in graph.order if name not in plan.nodes]
@@ -266,8 +267,8 @@ def _coverage(plan: Plan, graph: OpGraph) -> list[str]:
     extra = [name for name in plan.nodes if name not in graph.graph]
     if extra:
         out.append(f"the plan names nodes {_names(extra)}, which the model does not have")
-    ndim = len(plan.mesh_shape)
-    refused = []
+    ndim, mesh = len(plan.mesh_shape), plan.mesh_shape
+    refused, talks = [], []
     for name, attrs in graph.nodes():
         node = plan.nodes.get(name)
         if node is None or any(_layout_problem(t, ndim) for t in (*node.inputs, *node.outputs)):
@@ -275,17 +276,19 @@ def _coverage(plan: Plan, graph: OpGraph) -> list[str]:
         if node.op != attrs.op:
             out.append(f"node {name} is {attrs.op} in the model but {node.op} in the plan")
             continue
-        signature = NdSignature(
-            tuple(parse_nd_sbp(s) for s in node.inputs),
-            tuple(parse_nd_sbp(s) for s in node.outputs),
-        )
-        if signature not in nd_signatures(attrs, plan.mesh_shape):
-            refused.append(f"{name} ({signature!r})")
+        layouts = (tuple(map(parse_nd_sbp, node.inputs)), tuple(map(parse_nd_sbp, node.outputs)))
+        found = find_signature(attrs, layouts, node.exchanges, mesh)
+        if found is None:
+            refused.append(f"{name} ({', '.join(node.inputs)} -> {', '.join(node.outputs)})")
+        elif tuple(e.describe() for e in exchanges(attrs, found, mesh)) != node.exchanges:
+            talks.append(f"{name} (stated: {', '.join(node.exchanges) or 'none'})")
     if refused:
         out.append(
             f"nodes {_names(refused)} have signatures their rules do not offer on mesh "
             f"{list(plan.mesh_shape)}"
         )
+    if talks:  # what the runtime refuses on every rank (`runtime.execute.signatures`)
+        out.append(f"nodes {_names(talks)} state other collectives inside the op than they run")
     return out
 
 

@@ -108,7 +108,15 @@ def validate_plan_json(data: Any, source: str = "plan") -> None:
             f"{source} is not an autosbp plan (format {printable(repr(data.get('format')))}, "
             f"expected {FORMAT!r}); pass a file written by `autosbp plan` or autosbp.plan.save_plan()."
         )
-    if isinstance(data, dict) and data.get("version") not in READABLE_VERSIONS:
+    version = data.get("version") if isinstance(data, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        raise PlanError(
+            f"{source} is plan version {version}, newer than any this autosbp writes (version "
+            f"{VERSION}; it reads {', '.join(map(str, READABLE_VERSIONS))}): a newer autosbp wrote "
+            "it, with fields this one would misread. Upgrade autosbp to use it, or make the plan "
+            "again with this version of autosbp."
+        )
+    if isinstance(data, dict) and version not in READABLE_VERSIONS:
         raise PlanError(
             f"{source} is plan version {printable(repr(data.get('version')))} but this autosbp "
             f"reads versions {', '.join(map(str, READABLE_VERSIONS))}; make the plan again with "

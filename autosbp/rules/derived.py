@@ -98,8 +98,9 @@ def _triable(node: Node) -> bool:
 def _sample(meta: TensorMeta) -> torch.Tensor:
     """Random values of `meta` on the CPU (whatever default device a capture runs under)."""
     cpu = torch.device("cpu")
-    if meta.dtype.is_floating_point:
-        return torch.randn(meta.shape, dtype=torch.float64, device=cpu).to(meta.dtype)
+    if meta.dtype.is_floating_point or meta.dtype.is_complex:  # complex: FNet's DFT matmuls
+        wide = torch.complex128 if meta.dtype.is_complex else torch.float64
+        return torch.randn(meta.shape, dtype=wide, device=cpu).to(meta.dtype)
     if meta.dtype is torch.bool:
         return torch.rand(meta.shape, device=cpu) < 0.5
     return torch.randint(0, 2, meta.shape, dtype=meta.dtype, device=cpu)

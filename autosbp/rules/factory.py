@@ -1,6 +1,6 @@
 """Ops that make tensors from sizes or from another tensor's metadata, and bookkeeping ops.
 
-Lives here: arange, zeros / ones / full / empty, the *_like and new_* families, type_as,
+Lives here: arange, eye, zeros / ones / full / empty, the *_like and new_* families, type_as,
 scalar_tensor, and
 _assert_tensor_metadata (a check with no output). Lives elsewhere: identities such as alias,
 detach and lift_fresh_copy (`pointwise`, linear).
@@ -9,6 +9,9 @@ Rows, for one mesh dim:
   arange, zeros, ones, full    no tensor input: output B, or S(d) generated locally (each device
                                makes only its block: local sizes; arange's block starts at its
                                offset). Never P.
+  eye (n[, m])                 no tensor input: output B, or S(0) / S(1) generated locally (a
+                               block of rows or columns of the identity: ones where the global
+                               row equals the global column; SigLIP's loss labels its pairs so)
   *_like (self)                output has self's shape and values that do not depend on self:
                                S(i) -> S(i), B -> B, P -> B (a P input still has the full shape)
   new_* (self, size)           self only gives dtype and device: any self SBP -> B, and
@@ -91,6 +94,34 @@ class ArangeBlock:
         return (index * self.step + self.start).to(self.dtype)
 
 
+def _eye_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shape) -> LocalOp:
+    rows, columns = node.outputs[0].shape
+    row_block = shard_range(rows, 0, sig.outputs[0], mesh_shape, coords)
+    column_block = shard_range(columns, 1, sig.outputs[0], mesh_shape, coords)
+    if len(row_block) == rows and len(column_block) == columns:
+        return default_local_op(node)
+    kernel = EyeBlock(row_block.start, row_block.stop, column_block.start, column_block.stop,
+                      node.outputs[0].dtype)  # fmt: skip
+    return LocalOp(kernel, (), {"device": bound_args(node).get("device")}, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class EyeBlock:
+    """Rows [row_lo, row_hi) and columns [column_lo, column_hi) of an identity matrix: one
+    where the global row index equals the global column index."""
+
+    row_lo: int
+    row_hi: int
+    column_lo: int
+    column_hi: int
+    dtype: torch.dtype
+
+    def __call__(self, device: torch.device | str | None = None) -> torch.Tensor:
+        rows = torch.arange(self.row_lo, self.row_hi, device=device)
+        columns = torch.arange(self.column_lo, self.column_hi, device=device)
+        return (rows[:, None] == columns[None, :]).to(self.dtype)
+
+
 def like_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     rank = len(in_shapes(node)[0])
     return [
@@ -135,6 +166,9 @@ def rules() -> dict[str, OpRule]:
         "aten.arange.default": arange,
         "aten.arange.start": arange,
         "aten.arange.start_step": arange,
+        **dict.fromkeys(
+            ("aten.eye.default", "aten.eye.m"), OpRule(generated_signatures, _eye_local)
+        ),
         **dict.fromkeys(
             ("aten.zeros.default", "aten.ones.default", "aten.full.default"), generated
         ),

@@ -33,6 +33,7 @@ __all__ = [
     "Float32Fallback",
     "disable_dropout",
     "evaluate",
+    "inexact",
     "nudged",
     "require_deterministic",
     "widen",
@@ -131,7 +132,15 @@ def nudged(
     return {n: nudge(t) for n, t in state.items()}, tuple(nudge(x) for x in inputs)
 
 
+def inexact(x: torch.Tensor) -> bool:
+    """Does `x` hold rounded values (floating or complex), not exact ones (bool, integer)?"""
+    return x.is_floating_point() or x.is_complex()
+
+
 def widen(x: torch.Tensor) -> torch.Tensor:
+    """`x` in double precision where it rounds (float64, complex128), as it is where exact."""
+    if x.is_complex():
+        return x.detach().to(torch.complex128)
     return x.detach().to(torch.float64) if x.is_floating_point() else x.detach()
 
 

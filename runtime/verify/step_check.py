@@ -97,6 +97,7 @@ from runtime.verify.one_device import (
     Evaluation,
     Float32Fallback,
     evaluate,
+    inexact,
     nudged,
     require_deterministic,
     widen,
@@ -281,12 +282,14 @@ def _deviation(
     rounding: float,
     unit: float = 2.0**-24,
 ) -> Deviation:
-    """One tensor of the forward/backward against float64 (header, 1.); an integer tensor (a
-    step counter) must be equal."""
-    if not exact.is_floating_point():
-        error = float((plan.to(exact.dtype) != exact).sum())
-        return Deviation(kind, name, tuple(exact.shape), error, 0.0, float(exact.abs().sum()))
-    plan = widen(plan)
+    """One tensor of the forward/backward against float64 (header, 1.). A tensor of an exact
+    dtype (bool: GPT-BigCode's causal mask; integer: a step counter) must be equal: its error is
+    the count of elements that differ, its size the count of elements. A complex one is bounded
+    as the floats of its real and imaginary parts."""
+    if not inexact(exact):
+        differ = float((plan.to(exact.dtype) != exact).sum())
+        return Deviation(kind, name, tuple(exact.shape), differ, 0.0, float(exact.numel()))
+    plan, exact = _as_real(widen(plan)), _as_real(exact)
     size = float(exact.norm())
     own = noise["loss" if kind is Kind.LOSS else f"{kind.value} {name}"]
     bound = NOISE_FACTOR * max(own, rounding * size, unit * size)
@@ -328,7 +331,7 @@ def _noise(exact: Evaluation, samples: Sequence[Evaluation]) -> dict[str, float]
     fp32 samples from float64 (header, 1.); 0 for an integer value, which must be equal."""
 
     def second(want: torch.Tensor, got: Iterable[torch.Tensor]) -> float:
-        if not want.is_floating_point():
+        if not inexact(want):
             return 0.0
         return sorted(float((g - want).norm()) for g in got)[-2]
 
@@ -344,8 +347,10 @@ def _elementwise(
     name: str, plan: torch.Tensor, want: torch.Tensor, before: torch.Tensor
 ) -> Deviation:
     """The update of one tensor: its worst element against that element's bound (header, 2.);
-    `size` is that element's step."""
+    `size` is that element's step. A tensor of an exact dtype must be equal (`_deviation`)."""
     shape = tuple(want.shape)
+    if not inexact(want):
+        return _deviation(Kind.UPDATE, name, plan, want, {}, 0.0)
     plan, want, before = widen(plan).flatten(), widen(want).flatten(), widen(before).flatten()
     if not want.numel():
         return Deviation(Kind.UPDATE, name, shape, 0.0, 0.0, 0.0)
@@ -354,6 +359,11 @@ def _elementwise(
     ratio = torch.where(diff > 0, diff / bound, torch.zeros_like(diff))  # x / 0 = inf
     at = int(ratio.argmax())
     return Deviation(Kind.UPDATE, name, shape, float(diff[at]), float(bound[at]), float(step[at]))
+
+
+def _as_real(x: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as the floats of its real and imaginary parts (the same norm)."""
+    return torch.view_as_real(x) if x.is_complex() else x
 
 
 def _relative_error(approx: Iterable[torch.Tensor], exact: Iterable[torch.Tensor]) -> float:

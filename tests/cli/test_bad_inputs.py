@@ -36,7 +36,7 @@ from autosbp.boxing import plan_boxing
 from autosbp.cli import main
 from autosbp.errors import AutosbpError, CaptureError, PlanError, ProfileError, SbpError
 from autosbp.layout import shard_tensor
-from autosbp.plan import Plan, load_plan, save_plan
+from autosbp.plan import VERSION, Plan, load_plan, save_plan
 from autosbp.rules import UnknownOpWarning
 from autosbp.sbp import Mesh, P, S, parse_nd_sbp
 from autosbp.timeline import Event, draw_timelines, predicted_events
@@ -119,6 +119,8 @@ def wrong_shape():
 # or an escape sequence from an input file reaching the terminal.
 LEAKS = ("Traceback", "def forward(", "\x1b")
 PP = "megatron:tp=1,pp=2,dp=1"  # the two-stage plan the corpus edits (mlp: 3 blocks)
+CP = "megatron:tp=1,pp=1,dp=1,cp=2"  # the plan whose attention exchanges the corpus edits (gpt)
+VP = "megatron:tp=1,pp=2,dp=1,vp=2"  # interleaved: 2 chunks per device (mlp with 4 blocks)
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -132,12 +134,13 @@ def inputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     good = save_plan(plan, root / "plan.json")
     _write_damaged(root, "plan", good.read_text())
     _write_damaged(root, "profile", (REPO / "costmodel" / "profiles" / "cpu-gloo.json").read_text())
-    dp, pp = (
-        autosbp.auto_parallelize(model, inputs, devices=2, strategy=s, time_limit_s=10).to_json()
-        for s in ("dp", PP)
-    )
+    plans = {
+        name: autosbp.auto_parallelize(*made, devices=2, strategy=s, time_limit_s=10).to_json()
+        for name, made, s in (("dp", (model, inputs), "dp"), ("pp", (model, inputs), PP),
+                              ("cp", build_model("gpt"), CP))
+    }  # fmt: skip
     profile = json.loads((REPO / "costmodel" / "profiles" / "cpu-gloo.json").read_text())
-    write_corpus(root, dp, pp, profile)
+    write_corpus(root, plans, profile)
     return root
 
 
@@ -188,6 +191,8 @@ def _assert_words(message: str, words: tuple[str, ...]) -> None:
 
 # ------------------------------------------------------------------------------ CLI cases
 TRAIN = ["train", "mlp", "--nproc", "2", "--plan"]  # + a plan file
+TRAIN_GPT = ["train", "gpt", "--nproc", "2", "--plan"]  # + a plan file edited from the cp plan
+PLAN_MLP4 = ["plan", "mlp", "--model-args", "layers=4", "--devices", "2", "--strategy"]
 # (argv, cause words, fix words). {in} is the inputs directory; the working directory is empty.
 CLI_CASES = [
     # models
@@ -436,7 +441,40 @@ CLI_CASES = [
             (TRAIN, (), "tiedangling", ("tied to nodes the plan does not have: p_blocks_1_fc_weight -> nosuch",)),
             (["show"], (), "longname", ("a text of 1000000 characters at model/name", "at most 4096")),
             (TRAIN, (), "dupparams", ("names 'inp.weight' 3 times in one object", "keeps only the last")),
+            # issue #48: collectives inside an op other than the rule runs, refused before launch
+            (TRAIN_GPT, (), "exchanges-removed", ("nodes scaled_dot_product_attention (stated: none)",
+                                                   "state other collectives inside the op")),
+            (TRAIN_GPT, (), "exchanges-swapped", ("nodes scaled_dot_product_attention (stated: send_recv",
+                                                   "state other collectives inside the op")),
+            (TRAIN_GPT, (), "exchanges-added", ("nodes linear (stated: all_gather on mesh dim 0",
+                                                 "state other collectives inside the op")),
         )
+    ),
+    pytest.param(
+        ["explain", "{in}/plan-vnext.json"],
+        (f"plan version {VERSION + 1}, newer than any this autosbp writes",),
+        ("Upgrade autosbp",), id="explain-plan-newer-than-this-autosbp",
+    ),
+    # issue #48: what the search refuses names the real cause, and the device's own numbers
+    pytest.param(
+        [*PLAN_MLP4, f"{VP},mb=1"],
+        ("1 micro-batches is not a multiple of 2",), ("use a multiple",),
+        id="plan-interleaved-micro-batches-not-a-multiple-of-pp",
+    ),
+    pytest.param(
+        [*PLAN_MLP4, f"{PP},mb=1"],
+        ("a pipeline of 2 stages needs at least 2",), ("use mb >= 2",),
+        id="plan-fewer-micro-batches-than-stages",
+    ),
+    pytest.param(
+        [*PLAN_MLP4, "megatron:tp=2,pp=2,dp=1,vp=2"],
+        ("a mesh that 2 devices cannot form",), ("multiply to 2",),
+        id="plan-interleaved-degrees-not-devices",
+    ),
+    pytest.param(
+        [*PLAN_MLP4, f"{VP},mb=2", "--memory-gib", "0.0001"],
+        ("no plan fits in 104.86 KiB per device (52.43 KiB for each of the 2 model chunks",),
+        ("Raise --memory-gib",), id="plan-interleaved-no-fit-names-the-device-budget",
     ),
     *(
         pytest.param(

@@ -30,6 +30,9 @@ CASES = [
      ["(S(0) -> S(0))", "(S(1) -> S(1))"], ["(S(2) -> S(2))", "(P -> P)"]),
     ("repeat", aten.repeat.default, lambda: (_x(4, 2), [1, 3]), ["(S(0) -> S(0))"], []),
     ("trace", aten.trace.default, lambda: (_x(4, 4),), ["(P -> P)"], []),
+    # complex inputs (FNet's DFT matmuls): the derivation's draw was a crash (issue #48)
+    ("sgn-complex", aten.sgn.default, lambda: (torch.randn(4, 8, dtype=torch.complex128),),
+     ["(S(0) -> S(0))", "(S(1) -> S(1))"], ["(P -> P)"]),
 ]  # fmt: skip
 
 

@@ -57,7 +57,7 @@ def _emulated_step(
     """One fp32 step of `model` with the batch cut in `pieces` (another summation order than
     the reference's), optionally with the gradients tampered: (weights before, loss,
     gradients, state after), as the job hands them to `Reference.check`."""
-    before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    before = _state(model)
     optimizer.zero_grad(set_to_none=True)
     loss = torch.zeros(())
     for piece in split_micro_batches(inputs, pieces):
@@ -73,8 +73,13 @@ def _emulated_step(
         for name, p in model.named_parameters():
             p.grad = gradients[name].clone()
     optimizer.step()
-    after = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    after = _state(model)
     return before, float(loss), gradients, after
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (non-persistent ones too), as `Engine.full_state_dict`."""
+    return {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
 def _check_in_process(
@@ -101,6 +106,7 @@ FALSE_ALARMS = [
     ("conv_bn", 1, "conv.bias"),
     ("dropout", 2, "Dropout set to p = 0 on both sides: drop"),
     ("grouped", 2, "aten._grouped_mm.default"),
+    ("buffers", 1, "matches single-device training"),  # bool, int64 and complex buffers
 ]
 
 
@@ -152,6 +158,32 @@ def test_a_wrong_step_fails(tamper: Tamper | None, skip: str | None, says: tuple
     assert verdict.text.startswith("the plan's training differs from one device")
     for text in says:
         assert text in verdict.text, verdict.text
+
+
+BufferTamper = Callable[[torch.Tensor], object]
+# (buffer of check_models.buffers, a wrong value of it after the step): one element of the
+# bool mask and of the int64 permutation (must be equal), the complex spectrum off by 1e-3.
+WRONG_BUFFERS: list[tuple[str, BufferTamper]] = [
+    ("mask", lambda t: t[0, 1].logical_not_()),
+    ("order", lambda t: t[0].add_(1)),
+    ("spectrum", lambda t: t.mul_(1 + 1e-3)),
+]
+
+
+@pytest.mark.parametrize(("name", "tamper"), WRONG_BUFFERS, ids=[b[0] for b in WRONG_BUFFERS])
+def test_a_wrong_buffer_of_any_dtype_fails(name: str, tamper: BufferTamper) -> None:
+    """Issue #48 item 2: the check took `abs` of every buffer it did not bound, which bool has
+    not (GPT-BigCode's causal mask), and held a complex one to exact equality."""
+    model, inputs = check_models.buffers()
+    reference = Reference(model, lambda ps: adam(ps, LR), 1, inputs)
+    plan = copy.deepcopy(model)
+    before, loss, gradients, after = _emulated_step(
+        plan, adam(list(plan.parameters()), LR), inputs, 1
+    )
+    tamper(after[name])
+    verdict = judge([reference.check(0, inputs, before, loss, gradients, after)])
+    assert not verdict.passed
+    assert f"buffer of {name}" in verdict.text, verdict.text
 
 
 def test_a_wrong_loss_is_a_wrong_forward() -> None:

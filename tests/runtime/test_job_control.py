@@ -8,7 +8,9 @@ parent, ranks that agree on the plan and start from rank 0's weights, a loopback
   (found by a marker in their environment, never by name), and the job listened on loopback
   only while it ran;
 - ranks given different plans through the API stop at once, naming the ranks (before: a hang
-  until the collective timeout);
+  until the collective timeout); so do ranks whose models capture different graphs, naming both
+  fingerprints (issue #48: before, the rank whose graph missed the plan's fingerprint refused
+  alone, and no rank was told two graphs were meant to run one job);
 - initial state: ranks whose models start from different weights and buffers all train rank 0's
   (oracle: rank 0's model), and a model file that seeds from os.urandom passes `--check`.
 """
@@ -264,6 +266,50 @@ def test_ranks_with_different_plans_stop_at_once_naming_them() -> None:
     message = str(info.value)
     assert "PlanError: the ranks hold 2 different plans (ranks [0]: sha256 " in message
     assert "; ranks [1]: sha256 " in message and "Load one plan file on every rank" in message
+    assert time.monotonic() - start < BUDGET_S  # not the collective timeout
+
+
+class Chained(nn.Module):
+    """Per key of `order` an add of that key's buffer, one after the other: the graph follows
+    the order (a loop over a set whose body differs per process is the same in real code)."""
+
+    def __init__(self, order: tuple[str, ...]) -> None:
+        super().__init__()
+        self.order = order
+        for key in sorted(order):
+            self.register_buffer(f"{key}_shift", torch.full((4,), float(len(key))))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for key in self.order:
+            x = x * 0.5 + getattr(self, f"{key}_shift")
+        return (self.fc(x) - y).pow(2).mean()
+
+
+ORDERS = [("full", "sliding"), ("sliding", "full")]  # rank r loops in ORDERS[r]
+
+
+def chained_worker(rank: int, world_size: int, plan: dict) -> None:
+    """Rank r builds its Engine for Chained(ORDERS[r]) under `plan` (made for ORDERS[0])."""
+    model = Chained(ORDERS[rank])
+    inputs = (torch.randn(4, 4), torch.randn(4, 4))
+    Engine(model, Plan.from_json(plan), torch.optim.SGD, example_inputs=inputs)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(90)
+def test_ranks_with_different_graphs_stop_at_once_naming_both_fingerprints() -> None:
+    inputs = (torch.randn(4, 4), torch.randn(4, 4))
+    graphs = [autosbp.capture(Chained(order), inputs).fingerprint() for order in ORDERS]
+    assert graphs[0] != graphs[1]  # the two ranks' models do differ
+    plan = autosbp.auto_parallelize(Chained(ORDERS[0]), inputs, devices=2, strategy="dp")
+    start = time.monotonic()
+    with pytest.raises(ExecutionError) as info:
+        run_workers(chained_worker, 2, (plan.to_json(),), timeout_s=120.0)
+    message = str(info.value)
+    assert "CaptureError: the ranks captured 2 different graphs of model `Chained`" in message
+    assert f"ranks [0]: fingerprint {graphs[0]}; ranks [1]: fingerprint {graphs[1]}" in message
+    assert "PYTHONHASHSEED" in message
     assert time.monotonic() - start < BUDGET_S  # not the collective timeout
 
 

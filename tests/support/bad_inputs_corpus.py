@@ -2,14 +2,16 @@
 (tests/cli/test_bad_inputs.py) and the robustness probe (bench/robustness.py) share.
 
 Lives here: `PLAN_EDITS` (name -> the plan it edits: "dp" (one stage) or "pp" (two stages of an
-mlp with at least 3 blocks), and the edit of its JSON), `PROFILE_EDITS`, `MODELS` (a user model
+mlp with at least 3 blocks), or "cp" (the zoo gpt under megatron:cp=2: attention exchanges keys
+and values inside the op, as the plan states), and the edit of its JSON), `PROFILE_EDITS`, `MODELS` (a user model
 file, bad_models.py), `ESCAPING_MANIFEST`, and `write_corpus`, which writes them all as files
 next to the two plans. Lives elsewhere: what each must give (the tests' tables), making the two
 plans (the callers).
 
 Every edit makes a plan that `autosbp plan` never writes: inconsistent in itself (devices,
-meshes, stages, layouts, numbers), against its model (nodes, data flow, parameters, batch), or
-not a plan at all (NaN, 10^400, 2.0 devices, control characters, 100,000 brackets).
+meshes, stages, layouts, numbers), against its model (nodes, data flow, parameters, batch, the
+collectives an op runs inside itself), newer than this autosbp writes, or not a plan at all
+(NaN, 10^400, 2.0 devices, control characters, 100,000 brackets).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from autosbp.plan import VERSION
 
 __all__ = ["ESCAPING_MANIFEST", "MODELS", "PLAN_EDITS", "PROFILE_EDITS", "write_corpus"]
 
@@ -129,6 +133,22 @@ def _delete_block1(data: dict[str, Any]) -> None:
         del data["nodes"][name]
 
 
+ATTENTION = "scaled_dot_product_attention"  # the cp plan's first attention (it exchanges k, v)
+
+
+def _exchanges_removed(data: dict[str, Any]) -> None:
+    del data["nodes"][ATTENTION]["exchanges"]
+
+
+def _exchanges_swapped(data: dict[str, Any]) -> None:
+    data["nodes"][ATTENTION]["exchanges"].reverse()
+
+
+def _exchanges_added(data: dict[str, Any]) -> None:
+    """The attention's collectives stated on the linear before it, which runs none."""
+    data["nodes"]["linear"]["exchanges"] = data["nodes"][ATTENTION]["exchanges"]
+
+
 PLAN_EDITS: dict[str, tuple[str, Edit]] = {
     "cycle": ("pp", _head_to_stage0),
     "mesh3": ("dp", _set("mesh/shape", [3])),
@@ -156,6 +176,10 @@ PLAN_EDITS: dict[str, tuple[str, Edit]] = {
     "block99": ("pp", _set("stages/1/blocks", [1, 99])),
     "tiedangling": ("dp", _set("nodes/p_blocks_1_fc_weight/tied_to", "nosuch")),
     "longname": ("dp", _set("model/name", "m" * 1_000_000)),
+    "vnext": ("dp", _set("version", VERSION + 1)),  # written by a newer autosbp
+    "exchanges-removed": ("cp", _exchanges_removed),
+    "exchanges-swapped": ("cp", _exchanges_swapped),
+    "exchanges-added": ("cp", _exchanges_added),
 }
 PROFILE_EDITS: dict[str, tuple[tuple[str, ...], float]] = {
     "nan-bandwidth": (
@@ -195,10 +219,8 @@ def _duplicated_param(plan: dict[str, Any], name: str) -> str:
     return json.dumps({**plan, "params": "@params"}).replace('"@params"', "{" + params + "}")
 
 
-def write_corpus(
-    root: Path, dp: dict[str, Any], pp: dict[str, Any], profile: dict[str, Any]
-) -> None:
-    """plan-<name>.json for every PLAN_EDITS (from `dp` or `pp`, plan JSON), plan-nested.json
+def write_corpus(root: Path, plans: dict[str, dict[str, Any]], profile: dict[str, Any]) -> None:
+    """plan-<name>.json for every PLAN_EDITS (from `plans`: "dp", "pp", "cp" -> plan JSON), plan-nested.json
     (100,000 brackets deep), plan-dupparams.json (a parameter listed three times), profile-<name>.json for every PROFILE_EDITS (from `profile`),
     bad_models.py (MODELS), ckpt-escape/manifest.json (ESCAPING_MANIFEST),
     ckpt-negstep/manifest.json (the same, naming its own rank file, at step -7),
@@ -222,11 +244,11 @@ def write_corpus(
     (root / "ckpt-locked.lock").write_text(json.dumps(LOCK_ELSEWHERE))
     (root / "ckpt-badlock.lock").write_text("{")
     for name, (base, edit) in PLAN_EDITS.items():
-        data = json.loads(json.dumps(dp if base == "dp" else pp))
+        data = json.loads(json.dumps(plans[base]))
         edit(data)
         (root / f"plan-{name}.json").write_text(json.dumps(data))
     (root / "plan-nested.json").write_text("[" * 100_000 + "]" * 100_000)
-    (root / "plan-dupparams.json").write_text(_duplicated_param(dp, "inp.weight"))
+    (root / "plan-dupparams.json").write_text(_duplicated_param(plans["dp"], "inp.weight"))
     for name, (path, value) in PROFILE_EDITS.items():
         data = json.loads(json.dumps(profile))
         node = data

@@ -6,8 +6,8 @@ Lives here: small modules, each `model(*inputs)` returning a loss, and `build(ca
 of Hugging Face, torchvision or timm models in a few lines: attention's
 `transpose().contiguous()`, `x.to(device)` and `arange(device=...)`, T5's indexing assignments
 with a Python scalar, HF's empty KV-cache constant and non-persistent buffers, in-place
-activations and residual adds, a `torch.no_grad()` region (HF's rotary embeddings) and
-RMSNorm's `type_as`. Lives elsewhere: the tests
+activations and residual adds, a `torch.no_grad()` region (HF's rotary embeddings),
+RMSNorm's `type_as` and a loop over a `set` (Gemma3's rotary tables, issue #48). Lives elsewhere: the tests
 (tests/capturing/test_capture_canonical.py, tests/rules/test_inplace_plans.py).
 """
 
@@ -124,6 +124,30 @@ class NoGradScale(nn.Module):
         return F.mse_loss(self.fc(x) * scale, y)
 
 
+class KeyedTables(nn.Module):
+    """Gemma3's and ModernBERT's rotary tables: one table per layer type, built in
+    `for key in set(self.kinds)` (Python's per-process hash order; `order` fixes another), each
+    layer reading its type's table. Buffers registered in sorted order, as theirs are."""
+
+    KINDS = ("sliding", "full", "sliding", "chunked")
+
+    def __init__(self, order: tuple[str, ...] | None = None) -> None:
+        super().__init__()
+        self.order = order
+        for k, kind in enumerate(sorted(set(self.KINDS))):
+            self.register_buffer(f"{kind}_freq", torch.arange(HIDDEN) / (k + 1.0), persistent=False)
+        self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in self.KINDS)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        tables = {}
+        for kind in self.order or set(self.KINDS):
+            angles = x.mean(-1, keepdim=True) * getattr(self, f"{kind}_freq")
+            tables[kind] = angles.cos() + angles.sin()
+        for layer, kind in zip(self.layers, self.KINDS, strict=True):
+            x = layer(x) * tables[kind]
+        return F.mse_loss(x, y)
+
+
 class TypeAs(nn.Module):
     """Gemma's and Llama's RMSNorm tail, `output.type_as(x)`: once to x's own dtype (float32,
     a no-op) and once to a float64 tensor's (a cast), then back."""
@@ -168,6 +192,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor,
     "inplace-cnn": (InplaceCnn, _images),
     "no-grad": (NoGradScale, _floats),
     "type-as": (TypeAs, _floats),
+    "set-loop": (KeyedTables, _floats),
 }
 
 

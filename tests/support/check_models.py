@@ -10,7 +10,10 @@ Lives here: one builder per case, each returning `(model, example_inputs)` where
 - `functional_dropout`: F.dropout with its own probability (the check must refuse it);
 - `grouped`: a grouped matmul (torch's `grouped_mm`), which has no float64 kernel on the CPU
   (Hugging Face Mixtral's experts run on it);
-- `float32_only`: a forward that refuses any other dtype in Python (no op to run in fp32).
+- `float32_only`: a forward that refuses any other dtype in Python (no op to run in fp32);
+- `buffers`: a buffer of every dtype the check compares (issue #48): a bool causal mask
+  (GPT-BigCode's), an integer permutation, and a complex running spectrum the forward updates
+  (equal where exact, within a bound where rounded).
 Lives elsewhere: the zoo (`autosbp.zoo`), third-party models (tests/support/real_models.py).
 
 Invariants: the same arguments give bit-identical weights and inputs (seeded; the global RNG is
@@ -179,3 +182,36 @@ def float32_only(batch: int = 8, features: int = 4, seed: int = 0) -> ModelAndIn
         torch.manual_seed(seed)
         model = Float32Only(features)
     return model, (torch.randn(batch, features, generator=g), torch.randn(batch, 1, generator=g))
+
+
+class Buffers(nn.Module):
+    """Attention scores masked by a bool causal buffer, positions read through an int64
+    buffer, and a complex64 running spectrum of the hidden state updated in forward (as
+    BatchNorm updates its statistics), then MSE."""
+
+    def __init__(self, seq: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+        self.mask = nn.Buffer(torch.tril(torch.ones(seq, seq, dtype=torch.bool)), persistent=False)
+        self.order = nn.Buffer(torch.arange(seq).flip(0))
+        self.spectrum = nn.Buffer(torch.zeros(hidden // 2 + 1, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)[:, self.order]
+        scores = (h @ h.transpose(1, 2)).masked_fill(~self.mask, float("-inf"))
+        h = scores.softmax(-1) @ h
+        with torch.no_grad():
+            spectrum = torch.fft.rfft(h.mean((0, 1)))
+            self.spectrum.mul_(0.9).add_(0.1 * spectrum.to(self.spectrum.dtype))
+        return F.mse_loss(h, target)
+
+
+def buffers(batch: int = 4, seq: int = 8, hidden: int = 8, seed: int = 0) -> ModelAndInputs:
+    g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Buffers(seq, hidden)
+    return model, (
+        torch.randn(batch, seq, hidden, generator=g),
+        torch.randn(batch, seq, hidden, generator=g),
+    )

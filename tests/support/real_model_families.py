@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tests.support import real_models, training_ifs_models
-from tests.support.real_model_sweep import SWEEP
+from tests.support.real_model_sweep import SWEEP, _decoder, _masked_lm
 from tests.support.real_models import (
     IGNORE_INDEX,
     IMAGES,
@@ -156,6 +156,99 @@ def lora_llama(seed: int = 0) -> ModelAndInputs:
     return model, inputs
 
 
+# ------------------------------------------------------------------ issue #48's families
+# Written from transformers 5.17's Config classes: a bool causal-mask buffer (GPT-BigCode,
+# GPT-Neo, ImageGPT: `--check` compares it by equality), rotary tables built per layer type in
+# `for layer_type in set(config.layer_types)` (Gemma3, ModernBERT, OLMo3, ModernBERT's decoder:
+# Python's per-process set order, made canonical by capture), `eye` in the loss (SigLIP,
+# SigLIP2's text-image loss) and a complex buffer (FNet's DFT matrices on its TPU path).
+_LAYER_TYPES = ["sliding_attention", "full_attention"]  # one layer of each: both tables read
+
+gpt_bigcode = _decoder(
+    "GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_positions=TEXT["seq"], n_embd=32, n_layer=2,
+    n_head=4, n_inner=64, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+gpt_neo = _decoder(
+    "GPTNeoConfig", "GPTNeoForCausalLM", max_position_embeddings=TEXT["seq"], hidden_size=32,
+    num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=8,
+    intermediate_size=64, embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0,
+    bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+gemma3 = _decoder(
+    "Gemma3TextConfig", "Gemma3ForCausalLM", hidden_size=32, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    max_position_embeddings=TEXT["seq"], sliding_window=8, layer_types=_LAYER_TYPES,
+    attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)  # fmt: skip
+olmo3 = _decoder(
+    "Olmo3Config", "Olmo3ForCausalLM", hidden_size=32, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=TEXT["seq"], sliding_window=8, layer_types=_LAYER_TYPES,
+    attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)  # fmt: skip
+modernbert_decoder = _decoder(
+    "ModernBertDecoderConfig", "ModernBertDecoderForCausalLM", hidden_size=32,
+    intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=TEXT["seq"], local_attention=8, layer_types=_LAYER_TYPES,
+    embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0, cls_token_id=1, sep_token_id=2,
+)  # fmt: skip
+modernbert = _masked_lm(
+    "ModernBertConfig", "ModernBertForMaskedLM", hidden_size=32, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=TEXT["seq"],
+    local_attention=8, layer_types=_LAYER_TYPES, embedding_dropout=0.0, mlp_dropout=0.0,
+    attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+    sep_token_id=2,
+)  # fmt: skip
+fnet = _masked_lm(
+    "FNetConfig", "FNetForMaskedLM", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    max_position_embeddings=TEXT["seq"], use_tpu_fourier_optimizations=True,
+    tpu_short_seq_length=TEXT["seq"], hidden_dropout_prob=0.0, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
+def imagegpt(batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0) -> ModelAndInputs:
+    """ImageGPT: GPT-2 over colour-cluster tokens; its head predicts all but the start token."""
+    from transformers import ImageGPTConfig, ImageGPTForCausalImageModeling
+
+    config = ImageGPTConfig(
+        vocab_size=VOCAB + 1, n_positions=seq, n_embd=32, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return _causal_lm(
+        lambda: ImageGPTForCausalImageModeling(config), vocab=VOCAB, batch=batch, seq=seq,
+        seed=seed,
+    )  # fmt: skip
+
+
+def _siglip(config_name: str, model_name: str) -> Callable[..., ModelAndInputs]:
+    """A SigLIP-style two-tower model whose loss, a sigmoid per text-image pair, labels the
+    pairs by `2 * eye(batch) - 1`."""
+
+    def build(batch: int = 4, seed: int = 0) -> ModelAndInputs:
+        import transformers
+
+        text = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 4,
+                "max_position_embeddings": TEXT["seq"], "attention_dropout": 0.0}  # fmt: skip
+        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "image_size": IMAGES["image"], "patch_size": 4,
+                  "attention_dropout": 0.0}  # fmt: skip
+        config = getattr(transformers, config_name)(text_config=text, vision_config=vision)
+        with _seeded(seed) as g:
+            model = getattr(transformers, model_name)(config).train()
+            ids = torch.randint(0, VOCAB, (batch, TEXT["seq"]), generator=g)
+            pixels = torch.randn(batch, 3, IMAGES["image"], IMAGES["image"], generator=g)
+        return _ContrastiveLoss(model), _on_default_device(ids, pixels)
+
+    return build
+
+
+siglip = _siglip("SiglipConfig", "SiglipModel")
+
+
 FAMILIES: dict[str, Callable[..., ModelAndInputs]] = {
     "bart": bart,
     "wav2vec2_ctc": wav2vec2_ctc,
@@ -164,5 +257,19 @@ FAMILIES: dict[str, Callable[..., ModelAndInputs]] = {
     "mamba": mamba,
     "lora_llama": lora_llama,
 }
+# Issue #48's: a bool buffer, a set-ordered rotary model, eye in the loss, a complex buffer.
+FAULTS: dict[str, Callable[..., ModelAndInputs]] = {
+    "gpt_bigcode": gpt_bigcode,
+    "gpt_neo": gpt_neo,
+    "imagegpt": imagegpt,
+    "gemma3": gemma3,
+    "modernbert": modernbert,
+    "olmo3": olmo3,
+    "modernbert_decoder": modernbert_decoder,
+    "siglip": siglip,
+    "fnet": fnet,
+}
 # Every model of the real-model suite, the older ones first (what `build` and the bench read).
-BUILDERS: dict[str, Callable[..., ModelAndInputs]] = real_models.BUILDERS | FAMILIES | SWEEP
+BUILDERS: dict[str, Callable[..., ModelAndInputs]] = (
+    real_models.BUILDERS | FAMILIES | SWEEP | FAULTS
+)

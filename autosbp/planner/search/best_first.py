@@ -57,7 +57,8 @@ class Outcome:
         limit = state.ev.request.memory_limit_bytes
         if self.best is None:
             space = state.ev.request.space
-            raise NoFitError(state.ev.refusals.message(limit, gathers=space.may_gather))
+            chunks = space.virtual_stages
+            raise NoFitError(state.ev.refusals.message(limit, space.may_gather, chunks))
         best = self.best
         if limit is not None and not best.problem.problem.memory:
             mp = best.problem
@@ -210,11 +211,16 @@ class BestFirst:
         for num_stages in space.stage_counts:
             meshes = ev.meshes(num_stages)
             pipeline, v = num_stages // space.virtual_stages, space.virtual_stages
-            for count in counts:
-                if pipeline > 1 and count < pipeline:
-                    continue
+            for count in counts if meshes else ():  # no mesh: the message below says why
                 if (reason := check_interleaving(pipeline, v, count)) is not None:
                     ev.refusals.refuse(f"{count} micro-batches: {reason}")
+                    continue
+                if pipeline > 1 and count < pipeline:
+                    ev.refusals.refuse(
+                        f"{count} micro-batches: a pipeline of {pipeline} stages needs at least "
+                        f"{pipeline} (one per stage, or a stage idles every step); use mb >= "
+                        f"{pipeline}, or fewer stages"
+                    )
                     continue
                 ours = [m for m in meshes if self.owns(Config(num_stages, m, count, "none"))]
                 every += len(meshes) * len(space.recompute)
@@ -231,9 +237,10 @@ class BestFirst:
                         self.heap.append((floor, -FLOOR, next(self.order), config, None))
         heapq.heapify(self.heap)
         if not every and not ev.refusals.refused:
+            devices = ev.request.devices // space.virtual_stages  # the search's are per chunk
             raise PlanError(
-                f"the strategy needs a mesh that {ev.request.devices} devices cannot form; "
-                f"check that its degrees multiply to {ev.request.devices}."
+                f"the strategy needs a mesh that {devices} devices cannot form; check that its "
+                f"degrees multiply to {devices}."
             )
 
     def advance(self, config: Config, level: int, bound: float, mp: MeshProblem | None) -> None:

@@ -52,10 +52,12 @@ class Refusals:
             self.least_bytes, self.least = need, mp
         return any(f > mem.limit_bytes for f, mem in zip(floors, mp.problem.memory, strict=True))
 
-    def message(self, limit: float | None, gathers: bool = True) -> str:
+    def message(self, limit: float | None, gathers: bool = True, chunks: int = 1) -> str:
         """Why nothing fits: the least memory any plan could need, and what takes it; without
         `gathers` (a space that forbids parameter gathers: `space.strategy.Space.may_gather`), that
-        a weight some op cannot read in its stored layout may be the cause."""
+        a weight some op cannot read in its stored layout may be the cause. `chunks`: model
+        chunks per device (interleaved, vp), whose search gives each chunk `limit`, 1/chunks
+        of the device's memory (`search`): the message states the device's, then the chunk's."""
         if not self.built and not self.stuck and self.refused:
             return "; ".join(self.refused)
         stuck = ", ".join(f"{label} (shape {shape})" for label, shape in self.stuck.items())
@@ -73,7 +75,7 @@ class Refusals:
                 + (f" Also: {'; '.join(self.refused)}." if self.refused else "")
                 + ("" if gathers else NO_GATHERS)
             )
-        return _memory_message(mp, limit)
+        return _memory_message(mp, limit, chunks)
 
 
 NO_GATHERS = (
@@ -84,7 +86,7 @@ NO_GATHERS = (
 )
 
 
-def _memory_message(mp: MeshProblem, limit: float) -> str:
+def _memory_message(mp: MeshProblem, limit: float, chunks: int) -> str:
     tightest = max(mp.problem.memory, key=_floor_bytes)
     per_node = {v: float(np.min(b)) for v, b in tightest.bytes_per_candidate.items() if len(b)}
     top = sorted(per_node.items(), key=lambda kv: -kv[1])[:5]
@@ -95,13 +97,22 @@ def _memory_message(mp: MeshProblem, limit: float) -> str:
         for v, b in top
         if b > 0
     )
+    need = format_bytes(_floor_bytes(tightest))
+    if chunks == 1:
+        budget, stages, needs = f"{format_bytes(limit)} per device", "stage(s)", "per device"
+    else:  # interleaved: each of a device's chunks has 1/chunks of its memory
+        budget = (
+            f"{format_bytes(limit * chunks)} per device ({format_bytes(limit)} for each of the "
+            f"{chunks} model chunks it interleaves, vp={chunks})"
+        )
+        stages, needs = f"virtual stage(s), {chunks} per device", "for one chunk"
     return (
-        f"no plan fits in {format_bytes(limit)} per device: even the most sharded plan (mesh "
-        f"{'x'.join(map(str, mp.mesh.shape))}, {mp.split.num_stages} stage(s), "
+        f"no plan fits in {budget}: even the most sharded plan (mesh "
+        f"{'x'.join(map(str, mp.mesh.shape))}, {mp.split.num_stages} {stages}, "
         f"{mp.micro_batches} micro-batch(es), recompute {mp.recompute}) needs at least "
-        f"{format_bytes(_floor_bytes(tightest))} per device ({tightest.name}). The biggest "
-        f"consumers there: {consumers}. Raise --memory-gib, use more devices, a smaller batch, "
-        "or an optimizer with fewer states (sgd)."
+        f"{need} {needs} ({tightest.name}). The biggest consumers there: {consumers}. Raise "
+        "--memory-gib, use more devices, a smaller batch, or an optimizer with fewer states "
+        "(sgd)."
     )
 
 

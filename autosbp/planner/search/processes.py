@@ -175,7 +175,9 @@ def _work(
         share = _Share(
             mine, outcome.least_s, 0, outcome.bounded - bounded, outcome.solved - solved,
             outcome.timed_out, refusals.least_bytes,
-            refusals.message(ev.request.memory_limit_bytes), outcome.improvements,
+            refusals.message(
+                ev.request.memory_limit_bytes, chunks=ev.request.space.virtual_stages
+            ), outcome.improvements,
         )  # fmt: skip
         pipe.send(share)
     except BaseException as exc:  # sent to the parent, which raises it

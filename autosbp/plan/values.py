@@ -34,6 +34,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter trained in `dtype` is held and updated in (its master: fp32 below
+    fp32, the mixed recipe of `Precision`), and its gradient accumulated in."""
+    return torch.float32 if dtype.itemsize < 4 else dtype
+
+
 @dataclass(frozen=True)
 class NodePlan:
     """The signature chosen for one op: the nd-SBP of each tensor input and output, its stage,

@@ -28,6 +28,7 @@ from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
 from autosbp.planner.search.entry import Found, GraphFor, TimeLimitWarning, divisors, search
 from autosbp.planner.search.schedules import best_of, search_spaces
 from autosbp.planner.space.strategy import Space, hand_strategies, strategy_space
+from autosbp.planner.timing.recipe import Recipe
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers
@@ -327,6 +328,7 @@ def _plan(
             graph_for, global_batch, devices, ClusterPrices(cluster), link_of, space,
             optimizer=optimizer, memory_limit_bytes=limit, time_limit_s=time_left_s,
             devices_per_node=per_node, progress=progress, jobs=jobs,
+            recipe=Recipe(DTYPES[reduce_dtype], clips_gradients),
         )  # fmt: skip
 
     def found_for(chosen: str) -> Found:

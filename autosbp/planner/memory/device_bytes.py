@@ -11,15 +11,16 @@ stage with the micro-batches in flight by `problem.stage_terms`).
 
 Model (Rajbhandari et al. 2020, ZeRO, section 3.1, for model states; for activations, what
 autograd saves, as `memory.kept` derives it, where Korthikanti et al. 2022 section 4 count by hand):
-- a parameter element costs its value and its gradient in the training dtype, plus optimizer
-  states in fp32 (Adam: 2, SGD with momentum: 1, SGD: 0) and an fp32 master copy when training
-  in bf16/fp16: 16 bytes per element for Adam in either precision; with its states in a ZeRO-1
-  layout (`timing.param_candidates.zero_state_layout`), value and gradient by the parameter's layout,
-  states, the fp32 shard the optimizer updates (the master copy, made in fp32 training too)
-  and its fp32 gradient (held from the reduce-scatter to the next step) by the states' layout,
-  as `runtime.parallel.sharded_update` holds them; with its gradient in that layout too
-  (ZeRO-2) the gradient in the parameter's layout is not held (each is reduce-scattered into
-  the shard's as backward makes it and freed);
+- a parameter element costs its value in the training dtype, its gradient, and its optimizer
+  states in fp32 (Adam: 2, SGD with momentum: 1, SGD: 0); below fp32 the recipe is mixed
+  (`runtime.parallel.precision`): an fp32 master beside the value, the gradient accumulated in
+  fp32: 18 bytes per element for Adam in bf16 or fp16, 16 in fp32. With its states in a ZeRO-1
+  layout (`timing.param_candidates.zero_state_layout`), value (and master) and gradient by the
+  parameter's layout, states, the fp32 shard the optimizer updates and its fp32 gradient (held
+  from the reduce-scatter to the next step; none where it is a view of the synced fp32
+  gradient) by the states' layout, as `runtime.parallel.sharded_update` holds them; with its
+  gradient in that layout too (ZeRO-2) the gradient in the parameter's layout is not held
+  (each is reduce-scattered into the shard's as backward makes it and freed);
 - a kept output counts its local tensor in the node's layout; a kept intermediate (a norm's
   mean, a dropout mask) its whole bytes times the node's share of the work (the smallest
   local/global ratio of its tensors, as `timing.candidates` prices the work);
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 from autosbp.capturing.graph import OpNode, Role, TensorMeta
+from autosbp.plan.values import master_dtype
 from autosbp.planner.memory.gather_buffers import gathers_in_bucket
 from autosbp.planner.memory.kept import KeptUse
 from autosbp.rules import NdSignature
@@ -48,10 +50,22 @@ OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
 
 
 def parameter_bytes_per_element(dtype: torch.dtype, optimizer: str) -> int:
-    """Value + gradient in `dtype`, optimizer states (and an fp32 master copy) in fp32."""
-    itemsize = dtype.itemsize
-    master = 0 if dtype == torch.float32 else 4
-    return 2 * itemsize + master + 4 * OPTIMIZER_STATES[optimizer]
+    """The value in `dtype`; below fp32 (the mixed recipe, `runtime.parallel.precision`) an
+    fp32 master beside it and the gradient accumulated in fp32, else the gradient in `dtype`;
+    the optimizer's states in fp32. Adam: 16 bytes in fp32, 18 in bf16 or fp16 (Megatron-Core's
+    18 without its distributed optimizer)."""
+    return value_bytes(dtype) + gradient_bytes(dtype) + 4 * OPTIMIZER_STATES[optimizer]
+
+
+def value_bytes(dtype: torch.dtype) -> int:
+    """A parameter element's value as the runtime holds it in the parameter's layout: the
+    compute weight, and below fp32 its fp32 master beside it."""
+    return dtype.itemsize + (4 if dtype.itemsize < 4 else 0)
+
+
+def gradient_bytes(dtype: torch.dtype) -> int:
+    """A parameter element's accumulated gradient: fp32 below fp32 (the mixed recipe)."""
+    return master_dtype(dtype).itemsize
 
 
 def candidate_bytes(
@@ -77,14 +91,12 @@ def candidate_bytes(
         if state is None:
             return float(local * parameter_bytes_per_element(meta.dtype, optimizer))
         shard = math.prod(local_shape(meta.shape, state, mesh_shape))
-        held = 1 if gradient is not None else 2  # ZeRO-2 holds no gradient in p across a step
+        held = value_bytes(meta.dtype)  # ZeRO-2 holds no gradient in p across a step:
+        held += gradient_bytes(meta.dtype) if gradient is None else 0
         shard_grad = (
             0 if _grad_is_slot(meta, signature.outputs[0], state, gradient, mesh_shape) else 4
         )
-        return float(
-            local * held * meta.dtype.itemsize
-            + shard * (4 + shard_grad + 4 * OPTIMIZER_STATES[optimizer])
-        )
+        return float(local * held + shard * (4 + shard_grad + 4 * OPTIMIZER_STATES[optimizer]))
     if role is Role.BUFFER or role is Role.INPUT:
         return local_bytes(attrs.outputs[0], signature.outputs[0], mesh_shape)
     if role is not Role.COMPUTE:
@@ -106,7 +118,7 @@ def _grad_is_slot(
     more differ the copy is counted: an upper bound)."""
     return (
         gradient is None
-        and meta.dtype == torch.float32
+        and gradient_bytes(meta.dtype) == 4  # the synced gradient is fp32: fp32 or mixed
         and gathers_in_bucket(layout, state, meta.shape, mesh_shape)
     )
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from autosbp.capturing.graph import TensorMeta
 from autosbp.overlap import GATHER_IN_PLACE_BYTES
+from autosbp.plan.values import master_dtype
 from autosbp.rules import NdSignature
 from autosbp.sbp import NdSbp, Split, local_shape
 
@@ -52,7 +53,7 @@ def shares_gather_bucket(
     if not gathers_in_bucket(layout, state_layout, meta.shape, mesh_shape):
         return False
     piece = math.prod(local_shape(meta.shape, layout, tuple(mesh_shape)))
-    return piece * meta.dtype.itemsize < GATHER_IN_PLACE_BYTES
+    return piece * master_dtype(meta.dtype).itemsize < GATHER_IN_PLACE_BYTES
 
 
 def gather_staging_bytes(
@@ -63,11 +64,12 @@ def gather_staging_bytes(
 ) -> np.ndarray:
     """Per candidate, what the parameter takes of a weight-gather bucket's buffer
     (`runtime.parallel.weight_gather`: its weight piece, every member's slot, in the weight's
-    dtype) where `shares_gather_bucket`, else 0: held only while the bucket gathers, after the
-    optimizer's step."""
+    master's dtype: fp32 under a mixed recipe) where `shares_gather_bucket`, else 0: held only
+    while the bucket gathers, after the optimizer's step."""
+    itemsize = master_dtype(meta.dtype).itemsize
     out = np.zeros(len(candidates))
     for i, (sig, q) in enumerate(zip(candidates, states, strict=True)):
         p = sig.outputs[0]
         if q is not None and shares_gather_bucket(meta, p, q, mesh_shape):
-            out[i] = math.prod(local_shape(meta.shape, p, tuple(mesh_shape))) * meta.dtype.itemsize
+            out[i] = math.prod(local_shape(meta.shape, p, tuple(mesh_shape))) * itemsize
     return out

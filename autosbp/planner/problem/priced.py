@@ -37,6 +37,7 @@ from autosbp.planner.timing.candidates import (
     sync_bucket_bytes,
     without_dominated_kernels,
 )
+from autosbp.planner.timing.recipe import PLAIN, Recipe
 from autosbp.sbp import Broadcast, Mesh
 
 
@@ -193,6 +194,7 @@ def price_graph(
     kept_memo: dict[str, Kept] | None = None,
     zero: int | None = 0,
     gathers: bool = True,
+    recipe: Recipe = PLAIN,
 ) -> Priced:
     """Candidates of every representative node (`space.ties.tie_blocks`, or `representative` where
     given); edges on first use. `pricer`: a boxing pricer of `mesh` to reuse (its chains serve
@@ -201,7 +203,8 @@ def price_graph(
     keeps it, `_parameter_key`); `kept_memo`: what backward keeps, shared by every mesh of
     `graph` (with the same `representative`); `zero`: parameters' optimizer states split where
     they can be (1: ZeRO-1; 2: ZeRO-2, gradients too), never (0, the default), or the ILP's
-    choice per parameter (None); `gathers`: may a parameter be gathered (`Priced.gathers`)."""
+    choice per parameter (None); `gathers`: may a parameter be gathered (`Priced.gathers`);
+    `recipe`: what the step runs around each parameter (`timing.recipe`)."""
     pricer = pricer or BoxingPricer(prices, mesh)
     rep = representative or tie_blocks(graph)
     kept_memo = {} if kept_memo is None else kept_memo
@@ -219,7 +222,7 @@ def price_graph(
         found = memo.get(key) if memo is not None and key is not None else None
         if found is None:
             share = kept_memo["none"].backward_share.get(name, 1.0)
-            found = node_strategies(graph, name, pricer, bucket_bytes, again, share, allow)
+            found = node_strategies(graph, name, pricer, bucket_bytes, again, share, allow, recipe)
             if memo is not None and key is not None:
                 memo[key] = found
         allowed = _restricted(replace(found, name=name), graph, name, allow, zero)
@@ -283,6 +286,7 @@ class MeshPrices:
     allow: Allow | None
     zero: int | None
     gathers: bool
+    recipe: Recipe = PLAIN
     priced: dict[tuple[int, Mesh], Priced] = field(default_factory=dict)
     pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
     parameters: dict[Hashable, NodeStrategies] = field(default_factory=dict)
@@ -302,6 +306,6 @@ class MeshPrices:
             pricer = self.pricers.setdefault(mesh, BoxingPricer(self.prices, mesh))
             self.priced[key] = price_graph(
                 graph, mesh, self.prices, self.allow, pricer, representative, self.parameters,
-                kept(), self.zero, self.gathers,
+                kept(), self.zero, self.gathers, self.recipe,
             )  # fmt: skip
         return self.priced[key]

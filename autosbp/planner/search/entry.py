@@ -34,6 +34,7 @@ from autosbp.planner.space.configs import (
 )
 from autosbp.planner.space.strategy import Space
 from autosbp.planner.timing.candidates import Prices
+from autosbp.planner.timing.recipe import PLAIN, Recipe
 
 __all__ = [
     "Config", "Found", "GraphFor", "LinkOf", "SearchEffort", "TimeLimitWarning", "divisors",
@@ -70,6 +71,7 @@ def search(
     devices_per_node: int | None = None,
     progress: Callable[[str], None] | None = None,
     jobs: int | None = 1,
+    recipe: Recipe = PLAIN,
 ) -> Found:
     """The fastest plan (by `predict`) over the configurations of `space` (docs/planner.md,
     "The space"), within MIP_GAP of the best of the whole space unless `time_limit_s` (the whole
@@ -87,7 +89,7 @@ def search(
         link_of = _devices_link_of(link_of, v)
     request = Request(
         graph_for, batch, devices, prices, link_of, space, optimizer, memory_limit_bytes,
-        devices_per_node, progress,
+        devices_per_node, progress, recipe,
     )  # fmt: skip
     start = time.perf_counter()
     if jobs != 1:

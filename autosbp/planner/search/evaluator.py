@@ -43,6 +43,7 @@ from autosbp.planner.space.strategy import Space
 from autosbp.planner.space.ties import TiedGraph, TiedStages, tie_graph, tie_stages
 from autosbp.planner.timing.candidates import Prices
 from autosbp.planner.timing.predict import Prediction, predict
+from autosbp.planner.timing.recipe import PLAIN, Recipe
 from autosbp.planner.timing.zero_bubble_price import predict_zb1, weight_shares
 from autosbp.sbp import Mesh
 
@@ -63,6 +64,7 @@ class Request:
     memory_limit_bytes: float | None
     devices_per_node: int | None = None
     progress: Callable[[str], None] | None = None
+    recipe: Recipe = PLAIN  # the sync's dtype and clipping (`timing.recipe`)
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,9 @@ class Evaluator:
 
     def __post_init__(self) -> None:
         space = self.request.space
-        self.priced = MeshPrices(self.request.prices, space.allow, space.zero, space.may_gather)
+        self.priced = MeshPrices(
+            self.request.prices, space.allow, space.zero, space.may_gather, self.request.recipe
+        )
         self.kept = KeptMemo(space.recompute)
 
     # ---- the space ---------------------------------------------------------------------------

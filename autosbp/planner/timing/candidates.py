@@ -69,6 +69,7 @@ from autosbp.planner.timing.boxing_prices import BoxingPricer, Prices
 from autosbp.planner.timing.finite_check import gradient_check_s
 from autosbp.planner.timing.op_exchanges import exchange_cost
 from autosbp.planner.timing.param_candidates import parameter_prices, with_zero_states
+from autosbp.planner.timing.recipe import PLAIN, Recipe
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs, work_fraction
 from autosbp.sbp import Broadcast, NdSbp, local_shape
 
@@ -170,6 +171,7 @@ def node_strategies(
     regatherable: bool = False,
     backward_share: float = 1.0,
     allow: Callable[[OpGraph, str, NdSignature], bool] | None = None,
+    recipe: Recipe = PLAIN,
 ) -> NodeStrategies:
     """Candidates of node `name`: per micro-batch compute time, or per step for parameters (their
     gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`). `regatherable` (a
@@ -179,13 +181,14 @@ def node_strategies(
     (`memory.kept.Kept.backward_share`: under frozen weights, less than 1). `allow(graph, name,
     sig)`: of a node that is not a parameter, the candidates to price (the others are dropped
     unpriced; each candidate is priced alone); a parameter's are all priced
-    (`problem.priced._restricted`)."""
+    (`problem.priced._restricted`). `recipe`: what the step runs around a parameter
+    (`timing.recipe`)."""
     attrs = graph.node(name)
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
     if attrs.role is Role.PARAMETER:
         return _parameter_strategies(name, attrs.outputs[0], candidates, pricer, bucket_bytes,
-                                     regatherable)  # fmt: skip
+                                     regatherable, recipe)  # fmt: skip
     if allow is not None:
         candidates = tuple(sig for sig in candidates if allow(graph, name, sig))
     forward, backward, held = [], [], []
@@ -233,6 +236,7 @@ def _parameter_strategies(
     pricer: BoxingPricer,
     bucket_bytes: int,
     regatherable: bool,
+    recipe: Recipe,
 ) -> NodeStrategies:
     """A parameter's candidates (the module header): each layout, its re-gathered twin where a
     consumer keeps it, each of those again with ZeRO-1's states where it has any; per step,
@@ -250,11 +254,12 @@ def _parameter_strategies(
     )
     found = parameter_prices(
         meta, candidates, states, grads, pricer.bucketed_time_s, pricer.prices, mesh_shape,
-        bucket_bytes,
+        bucket_bytes, recipe,
     )  # fmt: skip
     sync_s = np.array(found.sync_s)
     zero2 = any(g is not None for g in grads)
-    check = [gradient_check_s(meta, s.outputs[0], pricer.prices, mesh_shape) for s in candidates]
+    grad = TensorMeta(meta.shape, Recipe.gradient_dtype(meta.dtype))  # what the check reads
+    check = [gradient_check_s(grad, s.outputs[0], pricer.prices, mesh_shape) for s in candidates]
     return NodeStrategies(
         name, candidates, sync_s + np.array(found.update_s) + check, sync_s,
         np.array(found.accumulate_s),

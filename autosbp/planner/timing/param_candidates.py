@@ -28,6 +28,7 @@ import torch
 from autosbp.boxing.steps import dual_nd_sbp
 from autosbp.capturing.graph import TensorMeta
 from autosbp.planner.memory.gather_buffers import shares_gather_bucket
+from autosbp.planner.timing.recipe import PLAIN, Recipe
 from autosbp.rules import NdSignature
 from autosbp.sbp import Broadcast, NdSbp, Split, local_shape, split_factors
 
@@ -122,6 +123,7 @@ def parameter_prices(
     prices: _OpPrices,
     mesh_shape: tuple[int, ...],
     bucket_bytes: int,
+    recipe: Recipe = PLAIN,
 ) -> ParameterPrices:
     """Per candidate (its layout p, its `states` layout q or None, its `gradients` layout: q or
     None), as `runtime.parallel.sharded_update` runs them: without q, the sync dual(p) -> p inside a
@@ -131,22 +133,41 @@ def parameter_prices(
     `shares_gather_bucket`, else one collective per parameter) and the optimizer on q's shard;
     ZeRO-2, the reduce-scatter dual(p) -> q in every micro-batch's backward, in line (unbucketed:
     one collective per parameter as its gradient is made, nothing hidden), the adds on q's shard,
-    after the step's backward the all-gather and the optimizer on q's."""
+    after the step's backward the all-gather and the optimizer on q's. `recipe`: the gradient
+    the syncs carry (fp32 under a mixed recipe, or its reduce dtype), what one accumulation
+    moves, and what the update adds (the compute copy's cast, clipping: `timing.recipe`). The
+    shards ZeRO gathers back are the fp32 masters'."""
     found = ParameterPrices([], [], [], [])
+    wire = recipe.wire(meta)
+    master = TensorMeta(meta.shape, Recipe.gradient_dtype(meta.dtype))
     for sig, q, g in zip(candidates, states, gradients, strict=True):
         p = sig.outputs[0]
-        bucketed = sync_price(dual_nd_sbp(p), p, meta, bucket_bytes)
+        bucketed = sync_price(dual_nd_sbp(p), p, wire, bucket_bytes)
         found.sync_s.append(bucketed if g is None else 0.0)
+        extra = _update_extra_s(meta, p, prices, mesh_shape, recipe)
         if q is None:
-            found.update_s.append(optimizer_s(meta, p, prices, mesh_shape))
+            found.update_s.append(optimizer_s(meta, p, prices, mesh_shape) + extra)
         else:
             bucketed_gather = shares_gather_bucket(meta, p, q, mesh_shape)
-            gather = sync_price(q, p, meta, bucket_bytes if bucketed_gather else 1)
-            found.update_s.append(gather + optimizer_s(meta, q, prices, mesh_shape))
-        scatter = sync_price(dual_nd_sbp(p), g, meta, 1) if g is not None else 0.0
+            gather = sync_price(q, p, master, bucket_bytes if bucketed_gather else 1)
+            found.update_s.append(gather + optimizer_s(meta, q, prices, mesh_shape) + extra)
+        scatter = sync_price(dual_nd_sbp(p), g, master, 1) if g is not None else 0.0
         found.scatter_s.append(scatter)
-        found.accumulate_s.append(accumulate_s(meta, g if g is not None else p, prices, mesh_shape))
+        found.accumulate_s.append(
+            accumulate_s(meta, g if g is not None else p, prices, mesh_shape, recipe)
+        )
     return found
+
+
+def _update_extra_s(
+    meta: TensorMeta, layout: NdSbp, prices: _OpPrices, mesh_shape: tuple[int, ...], recipe: Recipe
+) -> float:
+    """What the update runs beside the optimizer on the local shard (`Recipe.update_bytes`)."""
+    per_element = recipe.update_bytes(meta.dtype)
+    if not per_element:
+        return 0.0
+    local = math.prod(local_shape(meta.shape, layout, mesh_shape))
+    return prices.op_time_s(local, local * per_element, torch.float32)
 
 
 def optimizer_s(
@@ -160,8 +181,13 @@ def optimizer_s(
 
 
 def accumulate_s(
-    meta: TensorMeta, layout: NdSbp, prices: _OpPrices, mesh_shape: tuple[int, ...]
+    meta: TensorMeta,
+    layout: NdSbp,
+    prices: _OpPrices,
+    mesh_shape: tuple[int, ...],
+    recipe: Recipe = PLAIN,
 ) -> float:
-    """grad += new on the local shard: one add, reading two gradients and writing one."""
+    """grad += new on the local shard: one add, reading two gradients and writing one (under a
+    mixed recipe the new one in the compute dtype, the others fp32: `Recipe.accumulate_bytes`)."""
     local = math.prod(local_shape(meta.shape, layout, mesh_shape))
-    return prices.op_time_s(local, 3 * local * meta.dtype.itemsize, meta.dtype)
+    return prices.op_time_s(local, local * recipe.accumulate_bytes(meta.dtype), meta.dtype)

@@ -134,7 +134,7 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--data-args", default="", metavar="K=V,...",
-        help="keyword arguments of the data function (e.g. seq=64,split=train)",
+        help="keyword arguments of the data function (e.g. seq=64,split=train) (default: none)",
     )  # fmt: skip
     parser.add_argument(
         "--seed", type=non_negative_int, default=0,
@@ -149,7 +149,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         help="held-out data, evaluated without gradients under the same plan (default: none)",
     )  # fmt: skip
     parser.add_argument("--eval-args", default="", metavar="K=V,...",
-                        help="keyword arguments of the evaluation data function")  # fmt: skip
+                        help="keyword arguments of the evaluation data function (default: "
+                        "none)")  # fmt: skip
     parser.add_argument(
         "--eval-every", type=non_negative_int, default=0, metavar="N",
         help="evaluate every N steps, and after the last (default: 0, after the last only)",

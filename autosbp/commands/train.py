@@ -493,9 +493,12 @@ def train_and_report(
     *,
     trace: Path | None = None,
     timeline: Path | None = None,
+    curves: Path | None = None,
 ) -> int:
     """Train `spec` under `plan`; with `trace`/`timeline`, write the measured firings as a
-    Chrome trace and the predicted-vs-measured timeline PNG."""
+    Chrome trace and the predicted-vs-measured timeline PNG; with `curves` (a job with a data
+    set), run the same recipe as a plain PyTorch loop on this process and draw both runs'
+    losses in one PNG."""
     import dataclasses
 
     from autosbp.timeline import draw_timelines, predicted_events, write_chrome_trace
@@ -545,6 +548,8 @@ def train_and_report(
         console.print(f"predicted vs measured timeline written to {timeline}")
     table = _step_table(result, spec.model, plan, check)
     console.print(table)
+    if curves is not None:
+        _beside_plain(spec, plan, result, curves, console)
     if (loaded := load_note(load)) is not None:
         console.print(f"note: {loaded}.", soft_wrap=True)
     if check:
@@ -553,6 +558,31 @@ def train_and_report(
             raise ExecutionError(verdict.text)
         console.print(verdict.text)
     return 0
+
+
+def _beside_plain(spec: TrainSpec, plan: Plan, result: Any, path: Path, console: Console) -> None:
+    """The same recipe as a plain fp32 PyTorch loop on this process, its curve beside the
+    job's (`runtime.verify.plain_loop`), the two compared in one line."""
+    from autosbp.timeline.curves import Curve, draw_curves
+    from runtime.verify.plain_loop import plain_losses
+
+    with activity(
+        console, f"the same {spec.steps} steps as a plain PyTorch loop (fp32, one process)"
+    ):
+        plain = plain_losses(spec, plan.global_batch, plan.optimizer)
+    job = Curve(
+        f"autosbp, {plan.strategy} plan on {plan.device_count} processes, {plan.dtype}",
+        [r.loss for r in result.records], [(e.step, e.eval_loss) for e in result.evals],
+    )  # fmt: skip
+    draw_curves(path, [job, Curve("plain PyTorch loop, fp32", plain.losses, plain.evals)],
+                title=f"{shown(spec.model)} on {spec.data}: loss per step")  # fmt: skip
+    if result.evals and plain.evals:
+        ours, theirs = result.evals[-1].eval_loss, plain.evals[-1][1]
+        console.print(
+            f"held-out loss after {spec.steps} steps: {ours:.4f} (autosbp) vs {theirs:.4f} "
+            f"(plain PyTorch), {ours / theirs:.3f}x; curves written to {path}",
+            soft_wrap=True,
+        )
 
 
 def _step_table(result: Any, model: str, plan: Plan, check: bool) -> Table:

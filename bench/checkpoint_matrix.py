@@ -10,7 +10,11 @@ uninterrupted run (bit for bit, or the largest relative difference). Exits 1 if 
 the test's rule (exact conversion; the uninterrupted run's numbers bit for bit where the
 states agree, else within rel 1e-5).
 
-Run: `python bench/checkpoint_matrix.py` (about a minute on 2 idle cores).
+Run: `python bench/checkpoint_matrix.py` (49 cases: 50 s on 2 cores at load 7, 32 s of CPU).
+Measured 2026-12-07: 42 pairs, every conversion exact; the 20 pairs among dp, pp=2, vp=2, zero=1
+and zero=2 (whose states after the saved steps agree bit for bit) continue bit for bit; the 22
+with tp=2 or cp=2 on one side within 6.5e-8 (losses) and 8.7e-7 (final states, relative) of
+B's uninterrupted run.
 """
 
 from __future__ import annotations

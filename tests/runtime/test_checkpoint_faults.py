@@ -14,14 +14,16 @@ its rename of DIR.tmp to DIR (3), its removal of DIR.old (4).
 
 The uninterrupted run is also issue 48 item 5's test (two jobs sharing one checkpoint folder
 destroyed it): two identical `autosbp train ... --checkpoint-dir DIR --checkpoint-every 1`
-processes start together; one must be refused before it trains (naming the other's pid and
-host), and the other's checkpoint must be whole (every file's sha256 as its manifest says) and
+jobs run at once (one in a new process, one in this test's); one must be refused before it
+trains (naming the other's pid and host), and the other's checkpoint must be whole (every file's sha256 as its manifest says) and
 the one every killed-and-resumed run here equals bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import socket
 import subprocess
@@ -83,7 +85,8 @@ class Job(NamedTuple):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[Job]]:
     """The plan, the uninterrupted run's checkpoint directory, and the two jobs started on it
-    together (one of them made it)."""
+    together: one in a new process, then one in this one (whose imports are done: it takes
+    the folder first, but either may win), both run to their end."""
     root = tmp_path_factory.mktemp("publish")
     model, inputs = build_model("mlp")
     plan = auto_parallelize(model, inputs, devices=2, strategy="dp", time_limit_s=10)
@@ -91,14 +94,13 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path,
     argv = ["train", "mlp", "--nproc", "2", "--plan", str(plan_path), "--steps", str(CLI_STEPS),
             "--checkpoint-dir", str(root / "whole"), "--checkpoint-every", "1"]  # fmt: skip
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    started = [
-        subprocess.Popen([sys.executable, "-c", CLI, *argv], cwd=REPO, **pipes) for _ in range(2)
-    ]
-    jobs = []
-    for job in started:
-        out, err = job.communicate(timeout=240)
-        jobs.append(Job(job.pid, job.returncode, out, err))
-    return plan_path, root / "whole", jobs
+    other = subprocess.Popen([sys.executable, "-c", CLI, *argv], cwd=REPO, **pipes)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    here = Job(os.getpid(), code, out.getvalue(), err.getvalue())
+    other_out, other_err = other.communicate(timeout=240)
+    return plan_path, root / "whole", [here, Job(other.pid, other.returncode, other_out, other_err)]
 
 
 @pytest.mark.slow

@@ -144,7 +144,7 @@ def timeline_figure(
         handles=handles, loc="upper left", bbox_to_anchor=(0.01, 1 - 0.38 / height),
         ncol=len(handles), fontsize=8, frameon=False,
     )  # fmt: skip
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / height))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / height))
     return fig
 
 

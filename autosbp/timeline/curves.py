@@ -30,21 +30,23 @@ class Curve:
 
 
 def draw_curves(path_png: str | os.PathLike[str], curves: Sequence[Curve], *, title: str) -> Path:
-    """Every curve's training loss (thin) and evaluation loss (dots joined) against the step,
-    one colour per run, on one axis; written atomically."""
+    """Every curve's training loss (thin) and evaluation loss (markers joined) against the
+    step, one colour, line style and marker per run (runs that coincide stay visible), on one
+    axis; written atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(WIDTH_IN, HEIGHT_IN))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    for colour, curve in zip(("tab:blue", "tab:orange", "tab:green"), curves, strict=False):
+    styles = (("tab:blue", "-", "o"), ("tab:orange", "--", "s"), ("tab:green", ":", "^"))
+    for (colour, line, marker), curve in zip(styles, curves, strict=False):
         steps = range(1, len(curve.losses) + 1)
-        ax.plot(steps, curve.losses, color=colour, lw=0.8, alpha=0.6,
+        ax.plot(steps, curve.losses, color=colour, ls=line, lw=0.9, alpha=0.7,
                 label=f"{curve.name}: training loss")  # fmt: skip
-        if curve.evals:
+        if curve.evals:  # the runs often coincide: hollow markers of their own shape
             at, losses = zip(*curve.evals, strict=True)
-            ax.plot(at, losses, color=colour, lw=2, marker="o",
+            ax.plot(at, losses, color=colour, ls=line, lw=2, marker=marker, mfc="none", ms=8,
                     label=f"{curve.name}: held-out loss")  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")

@@ -301,7 +301,10 @@ class _Job:
         if done % spec.checkpoint_every and done != spec.steps:
             return
         report_progress(f"step {step}: saving a checkpoint", grace_s=STARTUP_S)
-        extra: dict[str, Any] = {"model_keys": list(self.model.state_dict())}
+        extra: dict[str, Any] = {  # what `autosbp export` writes the model out with
+            "model_keys": list(self.model.state_dict()),
+            "tied": dict(self.engine.shards.tied),
+        }
         if self.loader is not None:
             extra["data"] = self.loader.state()
         if self.engine.loss_scale is not None:

@@ -26,7 +26,7 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a room may import the rooms before it.
 ROOMS = ("terminal", "launching", "costmodel", "autosbp", "runtime")
-FACE = {"autosbp", "autosbp.commands.train"}
+FACE = {"autosbp", "autosbp.commands.export", "autosbp.commands.train"}
 
 
 def _module_name(path: Path) -> str:

@@ -26,7 +26,7 @@ Invariants:
 Scope: every rank reads whole rank files and rebuilds each global tensor of its stage, then cuts
 its own piece (`_local_piece`); fine at the sizes tested. A production loader would read only
 the saved slices that overlap this rank's piece (a change local to `_local_piece` and
-`_RankFiles`).
+`RankFiles`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from runtime.state.checkpoint_format import (
 )
 from runtime.state.startup import agree
 
-__all__ = ["load_checkpoint"]
+__all__ = ["RankFiles", "load_checkpoint", "whole_tensor"]
 
 
 def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Manifest:
@@ -143,7 +143,7 @@ def _read_local(
     """This rank's piece of every state tensor of its stage, the optimizer's state dict with
     its pieces, and the pieces of the ZeRO shards it steps (name -> the weight in the shard's
     layout): everything read and checked before the engine is changed."""
-    files = _RankFiles(path, manifest)
+    files = RankFiles(path, manifest)
     state = {
         name: _local_piece(f"state/{name}", engine, engine.layouts[name], files)
         for name in engine.state
@@ -174,20 +174,26 @@ def _read_local(
     return state, _optimizer_state_dict(engine, manifest, optim), shards
 
 
-def _local_piece(key: str, engine: Engine, layout: NdSbp, files: _RankFiles) -> torch.Tensor:
+def _local_piece(key: str, engine: Engine, layout: NdSbp, files: RankFiles) -> torch.Tensor:
     """This rank's piece under `layout`: the saved pieces assembled whole, then cut. (A
     production loader would read only the saved slices that overlap this piece.)"""
+    whole = whole_tensor(key, files)
+    return shard_tensor(whole, layout, engine.mesh, engine.coords).clone()
+
+
+def whole_tensor(key: str, files: RankFiles) -> torch.Tensor:
+    """The saved tensor `key` assembled whole from its pieces (every rank file it needs read
+    once and checked)."""
     manifest = files.manifest
     entry = manifest.tensors[key]
     saved_mesh = Mesh(manifest.mesh_shape, device_ids=manifest.stages[entry.stage])
     saved_layout = parse_nd_sbp(entry.nd_sbp)
     want = local_shape(entry.shape, saved_layout, saved_mesh.shape)
     pieces = [files.piece(rank, key, want) for rank in entry.pieces]
-    whole = assemble_tensor(pieces, saved_layout, saved_mesh)
-    return shard_tensor(whole, layout, engine.mesh, engine.coords).clone()
+    return assemble_tensor(pieces, saved_layout, saved_mesh)
 
 
-class _RankFiles:
+class RankFiles:
     """The checkpoint's rank files, each read once (when a piece in it is first asked for),
     checked against its size and sha256."""
 

@@ -2,10 +2,11 @@
 plain PyTorch (and Hugging Face's `save_pretrained`) reads.
 
 Lives here: `model_state` (an engine's assembled tensors under the keys of the model's own
-`state_dict()`: what `load_state_dict(strict=True)` takes) and `write_model` (a `.safetensors`
-or `.pt` file, in the dtype asked, written atomically). Lives elsewhere: assembling the
-shards (`Engine.full_state_dict`, a collective), the same from a sharded checkpoint
-(`autosbp export`, `runtime.state.checkpoint_load`).
+`state_dict()`: what `load_state_dict(strict=True)` takes), `checkpoint_state` (the same from a
+sharded checkpoint, on one process: `autosbp export`) and `write_model` (a `.safetensors` or
+`.pt` file, in the dtype asked, written atomically). Lives elsewhere: assembling an engine's
+shards (`Engine.full_state_dict`, a collective), reading a checkpoint's pieces
+(`runtime.state.checkpoint_load`).
 
 Invariants:
 - The keys are exactly the model's `state_dict()` keys, in its order: the graph's lifted
@@ -30,7 +31,7 @@ from torch import nn
 from autosbp.errors import ExecutionError
 from autosbp.plan.values import DTYPES
 
-__all__ = ["MODEL_SUFFIXES", "model_state", "write_model"]
+__all__ = ["MODEL_SUFFIXES", "checkpoint_state", "model_state", "write_model"]
 
 MODEL_SUFFIXES = (".safetensors", ".pt")
 
@@ -41,6 +42,32 @@ def model_state(assembled: Mapping[str, torch.Tensor], model: nn.Module) -> dict
     value."""
     own = model.state_dict()
     return {key: assembled.get(key, value).detach() for key, value in own.items()}
+
+
+def checkpoint_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The model of the checkpoint at `path`, whole, under the model's own names: the keys its
+    job recorded (`extra["model_keys"]`, its model's `state_dict()`; tied names from
+    `extra["tied"]`), or, for a checkpoint saved without them, every parameter and buffer it
+    holds (non-persistent buffers included: such a file may need `strict=False`)."""
+    from runtime.state.checkpoint_format import read_manifest, recover_checkpoint
+    from runtime.state.checkpoint_load import RankFiles, whole_tensor
+
+    recover_checkpoint(path)
+    manifest = read_manifest(path)
+    files = RankFiles(Path(path), manifest)
+    saved = [key.removeprefix("state/") for key in manifest.tensors if key.startswith("state/")]
+    tied: dict[str, str] = dict(manifest.extra.get("tied", {}))
+    keys = list(manifest.extra.get("model_keys", saved))
+    missing = [k for k in keys if k not in saved and tied.get(k) not in saved]
+    if missing:
+        raise ExecutionError(
+            f"checkpoint {path} holds no tensor for {len(missing)} of its model's keys "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); the checkpoint "
+            "is damaged or was saved by another job: export it with the job that wrote it."
+        )
+    return {
+        k: whole_tensor(f"state/{tied.get(k, k) if k not in saved else k}", files) for k in keys
+    }
 
 
 def write_model(

@@ -308,6 +308,7 @@ def _train_held(
     plan = on_rank0(
         lambda: plan_for(args.model, model_args, args.plan, nproc, profile, console, recipe=recipe)
     )
+    _check_data(args, plan, data_args, eval_args, model_args)
     if first >= args.steps:
         console.print(
             f"{args.checkpoint_dir} holds {first} trained steps, and --steps is {args.steps}: "
@@ -350,6 +351,29 @@ def _check_outputs(args: argparse.Namespace) -> None:
         from runtime.state.export import check_model_path
 
         check_model_path(args.save_model, args.save_dtype)
+
+
+def _check_data(
+    args: argparse.Namespace, plan: Plan, data_args: dict, eval_args: dict, model_args: dict
+) -> None:
+    """The data sets, read here before any process starts: each must call, return a data set
+    (or an iterable of batches) whose items match the model's example inputs, and hold at
+    least one global batch of the plan (`runtime.data` says what is wrong, naming the
+    function). Every rank loads them again."""
+    if args.data is None and args.eval_data is None:
+        return
+    from autosbp.plan.values import DTYPES
+    from autosbp.zoo import load_model
+    from runtime.data import BatchLayout, EvalLoader, RankLoader, input_specs, load_data
+
+    _, example = load_model(args.model, model_args, device="meta")
+    specs = input_specs(example, compute_dtype=DTYPES[plan.dtype])
+    layout = BatchLayout.whole(plan.global_batch, specs, plan.micro_batches)
+    if args.data is not None:
+        RankLoader(load_data(args.data, data_args), layout, seed=args.seed)
+    if args.eval_data is not None:
+        data = load_data(args.eval_data, eval_args, flag="--eval-data", args_flag="--eval-args")
+        EvalLoader(data, layout)
 
 
 def _text(path: Path | None) -> str | None:

@@ -129,6 +129,7 @@ def inputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The user model file, a real plan (mlp on 2 devices) and damaged plans and profiles."""
     root = tmp_path_factory.mktemp("bad_inputs")
     (root / "models.py").write_text(USER_MODELS)
+    (root / "data.py").write_text(USER_DATA)
     model, inputs = build_model("mlp")
     plan = autosbp.auto_parallelize(model, inputs, devices=2, time_limit_s=10)
     good = save_plan(plan, root / "plan.json")
@@ -194,6 +195,34 @@ TRAIN = ["train", "mlp", "--nproc", "2", "--plan"]  # + a plan file
 TRAIN_GPT = ["train", "gpt", "--nproc", "2", "--plan"]  # + a plan file edited from the cp plan
 PLAN_MLP4 = ["plan", "mlp", "--model-args", "layers=4", "--devices", "2", "--strategy"]
 # (argv, cause words, fix words). {in} is the inputs directory; the working directory is empty.
+USER_DATA = """
+import torch
+
+
+def raises():
+    raise ValueError("no such corpus")
+
+
+def number():
+    return 3
+
+
+def _samples(n, x_shape=(32,), dtype=torch.float32):
+    return [(torch.zeros(x_shape, dtype=dtype), torch.zeros(8)) for _ in range(n)]
+
+
+def wrong_shape():
+    return _samples(64, x_shape=(5,))
+
+
+def wrong_dtype():
+    return _samples(64, dtype=torch.int64)
+
+
+def too_small():
+    return _samples(3)
+"""
+
 CLI_CASES = [
     # models
     pytest.param(
@@ -570,6 +599,71 @@ CLI_CASES = [
          "destroy each other's checkpoints"),
         ("remove", "ckpt-locked.lock and start again"),
         id="train-checkpoint-dir-held-by-another-host",
+    ),
+    # the training job's data, recipe and outputs (issue #44), each before any process starts
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--data", "{in}/data.py:raises"],
+        ("failed with ValueError: no such corpus",), ("Fix the function",),
+        id="train-data-function-raises",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--data", "{in}/data.py:number"],
+        ("returned an int",), ("map-style Dataset",), id="train-data-function-returns-int",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--data", "{in}/data.py:wrong_shape"],
+        ("shape [5]", "[32]"), ("example inputs",), id="train-data-wrong-sample-shape",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--data", "{in}/data.py:wrong_dtype"],
+        ("int64", "float32"), ("example inputs",), id="train-data-wrong-dtype",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--data", "{in}/data.py:too_small"],
+        ("3 samples", "global batch of 8"), ("--global-batch",), id="train-data-smaller-than-a-batch",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--eval-every", "5"],
+        ("--eval-every needs --eval-data",), ("built-in data set",),
+        id="train-eval-every-without-eval-data",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--steps", "10", "--warmup-steps", "20"],
+        ("--warmup-steps 20 must be between 0 and --steps (10)",), ("warm up for fewer steps",),
+        id="train-warmup-longer-than-the-job",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--lr", "0.01", "--min-lr", "0.1", "--lr-schedule",
+         "cosine"],
+        ("--min-lr 0.1 must be between 0 and --lr 0.01",), ("decays from the peak",),
+        id="train-min-lr-above-lr",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--min-lr", "0.001"],
+        ("has no effect with --lr-schedule constant",), ("choose linear, cosine or wsd",),
+        id="train-min-lr-without-decay",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--weight-decay", "0.1"],
+        ("with adam adds an L2 term",), ("--optimizer adamw",), id="train-weight-decay-with-adam",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--plan", "{in}/plan.json", "--clip-grad-norm", "1"],
+        ("was priced without gradient clipping",), ("autosbp plan ... --clip-grad-norm",),
+        id="train-clipping-a-plan-priced-without",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--plan", "{in}/plan.json", "--dtype", "bf16"],
+        ("was made for --dtype fp32", "asks for --dtype bf16"), ("autosbp plan ... --dtype bf16",),
+        id="train-plan-file-of-another-dtype",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--save-model", "model.bin"],
+        ("must end in .safetensors or .pt",), ("safetensors",), id="train-save-model-suffix",
+    ),
+    pytest.param(
+        ["export", "{in}/missing-checkpoint", "--out", "m.safetensors"],
+        ("missing-checkpoint",), ("",), id="export-missing-checkpoint",
     ),
     pytest.param(
         ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-badlock"],

@@ -83,7 +83,7 @@ def _cases(world_size: int) -> list[dict]:
         *(
             _case("resume", "gpt", TEXT_GPT, s, folder=str(folder / f"ck{i}"))
             for i, s in enumerate(RESUMES)
-        ),  # fmt: skip
+        ),
         _case("rows", "gpt", GPT, "megatron:tp=2,pp=1,dp=1"),
         *(_case("weights", "gpt", GPT, s) for s in WEIGHED),
         _case("mixed-batches", "gpt", GPT, "dp"),

@@ -157,6 +157,20 @@ CASES: tuple[Case, ...] = (
             ("vp2-no-fit", "megatron:tp=1,pp=2,dp=1,vp=2,mb=2", ("--memory-gib", "0.0001")),
         )
     ),
+    Case(
+        "plan-tp2-valid-conv-not-memory",
+        "wrong message",
+        (
+            "plan",
+            "{in}/bad_models.py:validconv",
+            "--devices",
+            "2",
+            "--strategy",
+            "megatron:tp=2,pp=1,dp=1",
+            "--out",
+            "{in}/out.json",
+        ),
+    ),
     Case("escapes-in-plan-show", "security", ("show", "{in}/plan-escape.json")),
     Case("escapes-in-plan-explain", "security", ("explain", "{in}/plan-escape.json")),
     Case(

@@ -121,6 +121,7 @@ LEAKS = ("Traceback", "def forward(", "\x1b")
 PP = "megatron:tp=1,pp=2,dp=1"  # the two-stage plan the corpus edits (mlp: 3 blocks)
 CP = "megatron:tp=1,pp=1,dp=1,cp=2"  # the plan whose attention exchanges the corpus edits (gpt)
 VP = "megatron:tp=1,pp=2,dp=1,vp=2"  # interleaved: 2 chunks per device (mlp with 4 blocks)
+TP = "megatron:tp=2,pp=1,dp=1"
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -499,6 +500,12 @@ CLI_CASES = [
         [*PLAN_MLP4, "megatron:tp=2,pp=2,dp=1,vp=2"],
         ("a mesh that 2 devices cannot form",), ("multiply to 2",),
         id="plan-interleaved-degrees-not-devices",
+    ),
+    pytest.param(  # SigLIP's patch conv (conv2d.padding) cannot read a tp-split weight
+        ["plan", "{in}/bad_models.py:validconv", "--devices", "2", "--strategy", TP],
+        ("no consistent choice of signatures, though the memory fits",
+         "a weight that some op cannot read in the layout it is stored in"), ("Try auto",),
+        id="plan-no-plan-is-not-a-memory-problem",
     ),
     pytest.param(
         [*PLAN_MLP4, f"{VP},mb=2", "--memory-gib", "0.0001"],

@@ -52,6 +52,16 @@ class Unused(Net):
         return (x - y).pow(2).mean()
 
 
+class ValidConv(nn.Module):  # a patch embedding as SigLIP's: conv2d.padding, padding="valid"
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 4, 4, padding="valid")
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(self.patch(x).flatten(2).transpose(1, 2)).pow(2).mean()
+
+
 class Nonzero(Net):
     def forward(self, x, y):
         h = self.fc(x)
@@ -73,6 +83,10 @@ def unused():
 
 def nonzero():
     return Nonzero(), _data()
+
+
+def validconv():
+    return ValidConv(), (torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0)),)
 
 
 def exits():

@@ -62,13 +62,13 @@ class Refusals:
             return "; ".join(self.refused)
         stuck = ", ".join(f"{label} (shape {shape})" for label, shape in self.stuck.items())
         mp = self.least
-        if limit is None or mp is None or (stuck and self.least_bytes <= limit):
+        if limit is None or mp is None or self.least_bytes <= limit:  # memory is not the cause
             return (
                 "no plan exists for this model on these devices: "
                 + (
                     f"{stuck} can take no signature on the meshes tried"
                     if stuck
-                    else "no signature"
+                    else "no consistent choice of signatures, though the memory fits"
                 )
                 + " (a batch, or another dim, that the devices do not divide evenly?). Use a "
                 "batch the data-parallel degree divides, other degrees, or another device count."

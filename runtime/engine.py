@@ -128,6 +128,7 @@ class Engine:
         self.grad_norm = 0.0  # the last step's, before clipping (`runtime.parallel.grad_norm`)
         # The last step's micro-batch weights where not 1/m each (`pipeline.SharedLoss`)
         self.loss_weights: list[float] | None = None
+        self._batch_checked = False  # the first global batch is compared across the ranks
         self.precision = plan.precision
         self.loss_scale = LossScale() if self.precision.loss_scaling == "dynamic" else None
         graph = _checked_graph(model, example_inputs, plan, graph)
@@ -222,6 +223,7 @@ class Engine:
         reduce dtype and added into the fp32 masters (`runtime.parallel.precision`)."""
         if not self.weights.mixed:
             return
+        self.weights.destination = self.grad_sync.view_for
         for program in self.programs:
             if program.gathers is not None:
                 program.gathers.reduce_dtype = self.precision.reduce_dtype
@@ -311,9 +313,10 @@ class Engine:
         (the mean over micro-batches) on every rank. A loss or gradient that is nan or inf
         stops the step before its update (`non_finite`).
 
-        `batch` is either the global batch (the same tensors on every rank, checked: a rank
-        given other rows is an error, not a silently wrong step), or this rank's pieces of it,
-        as `loader` gives them (`runtime.data.RankBatch`: each rank reads only its rows)."""
+        `batch` is either the global batch (the same tensors on every rank: the first one is
+        compared across the ranks, so a loop that gives each rank other rows is an error, not
+        silently wrong steps), or this rank's pieces of it, as `loader` gives them
+        (`runtime.data.RankBatch`: each rank reads only its rows)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_sync.zero_grad()  # bucketed gradients: None, then views of their buckets
         self.update.zero_grad(self.grad_sync.holds)  # ZeRO-1's others: zeroed in place
@@ -430,7 +433,9 @@ class Engine:
                 "step() takes the global batch as a sequence of tensors (one per model input), "
                 "or this rank's pieces from engine.loader(...); got a mix of both."
             )
-        _check_same_batch(tensors)
+        if not self._batch_checked:  # a loop that feeds each rank its own rows does so at once
+            _check_same_batch(tensors)
+            self._batch_checked = True
         return split_micro_batches(tensors, self.micro_batches)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

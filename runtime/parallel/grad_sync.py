@@ -185,6 +185,11 @@ class GradSync:
         for param in self._bucket_of:
             param.grad = None
 
+    def view_for(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s view of its bucket, where its gradient goes (None before the first launch
+        made the buffer, and for a parameter in no bucket or in one summed in a lower dtype)."""
+        return self._view_of.get(param)
+
     def holds(self, param: torch.Tensor) -> bool:
         """Whether `param`'s gradient is a view of a bucket (`zero_grad` clears it)."""
         return param in self._bucket_of

@@ -58,6 +58,9 @@ class Weights:
         self.compute: dict[str, torch.Tensor] = {}
         self._hooks: dict[torch.Tensor, list[Callable[[torch.Tensor], None]]] = {}
         self._master_of: dict[torch.Tensor, torch.Tensor] = {}
+        # Where a master's gradient lives already, if anywhere (the gradient sync's bucket
+        # view): the step's first gradient is cast straight into it, no tensor of its own.
+        self.destination: Callable[[torch.Tensor], torch.Tensor | None] = lambda master: None
         for name, master in self.masters.items():
             if master.dtype == dtype:
                 self.compute[name] = master
@@ -88,7 +91,11 @@ class Weights:
         step's first), then run the master's hooks."""
         with torch.no_grad():
             if master.grad is None:
-                master.grad = grad.to(master.dtype, copy=True)
+                into = self.destination(master)
+                if into is None:
+                    master.grad = grad.to(master.dtype, copy=True)
+                else:
+                    master.grad = into.copy_(grad)
             else:
                 master.grad.add_(grad)
         for fn in self._hooks.get(master, ()):

@@ -4,8 +4,8 @@ checkpoints and the trained model written out.
 Lives here: `train_worker` (the loop: each step's learning rate, this rank's pieces of the
 batch, the engine's step, the check against one device, a checkpoint, the step's metrics
 gathered from every rank; evaluations every `eval_every` steps and after the last; the model
-out) and `RankResult` (what a rank hands back). Lives elsewhere: what the job is (`runtime.jobs`:
-`TrainSpec`, launching the ranks, the results), the engine (`runtime.engine`), the data
+out) and `RankResult` (what a rank hands back). Lives elsewhere: what the job is (`runtime.job_spec`:
+`TrainSpec`; `runtime.jobs`: launching the ranks, the results), the engine (`runtime.engine`), the data
 (`runtime.data`), the optimizer and schedule (`runtime.optim`), the rows (`runtime.metrics`),
 checkpoints (`runtime.state.checkpoint`), writing a model (`runtime.state.export`).
 
@@ -48,7 +48,7 @@ from runtime.verify.step_check import StepChecker
 if TYPE_CHECKING:
     from runtime.data import EvalLoader, RankLoader
     from runtime.engine import Engine
-    from runtime.jobs import TrainSpec
+    from runtime.job_spec import TrainSpec
 
 __all__ = ["RankResult", "train_worker"]
 

@@ -24,7 +24,7 @@ import torch
 from runtime.optim import SGD_MOMENTUM, LrSchedule
 
 if TYPE_CHECKING:
-    from runtime.jobs import TrainSpec
+    from runtime.job_spec import TrainSpec
 
 __all__ = ["PlainCurve", "plain_losses"]
 

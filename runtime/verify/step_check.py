@@ -137,7 +137,7 @@ class Reference:
         require_deterministic(model, inputs, dropout)
         self.compute = compute_dtype or next(model.parameters()).dtype
         self.unit = unit_roundoff(self.compute)
-        self.fp32 = copy.deepcopy(model).to(self.compute)  # the draws: the plan's own dtype
+        self.fp32 = _floating_in(copy.deepcopy(model), self.compute)  # the draws: the plan's
         self.fp64 = copy.deepcopy(model).double()
         self.fallback = Float32Fallback()
         self.weights = {
@@ -314,6 +314,16 @@ def _optimizer(
     if isinstance(optimizer, OptimizerRecipe):
         return optimizer.build(weights, {n: tuple(w.shape) for n, w in weights.items()})
     return optimizer(list(weights.values()))
+
+
+def _floating_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` with its floating parameters and buffers in `dtype` (complex and integer ones as
+    they are: `Module.to(dtype)` would narrow complex ones too)."""
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor.data = tensor.data.to(dtype)
+    return model
 
 
 def _in_dtype(state: State, dtype: torch.dtype) -> dict[str, torch.Tensor]:

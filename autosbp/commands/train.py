@@ -572,6 +572,15 @@ def train_and_report(
         console.print(f"predicted vs measured timeline written to {timeline}")
     table = _step_table(result, spec.model, plan, check)
     console.print(table)
+    over = max((r.mfu for r in result.rows if r.mfu is not None), default=0.0)
+    if over > 1.0:  # a peak below the rate measured: the MFU column would mislead
+        console.print(
+            f"note: MFU reads up to {over:.0%}: the profile ({printable(spec.profile or plan.profile)}) "
+            f"states a {plan.dtype} peak below the rate this job ran at, so the column is not a "
+            "share of the hardware's peak; measure this machine (`autosbp profile --refresh`) or "
+            "read tokens/s.",
+            soft_wrap=True,
+        )
     if curves is not None:
         _beside_plain(spec, plan, result, curves, console)
     if (loaded := load_note(load)) is not None:

@@ -6,7 +6,8 @@ cpu-gloo processes and on 64 DGX A100 GPUs with the hand plans priced beside (`-
 train 2 steps on 2 gloo processes under the auto plan, fsdp and tensor parallel 2 (heads or
 channels), each with `--check`'s machinery (runtime/verify/step_check.py). Prints a markdown table,
 pass or the first line of the reason, and the seconds each column took. The assertions of the
-same steps are tests/models/test_real_models.py; this prints what they assert, for the README.
+same steps are tests/models/test_real_models.py; this prints what they assert, for
+docs/real-models.md.
 
 Run: `python bench/real_models.py [model,model,...]` (default: every model; ~10 minutes on 2
 cores).

@@ -1,7 +1,9 @@
-"""A real training job as a user runs it (issue #44's proof, the README's example): a Hugging
-Face Llama on text, AdamW with weight decay, warmup then cosine decay, clipping at 1.0,
-evaluation on held-out text, the model written out; 2 gloo processes under the auto plan, in
-fp32 and in bf16 (mixed precision, issue #45).
+"""A real training job as a user runs it (issue #44's proof): the README's "Train your model
+on your data" command, read from README.md (never copied here) and run as written but for where
+its two files go: a Hugging Face Llama on text, AdamW with weight decay, warmup then cosine
+decay, clipping, evaluation on held-out text, the model written out; 2 gloo processes under the
+auto plan, in fp32 as written and with `--dtype bf16` (mixed precision, issue #45). The oracle
+takes its recipe (steps, learning rates, decay, clipping, sizes) from the same command.
 
 Oracle: a plain PyTorch loop written here with torch's own pieces (AdamW over two parameter
 groups, `clip_grad_norm_`, the schedule's formula written anew) on one process, over the same
@@ -26,26 +28,44 @@ from safetensors.torch import load_file
 from autosbp.cli import main
 from examples.llama_text import model as llama
 from runtime.data import BatchLayout, EvalLoader, RankLoader, input_specs, stdlib_text
+from tests.support.readme import REPO, blocks, options, page, section, shell_commands
 
-STEPS, WARMUP, LR, MIN_LR, DECAY, CLIP = 60, 6, 3e-3, 3e-4, 0.1, 1.0
-SEQ, BATCH, EVAL_BATCHES = 32, 8, 4
-MODEL = "examples/llama_text.py:model"
-MODEL_ARGS = f"seq={SEQ},batch={BATCH},hidden=32"
+(BLOCK,) = blocks(section(page(), "## Train your model on your data"), "bash")
+(ARGV,) = shell_commands(BLOCK)  # its one command: `autosbp train ...`
+OPTIONS = options(ARGV)
+MODEL_ARGS = dict(pair.split("=") for pair in OPTIONS["--model-args"].split(","))
+SEQ, BATCH, HIDDEN = (int(MODEL_ARGS[k]) for k in ("seq", "batch", "hidden"))
+STEPS, WARMUP, EVAL_BATCHES = (
+    int(OPTIONS[k]) for k in ("--steps", "--warmup-steps", "--eval-batches")
+)
+LR, MIN_LR, DECAY, CLIP = (
+    float(OPTIONS[k]) for k in ("--lr", "--min-lr", "--weight-decay", "--clip-grad-norm")
+)
+# What the oracle below is written for; a README command of another recipe needs another one.
+ORACLE = {
+    "--optimizer": "adamw", "--lr-schedule": "cosine", "--data": "stdlib_text",
+    "--data-args": f"seq={SEQ},labels=same", "--eval-data": "stdlib_text",
+    "--eval-args": f"seq={SEQ},labels=same,split=eval", "--nproc": "2",
+}  # fmt: skip
+
+
+def test_the_readme_command_is_the_recipe_the_oracle_runs() -> None:
+    assert ARGV[:3] == ["autosbp", "train", "examples/llama_text.py:model"], ARGV
+    assert {k: OPTIONS.get(k) for k in ORACLE} == ORACLE
+    assert "--dtype" not in OPTIONS and "--seed" not in OPTIONS  # fp32, the oracle's seed 0
 
 
 def _job(tmp: Path, dtype: str) -> tuple[list[dict[str, Any]], Path]:
+    """The README's command, its metrics and model written into `tmp`; bf16 adds `--dtype`."""
     metrics, saved = tmp / f"{dtype}.jsonl", tmp / f"{dtype}.safetensors"
-    code = main([
-        "train", MODEL, "--model-args", MODEL_ARGS, "--nproc", "2", "--plan", "auto",
-        "--profile", "cpu-gloo", "--dtype", dtype, "--optimizer", "adamw",
-        "--steps", str(STEPS), "--lr", str(LR), "--weight-decay", str(DECAY),
-        "--warmup-steps", str(WARMUP), "--lr-schedule", "cosine", "--min-lr", str(MIN_LR),
-        "--clip-grad-norm", str(CLIP), "--data", "stdlib_text",
-        "--data-args", f"seq={SEQ},labels=same", "--eval-data", "stdlib_text",
-        "--eval-args", f"seq={SEQ},labels=same,split=eval", "--eval-batches",
-        str(EVAL_BATCHES), "--metrics", str(metrics), "--save-model", str(saved),
-    ])  # fmt: skip
-    assert code == 0
+    argv = list(ARGV[1:])
+    for flag, path in (("--metrics", metrics), ("--save-model", saved)):
+        argv[argv.index(flag) + 1] = str(path)
+    if dtype != "fp32":
+        argv += ["--dtype", dtype]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)  # the model path is the repository's
+        assert main(argv) == 0
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return rows, saved
 
@@ -59,7 +79,7 @@ def _lr(step: int) -> float:
 
 
 def _eval_batches() -> list[tuple[torch.Tensor, ...]]:
-    _, example = llama(seq=SEQ, batch=BATCH, hidden=32)
+    _, example = llama(seq=SEQ, batch=BATCH, hidden=HIDDEN)
     layout = BatchLayout.whole(BATCH, input_specs(example))
     batches = []
     for pieces, _ in EvalLoader(stdlib_text(SEQ, "eval", labels="same"), layout):
@@ -77,7 +97,7 @@ def _evaluate(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> flo
 
 def _plain_loop() -> tuple[list[float], float]:
     """The recipe on one process with torch alone, over the job's batches (its sampler, seed 0)."""
-    model, example = llama(seq=SEQ, batch=BATCH, hidden=32)
+    model, example = llama(seq=SEQ, batch=BATCH, hidden=HIDDEN)
     params = dict(model.named_parameters())
     groups = [
         {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": DECAY},
@@ -123,7 +143,7 @@ def test_a_text_job_trains_like_a_plain_pytorch_loop(
     assert abs(evals[-1]["eval_loss"] / eval_loss - 1) < 0.05, (evals[-1], eval_loss)
     assert evals[-1]["eval_loss"] < train[0]["loss"] - 1.0  # it learned: ~5.6 -> ~3
     # the model out: plain PyTorch loads it strictly and scores the job's evaluation
-    fresh, _ = llama(seq=SEQ, batch=BATCH, hidden=32)
+    fresh, _ = llama(seq=SEQ, batch=BATCH, hidden=HIDDEN)
     fresh.load_state_dict(load_file(saved), strict=True)
     assert abs(_evaluate(fresh) / evals[-1]["eval_loss"] - 1) < 1e-4
     fresh.lm.save_pretrained(tmp_path / "hf")  # and Hugging Face's own format from there
@@ -143,6 +163,6 @@ def test_the_same_job_in_bf16_keeps_fp32_masters(
     assert abs(evals[-1]["eval_loss"] / eval_loss - 1) < 0.02, (evals[-1], eval_loss)
     state = load_file(saved)
     assert {t.dtype for t in state.values() if t.is_floating_point()} == {torch.float32}
-    fresh, _ = llama(seq=SEQ, batch=BATCH, hidden=32)
+    fresh, _ = llama(seq=SEQ, batch=BATCH, hidden=HIDDEN)
     fresh.load_state_dict(state, strict=True)  # the fp32 masters, scored in bf16 as the job
     assert abs(_evaluate(fresh, torch.bfloat16) / evals[-1]["eval_loss"] - 1) < 2e-2

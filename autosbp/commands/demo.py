@@ -37,11 +37,11 @@ SEQ = 64
 DEMO_MODEL = (
     "gpt", {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seq": SEQ, "batch": 16}
 )  # fmt: skip
-# The job's recipe: AdamW with decay on matrices, warmup then cosine to a tenth, clipping at 1.
+# The job's recipe: AdamW with decay on matrices, a tenth of the steps' warmup then cosine to a
+# tenth of the peak, clipping at 1.
 CLIP = 1.0
 RECIPE: dict[str, Any] = {
-    "lr": 3e-3, "weight_decay": 0.1, "lr_schedule": "cosine", "warmup_steps": 20,
-    "min_lr": 3e-4, "clip_grad_norm": CLIP, "eval_batches": 8,
+    "lr": 3e-3, "weight_decay": 0.1, "lr_schedule": "cosine", "min_lr": 3e-4, "clip_grad_norm": CLIP, "eval_batches": 8,
 }  # fmt: skip
 TEXT: dict[str, Any] = {"data": "stdlib_text", "data_args": {"seq": SEQ},
         "eval_data": "stdlib_text", "eval_args": {"seq": SEQ, "split": "eval"}}  # fmt: skip
@@ -100,6 +100,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     spec = train_spec(
         name, model_args, plan, args.steps, **RECIPE, **TEXT, profile=profile,
         eval_every=max(args.steps // 4, 1), metrics=str(out / "metrics.jsonl"),
+        warmup_steps=args.steps // 10,
     )  # fmt: skip
     code = train_and_report(spec, plan, console, trace=trace, timeline=timeline, curves=curves)
     console.rule(f"3. plan GPT-3 175B ({args.gpt3_layers} layers) for 1024 GPUs of DGX A100 nodes")

@@ -36,9 +36,14 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "train a model under a plan on N local processes, or as one rank under torchrun",
     ),
     (
+        "export",
+        "autosbp.commands.export",
+        "write the model of a sharded checkpoint as one file plain PyTorch loads",
+    ),
+    (
         "demo",
         "autosbp.commands.demo",
-        "plan and train a small GPT on 4 CPU processes, then plan GPT-3 175B for 1024 A100s",
+        "plan and train a small GPT on text in bf16 beside PyTorch, then plan GPT-3 175B",
     ),
     ("profile", "autosbp.commands.profile", "measure this machine's op and collective costs"),
     ("profiles", "autosbp.commands.profile", "list the shipped hardware profiles"),

@@ -15,8 +15,8 @@ from launching.errors import ExecutionError
 from terminal.errors import AutosbpError
 
 __all__ = [
-    "AutosbpError", "CaptureError", "ExecutionError", "MicroBatchError", "NoFitError",
-    "NonFiniteError", "PlanError", "ProfileError", "SbpError",
+    "AutosbpError", "CaptureError", "DataError", "ExecutionError", "MicroBatchError",
+    "NoFitError", "NonFiniteError", "PlanError", "ProfileError", "SbpError",
 ]  # fmt: skip
 
 
@@ -26,6 +26,13 @@ class SbpError(AutosbpError, ValueError):
 
 class CaptureError(AutosbpError):
     """A model that cannot be captured into an operator graph."""
+
+
+class DataError(AutosbpError):
+    """A training or evaluation data set that cannot feed the model: a data function that
+    fails, returns something else than a data set or batches, items or batches whose count,
+    shapes or dtypes differ from the model's example inputs, too few samples, a data position
+    (from a checkpoint) that does not fit the data set (`runtime.data`)."""
 
 
 class MicroBatchError(CaptureError):

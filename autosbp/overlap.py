@@ -1,9 +1,10 @@
 """What compute hides of communication in a pipelined step: gradient sync behind the last
 backward, parameter conversions behind the blocks' compute.
 
-Lives here: the bucket, in-place gather and prefetch constants the plan states for the runtime, and the hidden
-times the planner prices (`hidden_gather_s`, `hidden_sync_s`, `sync_buckets`). Lives elsewhere:
-the actors and their firing rules (`schedule`), the ILP's linearization (`planner.objective`).
+Lives here: the bucket, in-place gather and prefetch constants the plan states for the runtime, and
+the hidden times the planner prices (`hidden_gather_s`, `hidden_sync_s`, `sync_buckets`). Lives
+elsewhere: the actors and their firing rules (`schedule`), the ILP's linearization
+(`planner.timing.objective`).
 
 Rules:
 - Gradient sync is fused: gradients that need the same collective are synced together in flat
@@ -24,7 +25,7 @@ import math
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MB), torch docs
 # A weight piece of at least this many bytes is gathered in place, in a collective of its
-# own (`runtime.parallel.weight_gather`; priced so by `param_candidates.shares_gather_bucket`):
+# own (`runtime.parallel.weight_gather`; priced so by `memory.gather_buffers.shares_gather_bucket`):
 # from that size the bytes outweigh a collective's latency on the links priced, and a bucket
 # would add copies into and out of its buffer (1.5x the piece) and the buffer's fresh pages.
 # Measured on 2 gloo ranks: four 4 MiB pieces 7.9 ms in place vs 11.5 ms through a bucket,
@@ -48,7 +49,7 @@ def hidden_gather_s(comm_s: float, compute_s: float, slots: int, overlap: float)
     overlap): the exposed communication of b blocks is b comm - (b - 1) min(comm, compute),
     whatever the depth (identical blocks: a deeper prefetch cannot beat the slower of the two
     streams). Linear in each argument where they do not cross, so the ILP prices it exactly
-    as the larger of two linear parts (`objective`).
+    as the larger of two linear parts (`timing.objective`).
     """
     return overlap * max(slots, 0) * min(comm_s, compute_s)
 

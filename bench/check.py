@@ -1,6 +1,6 @@
 """How far correct plans stay from `--check`'s bounds, and how far wrong ones go past them.
 
-For every (model, plan) below, the real job (`runtime.jobs.train_worker` with `check`) on gloo
+For every (model, plan) below, the real job (`runtime.trainer.train_worker` with `check`) on gloo
 processes, and the worst error / bound of each kind over its steps (runtime/verify/step_check.py: at most 1
 passes); then the sharded ones (fsdp, tp=2) with the optimizer given one gradient times
 1 + 1e-3, the smallest bug the check must catch (tests/support/check_workers.py). The margin on either side is the

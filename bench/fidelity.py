@@ -71,7 +71,7 @@ from autosbp.capturing.export import capture_micro_batch  # noqa: E402
 from autosbp.capturing.graph import OpGraph, Role  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import ClusterPrices, plan_graph  # noqa: E402
-from autosbp.planner.candidates import BoxingPricer, sync_bucket_bytes  # noqa: E402
+from autosbp.planner.timing.candidates import BoxingPricer, sync_bucket_bytes  # noqa: E402
 from autosbp.sbp import Mesh, parse_nd_sbp  # noqa: E402
 from autosbp.schedule import simulate  # noqa: E402
 from autosbp.zoo import build_model  # noqa: E402

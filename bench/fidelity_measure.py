@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autosbp.plan import Plan
-from autosbp.planner.candidates import BACKWARD_FACTOR
-from autosbp.planner.hand_plans import strategy_space
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.timing.candidates import BACKWARD_FACTOR
 from autosbp.zoo import build_model
 from costmodel import Cluster
 from costmodel.measure.worker import OVERHEAD_OPS

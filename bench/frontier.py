@@ -13,7 +13,7 @@ our model (`python bench/frontier.py --published [--cases ...]`: each Table 1 ro
 tp/pp with full recomputation and the interleaving `INTERLEAVED` assumes, Llama 3 405B at
 TP8 PP16 interleaved with gradients and optimizer states sharded;
 predicted step and TFLOP/s per GPU beside the published ones). Lives elsewhere: the GPT-3 depth
-study and the hand-plan grid (`plan_speed`), the search (`autosbp.planner.search`).
+study and the hand-plan grid (`plan_speed`), the search (`autosbp.planner.search.entry`).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _llama(case: Case) -> tuple[Any, tuple[Any, ...]]:
 def run_case(case: Case, time_limit_s: float, jobs: int | None) -> dict[str, Any]:
     """Capture and search one case here, as `autosbp plan` does; what it found and what it cost."""
     from autosbp.capturing.rebatch import micro_batch_graphs
-    from autosbp.planner.search import divisors
+    from autosbp.planner.search.entry import divisors
 
     model, inputs = build(case)
     start = time.perf_counter()
@@ -137,8 +137,8 @@ def run_case(case: Case, time_limit_s: float, jobs: int | None) -> dict[str, Any
 def _search(case: Case, graphs: dict, time_limit_s: float, jobs: int | None):
     """`planner.api._plan`'s search of `auto`, kept whole (`Found`, with its effort)."""
     from autosbp.planner.api import MEMORY_RESERVE_FRACTION, ClusterPrices
-    from autosbp.planner.hand_plans import strategy_space
-    from autosbp.planner.search import search
+    from autosbp.planner.search.entry import search
+    from autosbp.planner.space.strategy import strategy_space
     from costmodel import Cluster, load_profile
 
     hw = load_profile(case.profile)

@@ -9,7 +9,10 @@
 #   2. `autosbp plan` of the zoo mlp for 1 GPU with that profile (dgx-h100's if the profile
 #      failed: said so);
 #   3. `autosbp train --check` on CUDA with nccl, 1 process under that plan; and the zoo gpt
-#      under the auto plan for 2 GPUs on 2 processes (with one GPU: for 1 GPU on 1 process);
+#      under the auto plan for 2 GPUs on 2 processes (with one GPU: for 1 GPU on 1 process),
+#      in fp32 and in bf16 (mixed precision: bf16 compute, fp32 masters, checked against one
+#      device running the same recipe); and the zoo gpt on text (byte tokens of Python's own
+#      source) in bf16 with AdamW, warmup, clipping and evaluation: the training job end to end;
 #   4. a few matmul shapes' measured TFLOP/s beside the dgx profiles' assumed efficiency
 #      (bench/matmul_efficiency.py).
 # Without CUDA: says so on one line, skips 1-3, and runs 4 on the CPU against cpu-gloo (so CI
@@ -70,8 +73,18 @@ if [ "$gpus" -ge 1 ]; then
     gpt_ranks=$((gpus < 2 ? gpus : 2))
     step "train-gpt-${gpt_ranks}gpu" "$PYTHON" -m autosbp.cli train gpt --nproc "$gpt_ranks" \
         --plan auto --profile "$profile" --device cuda --backend nccl --steps 5 --check
+    step "train-gpt-bf16-${gpt_ranks}gpu" "$PYTHON" -m autosbp.cli train gpt --nproc "$gpt_ranks" \
+        --plan auto --profile "$profile" --device cuda --backend nccl --steps 5 --check \
+        --dtype bf16
+    step "train-text-bf16-${gpt_ranks}gpu" "$PYTHON" -m autosbp.cli train gpt --nproc "$gpt_ranks" \
+        --model-args vocab=256,seq=64,batch=16,layers=4,hidden=128 --plan auto \
+        --profile "$profile" --device cuda --backend nccl --dtype bf16 --optimizer adamw \
+        --weight-decay 0.1 --lr 3e-3 --warmup-steps 10 --lr-schedule cosine --min-lr 3e-4 \
+        --clip-grad-norm 1.0 --steps 100 --data stdlib_text --data-args seq=64 \
+        --eval-data stdlib_text --eval-args seq=64,split=eval --eval-every 50 \
+        --metrics "$OUT/text-metrics.jsonl"
 else
-    say "SKIP profile, plan-1gpu, train-1gpu, train-gpt: no CUDA device that torch can use (CPU build or no GPU); the matmul table below measures the CPU"
+    say "SKIP profile, plan-1gpu, train-1gpu, train-gpt, train-gpt-bf16, train-text-bf16: no CUDA device that torch can use (CPU build or no GPU); the matmul table below measures the CPU"
 fi
 
 step matmul "$PYTHON" bench/matmul_efficiency.py --repeats "${REPEATS:-20}"

@@ -61,7 +61,7 @@ from autosbp.capturing.rebatch import micro_batch_graphs  # noqa: E402
 from autosbp.errors import PlanError  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import plan_graphs  # noqa: E402
-from autosbp.planner.search import divisors  # noqa: E402
+from autosbp.planner.search.entry import divisors  # noqa: E402
 from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron  # noqa: E402
 from bench.frontier import (  # noqa: E402
     ANYTIME,

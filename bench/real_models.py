@@ -10,7 +10,7 @@ and ZeRO-1, each with `--check`'s machinery (runtime/verify/step_check.py). Prin
 table, pass or the first line of the reason ("-": not run for that model), and the seconds each
 column took. The assertions of a share of the same steps are tests/models/test_real_models.py
 (which plans on 64 A100s only: the 4-process cpu-gloo column is this bench's); this prints what
-they assert, and the rest, for the README.
+they assert, and the rest, for docs/real-models.md.
 
 Run: `python bench/real_models.py [model,model,...]` (default: every model; ~15 minutes on 2
 cores).

@@ -37,6 +37,11 @@ class Reference(Enum):
     PIPELINING = "pipelining"  # torch.distributed.pipelining Schedule1F1B, one stage a rank
     WHOLE = "whole"  # eager on every rank at once, each the whole batch and sequence: one process
     INTERLEAVED = "interleaved"  # its ScheduleInterleaved1F1B, the plan's chunks on each rank
+    # bf16 mixed precision as torch users run it: DDP with forward under autocast (fp32 weights
+    # and Adam, bf16 compute per op), and FSDP2 with MixedPrecisionPolicy(param_dtype=bf16,
+    # reduce_dtype=fp32) (fp32 shards the masters, gathered in bf16, gradients summed in fp32)
+    DDP_AMP = "ddp-amp"
+    FSDP2_MP = "fsdp2-mp"
 
 
 def torch_step(
@@ -52,8 +57,8 @@ def torch_step(
     each rank."""
     model, _ = build_model(zoo_name, seed=0, **kwargs)
     local = inputs
-    if reference is Reference.FSDP2:
-        _fully_shard(model, world)
+    if reference in (Reference.FSDP2, Reference.FSDP2_MP):
+        _fully_shard(model, world, mixed=reference is Reference.FSDP2_MP)
     elif world > 1 and reference is not Reference.WHOLE:
         model = torch.nn.parallel.DistributedDataParallel(model)
     if world > 1 and reference is not Reference.WHOLE:
@@ -68,9 +73,12 @@ def torch_step(
     else:
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
 
+    autocast = reference is Reference.DDP_AMP
+
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        loss = model(*local)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(*local)
         loss.backward()
         optimizer.step()
         return float(loss.detach())
@@ -78,18 +86,25 @@ def torch_step(
     return step
 
 
-def _fully_shard(model: nn.Module, world: int) -> None:
+def _fully_shard(model: nn.Module, world: int, mixed: bool = False) -> None:
     """FSDP2 as its documentation applies it: each repeated block its own unit, then the root
     (the embeddings and head), every parameter sharded over the world, freed after forward
     (reshard_after_forward=True) and gathered again in backward; its default prefetching
-    (the next unit's all-gather issued while one computes)."""
+    (the next unit's all-gather issued while one computes). `mixed`: bf16 compute with the
+    fp32 shards as masters and gradients reduced in fp32 (`MixedPrecisionPolicy`)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    for block in model.get_submodule("blocks"):
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed
+        else MixedPrecisionPolicy()
+    )
+    blocks = model.get_submodule("blocks") if hasattr(model, "blocks") else []
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
 
 
 def pipelining_step(

@@ -1,5 +1,6 @@
-"""What autograd keeps, probed (`planner.saved`) vs read off autograd's nodes, for every model of
-the real-model suite (tests/support/real_models.py, MobileNetV2 included): one row per model.
+"""What autograd keeps, probed (`planner.memory.autograd_probe`) vs read off autograd's nodes, for
+every model of the real-model suite (tests/support/real_models.py, MobileNetV2 included): one row
+per model.
 
 The check is tests/planner/test_saved.py's (`check_graph`), which CI runs on the zoo models; the
 real models' captures take about a minute on 2 cores, so they run here. Prints a markdown table:

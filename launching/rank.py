@@ -18,7 +18,7 @@ Invariants:
 - The rank joins the world through the parent's store on 127.0.0.1 (a client; the parent is the
   server) and never listens beyond loopback itself (gloo's sockets: see `launching.workers`).
 - Reports are cheap (a time and a short label written into shared memory, a few microseconds)
-  so a rank may report every actor firing; outside a `run_workers` rank they do nothing.
+  so a rank may report every firing; outside a `run_workers` rank they do nothing.
 - A failure is stamped and reported before the process group goes (the moment its peers start
   failing), so the parent can tell the cause from its consequences.
 """
@@ -46,7 +46,7 @@ from terminal.errors import AutosbpError
 __all__ = ["Failure", "ParentDeath", "ProgressTable", "RankLog", "report_progress", "worker"]
 
 LABEL_BYTES = 160  # a progress report is cut to this many bytes of UTF-8: a line of a message
-DONE_VALUES = 4  # numbers a rank may report about its last unit of work (their meaning: the job's)
+DONE_VALUES = 8  # numbers a rank may report about its last unit of work (their meaning: the job's)
 PARENT_POLL_S = 0.5  # without prctl: how often a rank looks whether its parent is still there
 STACK_SIGNAL = signal.SIGUSR1  # the parent asks a rank for its Python stacks with it
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>

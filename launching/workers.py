@@ -10,7 +10,7 @@ torchrun started), what the workers do.
 Invariants:
 - No deadline for the job, a watchdog on progress: the parent ends the job when a rank has made
   no progress for `timeout_s` (a stall). Progress is a call of `report_progress` (the training
-  loop reports every step and every actor firing), so a job that keeps reporting runs as long as
+  loop reports every step and every firing), so a job that keeps reporting runs as long as
   it needs. The message names every stalled rank, what it last reported, and its Python stack
   (faulthandler's dump, asked for with `rank.STACK_SIGNAL`). A report may ask for grace beyond
   the timeout (a job's setup: loading and capturing its model). A rank that never reports

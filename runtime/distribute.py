@@ -23,12 +23,12 @@ Invariants:
 - A parameter or input whose plan layout is partial (P) is refused: a whole tensor has no
   partial form to start from; so is a plan whose ops communicate inside themselves (context
   parallelism: `autosbp.plan.dtensor.check_dtensor_expressible` says why).
-Limits (torch 2.13's DTensor, not this module; README "Status and limits"): `F.mse_loss` over a
+Limits (torch 2.13's DTensor, not this module; docs/limits.md): `F.mse_loss` over a
 batch-sharded input gives gradients 2x too large (write `(pred - target).pow(2).mean()`), and
 CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) has no sharding strategy; and a
 process that trained on DTensors over gloo may abort in interpreter shutdown after
 `destroy_process_group` ("terminate called without an active exception") unless the cycle
-collector ran first (`gc.collect()` before the destroy, as the README's train.py does).
+collector ran first (`gc.collect()` before the destroy).
 """
 
 from __future__ import annotations

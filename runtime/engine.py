@@ -35,6 +35,7 @@ Reference: docs/architecture.md ("Start here", "The rooms in detail").
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -43,20 +44,24 @@ from torch import nn
 
 from autosbp.boxing.params import gathers_parameters, gathers_run_beside
 from autosbp.capturing.batches import split_micro_batches
-from autosbp.capturing.graph import OpGraph
+from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import ExecutionError, NonFiniteError
 from autosbp.plan import Plan, check_plan
 from autosbp.plan.recompute import recomputed_nodes
+from autosbp.plan.values import DTYPES
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh, NdSbp, parse_nd_sbp
 from autosbp.timeline import SpanHook
 from autosbp.zero_bubble import plan_orders
+from runtime.data import BatchLayout, InputSpec, RankBatch, RankLoader
 from runtime.execute.collectives import world_device
 from runtime.execute.groups import build_groups, world_timeout
 from runtime.execute.instructions import Boxer
-from runtime.execute.program import Program, Value, build_program
+from runtime.execute.program import Pieces, Program, Value, build_program
 from runtime.execute.signatures import read_signatures
+from runtime.optim import OptimizerRecipe
 from runtime.parallel.gathers import GatherPolicy, plan_gather_policy
+from runtime.parallel.grad_norm import clip_gradients, report_gradients
 from runtime.parallel.grad_sync import GradSync, build_grad_sync
 from runtime.parallel.pipeline import (
     LossBoxing,
@@ -69,13 +74,14 @@ from runtime.parallel.pipeline import (
     stage_meshes,
     stage_values,
 )
+from runtime.parallel.precision import LossScale, Weights
 from runtime.parallel.prefetch import GatherSchedule, gather_setup
 from runtime.parallel.sharded_update import build_sharded_update
 from runtime.state.shards import StageState, shard_state, state_layouts
 from runtime.state.startup import agree_on_graph, agree_on_plan, broadcast_initial_state
-from runtime.verify.finite import NonFinite, first_non_finite
+from runtime.verify.finite import NonFinite
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "clip_refusal"]
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 Boundaries = Mapping[tuple[int, int], Sequence[Value]]
@@ -84,12 +90,16 @@ Boundaries = Mapping[tuple[int, int], Sequence[Value]]
 class Engine:
     """Runs training steps of `model` under `plan` on this rank (call on every rank).
 
-    `optimizer_factory(local_params)` builds the optimizer over this rank's shards;
+    `optimizer_factory(local_params)` builds the optimizer over this rank's shards (or an
+    `runtime.optim.OptimizerRecipe`, which also sees their names and whole shapes: weight decay
+    on matrices only); `clip_grad_norm` clips the gradients by their global norm (the plan must
+    have priced it);
     `example_inputs` are the inputs the plan was made with (their shapes are checked); `graph`
     is an already captured graph of one micro-batch of `model` to skip capturing again;
-    `recorder` (an autosbp.timeline.Recorder, or any SpanHook) wraps every actor firing of
-    every step, and the parameter gathers, re-gathers and gradient reduce-scatters that run
-    beside them (`runtime.parallel.prefetch`). `gathers` runs those as asked instead of as the
+    `recorder` (an autosbp.timeline.Recorder, or any SpanHook) wraps every firing of every
+    step (a forward, backward or weight of one micro-batch in the stage's order), and the
+    parameter gathers, re-gathers and gradient reduce-scatters that run beside them
+    (`runtime.parallel.prefetch`). `gathers` runs those as asked instead of as the
     plan says (`plan_gather_policy`: its prefetch depth and re-gathered parameters).
     `non_finite`: a step whose loss or a gradient is nan or inf raises `NonFiniteError` before
     its update (STOP), or makes no update and counts in `skipped_steps` (SKIP). Before
@@ -101,17 +111,26 @@ class Engine:
         self,
         model: nn.Module,
         plan: Plan,
-        optimizer_factory: OptimizerFactory,
+        optimizer_factory: OptimizerFactory | OptimizerRecipe,
         *,
         example_inputs: Sequence[torch.Tensor],
         graph: OpGraph | None = None,
         recorder: SpanHook | None = None,
         gathers: GatherPolicy | None = None,
         non_finite: NonFinite = NonFinite.STOP,
+        clip_grad_norm: float | None = None,
     ) -> None:
         _check_world(plan)
         _check_device(model)
+        _check_clip(plan, clip_grad_norm)
         self.non_finite, self.skipped_steps = non_finite, 0
+        self.clip_grad_norm = clip_grad_norm
+        self.grad_norm = 0.0  # the last step's, before clipping (`runtime.parallel.grad_norm`)
+        # The last step's micro-batch weights where not 1/m each (`pipeline.SharedLoss`)
+        self.loss_weights: list[float] | None = None
+        self._batch_checked = False  # the first global batch is compared across the ranks
+        self.precision = plan.precision
+        self.loss_scale = LossScale() if self.precision.loss_scaling == "dynamic" else None
         graph = _checked_graph(model, example_inputs, plan, graph)
         self.plan, self.graph, self.micro_batches = plan, graph, plan.micro_batches
         self.rank = dist.get_rank()
@@ -126,8 +145,12 @@ class Engine:
         layouts = state_layouts(graph, self.signatures, plan)
         self.shards: StageState = shard_state(
             broadcast_initial_state(model, graph), graph, layouts, plan, self.mesh, self.coords,
-            self.stage,
+            self.stage, master_dtype=torch.float32 if self.precision.mixed else None,
         )  # fmt: skip
+        # What the programs read: the buffers, and each parameter's compute weight (its fp32
+        # master itself, or under a mixed recipe a copy in the compute dtype).
+        self.weights = Weights(self.shards.parameters, self.precision.compute_dtype)
+        self._compute_state = {**self.shards.state, **self.weights.compute}
         self._timeout = world_timeout()
         stage_of = node_stages(plan)
         boundaries = stage_boundaries(graph, stage_of)
@@ -142,9 +165,15 @@ class Engine:
             self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer,
             plan.grad_bucket_bytes,
             frozenset(n for n, p in plan.params.items() if p.gradient_sbp != p.sbp),
+            self.weights.register,
         )  # fmt: skip
         self.grad_sync = self._build_grad_sync(meshes, self.program.gathers)
-        self.optimizer = optimizer_factory(list(self.optimized.values()))
+        self._connect_precision()
+        self.optimizer = (
+            optimizer_factory.build(self.optimized, self.shapes)
+            if isinstance(optimizer_factory, OptimizerRecipe)
+            else optimizer_factory(list(self.optimized.values()))
+        )
         self.recorder = recorder
         self._span = recorder.span if recorder is not None else _no_span
         self.pipeline = self._build_pipeline(meshes, stage_of, boundaries)
@@ -170,10 +199,11 @@ class Engine:
         policy = gathers or plan_gather_policy(self.plan, stage)
         received, sent = stage_values(boundaries, stage)
         return build_program(
-            graph, signatures, self.state, self.coords, self.boxer,
+            graph, signatures, self._compute_state, self.coords, self.boxer,
             stage_of=stage_of, stage=stage, received=received, sent=sent,
             recomputed=recomputed_nodes(self.plan, graph),
             gathering=gather_setup(graph, signatures, self.boxer, meshes, policy, self._timeout),
+            param_grad_dtype=self.precision.reduce_dtype if self.weights.mixed else None,
         )  # fmt: skip
 
     def _build_grad_sync(
@@ -185,7 +215,19 @@ class Engine:
         return build_grad_sync(
             synced, self.layouts, self.shards.trained, meshes, self.mesh, self._timeout,
             self.plan.grad_bucket_bytes, deferred=scheduled.deferred if scheduled else (),
+            register=self.weights.register, reduce_dtype=self.precision.reduce_dtype,
         )  # fmt: skip
+
+    def _connect_precision(self) -> None:
+        """Under a mixed recipe, the parameter gathers' deferred gradients are summed in the
+        reduce dtype and added into the fp32 masters (`runtime.parallel.precision`)."""
+        if not self.weights.mixed:
+            return
+        self.weights.destination = self.grad_sync.view_for
+        for program in self.programs:
+            if program.gathers is not None:
+                program.gathers.reduce_dtype = self.precision.reduce_dtype
+                program.gathers.grad_targets = self.weights.masters
 
     def _build_pipeline(
         self, meshes: Sequence[Mesh], stage_of: Mapping[str, int], boundaries: Boundaries
@@ -212,12 +254,12 @@ class Engine:
             order=order,
             loss=LossBoxing.build(self.boxer, layout),
             micro_batches=self.micro_batches,
-            arm=self.grad_sync.arm,
+            arm=lambda tensors: self.grad_sync.arm(self.weights.masters_of(tensors)),
             loss_root=loss_stage.device_ids[0],
             staged=len(meshes) > 1,
             span=self._span,
             device=device,
-            weights=tuple(self.parameters.values()),
+            weights=tuple(self.weights.compute.values()),
         )
 
     # ---- this rank's state -----------------------------------------------------------------
@@ -262,32 +304,139 @@ class Engine:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def step(self, batch: Sequence[torch.Tensor]) -> float:
-        """One training step on the global `batch` (the same tensors on every rank): this
-        stage's forward and backward of each micro-batch (of each of its chunks, interleaved)
-        in the plan's schedule (`stage_orders`),
-        activations and gradients exchanged with the other stages, gradients accumulated (each
-        loss scaled by 1/micro-batches: the loss must be a mean over the batch), gradient sync,
-        optimizer step. Returns the full loss (the mean over micro-batches) on every rank.
-        A loss or gradient that is nan or inf stops the step before its update (`non_finite`)."""
+    def step(self, batch: Sequence[torch.Tensor] | RankBatch) -> float:
+        """One training step: this stage's forward and backward of each micro-batch (of each
+        of its chunks, interleaved) in the plan's schedule (`stage_orders`), activations and
+        gradients exchanged with the other stages, gradients accumulated (each loss scaled by
+        1/micro-batches: the loss must be a mean over the batch), gradient sync, the global
+        gradient norm (`grad_norm`) and clipping, the optimizer step. Returns the full loss
+        (the mean over micro-batches) on every rank. A loss or gradient that is nan or inf
+        stops the step before its update (`non_finite`).
+
+        `batch` is either the global batch (the same tensors on every rank: the first one is
+        compared across the ranks, so a loop that gives each rank other rows is an error, not
+        silently wrong steps), or this rank's pieces of it, as `loader` gives them
+        (`runtime.data.RankBatch`: each rank reads only its rows)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_sync.zero_grad()  # bucketed gradients: None, then views of their buckets
         self.update.zero_grad(self.grad_sync.holds)  # ZeRO-1's others: zeroed in place
-        value = self.pipeline.run(split_micro_batches(batch, self.micro_batches))
+        scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
+        value = self.pipeline.run(self._pieces(batch), seed_scale=scale)
         with self._span("grad_sync"):  # what backward did not hide, then ZeRO-1's slices
             self.grad_sync.finish()
             self.update.scatter_gradients()
-        loss = self.pipeline.share_loss(value)  # every rank has the loss of the last stage
+        shared = self.pipeline.share_loss(value)  # every rank: the last stage's loss
+        loss, self.loss_weights = shared.loss, shared.weights
         with self._span("optimizer"):  # the check, then the update (priced as one)
-            bad = first_non_finite(loss, self.optimized, self.shards.trained)
+            if shared.factor != 1.0:  # micro-batches weighed by their kept targets: n_k / N
+                grads = [t.grad for t in self.optimized.values() if t.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, shared.factor)
+            bad = self._check_gradients(loss)
             if bad is None:
+                if self.clip_grad_norm is not None:
+                    clip_gradients(self.optimized, self.grad_norm, self.clip_grad_norm)
                 self.optimizer.step()
                 self.update.gather_weights()
+                self.weights.refresh()
         if bad is not None:
+            if self.loss_scale is not None and math.isfinite(loss):
+                self.loss_scale.update(overflowed=True)  # fp16: skipped, the scale halved
+                self.skipped_steps += 1
+                return loss
             if self.non_finite is NonFinite.STOP:
                 raise NonFiniteError(bad)
             self.skipped_steps += 1
+        elif self.loss_scale is not None:
+            self.loss_scale.update(overflowed=False)
         return loss
+
+    def _check_gradients(self, loss: float) -> str | None:
+        """The gradients unscaled (fp16), their global norm (`grad_norm`) and whether the step
+        may update: None, or what is not finite (a collective over the world)."""
+        if self.loss_scale is not None:
+            grads = [t.grad for t in self.optimized.values() if t.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / self.loss_scale.scale)
+        report = report_gradients(
+            self.optimized, self._state_layouts, self.coords, self.mesh.shape, self.shards.trained
+        )
+        self.grad_norm = report.norm
+        if not math.isfinite(loss):
+            return f"the loss is {loss}"
+        return report.problem()
+
+    def evaluate(self, batch: Sequence[torch.Tensor] | RankBatch) -> float:
+        """The loss of `batch` (as `step` takes it) under the plan, without gradients and
+        without changing any state (the forwards' buffer updates, BatchNorm's running
+        statistics, are undone): every stage's forwards, micro-batch by micro-batch. The
+        graph is the training graph: BatchNorm normalizes by the batch's statistics, and a
+        dropout the graph holds still draws. A collective: every rank calls it."""
+        kept = {n: t.detach().clone() for n, t in self.shards.state.items() if not t.requires_grad}
+        with torch.no_grad():
+            value = self.pipeline.run_forwards(self._pieces(batch))
+            for name, tensor in kept.items():
+                self.shards.state[name].copy_(tensor)
+        return self.pipeline.share_loss(value, weights=False).loss
+
+    def batch_layout(self) -> BatchLayout:
+        """What this rank needs of each global batch: per user input, its piece of one
+        micro-batch (None where none of this rank's programs reads it), from the plan's input
+        layouts (`runtime.data`)."""
+        metas = [attrs.outputs[0] for _, attrs in self.graph.nodes(Role.INPUT)]
+        boxes: list[tuple[slice, ...] | None] = [None] * len(metas)
+        for program in self.programs:
+            for loader in program.inputs:
+                whole = tuple(slice(0, n) for n in loader.meta.shape)
+                boxes[loader.position] = loader.index or whole
+        specs = tuple(
+            InputSpec(meta.shape[1:], meta.dtype, name)
+            for meta, name in zip(metas, _input_names(self.graph), strict=True)
+        )
+        return BatchLayout(self.plan.global_batch, self.micro_batches, specs, tuple(boxes))
+
+    def loader(
+        self,
+        data: object,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        state: Mapping[str, object] | None = None,
+    ) -> RankLoader:
+        """This rank's loader of `data` (a data set of per-sample tuples, or an iterable of
+        global batches; `runtime.data`): each step's pieces for `step`, shuffled by `seed`
+        per epoch, resumed from `state` (a checkpoint's `RankLoader.state()`)."""
+        return RankLoader(
+            data, self.batch_layout(), seed=seed, shuffle=shuffle, state=state,
+            device=world_device(),
+        )  # fmt: skip
+
+    def _pieces(self, batch: Sequence[torch.Tensor] | RankBatch) -> list[Pieces] | list[tuple]:
+        """The step's micro-batches: this rank's pieces as given (a RankBatch), or the global
+        batch, the same on every rank (checked), cut into micro-batches, floating inputs in
+        the plan's compute dtype."""
+        if batch and all(isinstance(piece, tuple) for piece in batch):
+            if len(batch) != self.micro_batches:
+                raise ExecutionError(
+                    f"step() got pieces of {len(batch)} micro-batches, but the plan runs "
+                    f"{self.micro_batches}; take the pieces from engine.loader(...)."
+                )
+            return [Pieces(piece) for piece in batch]
+        wanted = self.precision.compute_dtype
+        tensors = tuple(
+            x.to(wanted) if x.is_floating_point() else x
+            for x in batch
+            if isinstance(x, torch.Tensor)  # every one: a RankBatch was taken above
+        )
+        if len(tensors) != len(batch):
+            raise ExecutionError(
+                "step() takes the global batch as a sequence of tensors (one per model input), "
+                "or this rank's pieces from engine.loader(...); got a mix of both."
+            )
+        if not self._batch_checked:  # a loop that feeds each rank its own rows does so at once
+            _check_same_batch(tensors)
+            self._batch_checked = True
+        return split_micro_batches(tensors, self.micro_batches)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer assembled whole (tied names included). A collective: every
@@ -313,6 +462,57 @@ def _check_world(plan: Plan) -> None:
         )
     agree_on_plan(plan)
     plan.check_world(dist.get_world_size())
+
+
+def _check_same_batch(batch: Sequence[torch.Tensor]) -> None:
+    """Every rank was given the same global batch: a fingerprint of its values (sums weighted
+    by position, in float64) compared across the world by one all-reduce. A user loop that
+    hands each rank its own rows would otherwise train on a batch no rank holds."""
+    if dist.get_world_size() == 1:
+        return
+    prints = []
+    for x in batch:
+        values = x.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device)
+        prints += [values.sum(), (values * weights.remainder(7919)).sum()]
+    mine = torch.stack(prints).nan_to_num(nan=1.5e308) if prints else torch.zeros(1)
+    both = torch.cat([mine, -mine]).to(world_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    low, high = -both[len(mine) :], both[: len(mine)]
+    if not torch.equal(low, high):
+        raise ExecutionError(
+            "step() was given different batches on different ranks; with a global batch every "
+            "rank must pass the same tensors (rank 0's rows, say). To give each rank only its "
+            "own rows, pass this rank's pieces instead: engine.step(pieces) with pieces from "
+            "engine.loader(data_set)."
+        )
+
+
+def _input_names(graph: OpGraph) -> list[str]:
+    """The user inputs' names (forward's parameters, as export named the placeholders)."""
+    return [attrs.name or name for name, attrs in graph.nodes(Role.INPUT)]
+
+
+def _check_clip(plan: Plan, clip_grad_norm: float | None) -> None:
+    """Clipping as the plan priced it: its update prices one more pass over the gradients."""
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ExecutionError(
+            f"clip_grad_norm must be a positive norm, got {clip_grad_norm!r}; pass None for "
+            "no clipping."
+        )
+    if (clip_grad_norm is not None) != plan.clips_gradients:
+        raise clip_refusal(plan, clip_grad_norm)
+
+
+def clip_refusal(plan: Plan, clip_grad_norm: float | None) -> ExecutionError:
+    """The error for clipping the plan did not price (or no clipping where it did)."""
+    made = "with" if plan.clips_gradients else "without"
+    asked = "none" if clip_grad_norm is None else f"clipping at {clip_grad_norm:g}"
+    return ExecutionError(
+        f"the plan was priced {made} gradient clipping, but the job asks for {asked}; make "
+        "the plan with the same clipping (`--clip-grad-norm` at `autosbp plan` and `autosbp "
+        "train`, or auto_parallelize(..., clip_grad_norm=...))."
+    )
 
 
 def _check_device(model: nn.Module) -> None:
@@ -365,7 +565,9 @@ def _checked_graph(
     if graph is None:
         from autosbp.capturing.export import capture_micro_batch
 
-        graph = capture_micro_batch(model, example_inputs, plan.micro_batches)
+        graph = capture_micro_batch(
+            model, example_inputs, plan.micro_batches, dtype=DTYPES[plan.dtype]
+        )
     agree_on_graph(graph)  # one graph on every rank, before any rank refuses it alone
     plan.check_model(graph.fingerprint(), f"model `{graph.model_name}`")
     check_plan(plan, graph)

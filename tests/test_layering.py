@@ -7,6 +7,9 @@ Every import counts: at module level, inside functions, under TYPE_CHECKING.
   `distribute` live in runtime) and the CLI's `train` command (which runs jobs) may reach
   runtime, lazily so that `autosbp --help` does not load torch;
 - runtime executes what the plan says and never imports the planner;
+- the planner's folders import one way, each only those before it: ilp, space, memory, timing,
+  problem, bounds, search; its top modules (`api`, `assemble`) may import any of them, and none
+  imports the top;
 - capture knows nothing of the planner, the schedule, boxing or plans (it may name the ops
   without a rule, lazily: `rules`);
 - no import circles among modules;
@@ -23,7 +26,7 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a room may import the rooms before it.
 ROOMS = ("terminal", "launching", "costmodel", "autosbp", "runtime")
-FACE = {"autosbp", "autosbp.commands.train"}
+FACE = {"autosbp", "autosbp.commands.export", "autosbp.commands.train"}
 
 
 def _module_name(path: Path) -> str:
@@ -137,6 +140,31 @@ def test_runtime_never_imports_the_planner() -> None:
         (m, t)
         for m, t in GRAPH.edges
         if m.startswith("runtime") and (t == "autosbp.planner" or t.startswith("autosbp.planner."))
+    ]
+    assert wrong == []
+
+
+# Lowest first: a planner folder may import the folders before it (autosbp/planner/__init__.py).
+PLANNER_FOLDERS = ("ilp", "space", "memory", "timing", "problem", "bounds", "search")
+
+
+def _planner_part(module: str) -> str | None:
+    """The planner folder (or top module) `module` is in; None outside the planner."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["autosbp", "planner"] and len(parts) > 2 else None
+
+
+def test_the_planner_folders_import_one_way() -> None:
+    folders = {p.name for p in (ROOT / "autosbp" / "planner").iterdir() if p.is_dir()}
+    assert folders - {"__pycache__"} == set(PLANNER_FOLDERS)
+    rank = {folder: i for i, folder in enumerate(PLANNER_FOLDERS)}
+    wrong = [
+        (module, target)
+        for module, target in GRAPH.edges
+        if (source := _planner_part(module)) in rank
+        and (into := _planner_part(target)) is not None
+        and into != source
+        and rank.get(into, len(rank)) > rank[source]  # a later folder, or a top module
     ]
     assert wrong == []
 

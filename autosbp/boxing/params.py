@@ -5,7 +5,7 @@ Lives here: `has_collective` (a chain of steps holds one), `gathers_parameters` 
 parameter's conversion to a consumer's layout holds one) and `gathers_run_beside` (the
 schedules the runtime runs gathers beside). Lives elsewhere: the runtime's refusal of a
 gathering plan beside the others (`runtime.engine`), the planner's spaces that forbid gathers
-there (`planner.priced`: a gathering pair of a parameter's edge is priced infinite), running
+there (`planner.problem.priced`: a gathering pair of a parameter's edge is priced infinite), running
 the gathers (`runtime.parallel.gathers`).
 
 Invariant: the steps are `plan_boxing`'s on one stage's mesh, the chain the runtime's `Boxer`

@@ -40,6 +40,7 @@ Reference: torch.export programming model (training IR); OneFlow paper section 3
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import time
 from collections import defaultdict
@@ -69,25 +70,43 @@ from autosbp.capturing.training_ifs import (
 )
 from autosbp.errors import CaptureError, MicroBatchError
 
-__all__ = ["capture", "capture_micro_batch", "run_graph"]
+__all__ = ["capture", "capture_micro_batch", "capturing_in", "run_graph"]
 
 
 def capture(
-    model: nn.Module, example_inputs: Sequence[torch.Tensor], *, name: str | None = None
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    name: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> OpGraph:
     """Export `model(*example_inputs)` (which must return the scalar loss) to an `OpGraph`.
 
-    Works on the meta device (no parameter memory). Raises `CaptureError` when the model cannot
-    be exported or does not return a scalar.
+    Works on the meta device (no parameter memory). With `dtype`, the graph is the one of the
+    model and inputs cast to it (every floating parameter, buffer and input, as `model.to`
+    casts them), traced on fake tensors of that dtype: the model itself is not touched, so an
+    fp32 model is planned and run in bf16 without its weights rounded. Raises `CaptureError`
+    when the model cannot be exported or does not return a scalar.
     """
     name = name or type(model).__name__
     args = _check_inputs(model, example_inputs, name)
     start = time.perf_counter()
-    opgraph = capture_by_repeats(model, args, name, _capture_whole)
-    if opgraph is None:  # no repeated layers, or not provably repeated: every layer exported
-        opgraph = _capture_whole(model, args, name)
+    with capturing_in(dtype) if dtype is not None else contextlib.nullcontext():
+        opgraph = capture_by_repeats(model, args, name, _capture_whole)
+        if opgraph is None:  # no repeated layers, or not provably repeated: every layer exported
+            opgraph = _capture_whole(model, args, name)
     opgraph.meta["capture_s"] = time.perf_counter() - start
     return opgraph
+
+
+@contextlib.contextmanager
+def capturing_in(dtype: torch.dtype) -> Iterator[None]:
+    """Every capture inside traces floating tensors in `dtype` (`capture`'s `dtype`)."""
+    token = _CAST.set(dtype)
+    try:
+        yield
+    finally:
+        _CAST.reset(token)
 
 
 def _capture_whole(model: nn.Module, args: tuple[torch.Tensor, ...], name: str) -> OpGraph:
@@ -107,6 +126,7 @@ def capture_micro_batch(
     micro_batches: int = 1,
     *,
     name: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> OpGraph:
     """The graph of one micro-batch of `example_inputs` (a global batch): what a plan with
     `micro_batches` is made for, and what the runtime runs once per micro-batch.
@@ -117,14 +137,14 @@ def capture_micro_batch(
     """
     piece = list(split_micro_batches(example_inputs, micro_batches)[0])
     try:
-        return capture(model, piece, name=name)
+        return capture(model, piece, name=name, dtype=dtype)
     except MicroBatchError:
         raise
     except CaptureError as exc:
         if micro_batches == 1:
             raise
         try:  # does it capture on the whole batch? (only when the micro-batch failed)
-            capture(model, example_inputs, name=name)
+            capture(model, example_inputs, name=name, dtype=dtype)
         except CaptureError:
             raise exc from None
         size = int(piece[0].shape[0]) if piece and piece[0].dim() else 1
@@ -186,7 +206,7 @@ def _export(
         raise explain_export_failure(exc, model, name) from exc
     for key, value in program.constants.items():  # a non-persistent buffer: the model's tensor
         if id(value) in originals:
-            program.constants[key] = originals[id(value)]
+            program.constants[key] = originals[id(value)].to(value.dtype)  # cast as traced
     return program
 
 
@@ -196,6 +216,8 @@ def _export(
 # takes one path on the CPU and another elsewhere), so one device for every capture makes the
 # graph of a meta model and of a real one the same: plan on meta, train on cpu or cuda.
 _CAPTURE_DEVICE = torch.device("cpu")
+# The dtype a capture traces floating tensors in (`capture`'s `dtype`; None: their own).
+_CAST: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("cast", default=None)
 
 
 @contextlib.contextmanager
@@ -206,17 +228,19 @@ def _on_fake_cpu(
     per tensor, so tied ones stay tied) while the block runs, `args` as such fakes, and each
     fake's original by id (export lifts a non-persistent buffer, HF's `position_ids`, as a
     constant: the fake, until it is swapped back); the model is restored after. Constants
-    made in forward from Python data keep their real values."""
+    made in forward from Python data keep their real values. Floating tensors are faked in
+    the capture's dtype (`_CAST`), where one is set."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     fakes: dict[int, torch.Tensor] = {}
     originals: dict[int, torch.Tensor] = {}
 
+    cast = _CAST.get()
+
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in fakes:
+            dtype = cast if cast is not None and t.is_floating_point() else t.dtype
             with mode:
-                made = torch.empty_strided(
-                    t.shape, t.stride(), dtype=t.dtype, device=_CAPTURE_DEVICE
-                )
+                made = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=_CAPTURE_DEVICE)
             fakes[id(t)] = (
                 nn.Parameter(made, t.requires_grad) if isinstance(t, nn.Parameter) else made
             )

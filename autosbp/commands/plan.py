@@ -178,7 +178,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 def time_limit_notes() -> Iterator[list[str]]:
     """Collect what the planner's `TimeLimitWarning`s say inside the block (for the command to
     print in its own words after the plan); every other warning is shown as usual."""
-    from autosbp.planner.search import TimeLimitWarning
+    from autosbp.planner.search.entry import TimeLimitWarning
     from autosbp.rules import UnknownOpWarning
 
     notes: list[str] = []

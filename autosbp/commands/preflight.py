@@ -16,6 +16,7 @@ from typing import Any
 
 from autosbp.errors import CaptureError
 from autosbp.plan import Plan, check_plan
+from autosbp.plan.values import DTYPES
 
 __all__ = ["check_job"]
 
@@ -29,7 +30,9 @@ def check_job(plan: Plan, model: str, model_args: dict[str, Any], source: str) -
     from autosbp.zoo import load_model
 
     module, inputs = load_model(model, model_args, device="meta")
-    graph = capture_micro_batch(module, inputs, plan.micro_batches, name=model)
+    graph = capture_micro_batch(
+        module, inputs, plan.micro_batches, name=model, dtype=DTYPES[plan.dtype]
+    )
     plan.check_model(graph.fingerprint(), f"model `{model}`")
     check_plan(plan, graph, source=source)
     params = [node for node, _ in graph.nodes(Role.PARAMETER)]

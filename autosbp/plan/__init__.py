@@ -28,6 +28,7 @@ from autosbp.plan.values import (
     NodePlan,
     ParamPlan,
     Plan,
+    Precision,
     Predicted,
     Replicated,
     SolverReport,
@@ -36,7 +37,7 @@ from autosbp.plan.values import (
 
 __all__ = [
     "FORMAT", "MAX_INT", "VERSION", "Alternative", "HandPlan", "NodePlan", "ParamPlan", "Plan",
-    "Predicted", "Replicated", "SolverReport", "StagePlan", "check_plan", "device_mesh", "format_bytes",
+    "Precision", "Predicted", "Replicated", "SolverReport", "StagePlan", "check_plan", "device_mesh", "format_bytes",
     "format_seconds", "hand_plan_table", "load_plan", "placements", "plan_problems", "plan_schema",
     "recomputed_nodes", "replicated_warning", "save_plan", "summary_table", "validate_plan_json", "write_atomically",
 ]  # fmt: skip

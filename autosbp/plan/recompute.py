@@ -1,11 +1,11 @@
 """Which nodes a plan recomputes in backward: what it states, or format 1's rule for it.
 
-Lives here: `recomputed_nodes(plan, graph)`, what the runtime recomputes. A plan of format 2
-states it per node (`NodePlan.recomputed`, written by the planner from the rule it priced); a
-plan of format 1 stated only a mode, and is read with the rule that format priced, frozen here
-(`_format1_recomputed`) so that a later change of the planner's rule cannot change what an old
-plan runs. Lives elsewhere: the planner's current rule and its prices (`planner.pipeline`,
-`planner.kept`), running recomputation (runtime.execute.program).
+Lives here: `recomputed_nodes(plan, graph)`, what the runtime recomputes. A plan of format 2 states
+it per node (`NodePlan.recomputed`, written by the planner from the rule it priced); a plan of
+format 1 stated only a mode, and is read with the rule that format priced, frozen here
+(`_format1_recomputed`) so that a later change of the planner's rule cannot change what an old plan
+runs. Lives elsewhere: the planner's current rule and its prices (`planner.space.recomputation`,
+`planner.memory.kept`), running recomputation (runtime.execute.program).
 
 Format 1's rule (autosbp 0.1, planner.pipeline.recomputed at the time): under `full`, every
 compute node inside a repeated block; under `selective`, those of them whose op family is not

@@ -18,6 +18,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from autosbp.errors import PlanError
 from autosbp.plan.schema import FORMAT, VERSION, validate_plan_json
 from autosbp.sbp import dtensor_names, parse_nd_sbp
@@ -26,6 +28,16 @@ from autosbp.sbp import dtensor_names, parse_nd_sbp
 # bucket_cap_mb (25 MB, torch docs), what `autosbp.schedule.GRAD_BUCKET_BYTES` held then. Frozen
 # here: a later change of the planner's cap cannot change what an old plan runs.
 PRICED_GRAD_BUCKET_BYTES = 25 * 2**20
+
+# The dtypes a plan trains in, by the names plans and the command line use.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter trained in `dtype` is held and updated in (its master: fp32 below
+    fp32, the mixed recipe of `Precision`), and its gradient accumulated in."""
+    return torch.float32 if dtype.itemsize < 4 else dtype
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,63 @@ class StagePlan:
     weight_s: float | None = None  # zb1: of `backward_s`, the weight gradients' (W) part
 
 
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """How a plan trains in its dtype, the recipe the planner priced and the runtime runs
+    (Micikevicius et al. 2018, "Mixed Precision Training"; FSDP2's `MixedPrecisionPolicy`;
+    Megatron-Core's fp32 main parameters and gradients).
+
+    `compute`: the dtype of the weights the ops read, of the activations and of their
+    gradients (the plan's `dtype`). Below fp32 the recipe is mixed: each parameter also has an
+    fp32 master copy, which the optimizer steps, with fp32 optimizer states, and each
+    micro-batch's gradient is accumulated into an fp32 gradient; the weights are cast down
+    after every update. `reduce`: the dtype gradients are summed in across devices (fp32 by
+    default; bf16 halves the sync). fp16 adds dynamic loss scaling (`loss_scaling`)."""
+
+    compute: str = "fp32"
+    reduce: str = "fp32"
+
+    @property
+    def mixed(self) -> bool:
+        """fp32 masters beside weights computed in a lower precision."""
+        return self.compute != "fp32"
+
+    @property
+    def master(self) -> str:
+        return "fp32"
+
+    @property
+    def loss_scaling(self) -> str:
+        """ "dynamic" for fp16 (whose range underflows small gradients), else "none"."""
+        return "dynamic" if self.compute == "fp16" else "none"
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "compute": self.compute,
+            "master": self.master,
+            "reduce": self.reduce,
+            "loss_scaling": self.loss_scaling,
+        }
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.compute]
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce]
+
+    def text(self) -> str:
+        """For people: "bf16 compute, fp32 masters and optimizer states, fp32 gradient sync"."""
+        if not self.mixed:
+            return f"fp32 throughout, {self.reduce} gradient sync"
+        scaled = ", dynamic loss scaling" if self.loss_scaling == "dynamic" else ""
+        return (
+            f"{self.compute} compute, fp32 masters and optimizer states, fp32 gradient "
+            f"accumulation, {self.reduce} gradient sync{scaled}"
+        )
+
+
 @dataclass(frozen=True)
 class Predicted:
     step_time_s: float
@@ -220,6 +289,12 @@ class Plan:
     # written before it was recorded: 1F1B, v = 1.
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    # The gradients' sync dtype (`Precision.reduce`); the compute dtype is `dtype`. Plans
+    # written before it was recorded: fp32.
+    reduce_dtype: str = "fp32"
+    # Whether the update clips the gradients by their global norm (priced: one more pass over
+    # the gradients); False in plans written before it was recorded.
+    clips_gradients: bool = False
     # The format this plan was written in: VERSION for new plans; a loaded plan keeps its own,
     # so that saving it again keeps what it meant (`plan.recompute.recomputed_nodes`).
     version: int = VERSION
@@ -264,7 +339,22 @@ class Plan:
             "hand_plans": [asdict(h) for h in self.hand_plans],
             **({"replicated": asdict(self.replicated)} if self.replicated else {}),
             **self._schedule_json(),
+            **self._recipe_json(),
         }
+
+    def _recipe_json(self) -> dict[str, Any]:
+        """Written where not fp32 throughout without clipping: older plans' digests stay."""
+        out: dict[str, Any] = {}
+        if self.precision.mixed or self.reduce_dtype != "fp32":
+            out["precision"] = self.precision.to_json()
+        if self.clips_gradients:
+            out["clip_grad_norm"] = True
+        return out
+
+    @property
+    def precision(self) -> Precision:
+        """The precision recipe the plan was priced for (its dtype and sync dtype)."""
+        return Precision(self.dtype, self.reduce_dtype)
 
     def _schedule_json(self) -> dict[str, Any]:
         """Written where not the default (1F1B, v = 1): older plans' digests stay as they were."""
@@ -301,6 +391,8 @@ class Plan:
             recompute=data["recompute"],
             global_batch=data["global_batch"],
             dtype=data["dtype"],
+            reduce_dtype=_reduce_dtype(data, source),
+            clips_gradients=data.get("clip_grad_norm", False),
             optimizer=data["optimizer"],
             nodes={
                 name: NodePlan(
@@ -381,6 +473,19 @@ def _node_json(node: NodePlan) -> dict[str, Any]:
         **({"exchanges": list(node.exchanges)} if node.exchanges else {}),
         **({"path": node.path} if node.path else {}),
     }
+
+
+def _reduce_dtype(data: Any, source: str) -> str:
+    """The plan's gradient-sync dtype, its precision checked against its dtype."""
+    precision = data.get("precision")
+    if precision is None:
+        return "fp32"
+    if precision["compute"] != data["dtype"]:
+        raise PlanError(
+            f"{source}: its precision computes in {precision['compute']} but its dtype is "
+            f"{data['dtype']}; the plan is inconsistent (edited by hand?): make it again."
+        )
+    return str(precision["reduce"])
 
 
 def _replicated(data: Any) -> Replicated | None:

@@ -20,13 +20,15 @@ from typing import Any
 
 import torch
 
+from autosbp.capturing.export import capturing_in
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import MicroBatchError, PlanError
 from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
-from autosbp.planner.hand_plans import Space, hand_strategies, strategy_space
-from autosbp.planner.search import Found, GraphFor, TimeLimitWarning, divisors, search
-from autosbp.planner.virtual_search import best_of, search_spaces
+from autosbp.planner.search.entry import Found, GraphFor, TimeLimitWarning, divisors, search
+from autosbp.planner.search.schedules import best_of, search_spaces
+from autosbp.planner.space.strategy import Space, hand_strategies, strategy_space
+from autosbp.planner.timing.recipe import Recipe
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Memory kept free for the framework, allocator fragmentation and transient buffers
@@ -81,25 +83,31 @@ def auto_parallelize(
     progress: Callable[[str], None] | None = None,
     compare: bool = False,
     jobs: int | None = None,
+    reduce_dtype: str = "fp32",
+    clip_grad_norm: float | None = None,
 ) -> Plan:
     """Plan `model` (which returns its training loss, a mean over the batch) for `devices`
     devices of `profile`; `example_inputs` are one batch (dim 0).
 
     `global_batch`: the samples per step, when not the example inputs' batch: every input whose
     dim 0 is that batch is resized to it before capture (`at_global_batch`). `dtype` (fp32,
-    bf16, fp16; default: the model's own): the training dtype; a meta model and the floating
-    example inputs are cast to it before capture (`in_dtype`; a model with real parameters in
-    another dtype must be cast by its owner). `memory_limit` (bytes per device) defaults to the
+    bf16, fp16; default: the model's own): the training dtype; the model is captured as if its
+    floating parameters, buffers and example inputs were cast to it (`capturing_in`: the model
+    is not touched), and the plan trains in that dtype with fp32 masters (`Plan.precision`).
+    `memory_limit` (bytes per device) defaults to the
     profile's device memory minus a 10% reserve. The search chooses pipeline stages, the mesh
     of each stage, one signature per op, the micro-batch count (unless `micro_batches` is
     given: every count that divides the batch) and the recomputation (`recompute`: auto,
     none, selective or full), best-first by proven bounds over the whole space within
     `time_limit_s` (`search`); `strategy` restricts it to a hand plan (dp, fsdp,
     megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model. `compare`: also price the usual
-    hand plans (`strategies.hand_strategies`) into `Plan.hand_plans`. When the time limit stops
+    hand plans (`space.strategy.hand_strategies`) into `Plan.hand_plans`. When the time limit stops
     the search before it proves its plan optimal, the best plan so far is returned with a
     `TimeLimitWarning` that says the proven gap and how to raise the limit. `jobs`: processes
     the search runs in (default: every core, for spaces of 64 configurations or more).
+    `reduce_dtype` (fp32, bf16): the dtype gradients are summed in across devices;
+    `clip_grad_norm`: the update clips the gradients by their global norm (the value is the
+    engine's; the plan prices the pass and records that it clips).
     """
     from autosbp.capturing.rebatch import micro_batch_graphs
 
@@ -107,7 +115,7 @@ def auto_parallelize(
     _check_request(devices, optimizer, dtype)  # before the capture, which can take a while
     _check_limits(memory_limit, global_batch, time_limit_s, jobs)
     space = strategy_space(strategy, recompute)
-    inputs = in_dtype(model, at_global_batch(example_inputs, global_batch), dtype)
+    inputs = at_global_batch(example_inputs, global_batch)
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
     counts = (micro_batches,) if micro_batches is not None else space.micro_batches
     if counts is None:  # the counts the space may choose: only those are captured
@@ -120,17 +128,18 @@ def auto_parallelize(
         if count not in graphs:  # every count at once: two exports, the rest rebatched
             if progress:
                 progress(f"capturing micro-batches of {', '.join(map(str, counts))}")
-            try:
-                graphs.update(micro_batch_graphs(model, inputs, counts, name=name))
-            except MicroBatchError:  # one size does not capture: each alone, so the others do
-                graphs.update(micro_batch_graphs(model, inputs, (count,), name=name))
+            with capturing_in(DTYPES[dtype]):  # the model itself is not cast
+                try:
+                    graphs.update(micro_batch_graphs(model, inputs, counts, name=name))
+                except MicroBatchError:  # one size does not capture: each alone, the others do
+                    graphs.update(micro_batch_graphs(model, inputs, (count,), name=name))
         return graphs[count]
 
     return _plan(
         graph_for, counts, profile=profile, devices=devices, memory_limit=memory_limit,
         global_batch=batch, optimizer=optimizer, dtype=dtype, strategy=strategy,
         recompute=recompute, time_limit_s=time_limit_s, progress=progress, compare=compare,
-        jobs=jobs,
+        jobs=jobs, reduce_dtype=reduce_dtype, clips_gradients=clip_grad_norm is not None,
     )  # fmt: skip
 
 
@@ -290,10 +299,13 @@ def _plan(
     progress: Callable[[str], None] | None = None,
     compare: bool = False,
     jobs: int | None = None,
+    reduce_dtype: str = "fp32",
+    clips_gradients: bool = False,
 ) -> Plan:
     from costmodel import Cluster, load_profile
 
     _check_request(devices, optimizer, dtype)
+    _check_recipe(reduce_dtype)
     _check_limits(memory_limit, global_batch, time_limit_s, jobs)
     hw = load_profile(profile)
     per_node = int(hw.topology.devices_per_node.value)
@@ -316,6 +328,7 @@ def _plan(
             graph_for, global_batch, devices, ClusterPrices(cluster), link_of, space,
             optimizer=optimizer, memory_limit_bytes=limit, time_limit_s=time_left_s,
             devices_per_node=per_node, progress=progress, jobs=jobs,
+            recipe=Recipe(DTYPES[reduce_dtype], clips_gradients),
         )  # fmt: skip
 
     def found_for(chosen: str) -> Found:
@@ -323,7 +336,10 @@ def _plan(
             progress(f"searching {chosen}")
         return best_of(search_spaces(chosen, recompute, blocks), found_in, time_limit_s)
 
-    ctx = PlanContext(hw.name, limit, strategy, global_batch, DTYPES[dtype], optimizer)
+    ctx = PlanContext(
+        hw.name, limit, strategy, global_batch, DTYPES[dtype], optimizer, reduce_dtype,
+        clips_gradients,
+    )  # fmt: skip
     best = found_for(strategy)
     note = best.effort.limit_note(best.prediction.step_time_s) if best.effort else None
     if note is not None:  # said in words: the CLI prints it, a caller may make it an error
@@ -350,10 +366,20 @@ def _check_request(devices: int, optimizer: str, dtype: str) -> None:
             f"devices must be a positive integer, got {devices!r}; pass the number of devices "
             "to plan for, e.g. devices=8 (`--devices 8` on the command line)."
         )
-    if optimizer not in ("adam", "sgd", "sgd_momentum"):
-        raise PlanError(f"optimizer {optimizer!r} is not known; use adam, sgd or sgd_momentum.")
+    if optimizer not in ("adam", "adamw", "sgd", "sgd_momentum"):
+        raise PlanError(
+            f"optimizer {optimizer!r} is not known; use adam, adamw, sgd or sgd_momentum."
+        )
     if dtype not in DTYPES:
         raise PlanError(f"dtype {dtype!r} is not known; use one of {sorted(DTYPES)}.")
+
+
+def _check_recipe(reduce_dtype: str) -> None:
+    if reduce_dtype not in ("fp32", "bf16"):
+        raise PlanError(
+            f"reduce_dtype {reduce_dtype!r} is not known; gradients are summed in fp32 (the "
+            "default) or bf16 (`--reduce-dtype`)."
+        )
 
 
 def _check_limits(

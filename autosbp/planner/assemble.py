@@ -24,15 +24,14 @@ from autosbp.plan import (
     SolverReport,
     StagePlan,
 )
-from autosbp.planner.ilp_problem import Costs, Solution
-from autosbp.planner.memory import is_view_conversion
-from autosbp.planner.pipeline import recomputed
-from autosbp.planner.problem import MeshProblem
-from autosbp.planner.search import Found
+from autosbp.plan.values import DTYPE_NAMES
+from autosbp.planner.ilp.formulation import Costs, Solution
+from autosbp.planner.memory.device_bytes import is_view_conversion
+from autosbp.planner.problem.build import MeshProblem
+from autosbp.planner.search.entry import Found
+from autosbp.planner.space.recomputation import recomputed
 from autosbp.rules import exchanges
 from autosbp.sbp import Broadcast, NdSbp, format_nd_sbp, parse_nd_sbp
-
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,8 @@ class PlanContext:
     global_batch: int
     dtype: torch.dtype
     optimizer: str
+    reduce_dtype: str = "fp32"  # the gradient sync's (`Plan.precision`)
+    clips_gradients: bool = False
 
 
 def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
@@ -95,6 +96,8 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
         global_batch=ctx.global_batch,
         dtype=DTYPE_NAMES[ctx.dtype],
         optimizer=ctx.optimizer,
+        reduce_dtype=ctx.reduce_dtype,
+        clips_gradients=ctx.clips_gradients,
         nodes=nodes,
         params=params,
         predicted=Predicted(

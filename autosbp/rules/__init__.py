@@ -56,12 +56,14 @@ from autosbp.rules.core import (
     tensor_slots,
 )
 from autosbp.rules.derived import derived_signatures
+from autosbp.rules.loss import MeanOverTargets, kept_targets, mean_over_targets
 from autosbp.rules.registry import RULES
 from autosbp.sbp import Broadcast, NdSbp, Partial, Sbp, divisibility_shape, split_factors
 
 __all__ = [
     "Exchange",
     "LocalOp",
+    "MeanOverTargets",
     "NdSignature",
     "OpComm",
     "OpContext",
@@ -71,8 +73,10 @@ __all__ = [
     "exchanges",
     "find_signature",
     "has_rule",
+    "kept_targets",
     "local_call",
     "local_op",
+    "mean_over_targets",
     "mutated_inputs",
     "nd_signatures",
     "pinned_inputs",

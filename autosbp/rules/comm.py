@@ -7,7 +7,7 @@ a kernel communicates: autograd-aware collectives on one mesh dim of this device
 `OpContext` (what a communicating kernel is built with: mesh shape, coords, the `OpComm`) and
 (the rule hooks that use them: `core.OpRule.exchanges`, `core.OpRule.build_comm`). Lives elsewhere: the rules that
 declare exchanges (`attention`: context parallelism), the one place they are priced
-(`autosbp.planner.op_comm`), the runtime's `OpComm` on torch.distributed groups with timeouts
+(`autosbp.planner.timing.op_exchanges`), the runtime's `OpComm` on torch.distributed groups with timeouts
 and timeline spans (`runtime.execute.op_comm`), communication between ops (boxing, on edges).
 
 In the spirit of DTensor's op strategies: a signature is the op's placements; most signatures

@@ -1,7 +1,7 @@
 """Context parallelism: attention with the sequence split, keys and values all-gathered inside.
 
 Lives here: the sequence-split signature of SDPA (`cp_signatures`), what it exchanges
-(`cp_exchanges`, priced by `autosbp.planner.op_comm`) and its kernel (`build_cp_attention`).
+(`cp_exchanges`, priced by `autosbp.planner.timing.op_exchanges`) and its kernel (`build_cp_attention`).
 Lives elsewhere: SDPA's other rows (`attention`), the row's second kernel, keys and values
 passed around a ring (`ring`), the collectives on real groups (`runtime.execute.op_comm`), the
 vocabulary of communication inside an op (`comm`).

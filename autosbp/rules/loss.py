@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autosbp.capturing.graph import InputRef
 from autosbp.rules.core import (
     LocalOp,
     NdSignature,
@@ -115,12 +116,48 @@ class ShardOfMeanCrossEntropy:
         summed = torch.ops.aten.cross_entropy_loss.default(
             logits, target[self.block], weight, SUM, ignore_index, label_smoothing
         )
-        valid = target != ignore_index
-        if weight is None:
-            denominator = valid.sum()
-        else:
-            denominator = torch.where(valid, weight[torch.where(valid, target, 0)], 0).sum()
+        denominator = kept_targets(target, weight, ignore_index)
         return summed / denominator.to(summed.dtype)
+
+
+def kept_targets(
+    target: torch.Tensor, weight: torch.Tensor | None = None, ignore_index: int = -100
+) -> torch.Tensor:
+    """The denominator of cross_entropy_loss(mean) over class indices: the count of targets
+    that are not `ignore_index`, or with class weights the sum of their weights (torch's
+    nll_loss divides by it)."""
+    valid = target != ignore_index
+    if weight is None:
+        return valid.sum()
+    return torch.where(valid, weight[torch.where(valid, target, 0)], 0).sum()
+
+
+@dataclass(frozen=True, slots=True)
+class MeanOverTargets:
+    """A cross_entropy_loss(mean) over class indices: which of its inputs are the target and
+    the class weights, and the index it ignores. Its mean divides by the kept targets of its
+    own batch: a loss over micro-batches normalises like one device only when each
+    micro-batch's share is weighted by its count (`runtime`'s loss weights)."""
+
+    target: int  # input position
+    weight: int | None  # input position, or None without class weights
+    ignore_index: int
+
+
+def mean_over_targets(node: Node) -> MeanOverTargets | None:
+    """`node` as a `MeanOverTargets`, or None (another op, another reduction, probabilities)."""
+    if node.op != "aten.cross_entropy_loss.default":
+        return None
+    args = bound_args(node)
+    if args["reduction"] != MEAN or node.inputs[1].dtype.is_floating_point:
+        return None
+    positions = {ref.index: name for name, ref in _input_refs(args)}
+    by_name = {name: index for index, name in positions.items()}
+    return MeanOverTargets(by_name["target"], by_name.get("weight"), int(args["ignore_index"]))
+
+
+def _input_refs(args: dict) -> list[tuple[str, InputRef]]:
+    return [(name, value) for name, value in args.items() if isinstance(value, InputRef)]
 
 
 def elementwise_loss_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:

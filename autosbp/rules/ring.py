@@ -1,10 +1,10 @@
 """Ring attention: the sequence-split row of `context` with keys and values passed around a ring.
 
 Lives here: the "ring" kernel of the sequence-split SDPA row (`ring_variants`, offered beside the
-all-gather kernel for the same layouts, `NdSignature.kernel`), what it exchanges
-(`ring_exchanges`, priced by `autosbp.planner.op_comm`) and the kernel (`build_ring_attention`).
-Lives elsewhere: the row, its all-gather kernel and the causal balance (`context`), the ring
-step on real groups (`runtime.execute.op_comm.GroupComm.shift`).
+all-gather kernel for the same layouts, `NdSignature.kernel`), what it exchanges (`ring_exchanges`,
+priced by `autosbp.planner.timing.op_exchanges`) and the kernel (`build_ring_attention`). Lives
+elsewhere: the row, its all-gather kernel and the causal balance (`context`), the ring step on real
+groups (`runtime.execute.op_comm.GroupComm.shift`).
 
 The kernel, on one mesh dim of n devices (Liu et al. 2023, Ring Attention; the balance as
 Megatron-Core's and torchtitan's): device c holds chunk c of q, k and v (plain S(-2)).
@@ -24,7 +24,7 @@ of backward are waited where autograd reaches them (not overlapped). The blocks 
 plain matmuls (every score of a computed block, a causal square's masked half too: nothing is
 skipped inside a block, on any device) and keep their scores for backward, as a math SDPA does.
 Applies to one sequence-split mesh dim, no explicit mask, no dropout. Chosen only where a plan
-asks for it (`megatron:...,cp=C,ring=1`; auto keeps the rules' own kernels, `hand_plans`): the
+asks for it (`megatron:...,cp=C,ring=1`; auto keeps the rules' own kernels, `space.strategy`): the
 unfused blocks ran 2.5x slower than the all-gather kernel's SDPA on a CPU (bench/runtime.py),
 which a price by flops does not see.
 """

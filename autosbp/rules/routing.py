@@ -34,13 +34,13 @@ Rows, for one mesh dim:
                               16-byte strides: its column and K splits are listed only where
                               the local sizes keep them.
 Without a capacity, routing decides how many rows each device computes; the planner prices the
-expert split at 1/n of the rows (`planner.candidates`: the smallest local share), i.e. balanced routing, the
-average of the step time, not its worst case. Capacity-based dispatch (the zoo's `moe`) has no
-such gap: every expert computes its capacity, full or not.
-Ties: a top-k or sort of values equal within rounding may pick another element on another
-device's kernel or in another precision (runtime/verify/step_check.py states this limit).
-References: Lepikhin et al. 2020 (GShard) section 2.2; Megatron-Core's all-gather token
-dispatcher (experts split, tokens replicated, outputs summed); transformers.integrations.moe.
+expert split at 1/n of the rows (`planner.timing.candidates`: the smallest local share), i.e.
+balanced routing, the average of the step time, not its worst case. Capacity-based dispatch (the
+zoo's `moe`) has no such gap: every expert computes its capacity, full or not. Ties: a top-k or sort
+of values equal within rounding may pick another element on another device's kernel or in another
+precision (runtime/verify/step_check.py states this limit). References: Lepikhin et al. 2020
+(GShard) section 2.2; Megatron-Core's all-gather token dispatcher (experts split, tokens replicated,
+outputs summed); transformers.integrations.moe.
 """
 
 from __future__ import annotations

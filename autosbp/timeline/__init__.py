@@ -1,7 +1,8 @@
 """Step timelines: what each rank did in a training step (measured) or will do (predicted).
 
 Lives here, one module per responsibility: the events, the recorder the runtime wraps every
-actor firing in, the predicted step (the actor simulation of `schedule`) and the one definition
+span in (each firing of its stage's order, each receive, collective and update), the predicted
+step (the plan's times run through the same orders: `schedule.run_schedule`) and the one definition
 of a measured step's time (`events`); Chrome trace files tied to their plan (`trace`); the
 Gantt chart of predicted beside measured (`chart`, which alone loads matplotlib). Lives
 elsewhere: when the runtime records (runtime/engine.py), how long a firing should take

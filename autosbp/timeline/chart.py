@@ -136,12 +136,15 @@ def timeline_figure(
     handles = [Patch(color=COLOURS.get(k, OTHER_COLOUR), label=LEGEND.get(k, k)) for k in kinds]
     if any(e.micro_batch is not None for e in every):
         handles.append(Patch(fill=False, edgecolor="none", label=MICRO_BATCH_LABEL))
-    fig.suptitle(title, x=0.01, ha="left", fontsize=10)
+    # The title on its own line, the legend on the line below it: a long title and a legend
+    # of many phases never overlap (the legend once covered the title's end).
+    height = fig.get_figheight()
+    fig.suptitle(title, x=0.01, y=1 - 0.08 / height, ha="left", va="top", fontsize=10)
     fig.legend(
-        handles=handles, loc="upper right", bbox_to_anchor=(0.99, 0.995), ncol=len(handles),
-        fontsize=8, frameon=False,
+        handles=handles, loc="upper left", bbox_to_anchor=(0.01, 1 - 0.38 / height),
+        ncol=len(handles), fontsize=8, frameon=False,
     )  # fmt: skip
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / height))
     return fig
 
 

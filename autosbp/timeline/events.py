@@ -1,9 +1,10 @@
 """Step timelines as events: what each rank did in a training step (measured) or will do
 (predicted).
 
-Lives here: `Event` (one span of one rank), the `Recorder` the runtime wraps every actor firing
-in, the plan's predicted step as events (`predicted_events`, the actor simulation of
-`schedule`), a trace's last complete step (`last_step`) and the one definition of a measured
+Lives here: `Event` (one span of one rank), the `Recorder` the runtime wraps every span in
+(each firing of its stage's order, each receive, collective and update), the plan's predicted
+step as events (`predicted_events`: its times run through the same orders,
+`schedule.run_schedule`), a trace's last complete step (`last_step`) and the one definition of a measured
 step's time (`measured_step_s`), and the sizes a timeline refuses to simulate or draw. Lives
 elsewhere: trace files (`timeline.trace`), the chart (`timeline.chart`), when the runtime
 records (runtime/engine.py), how long a firing should take (planner).
@@ -56,7 +57,7 @@ _Record = tuple[str, int | None, int, float, float]  # a Recorder keeps: kind, m
 
 
 class SpanHook(Protocol):
-    """What the runtime wraps each actor firing in: a `Recorder`, or any object with `span`
+    """What the runtime wraps each span in (each firing, receive, collective and update): a `Recorder`, or any object with `span`
     (a training job also reports its progress there: runtime.jobs)."""
 
     def span(
@@ -166,7 +167,7 @@ def check_chart(ranks: int, spans: int, *, fix: str | None = None) -> None:
 
 
 def predicted_events(plan: Plan, *, every_rank: bool = True) -> list[Event]:
-    """One step of `plan` as the actor simulation runs it, on every rank (rank = device id;
+    """One step of `plan` as its firing orders run it (`_simulated`), on every rank (rank = device id;
     with `every_rank` False, on the first rank of each stage: the others repeat it): forward
     and backward firings, a "send" after each firing whose output goes to another stage, and
     after each stage's last backward its "grad_sync" and "optimizer" (one "update" for a plan

@@ -3,7 +3,9 @@
 Lives here: `build_model(name, **kwargs) -> (model, example_inputs)` for the zoo models (`mlp`,
 `gpt`, `widedeep`, `resnet`, `moe`), `model_arguments` (a model's `--model-args` and their
 defaults, which `autosbp zoo` lists), `load_model` (a zoo name or a user's
-`path/to/file.py:function`), `parse_model_args` (the CLI's `--model-args k=v,...`) and GPT-3
+`path/to/file.py:function`), `parse_model_args` (the CLI's `--model-args k=v,...`), calling
+any user's `path/to/file.py:function` with its errors worded for what it is for
+(`call_user_function`, `UserFunction`: models here, data sets in `runtime.data`) and GPT-3
 175B's shape and Megatron-LM plan (`gpt3_175b`, `gpt3_megatron`). Lives elsewhere: the dense
 models (`zoo.models`), the mixture-of-experts GPT (`zoo.moe`), capturing a model (`capturing`),
 planning it (`planner`).
@@ -24,6 +26,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 
 from autosbp.capturing.on_meta import build_on_meta
-from autosbp.errors import CaptureError
+from autosbp.errors import AutosbpError, CaptureError
 from autosbp.zoo.models import build_gpt, build_mlp, build_resnet, build_widedeep
 from autosbp.zoo.moe import MoeMlp, build_moe, expert_capacity
 
@@ -39,10 +42,13 @@ __all__ = [
     "GPT3_175B",
     "ZOO_MODELS",
     "MoeMlp",
+    "UserFunction",
     "build_model",
+    "call_user_function",
     "expert_capacity",
     "gpt3_175b",
     "gpt3_megatron",
+    "is_function_spec",
     "load_model",
     "model_arguments",
     "parse_model_args",
@@ -156,29 +162,12 @@ def load_model(
     args = dict(model_args or {})
     if spec in _BUILDERS:
         return build_model(spec, device=device or "cpu", **args)
-    path_text, sep, func_name = spec.rpartition(":")
-    if not sep or not path_text.endswith(".py") or not func_name:
+    if not is_function_spec(spec):
         raise CaptureError(
             f"Unknown model {spec!r}: give a zoo model ({', '.join(ZOO_MODELS)}) or "
             "`path/to/file.py:function` where the function returns (model, example_inputs)."
         )
-    func = _load_function(Path(path_text), func_name)
-    try:
-        inspect.signature(func).bind(**args)
-    except TypeError as exc:
-        raise CaptureError(
-            f"{func_name}{inspect.signature(func)} in {path_text} cannot take {args!r}: {exc}. "
-            "Check --model-args against the function's parameters."
-        ) from exc
-    try:
-        with _exit_refused(), _building_on(device):
-            result = func(**args)
-    except (Exception, SystemExit) as exc:  # sys.exit in user code: an error, not our exit
-        raise CaptureError(
-            f"Calling {func_name}({', '.join(f'{k}={v!r}' for k, v in args.items())}) from "
-            f"{path_text} failed with {_failure(exc)}. Fix the function (or "
-            "--model-args) so that it returns (model, example_inputs)."
-        ) from exc
+    result = call_user_function(spec, args, _MODEL_FUNCTION, within=_building_on(device))
     return _check_model_and_inputs(result, spec)
 
 
@@ -190,13 +179,69 @@ def _building_on(device: str | None) -> contextlib.AbstractContextManager[Any]:
     return torch.device(device) if device else contextlib.nullcontext()
 
 
-def _load_function(path: Path, func_name: str) -> Callable[..., Any]:
+@dataclass(frozen=True, slots=True)
+class UserFunction:
+    """What a user's `path/to/file.py:function` is for, in the words its errors use."""
+
+    kind: str  # "model", "data": "Model file x.py has no function ..."
+    argument: str  # where the spec came from: "the MODEL argument", "--data"
+    returns: str  # what the function must return: "(model, example_inputs)"
+    args_flag: str  # the flag of its keyword arguments: "--model-args"
+    error: type[AutosbpError]  # the class of every error about it
+    hint: str = ""  # appended to "check the path" when the file is missing
+
+
+_MODEL_FUNCTION = UserFunction(
+    "model", "the MODEL argument", "(model, example_inputs)", "--model-args", CaptureError,
+    f", or give a zoo model ({', '.join(ZOO_MODELS)})",
+)  # fmt: skip
+
+
+def is_function_spec(spec: str) -> bool:
+    """Whether `spec` has the form `path/to/file.py:function`."""
+    path_text, sep, func_name = spec.rpartition(":")
+    return bool(sep and path_text.endswith(".py") and func_name)
+
+
+def call_user_function(
+    spec: str,
+    args: dict[str, Any],
+    what: UserFunction,
+    within: contextlib.AbstractContextManager[Any] | None = None,
+) -> object:
+    """Import `path/to/file.py` of `spec` (`is_function_spec`) and call its function with `args`
+    (inside `within`, where given: the device a model is built on).
+
+    Every failure (no file, an import that fails, no such function, arguments it does not take,
+    a call that raises, exits or calls os._exit) is a `what.error` naming the file and function.
+    """
+    path_text, _, func_name = spec.rpartition(":")
+    func = _load_function(Path(path_text), func_name, what)
+    try:
+        inspect.signature(func).bind(**args)
+    except TypeError as exc:
+        raise what.error(
+            f"{func_name}{inspect.signature(func)} in {path_text} cannot take {args!r}: {exc}. "
+            f"Check {what.args_flag} against the function's parameters."
+        ) from exc
+    try:
+        with _exit_refused(), within or contextlib.nullcontext():
+            return func(**args)
+    except (Exception, SystemExit) as exc:  # sys.exit in user code: an error, not our exit
+        raise what.error(
+            f"Calling {func_name}({', '.join(f'{k}={v!r}' for k, v in args.items())}) from "
+            f"{path_text} failed with {_failure(exc)}. Fix the function (or "
+            f"{what.args_flag}) so that it returns {what.returns}."
+        ) from exc
+
+
+def _load_function(path: Path, func_name: str, what: UserFunction) -> Callable[..., Any]:
     if not path.is_file():
-        raise CaptureError(
-            f"Model file {str(path)!r} (from the MODEL argument) does not exist (looked for "
-            f"{path.resolve()}); check the path, or give a zoo model ({', '.join(ZOO_MODELS)})."
+        raise what.error(
+            f"{what.kind.capitalize()} file {str(path)!r} (from {what.argument}) does not exist "
+            f"(looked for {path.resolve()}); check the path{what.hint}."
         )
-    module_name = f"autosbp_user_model_{abs(hash(path.resolve()))}"
+    module_name = f"autosbp_user_{what.kind}_{abs(hash(path.resolve()))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
@@ -206,8 +251,8 @@ def _load_function(path: Path, func_name: str) -> Callable[..., Any]:
             module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # sys.exit in user code: an error, not our exit
         del sys.modules[module_name]
-        raise CaptureError(
-            f"Importing model file {str(path)!r} failed with {_failure(exc)}. "
+        raise what.error(
+            f"Importing {what.kind} file {str(path)!r} failed with {_failure(exc)}. "
             f"Fix the file so that `python {path}` runs."
         ) from exc
     func = getattr(module, func_name, None)
@@ -217,9 +262,9 @@ def _load_function(path: Path, func_name: str) -> Callable[..., Any]:
             for n, v in vars(module).items()
             if inspect.isfunction(v) and v.__module__ == module_name
         )
-        raise CaptureError(
-            f"Model file {str(path)!r} has no function {func_name!r}; its functions are: "
-            f"{', '.join(found) or 'none'}. Name one that returns (model, example_inputs)."
+        raise what.error(
+            f"{what.kind.capitalize()} file {str(path)!r} has no function {func_name!r}; its "
+            f"functions are: {', '.join(found) or 'none'}. Name one that returns {what.returns}."
         )
     return func
 
@@ -269,8 +314,11 @@ def _describe(value: object) -> str:
     return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
-def parse_model_args(text: str | None) -> dict[str, Any]:
-    """`"layers=2,hidden=64,tied=true,name=x"` -> {"layers": 2, ...}: int, float, bool or str."""
+def parse_model_args(
+    text: str | None, flag: str = "--model-args", error: type[AutosbpError] = CaptureError
+) -> dict[str, Any]:
+    """`"layers=2,hidden=64,tied=true,name=x"` -> {"layers": 2, ...}: int, float, bool or str.
+    `flag` (and `error`) for other functions' arguments: `--data-args`."""
     if not text:
         return {}
     out: dict[str, Any] = {}
@@ -278,12 +326,12 @@ def parse_model_args(text: str | None) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key.isidentifier() or not value:
-            raise CaptureError(
-                f"Bad --model-args item {item.strip()!r} in {text!r}: write key=value pairs "
-                "separated by commas, e.g. --model-args layers=4,hidden=256,tied=true."
+            raise error(
+                f"Bad {flag} item {item.strip()!r} in {text!r}: write key=value pairs "
+                f"separated by commas, e.g. {flag} layers=4,hidden=256,tied=true."
             )
         if key in out:
-            raise CaptureError(f"--model-args gives {key!r} twice in {text!r}; give it once.")
+            raise error(f"{flag} gives {key!r} twice in {text!r}; give it once.")
         out[key] = _parse_value(value)
     return out
 

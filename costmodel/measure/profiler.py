@@ -57,7 +57,7 @@ from costmodel.measure.worker import OVERHEAD_OPS, profile_worker
 from costmodel.profile import CollectiveKind, DType, LinkClass
 from launching.workers import run_workers
 
-# The planner prices an op's backward at 2x its forward (autosbp.planner.candidates.BACKWARD_FACTOR;
+# The planner prices an op's backward at 2x its forward (autosbp.planner.timing.candidates.BACKWARD_FACTOR;
 # costmodel cannot import autosbp): the overhead item's forward + backward per op counts 3 floors.
 _BACKWARD_PER_FORWARD = 2.0
 

@@ -29,11 +29,20 @@ import torch
 from autosbp.boxing.params import has_collective
 from autosbp.capturing.graph import OpGraph, OpNode, Role, run_device
 from autosbp.errors import PlanError
-from autosbp.rules import NdSignature, local_op, mutated_inputs, pinned_inputs
+from autosbp.rules import (
+    MeanOverTargets,
+    NdSignature,
+    kept_targets,
+    local_op,
+    mean_over_targets,
+    mutated_inputs,
+    pinned_inputs,
+)
 from autosbp.sbp import Mesh, NdSbp, format_nd_sbp
 from runtime.execute.instructions import (
     Boxer,
     Instruction,
+    Values,
     box_instruction,
     clone_instruction,
     compute_instruction,
@@ -56,6 +65,8 @@ class ProgramBuilder:
     boxer: Boxer
     device: torch.device
     comm: GroupComm | None = None  # collectives inside ops (`autosbp.rules.comm`)
+    # A mixed recipe's gradient sum dtype for parameter boxings (None: the weights' own)
+    param_grad_dtype: torch.dtype | None = None
     slots: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
     boxed: dict[tuple[str, int, NdSbp], int] = dataclasses.field(default_factory=dict)
     steps: list[Instruction] = dataclasses.field(default_factory=list)
@@ -64,6 +75,9 @@ class ProgramBuilder:
     owners: list[str] = dataclasses.field(default_factory=list)  # the node each step serves
     template: list[Any] = dataclasses.field(default_factory=list)
     param_boxes: list[ParamBox] = dataclasses.field(default_factory=list)
+    # Per mean cross-entropy over class indices: the slot of its micro-batch's kept-target
+    # count, and its target's size (the count when nothing is ignored)
+    counts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     current: str = ""
 
     def new_slot(self, value: Any = None) -> int:
@@ -94,7 +108,8 @@ class ProgramBuilder:
         if key not in self.boxed:
             attrs = self.graph.node(node)
             meta = attrs.outputs[out]
-            box = self.boxer.chain(have, want, meta.shape, meta.dtype)
+            grad_dtype = self.param_grad_dtype if attrs.role is Role.PARAMETER else None
+            box = self.boxer.chain(have, want, meta.shape, meta.dtype, grad_dtype=grad_dtype)
             src, dst = self.slots[(node, out)], self.new_slot()
             steps = self.boxer.steps(have, want, meta.shape, meta.dtype)
             if attrs.role is Role.PARAMETER and has_collective(steps):
@@ -135,6 +150,24 @@ class ProgramBuilder:
         self.emit(compute_instruction(op, ins, outs), ins, outs)
         for index in mutated_inputs(attrs):
             self.write_back(name, index, ins[index])
+        mean = mean_over_targets(attrs)
+        if mean is not None:
+            self.count_kept(mean, ins, attrs.inputs[mean.target].numel)
+
+    def count_kept(self, mean: MeanOverTargets, ins: tuple[int, ...], size: int) -> None:
+        """The kept targets of a mean cross-entropy's micro-batch into a slot of their own (its
+        target is whole on every device: `autosbp.rules.loss`), for the loss weights."""
+        target, weight = ins[mean.target], None if mean.weight is None else ins[mean.weight]
+        slot = self.new_slot()
+
+        def count(values: Values) -> None:
+            classes = None if weight is None else values[weight]
+            with torch.no_grad():
+                values[slot] = kept_targets(values[target], classes, mean.ignore_index)
+
+        reads = (target,) if weight is None else (target, weight)
+        self.emit(count, reads, (slot,))
+        self.counts.append((slot, size))
 
     def is_boxed(self, consumer: str, index: int, slot: int) -> bool:
         node, out = self.graph.producers(consumer)[index]  # type: ignore[misc]

@@ -41,6 +41,7 @@ __all__ = [
     "all_gather_along",
     "all_gather_single",
     "execute_boxing",
+    "execute_boxing_summed_in",
     "group_ranks",
     "reduce_scatter_along",
     "run_step",
@@ -101,6 +102,40 @@ def _placeholder(step: BoxingStep) -> torch.Tensor:
     return torch.empty(
         0, dtype=step.dtype, device=world_device(), requires_grad=torch.is_grad_enabled()
     )
+
+
+def execute_boxing_summed_in(
+    local: torch.Tensor, steps: Sequence[BoxingStep], groups: ProcessGroups, dtype: torch.dtype
+) -> torch.Tensor:
+    """`execute_boxing` of a weight whose gradient is summed in `dtype`: forward as usual,
+    backward the dual steps in reverse on the gradient cast to `dtype`, the result cast back
+    (a mixed recipe's fp32 reduction of a gathered bf16 weight's gradient, as FSDP2's
+    `reduce_dtype`: the sum is exact to fp32, rounded once to the weight's dtype)."""
+    return _SummedIn.apply(local, tuple(steps), groups, dtype)
+
+
+class _SummedIn(torch.autograd.Function):
+    """A whole chain forward; its dual chain backward, in another dtype."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        steps: tuple[BoxingStep, ...],
+        groups: ProcessGroups,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        ctx.steps, ctx.groups, ctx.dtype = steps, groups, dtype
+        for step in steps:
+            x = run_step(x, step, groups)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        summed = grad.to(ctx.dtype).contiguous()
+        for step in reversed(ctx.steps):
+            summed = run_step(summed, dual_step(step), ctx.groups)
+        return summed.to(grad.dtype), None, None, None
 
 
 class _BoxingHop(torch.autograd.Function):

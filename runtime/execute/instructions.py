@@ -34,7 +34,7 @@ from autosbp.capturing.graph import InputRef
 from autosbp.rules import LocalOp
 from autosbp.rules.core import as_tuple
 from autosbp.sbp import Mesh, NdSbp
-from runtime.execute.collectives import execute_boxing, run_step
+from runtime.execute.collectives import execute_boxing, execute_boxing_summed_in, run_step
 from runtime.execute.groups import ProcessGroups
 
 __all__ = [
@@ -70,16 +70,20 @@ class Boxer:
         dtype: torch.dtype = torch.float32,
         *,
         donate: bool = False,
+        grad_dtype: torch.dtype | None = None,
     ) -> TensorFn:
         """The closure taking this rank's piece in layout `src` to its piece in `dst`. With
         `donate` it runs without autograd and may reuse its input's memory (the caller must not
-        read the input afterwards): for buffers made to be synced, like gradient buckets."""
+        read the input afterwards): for buffers made to be synced, like gradient buckets. With
+        `grad_dtype` its backward sums in that dtype (a mixed recipe's weight gathers)."""
         steps = self.steps(src, dst, shape, dtype)
         if not steps:
             return _identity
         groups = self.groups
         if donate:
             return lambda x: _run_donated(x, steps, groups)
+        if grad_dtype is not None and grad_dtype != dtype:
+            return lambda x: execute_boxing_summed_in(x, steps, groups, grad_dtype)
         return lambda x: execute_boxing(x, steps, groups)
 
     def steps(

@@ -45,7 +45,7 @@ from runtime.execute.recompute_runs import checkpointed, recompute_runs
 from runtime.parallel.gathers import plan_gathers
 from runtime.parallel.prefetch import GatherSchedule, GatherSetup
 
-__all__ = ["InputLoader", "Program", "Value", "build_program"]
+__all__ = ["InputLoader", "Pieces", "Program", "Value", "build_program"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,26 @@ class InputLoader:
     slot: int
     meta: TensorMeta
     index: tuple[slice, ...] | None  # None: the whole tensor (B on every mesh dim)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """This rank's piece's shape."""
+        if self.index is None:
+            return self.meta.shape
+        return tuple(
+            len(range(*s.indices(n))) for s, n in zip(self.index, self.meta.shape, strict=True)
+        )
+
+
+class Pieces(tuple):  # type: ignore[type-arg]
+    """One micro-batch's inputs already cut to this rank's pieces (`runtime.data`'s RankBatch
+    entries; None where the rank reads none), as opposed to the whole micro-batch."""
+
+    __slots__ = ()
+
+
+def _described(dtype: torch.dtype, shape: Sequence[int]) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
 Value = tuple[str, int]  # (producer node, output index)
@@ -88,13 +108,18 @@ class Program:
     exports: tuple[int, ...] = ()
     gathers: GatherSchedule | None = None  # parameter gathers run ahead (runtime.parallel.prefetch)
     op_comm: GroupComm | None = None  # collectives inside ops: spans go to its `span_hook`
+    # Per mean cross-entropy over class indices: the slot of its kept-target count and its
+    # target's size (`ProgramBuilder.count_kept`)
+    counts: tuple[tuple[int, int], ...] = ()
 
     def run(
         self,
-        batch: Sequence[torch.Tensor],
+        batch: Sequence[torch.Tensor | None],
         received: Sequence[torch.Tensor] = (),
         micro_batch: int = 0,
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor], tuple[tuple[torch.Tensor, int], ...]]:
+        """This micro-batch's forward: the local loss (None off its stage), the values later
+        stages need, and each mean cross-entropy's kept-target count with its target's size."""
         values: Values = list(self.template)
         self._load(values, batch)
         for slot, value in zip(self.imports, received, strict=True):
@@ -106,24 +131,28 @@ class Program:
                 for slot in frees:
                     values[slot] = None
         loss = values[self.loss_slot] if self.loss_slot is not None else None
-        return loss, [values[slot] for slot in self.exports]
+        counted = tuple((values[slot], size) for slot, size in self.counts)
+        return loss, [values[slot] for slot in self.exports], counted
 
-    def _load(self, values: Values, batch: Sequence[torch.Tensor]) -> None:
+    def _load(self, values: Values, batch: Sequence[torch.Tensor | None]) -> None:
         if len(batch) != self.num_inputs:
             raise PlanError(
                 f"step() got {len(batch)} input tensors but model `{self.model_name}` takes "
                 f"{self.num_inputs}; pass them in forward's order, like the example inputs."
             )
+        local = isinstance(batch, Pieces)
         for loader in self.inputs:
             x = batch[loader.position]
-            if tuple(x.shape) != loader.meta.shape or x.dtype != loader.meta.dtype:
+            want = loader.local_shape if local else loader.meta.shape
+            if x is None or tuple(x.shape) != want or x.dtype != loader.meta.dtype:
+                got = "nothing" if x is None else _described(x.dtype, x.shape)
                 raise PlanError(
-                    f"input #{loader.position} of model `{self.model_name}` is "
-                    f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)} but the plan was "
-                    f"made for {loader.meta!r}; keep the batch shapes of the example inputs "
-                    "(or make a plan for the new shapes)."
+                    f"{'this rank' + chr(39) + 's piece of ' if local else ''}input "
+                    f"#{loader.position} of model `{self.model_name}` is {got} but the plan was "
+                    f"made for {_described(loader.meta.dtype, want)}; keep the batch shapes of "
+                    "the example inputs (or make a plan for the new shapes)."
                 )
-            values[loader.slot] = x if loader.index is None else x[loader.index]
+            values[loader.slot] = x if local or loader.index is None else x[loader.index]
 
 
 def build_program(
@@ -139,6 +168,7 @@ def build_program(
     sent: Sequence[Value] = (),
     recomputed: frozenset[str] = frozenset(),
     gathering: GatherSetup | None = None,
+    param_grad_dtype: torch.dtype | None = None,
 ) -> Program:
     """This rank's program for `stage` (every node when `stage_of` is None). `state` maps every
     parameter/buffer/constant name of the stage to this rank's local tensor in its plan layout.
@@ -146,16 +176,20 @@ def build_program(
     later ones, in exchange order (`runtime.parallel.pipeline.stage_values`).
     `recomputed` (the nodes the plan recomputes: `autosbp.plan.recomputed_nodes`) wraps each
     run of their steps in activation checkpointing. With `gathering`, parameter gathers run
-    through a `GatherSchedule` (`runtime.parallel.prefetch`)."""
+    through a `GatherSchedule` (`runtime.parallel.prefetch`). `param_grad_dtype`: the dtype a
+    parameter boxing's backward sums its gradient in (a mixed recipe's reduce dtype)."""
     device = next(iter(state.values())).device if state else torch.device("cpu")
     comm = GroupComm(boxer.mesh, coords, boxer.groups)
-    builder = ProgramBuilder(graph, signatures, boxer.mesh, coords, boxer, device, comm)
+    builder = ProgramBuilder(
+        graph, signatures, boxer.mesh, coords, boxer, device, comm, param_grad_dtype
+    )
     here = _stage_nodes(graph, stage_of, stage)
     imports = [builder.slots.setdefault(value, builder.new_slot()) for value in received]
     inputs = _load_inputs(builder, here)
     loss = _emit_nodes(builder, here, state)
     exports = [builder.slots[value] for value in sent]
-    keep = {*exports, *builder.persistent_slots()} | ({loss[0]} if loss else set())
+    keep = {*exports, *builder.persistent_slots(), *(slot for slot, _ in builder.counts)}
+    keep |= {loss[0]} if loss else set()
     frees = last_uses(builder.reads, builder.writes, keep)
     runs = recompute_runs(builder, recomputed)
     gathers = _schedule_gathers(builder, runs, set(exports), state, gathering)
@@ -173,6 +207,7 @@ def build_program(
         exports=tuple(exports),
         gathers=gathers,
         op_comm=comm,
+        counts=tuple(builder.counts),
     )
 
 

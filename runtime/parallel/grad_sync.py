@@ -36,6 +36,12 @@ Invariants:
   gradient is accumulated once per backward call, so when its hook fires in the backward armed
   for it the gradient is final. Parameters backward never reaches are synced (as zeros) by
   `finish`.
+- The sum runs in the gradients' dtype (a mixed recipe's fp32 masters'), or in the plan's
+  reduce dtype where that is lower (`reduce_dtype`: bf16 halves the bytes): such a bucket
+  casts its gradients into a wire buffer of that dtype at launch and back after the wait, so
+  the gradients are tensors of their own, not views (its wire is the transient).
+- Hooks are registered through `register` (`runtime.parallel.precision.Weights.register`: a
+  master's gradient is added in by its compute copy's bridge, not by autograd).
 - Every wait is bounded by the world's timeout.
 Reference: torch DDP's Reducer (Li et al. 2020, "PyTorch Distributed", section 3.2.3: bucketing,
 overlap, launch in bucket order); torch.Tensor.register_post_accumulate_grad_hook.
@@ -44,7 +50,7 @@ overlap, launch in bucket order); torch.Tensor.register_post_accumulate_grad_hoo
 from __future__ import annotations
 
 import datetime
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +62,12 @@ from runtime.execute.groups import ProcessGroups
 __all__ = ["GradSync", "build_grad_sync", "build_sync_groups", "summed_dims", "sync_patterns"]
 
 Pattern = tuple[int, ...]  # the mesh dims a gradient is summed over
+Register = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]
+
+
+def autograd_hook(param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
+    """The default `Register`: autograd's own post-accumulate-grad hook."""
+    param.register_post_accumulate_grad_hook(fn)
 
 
 def summed_dims(layout: NdSbp, mesh_shape: Sequence[int]) -> Pattern:
@@ -93,13 +105,19 @@ def build_grad_sync(
     timeout: datetime.timedelta,
     bucket_bytes: int,
     deferred: Collection[str] = (),
+    *,
+    register: Register = autograd_hook,
+    reduce_dtype: torch.dtype | None = None,
 ) -> GradSync:
     """This rank's `GradSync` for `params` (its stage's, on `mesh`), on groups of every pattern
     of the plan's parameters `trained` (of every stage: a collective over the world), in
     buckets of at most `bucket_bytes` (the plan's `grad_bucket_bytes`)."""
     patterns = sync_patterns([layouts[name] for name in trained], mesh.shape)
     groups = build_sync_groups(meshes, patterns)
-    return GradSync(params, layouts, mesh, groups, timeout, bucket_bytes, deferred=deferred)
+    return GradSync(
+        params, layouts, mesh, groups, timeout, bucket_bytes, deferred=deferred,
+        register=register, reduce_dtype=reduce_dtype,
+    )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -108,16 +126,19 @@ class _Bucket:
 
     params: tuple[torch.Tensor, ...]
     group: dist.ProcessGroup
+    wire: torch.dtype | None = None  # the reduce dtype, where lower than the gradients'
     waiting: int = 0  # gradients the armed backward has not finished yet
     work: dist.Work | None = None
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor | None = None  # the gradients' buffer (their views), or the wire
 
 
 class GradSync:
     """Syncs the gradients of `params` (name -> this rank's shard, in graph order) in their
     `layouts` on `mesh` (this rank's stage) through `groups` (`build_sync_groups`). The
     gradients of `deferred` parameters are not autograd's to accumulate (`runtime.parallel.prefetch`
-    adds them in): whoever does calls `gradient_ready` once per backward."""
+    adds them in): whoever does calls `gradient_ready` once per backward. `register` hooks
+    the others (`autograd_hook`, or a mixed recipe's bridge); `reduce_dtype` sums in a lower
+    dtype than the gradients' (None: theirs)."""
 
     def __init__(
         self,
@@ -128,6 +149,9 @@ class GradSync:
         timeout: datetime.timedelta,
         bucket_bytes: int,
         deferred: Collection[str] = (),
+        *,
+        register: Register = autograd_hook,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.timeout = timeout
         self.buckets: list[_Bucket] = []
@@ -146,19 +170,25 @@ class GradSync:
                 continue  # split (or alone) on every mesh dim: the gradient is already in place
             bucket = open_buckets.get((pattern, param.dtype))
             if bucket is None or _nbytes(bucket.params) + param.nbytes > bucket_bytes:
-                bucket = _Bucket((), groups.get(mesh.group_of(coords, pattern)))
+                wire = reduce_dtype if reduce_dtype not in (None, param.dtype) else None
+                bucket = _Bucket((), groups.get(mesh.group_of(coords, pattern)), wire)
                 open_buckets[(pattern, param.dtype)] = bucket
                 self.buckets.append(bucket)
             bucket.params += (param,)
             self._bucket_of[param] = bucket
             if name not in deferred:
-                param.register_post_accumulate_grad_hook(self.gradient_ready)
+                register(param, self.gradient_ready)
 
     def zero_grad(self) -> None:
         """Before a step's first backward: every bucketed gradient None (its first backward
         puts it into its view: `gradient_ready`)."""
         for param in self._bucket_of:
             param.grad = None
+
+    def view_for(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s view of its bucket, where its gradient goes (None before the first launch
+        made the buffer, and for a parameter in no bucket or in one summed in a lower dtype)."""
+        return self._view_of.get(param)
 
     def holds(self, param: torch.Tensor) -> bool:
         """Whether `param`'s gradient is a view of a bucket (`zero_grad` clears it)."""
@@ -185,6 +215,17 @@ class GradSync:
         for bucket in self.buckets:
             assert bucket.work is not None and bucket.flat is not None
             bucket.work.wait(self.timeout)
+            if bucket.wire is not None:  # summed in the reduce dtype: back into the gradients
+                with torch.no_grad():
+                    pieces = bucket.flat.split([p.numel() for p in bucket.params])
+                    for param, piece in zip(bucket.params, pieces, strict=True):
+                        if param in self._reached:
+                            assert param.grad is not None
+                            param.grad.copy_(piece.view(param.shape))
+                        else:
+                            param.grad = None
+                bucket.flat = None  # the wire is a transient
+                continue
             for param in bucket.params:
                 param.grad = self._view_of[param] if param in self._reached else None
         self._reached.clear()
@@ -211,7 +252,8 @@ class GradSync:
 
     def _into_view(self, param: torch.Tensor) -> None:
         """A gradient of its own (the step's first backward to reach it) copied into its view
-        of the bucket, which becomes the gradient (the later ones accumulate into it)."""
+        of the bucket, which becomes the gradient (the later ones accumulate into it). A
+        bucket summed in a lower dtype has no views: its gradients stay their own."""
         view, grad = self._view_of.get(param), param.grad
         if view is not None and grad is not None and grad.data_ptr() != view.data_ptr():
             with torch.no_grad():
@@ -222,6 +264,10 @@ class GradSync:
         """Start the all-reduce of every bucket before `until` not started yet, in order."""
         with torch.no_grad():
             for bucket in self.buckets[self._next : until]:
+                if bucket.wire is not None:
+                    bucket.flat = self._wire(bucket)
+                    bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+                    continue
                 if bucket.flat is None:  # the first step: kept across steps from now on
                     like = bucket.params[0]
                     size = sum(p.numel() for p in bucket.params)
@@ -233,6 +279,16 @@ class GradSync:
                     self._into_view(param)  # the first step's, of their own till now
                 bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self._next = max(self._next, until)
+
+    def _wire(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's gradients cast into one buffer of its reduce dtype (zeros where backward
+        never reached one: every rank takes part)."""
+        assert bucket.wire is not None
+        pieces = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+            for p in bucket.params
+        ]
+        return torch.cat(pieces).to(bucket.wire)
 
 
 def _views(bucket: _Bucket) -> list[torch.Tensor]:

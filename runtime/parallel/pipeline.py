@@ -60,6 +60,7 @@ __all__ = [
     "Links",
     "LossBoxing",
     "Pipeline",
+    "SharedLoss",
     "Transfers",
     "boundary_tag",
     "build_links",
@@ -254,6 +255,18 @@ class LossBoxing:
 InFlight = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]
 
 
+@dataclass(frozen=True, slots=True)
+class SharedLoss:
+    """A step's loss as every rank learns it: the loss, the factor every gradient takes (1.0,
+    but where the micro-batches were weighed by their kept targets and some were ignored:
+    size x m / N, so that micro-batch k's share is n_k / N, as one device normalises the whole
+    batch) and, then, those weights n_k / N (None: 1/m each)."""
+
+    loss: float
+    factor: float = 1.0
+    weights: list[float] | None = None
+
+
 @dataclass
 class Pipeline:
     """This rank's part of one step: `order` (its firing order: (phase, chunk, micro-batch))
@@ -279,6 +292,10 @@ class Pipeline:
     split: bool = field(init=False)  # zero bubble: backward in two (input, weight)
     # firing -> the chunk parameters whose gradients it finishes (before the rank's last)
     finishes: dict[int, list[torch.Tensor]] = field(init=False)
+    _seeds: list[float] = field(init=False, default_factory=list)  # this step's, per micro-batch
+    _kept: float = field(init=False, default=0.0)  # the step's kept targets (weighed loss)
+    _size: float = field(init=False, default=0.0)  # a micro-batch's targets
+    _seed_scale: float = field(init=False, default=1.0)  # fp16's loss scale in `_seeds`
 
     def __post_init__(self) -> None:
         self.split = any(phase is Phase.WEIGHT for phase, _, _ in self.order)
@@ -296,9 +313,20 @@ class Pipeline:
             if position < self.last_backward:
                 self.finishes.setdefault(position, []).append(value)
 
-    def run(self, pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    def run(
+        self,
+        pieces: Sequence[Sequence[torch.Tensor]],
+        weights: Sequence[float] | None = None,
+        seed_scale: float = 1.0,
+    ) -> torch.Tensor:
         """Every firing of the step on the micro-batches `pieces`; returns this rank's share
-        of the loss (the mean over micro-batches on the loss's stage, 0 elsewhere)."""
+        of the loss (on the loss's stage the micro-batches' losses summed with `weights`,
+        default 1/m each: their mean; 0 elsewhere). Backward seeds each micro-batch's loss
+        with its weight times `seed_scale` (fp16's loss scale)."""
+        m = self.micro_batches
+        self._seeds = [w * seed_scale for w in (weights or [1.0 / m] * m)]
+        self._kept = self._size = 0.0
+        self._seed_scale = seed_scale
         in_flight: dict[tuple[int, int], InFlight] = {}
         deferred: dict[tuple[int, int], WeightGradients] = {}
         value = torch.zeros((), device=self.device)
@@ -307,11 +335,13 @@ class Pipeline:
             if position in self.finishes:  # an earlier chunk's last backward: sync its own
                 self.arm(self.finishes[position])
             if phase is Phase.FORWARD:
-                in_flight[(chunk, mb)] = self._forward(pieces[mb], chunk, mb)
+                in_flight[(chunk, mb)], counted = self._forward(pieces[mb], chunk, mb)
                 loss = in_flight[(chunk, mb)][2]
                 if loss is not None and self.loss is not None:
+                    if weights is None and len(counted) == 1:  # weighed by its kept targets
+                        self._seeds[mb] = seed_scale * self._weigh(*counted[0])
                     with torch.no_grad():
-                        value += self.loss.value(loss.detach()) / self.micro_batches
+                        value += self.loss.value(loss.detach()) * (self._seeds[mb] / seed_scale)
             elif phase is Phase.WEIGHT:
                 if last:
                     self.arm(None)  # every gradient is final in this firing: sync them
@@ -326,19 +356,67 @@ class Pipeline:
             transfers.wait()
         return value
 
-    def share_loss(self, value: torch.Tensor) -> float:
-        """The loss on every rank (broadcast from the loss's stage)."""
-        if self.staged:
-            dist.broadcast(value, src=self.loss_root)
-        return float(value)
+    def run_forwards(self, pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """The forwards alone (evaluation, under no_grad): micro-batch after micro-batch, each
+        through this rank's chunks in order. Every forward depends only on forwards earlier in
+        that order (an earlier micro-batch, or an earlier chunk of its own), and every rank
+        runs its forwards in it, so the blocking receives cannot deadlock. Returns this rank's
+        share of the loss, as `run`."""
+        value = torch.zeros((), device=self.device)
+        self._kept = self._size = 0.0
+        for mb, piece in enumerate(pieces):
+            for chunk in range(len(self.programs)):
+                (_, _, loss), counted = self._forward(piece, chunk, mb)
+                gathers = self.programs[chunk].gathers
+                if gathers is not None:
+                    gathers.finish_backward(mb)  # no backward follows: end the pass
+                if loss is not None and self.loss is not None:
+                    weight = self._weigh(*counted[0]) if len(counted) == 1 else 1 / len(pieces)
+                    value += self.loss.value(loss.detach()) * weight
+        for transfers in self.transfers:
+            transfers.wait()
+        return value
 
-    def _forward(self, piece: Sequence[torch.Tensor], chunk: int, mb: int) -> InFlight:
+    def kept_factor(self) -> float:
+        """The factor size x m / N of a step (or evaluation) whose micro-batches were weighed
+        by their kept targets (on the loss's stage), 1.0 where nothing was ignored."""
+        m = self.micro_batches
+        if not self._kept or self._kept == self._size * m:
+            return 1.0
+        return self._size * m / self._kept
+
+    def _weigh(self, count: torch.Tensor, size: int) -> float:
+        """A micro-batch's weight from its kept targets: n_k / (size x m), exact up to the
+        step's factor size x m / N (`share_loss`), which makes it n_k / N."""
+        kept = float(count)
+        self._kept += kept
+        self._size = float(size)
+        return kept / (size * self.micro_batches)
+
+    def share_loss(self, value: torch.Tensor, *, weights: bool = True) -> SharedLoss:
+        """The loss on every rank (broadcast from the loss's stage), with the factor every
+        gradient takes and (`weights`: after a training step) the micro-batches' weights
+        (`SharedLoss`)."""
+        m = self.micro_batches
+        factor = self.kept_factor()
+        shares = [w * factor / self._seed_scale for w in self._seeds] if weights else [0.0] * m
+        both = torch.tensor([float(value), factor, *shares], dtype=torch.float64)
+        if self.staged:
+            both = both.to(self.device)
+            dist.broadcast(both, src=self.loss_root)
+            both = both.cpu()
+        loss, factor = float(both[0]) * float(both[1]), float(both[1])
+        return SharedLoss(loss, factor, None if factor == 1.0 else both[2:].tolist())
+
+    def _forward(
+        self, piece: Sequence[torch.Tensor], chunk: int, mb: int
+    ) -> tuple[InFlight, tuple[tuple[torch.Tensor, int], ...]]:
         transfers = self.transfers[chunk]
         received = transfers.receive(mb, backward=False)
         with self.span("forward", mb, chunk):
-            loss, exports = self.programs[chunk].run(piece, received, mb)
+            loss, exports, counted = self.programs[chunk].run(piece, received, mb)
         transfers.send(exports, backward=False)
-        return received, exports, loss
+        return (received, exports, loss), counted
 
     def _backward(
         self, chunk: int, mb: int, flight: InFlight, *, last: bool
@@ -355,7 +433,7 @@ class Pipeline:
         with self.span("backward", mb, chunk):
             seed = None
             if loss is not None and self.loss is not None:
-                seed = self.loss.seed(loss) * (1.0 / self.micro_batches)
+                seed = self.loss.seed(loss) * self._seeds[mb]
             roots, root_grads = _roots(seed, exports, grads)
             if self.split:
                 found, later = input_gradients(roots, root_grads, floating, self.weights)

@@ -19,7 +19,7 @@ Invariants:
   weight of unit u waits for unit u's re-gathers likewise, then starts every re-gathered unit
   down to u - d, in descending order. So a unit's collective buffers (gloo stages a gather's
   whole output beside it) are gone before the next units' are made: FSDP2's order, and the
-  (1 + d) blocks' copies `autosbp.planner.stage_terms` prices. Forward and backward run the same program in the same order on every rank of a
+  (1 + d) blocks' copies `autosbp.planner.problem.stage_terms` prices. Forward and backward run the same program in the same order on every rank of a
   stage, so every group meets the same collectives in the same order. Gathers run on process
   groups of their own, gradient reduce-scatters on others: neither waits behind the boxing of
   activations, nor behind each other.
@@ -314,6 +314,10 @@ class GatherSchedule:
         self.counts = GatherCounts()
         self.span_hook: SpanHook | None = None
         self.on_gradient: Callable[[torch.Tensor], None] | None = None  # gradient final
+        # A mixed recipe (`runtime.parallel.precision`): the shards are compute copies, their
+        # gradients reduced in `reduce_dtype` and added into their masters (`grad_targets`).
+        self.reduce_dtype: torch.dtype | None = None
+        self.grad_targets: Mapping[str, torch.Tensor] = {}
         self._passes: dict[int, _Pass] = {}
         self._current: _Pass | None = None
         self._reducing: list[_Reduce] = []
@@ -352,18 +356,16 @@ class GatherSchedule:
         """The backward of `gather`: its gradient's dual chain, now (returned to autograd) or,
         for a deferred parameter, started now and added into the gradient later (None)."""
         dual = tuple(dual_step(step) for step in reversed(gather.steps))
+        wire = grad.to(self.reduce_dtype or grad.dtype).contiguous()  # FSDP2's reduce_dtype
         if not gather.deferred_grad:
-            return StartedChain(grad.contiguous(), dual, self.grad_groups, donate=True).result(
-                self.timeout
-            )
+            summed = StartedChain(wire, dual, self.grad_groups, donate=True)
+            return summed.result(self.timeout).to(grad.dtype)
         # The unit backward left (FSDP2 waits here), held by no name: its buffers go first.
         self._finish_reduces([r for r in self._reducing if r.gather.unit != gather.unit])
         self.counts.deferred_reduces += 1
         span = self.open_span("grad_reduce", None)
         self._reducing.append(
-            _Reduce(
-                gather, StartedChain(grad.contiguous(), dual, self.grad_groups, donate=True), span
-            )
+            _Reduce(gather, StartedChain(wire, dual, self.grad_groups, donate=True), span)
         )
         return None
 
@@ -374,7 +376,7 @@ class GatherSchedule:
         self._passes.pop(micro_batch).close()
         if self.on_gradient is not None:
             for name in self._reduced:
-                self.on_gradient(self.shards[name])
+                self.on_gradient(self._target(name))
         self._reduced.clear()
 
     def _finish_reduces(self, reduces: list[_Reduce]) -> None:
@@ -382,10 +384,18 @@ class GatherSchedule:
             self._reducing.remove(item)
             piece = item.chain.result(self.timeout)
             self.close_span(item.span)
-            param = self.shards[item.gather.name]
+            param = self._target(item.gather.name)
             with torch.no_grad():
-                param.grad = piece if param.grad is None else param.grad.add_(piece)
+                if param.grad is None:
+                    param.grad = piece.to(param.dtype)
+                else:
+                    param.grad.add_(piece)
             self._reduced[item.gather.name] = None
+
+    def _target(self, name: str) -> torch.Tensor:
+        """The tensor a deferred gradient is added into: the shard's master (its fp32 master
+        under a mixed recipe: `grad_targets`), else the shard itself."""
+        return self.grad_targets.get(name, self.shards[name])
 
     # ---- spans
     def open_span(self, kind: str, micro_batch: int | None) -> Any:

@@ -5,7 +5,7 @@ Lives here: `ShardedUpdate` (this rank's parameters whose plan puts their optimi
 another layout than the weight's: the shard the optimizer steps, the gradient's conversion to
 it after backward and the updated shard's conversion back to the weight's layout after the
 step) and `build_sharded_update`. Lives elsewhere: the choice of layouts and its price
-(`autosbp.planner.param_candidates`; the plan's `params[name].optimizer_state_sbp`), the
+(`autosbp.planner.timing.param_candidates`; the plan's `params[name].optimizer_state_sbp`), the
 bucketed gradient sync (`runtime.parallel.grad_sync`), the conversions
 (`runtime.execute.instructions.Boxer`).
 
@@ -23,16 +23,16 @@ Invariants:
   its bucket's collective); else one collective per parameter, in graph order on every rank
   of the stage, each issued without waiting for the previous; all done before the step
   returns: nothing hidden behind compute, as the planner prices it
-  (`param_candidates.parameter_prices`). Where the shard is a contiguous slot of the synced
+  (`timing.param_candidates.parameter_prices`). Where the shard is a contiguous slot of the synced
   gradient, its gradient is that slot itself (no copy per step).
-- ZeRO-2 (the plan's `gradient_sbp` is q): the gradient is not held in p. As autograd
-  finishes a parameter's gradient of a micro-batch (a post-accumulate-grad hook), it is
-  converted dual(p) -> q at once (a reduce-scatter; the buckets of `grad_sync` leave the
-  parameter out), added into the shard's fp32 gradient and the parameter's freed: across micro-batches only the shard's gradient is held (1/n of the
-  parameter's per device). The conversions run in line in backward, one per parameter per
-  micro-batch, in autograd's order (the same on every rank of the stage: the same program);
-  nothing hidden, as the planner prices them (`param_candidates.parameter_prices`). After
-  backward only the gather q -> p remains.
+- ZeRO-2 (the plan's `gradient_sbp` is q): the gradient is not held in p. As autograd finishes a
+  parameter's gradient of a micro-batch (a post-accumulate-grad hook), it is converted dual(p) -> q
+  at once (a reduce-scatter; the buckets of `grad_sync` leave the parameter out), added into the
+  shard's fp32 gradient and the parameter's freed: across micro-batches only the shard's gradient is
+  held (1/n of the parameter's per device). The conversions run in line in backward, one per
+  parameter per micro-batch, in autograd's order (the same on every rank of the stage: the same
+  program); nothing hidden, as the planner prices them (`timing.param_candidates.parameter_prices`).
+  After backward only the gather q -> p remains.
 - The shard is the weight's piece in q at the start (the conversion p -> q: a local slice
   where q only splits what p replicates), so the update is the one an unsharded optimizer makes
   on those elements: exact for elementwise optimizers (SGD, Adam, AdamW), as the Engine's.
@@ -56,6 +56,7 @@ from autosbp.boxing.steps import dual_nd_sbp, local_box
 from autosbp.sbp import Mesh, NdSbp, Partial
 from runtime.execute.collectives import group_ranks
 from runtime.execute.instructions import Boxer, TensorFn
+from runtime.parallel.grad_sync import Register, autograd_hook
 from runtime.parallel.weight_gather import GatherBucket, GatheredParam, gather_buckets
 
 __all__ = ["ShardedUpdate", "build_sharded_update"]
@@ -84,6 +85,7 @@ class ShardedUpdate:
         sharded: Mapping[str, _Sharded],
         layouts: Mapping[str, NdSbp],
         buckets: Sequence[GatherBucket] = (),
+        register: Register = autograd_hook,
     ) -> None:
         self._sharded = dict(sharded)
         self._buckets = tuple(buckets)  # the bucketed gathers, in graph order
@@ -91,7 +93,7 @@ class ShardedUpdate:
         self.layouts = dict(layouts)  # name -> the layout of the tensor the optimizer steps
         for entry in self._sharded.values():
             if entry.in_backward:
-                entry.param.register_post_accumulate_grad_hook(_scatter_now(entry))
+                register(entry.param, _scatter_now(entry))
 
     @property
     def names(self) -> frozenset[str]:
@@ -200,6 +202,7 @@ def build_sharded_update(
     boxer: Boxer,
     bucket_bytes: int,
     in_backward: frozenset[str] = frozenset(),
+    register: Register = autograd_hook,
 ) -> ShardedUpdate:
     """This rank's `ShardedUpdate` for its stage's `parameters` (name -> local piece in
     `layouts`), with their optimizer states in `state_layouts` (every stage's), the gradients
@@ -230,7 +233,7 @@ def build_sharded_update(
             param, shard, to_shard, to_param, name in in_backward, slice_synced
         )
     layouts_stepped = {name: state_layouts[name] for name in parameters}
-    return ShardedUpdate(sharded, layouts_stepped, gather_buckets(bucketed, bucket_bytes))
+    return ShardedUpdate(sharded, layouts_stepped, gather_buckets(bucketed, bucket_bytes), register)
 
 
 def _view(slot: tuple[slice, ...]) -> TensorFn:
@@ -319,7 +322,7 @@ def _member_slots(
     """(member rank, its slot in the parameter's piece) per member of the group q splits over,
     where q differs from p on one mesh dim and every slot is a contiguous view (a split of
     the piece's first dims): the parameters a bucket of `weight_gather` gathers (the planner
-    prices them so: `param_candidates.gathers_in_bucket`). Else None."""
+    prices them so: `memory.gather_buffers.gathers_in_bucket`). Else None."""
     mesh = boxer.mesh
     dims = [d for d, (a, b) in enumerate(zip(p, q, strict=True)) if a != b]
     if len(dims) != 1:

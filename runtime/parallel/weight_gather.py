@@ -6,7 +6,7 @@ Lives here: `GatherBucket` (parameters whose shards are contiguous slots of thei
 pieces, over one group, in graph order up to the plan's bucket bytes) and `gather_buckets`
 (the buckets of a stage's sharded parameters). Lives elsewhere: which parameters are sharded,
 their shards and the other gathers (`runtime.parallel.sharded_update`); the price
-(`autosbp.planner.param_candidates.gathers_in_bucket`, `parameter_prices`).
+(`autosbp.planner.memory.gather_buffers.gathers_in_bucket`, `parameter_prices`).
 
 How a bucket gathers: one flat buffer in the weights' dtype, in regions of equal size, one per
 member in the group's rank order; region k holds member k's slots of every parameter of the
@@ -18,16 +18,16 @@ bucket's collective, as the gradient sync's buckets (`runtime.parallel.grad_sync
 at least `GATHER_IN_PLACE_BYTES` has a bucket of its own and no buffer: its shard is written
 into its own slot and the slots are exchanged in place (one broadcast per member, or one
 all-gather into the piece), priced as a collective of its own
-(`param_candidates.shares_gather_bucket`).
+(`memory.gather_buffers.shares_gather_bucket`).
 
-Invariants: every rank of a group builds the same buckets in the same order (graph order, the
-same program), and gathers them in that order (the in-place ones all started before the others,
-`sharded_update.gather_weights`: they hold no buffer, and their exchanges queue back to back
-where one at a time had each wait for the last); one bucket's buffer is alive at a time (a
-transient of at most the bucket bytes, held only during the gather, and freed when it ends); the values written are
-the shards' cast to the weight's dtype, as the unbucketed gather writes them.
-Reference: Megatron-LM's distributed optimizer (megatron/core/distributed/param_and_grad_buffer.py:
-the updated parameters all-gathered bucket by bucket); torch DDP's bucketing (Li et al. 2020).
+Invariants: every rank of a group builds the same buckets in the same order (graph order, the same
+program), and gathers them in that order (the in-place ones all started before the others,
+`sharded_update.gather_weights`: they hold no buffer, and their exchanges queue back to back where
+one at a time had each wait for the last); one bucket's buffer is alive at a time (a transient of at
+most the bucket bytes, held only during the gather, and freed when it ends); the values written are
+the shards' cast to the weight's dtype, as the unbucketed gather writes them. Reference:
+Megatron-LM's distributed optimizer (megatron/core/distributed/param_and_grad_buffer.py: the updated
+parameters all-gathered bucket by bucket); torch DDP's bucketing (Li et al. 2020).
 """
 
 from __future__ import annotations

@@ -2,16 +2,22 @@
 
 Lives here: `Manifest`, `TensorEntry`, `RankFile`, their JSON, how dtypes and parameters are
 named (`dtype_name`, `parameter_names`), the optimizer's parameter groups as JSON
-(`group_json`, merged over pipeline stages by `merge_stage_groups`), and `read_manifest`
-(checked reading, with a clear error for a missing, damaged or older-version manifest, and for
-rank file names that would lead out of the checkpoint's folder), and `recover_checkpoint` (the
-last complete checkpoint put back from `<path>.old` after a save killed between its renames). Lives elsewhere: writing the
-tensors and the format's description (`runtime.state.checkpoint`), reading them
-(`runtime.state.checkpoint_load`).
+(`group_json`, merged over pipeline stages by `merge_stage_groups`), the job's own state
+(`json_extra`: checked to be JSON that reads back equal), `read_manifest` (checked reading,
+with a clear error for a missing, damaged or unknown-version manifest, and for rank file names
+that would lead out of the checkpoint's folder), and `recover_checkpoint` (the last complete
+checkpoint put back from `<path>.old` after a save killed between its renames). Lives
+elsewhere: writing the tensors and the format's description (`runtime.state.checkpoint`),
+reading them (`runtime.state.checkpoint_load`).
 
-Versions: 1 had one mesh (`plan.device_ids`) and no stages; 2 (this one) records the plan's
-pipeline stages, each tensor's stage, and the micro-batching (the graph fingerprint is that of
-one micro-batch). Version 1 is refused with its cause and a fix, not guessed at.
+Versions: 1 had one mesh (`plan.device_ids`) and no stages; 2 records the plan's pipeline
+stages, each tensor's stage, and the micro-batching (the graph fingerprint is that of one
+micro-batch), and resumed from Adam's `step` (`optimizer.step`); 3 (this one)
+stores the steps trained explicitly and the job's own state (`training.step`,
+`training.extra`), and the interleaved plans' chunks (`plan.virtual_stages`; `plan.stages`
+lists every virtual stage). Version 2 is read as version 3 with its `optimizer.step` as the
+steps trained (what a version 2 job resumed from) and no extra state; version 1 and versions newer than this one are refused with their cause and a fix, not
+guessed at.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "dtype_name",
     "group_json",
     "hyperparameters",
+    "json_extra",
     "merge_stage_groups",
     "parameter_names",
     "read_manifest",
@@ -47,7 +54,8 @@ __all__ = [
 ]
 
 FORMAT = "autosbp.checkpoint"
-VERSION = 2
+VERSION = 3
+READABLE = (2, 3)  # versions `read_manifest` reads (2 as 3: see the header)
 MANIFEST = "manifest.json"
 
 
@@ -73,8 +81,11 @@ class RankFile:
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """`stages[s]`: the global ranks of stage s's mesh (every stage has `mesh_shape`);
-    `fingerprint`: the graph of one micro-batch of `global_batch / micro_batches` samples."""
+    """`stages[s]`: the global ranks of (virtual) stage s's mesh (every stage has
+    `mesh_shape`; interleaved, stage s + k * len(stages) / virtual_stages runs on stage s's
+    devices); `fingerprint`: the graph of one micro-batch of `global_batch / micro_batches`
+    samples; `step`: the training steps done (stored, never read off an optimizer's state);
+    `extra`: the job's own JSON state (`save_checkpoint(extra=...)`), {} where none."""
 
     model_name: str
     fingerprint: str
@@ -84,13 +95,19 @@ class Manifest:
     micro_batches: int
     global_batch: int
     optimizer_kind: str
-    optimizer_step: int
     param_groups: tuple[dict[str, Any], ...]  # hyperparameters, "params": parameter names
     files: tuple[RankFile, ...]
     tensors: dict[str, TensorEntry]
+    step: int
+    extra: dict[str, Any]
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         size = math.prod(self.mesh_shape)
+        if self.virtual_stages < 1 or len(self.stages) % self.virtual_stages:
+            raise ValueError(
+                f"{len(self.stages)} stages are not {self.virtual_stages} chunks per stage"
+            )
         if any(len(devices) != size for devices in self.stages):
             raise ValueError(f"stages {self.stages} are not meshes of shape {self.mesh_shape}")
         for key, entry in self.tensors.items():
@@ -114,27 +131,35 @@ class Manifest:
                 "strategy": self.strategy,
                 "mesh_shape": list(self.mesh_shape),
                 "stages": [list(devices) for devices in self.stages],
+                "virtual_stages": self.virtual_stages,
                 "micro_batches": self.micro_batches,
                 "global_batch": self.global_batch,
             },
-            "optimizer": {
-                "kind": self.optimizer_kind,
-                "step": self.optimizer_step,
-                "param_groups": list(self.param_groups),
-            },
+            "training": {"step": self.step, "extra": self.extra},
+            "optimizer": {"kind": self.optimizer_kind, "param_groups": list(self.param_groups)},
             "files": [asdict(f) for f in self.files],
             "tensors": {key: asdict(entry) for key, entry in self.tensors.items()},
         }
 
     @classmethod
     def from_json(cls, data: Any) -> Manifest:
-        """Raises KeyError, TypeError or ValueError on a malformed manifest (`read_manifest`)."""
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
+        """Raises KeyError, TypeError or ValueError on a malformed manifest (`read_manifest`).
+        Reads version 2 too (its `optimizer.step` as the steps trained, no extra state)."""
+        version = data.get("version")
+        if data.get("format") != FORMAT or version not in READABLE:
             raise ValueError(
-                f"format {data.get('format')!r} version {data.get('version')!r}, expected "
-                f"{FORMAT!r} version {VERSION}"
+                f"format {data.get('format')!r} version {version!r}, expected {FORMAT!r} "
+                f"version {' or '.join(map(str, READABLE))}"
             )
         plan, optimizer = data["plan"], data["optimizer"]
+        if version == 2:
+            step, extra = _count(optimizer["step"], "optimizer.step", least=0), {}
+        else:
+            training = data["training"]
+            step = _count(training["step"], "training.step", least=0)
+            extra = training["extra"]
+            if not isinstance(extra, dict):
+                raise TypeError(f"training.extra is a {type(extra).__name__}, not an object")
         return cls(
             model_name=str(data["model"]["name"]),
             fingerprint=str(data["model"]["fingerprint"]),
@@ -144,7 +169,6 @@ class Manifest:
             micro_batches=_count(plan["micro_batches"], "plan.micro_batches", least=1),
             global_batch=_count(plan["global_batch"], "plan.global_batch", least=1),
             optimizer_kind=str(optimizer["kind"]),
-            optimizer_step=_count(optimizer["step"], "optimizer.step", least=0),
             param_groups=tuple(dict(g) for g in optimizer["param_groups"]),
             files=tuple(RankFile(**f) for f in data["files"]),
             tensors={
@@ -153,6 +177,9 @@ class Manifest:
                 )
                 for key, e in data["tensors"].items()
             },
+            step=step,
+            extra=extra,
+            virtual_stages=_count(plan.get("virtual_stages", 1), "plan.virtual_stages", least=1),
         )
 
 
@@ -216,6 +243,44 @@ def merge_stage_groups(
 def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
     """A group (torch's or the manifest's) without its parameters."""
     return {key: value for key, value in group.items() if key != "params"}
+
+
+def json_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The job's own state for the manifest: `extra` as the manifest's JSON gives it back
+    (tuples as lists). ExecutionError, naming the first offending entry, unless it is a dict
+    of strings to strings, finite numbers, booleans, None, lists and such dicts."""
+    if extra is None:
+        return {}
+    where = _not_json(extra, "extra") if isinstance(extra, Mapping) else "extra"
+    if where is not None:
+        raise ExecutionError(
+            f"save_checkpoint: {printable(where)} is not JSON; the manifest holds the job's extra "
+            "state as JSON. Pass a dict of strings to strings, finite numbers, booleans, None, "
+            "lists and such dicts (a generator's state as a list of numbers, say)."
+        )
+    loaded: dict[str, Any] = json.loads(json.dumps(dict(extra)))
+    return loaded
+
+
+def _not_json(value: Any, where: str) -> str | None:
+    """The path of the first part of `value` that JSON would not give back, else None."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{where}[{key!r}] (a {type(key).__name__} key)"
+            found = _not_json(item, f"{where}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, list | tuple):
+        return next(
+            (f for i, v in enumerate(value) if (f := _not_json(v, f"{where}[{i}]")) is not None),
+            None,
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where} ({value})"
+    ok = value is None or isinstance(value, bool | int | float | str)
+    return None if ok else f"{where} (a {type(value).__name__})"
 
 
 def _is_plain(value: Any) -> bool:
@@ -290,16 +355,22 @@ def _check_inside(path: Path, name: str, manifest: Path) -> None:
 
 
 def _check_version(data: Any, path: Path) -> None:
-    """A manifest of this format but another version is refused with its cause and a fix."""
+    """A manifest of this format but a version this release does not read is refused with its
+    cause and a fix."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return  # not ours at all: reported as damaged by `Manifest.from_json`
     version = data.get("version")
-    if version == VERSION:
+    if version in READABLE:
         return
+    newer = isinstance(version, int) and not isinstance(version, bool) and version > VERSION
+    fix = (
+        "It was written by a newer autosbp: load it with that release (or upgrade this one)."
+        if newer
+        else "Load it with the autosbp release that wrote it, copy `Engine.full_state_dict()` "
+        "into the model, then build an Engine here and save again (the optimizer state starts "
+        "afresh)."
+    )
     raise ExecutionError(
-        f"checkpoint {path} is in {FORMAT} version {version!r}, but this autosbp reads version "
-        f"{VERSION} only (version 2 records each tensor's pipeline stage and the micro-batching; "
-        "version 1 had one mesh and no stages). Load it with the autosbp release that wrote it, "
-        "copy `Engine.full_state_dict()` into the model, then build an Engine here and save "
-        "again (the optimizer state starts afresh)."
+        f"checkpoint {path} is in {FORMAT} version {printable(repr(version))}, but this autosbp "
+        f"reads versions {READABLE[0]} to {VERSION} (version 1 had one mesh and no stages). " + fix
     )

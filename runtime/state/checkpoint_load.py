@@ -11,9 +11,13 @@ agreement on failures (`runtime.state.startup.agree`).
 Invariants:
 - Loading changes nothing until every tensor of this rank has been read and checked, and every
   rank has; a failure on one rank makes every rank raise, naming it.
-- A tensor is loaded by the stage that owns it under this engine's plan; a rank reads only the
-  rank files that hold pieces of its own stage's tensors, each checked against its size and
-  sha256.
+- A tensor is loaded by the stage that owns it under this engine's plan (interleaved: the
+  rank's chunks); a rank reads only the rank files that hold pieces of its own stage's tensors,
+  each checked against its size and sha256.
+- Optimizer state is cut in the layout of the tensor this engine's optimizer steps (the
+  parameter's piece or its ZeRO shard), whatever layout it was saved in; the ZeRO shards
+  themselves are cut again from the loaded weights (else the step after the load would gather
+  the stale shards back into the weights).
 - Same model: the graph fingerprints must be equal where both plans run micro-batches of the
   same size; otherwise every parameter and buffer must match by name, shape and dtype.
 - The optimizer's hyperparameters (lr, betas ...) come from the checkpoint, as
@@ -22,7 +26,7 @@ Invariants:
 Scope: every rank reads whole rank files and rebuilds each global tensor of its stage, then cuts
 its own piece (`_local_piece`); fine at the sizes tested. A production loader would read only
 the saved slices that overlap this rank's piece (a change local to `_local_piece` and
-`_RankFiles`).
+`RankFiles`).
 """
 
 from __future__ import annotations
@@ -49,30 +53,23 @@ from runtime.state.checkpoint_format import (
 )
 from runtime.state.startup import agree
 
-__all__ = ["load_checkpoint"]
-
-
-def refuse_interleaved(virtual_stages: int, verb: str) -> None:
-    """ExecutionError on every rank alike: checkpoints hold one report per stage's devices,
-    not yet the chunks of an interleaved plan."""
-    if virtual_stages > 1:
-        raise ExecutionError(
-            f"cannot {verb} a checkpoint of a plan that interleaves {virtual_stages} model "
-            "chunks per stage: checkpoints do not record chunks yet. Train with a vp=1 plan "
-            "to checkpoint."
-        )
+__all__ = ["RankFiles", "load_checkpoint", "whole_tensor"]
 
 
 def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Manifest:
     """Load the checkpoint at `path` into `engine`, whatever plan, stages, mesh or world size it
-    was saved under. A collective: every rank calls it. Returns the manifest."""
-    refuse_interleaved(engine.plan.virtual_stages, "load")
+    was saved under. A collective: every rank calls it. Returns the manifest: the steps
+    trained (`Manifest.step`) and the job's own state (`Manifest.extra`) are the caller's to
+    restore."""
     path = Path(path)
     manifest = agree("load_checkpoint", lambda: _checked_manifest(engine, path))
-    state, optimizer_state = agree("load_checkpoint", lambda: _read_local(engine, manifest, path))
+    loaded = agree("load_checkpoint", lambda: _read_local(engine, manifest, path))
+    state, optimizer_state, shards = loaded
     with torch.no_grad():
         for name, local in state.items():
             engine.state[name].copy_(local)
+        for name, piece in shards.items():  # ZeRO's fp32 shards: cut again from the weights
+            engine.optimized[name].copy_(piece)
     engine.optimizer.load_state_dict(optimizer_state)
     return manifest
 
@@ -142,13 +139,20 @@ def _check_state(engine: Engine, manifest: Manifest, path: Path, micro_batch_siz
 
 def _read_local(
     engine: Engine, manifest: Manifest, path: Path
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's piece of every state tensor of its stage, and the optimizer's state dict with
-    its pieces: everything read and checked before the engine is changed."""
-    files = _RankFiles(path, manifest)
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
+    """This rank's piece of every state tensor of its stage, the optimizer's state dict with
+    its pieces, and the pieces of the ZeRO shards it steps (name -> the weight in the shard's
+    layout): everything read and checked before the engine is changed."""
+    files = RankFiles(path, manifest)
     state = {
         name: _local_piece(f"state/{name}", engine, engine.layouts[name], files)
         for name in engine.state
+    }
+    params, optimized = engine.parameters, engine.optimized
+    shards = {
+        name: _local_piece(f"state/{name}", engine, engine.optimized_layouts[name], files)
+        for name, stepped in optimized.items()
+        if stepped is not params[name]
     }
     optim: dict[str, dict[str, torch.Tensor]] = {}
     replicated = (B,) * engine.mesh.ndim
@@ -157,7 +161,7 @@ def _read_local(
             continue
         name, field = key.removeprefix("optim/").rsplit("/", 1)
         if name not in engine.owner or (
-            engine.owner[name] == engine.stage and name not in engine.parameters
+            engine.owner[name] in engine.chunks and name not in engine.parameters
         ):
             raise PlanError(
                 f"checkpoint {path} has optimizer state for {name!r}, which is not a parameter "
@@ -167,23 +171,29 @@ def _read_local(
             continue  # another stage's parameter: that stage loads it
         layout = engine.optimized_layouts[name] if entry.shape else replicated
         optim.setdefault(name, {})[field] = _local_piece(key, engine, layout, files)
-    return state, _optimizer_state_dict(engine, manifest, optim)
+    return state, _optimizer_state_dict(engine, manifest, optim), shards
 
 
-def _local_piece(key: str, engine: Engine, layout: NdSbp, files: _RankFiles) -> torch.Tensor:
+def _local_piece(key: str, engine: Engine, layout: NdSbp, files: RankFiles) -> torch.Tensor:
     """This rank's piece under `layout`: the saved pieces assembled whole, then cut. (A
     production loader would read only the saved slices that overlap this piece.)"""
+    whole = whole_tensor(key, files)
+    return shard_tensor(whole, layout, engine.mesh, engine.coords).clone()
+
+
+def whole_tensor(key: str, files: RankFiles) -> torch.Tensor:
+    """The saved tensor `key` assembled whole from its pieces (every rank file it needs read
+    once and checked)."""
     manifest = files.manifest
     entry = manifest.tensors[key]
     saved_mesh = Mesh(manifest.mesh_shape, device_ids=manifest.stages[entry.stage])
     saved_layout = parse_nd_sbp(entry.nd_sbp)
     want = local_shape(entry.shape, saved_layout, saved_mesh.shape)
     pieces = [files.piece(rank, key, want) for rank in entry.pieces]
-    whole = assemble_tensor(pieces, saved_layout, saved_mesh)
-    return shard_tensor(whole, layout, engine.mesh, engine.coords).clone()
+    return assemble_tensor(pieces, saved_layout, saved_mesh)
 
 
-class _RankFiles:
+class RankFiles:
     """The checkpoint's rank files, each read once (when a piece in it is first asked for),
     checked against its size and sha256."""
 
@@ -220,7 +230,9 @@ class _RankFiles:
                 f"sha256 {digest[:12]}...; the manifest says {record.size_bytes} bytes, sha256 "
                 f"{record.sha256[:12]}...). Use another checkpoint or copy this one again."
             )
-        loaded = torch.load(io.BytesIO(data), weights_only=True)
+        # On the CPU whatever device saved it: a rank file holds another rank's pieces (on
+        # NCCL its GPU), and the pieces of a tensor are assembled in one place.
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         assert isinstance(loaded, dict), f"{file}: a rank file holds a dict"
         return loaded
 

@@ -118,10 +118,14 @@ def shard_state(
     mesh: Mesh,
     coords: tuple[int, ...],
     stage: int,
+    *,
+    master_dtype: torch.dtype | None = None,
 ) -> StageState:
     """This rank's `StageState`: the whole initial tensors `sources` (by name) cut to the pieces
     at `coords` of `mesh` (`stage`'s) of the stage's parameters and buffers, in their
-    `layouts` (`state_layouts`)."""
+    `layouts` (`state_layouts`). Each piece takes the dtype of the graph's tensor, but
+    parameters take `master_dtype` where given (a mixed recipe's fp32 masters, cut from the
+    model's own values, never from a rounded copy)."""
     owner = {
         attrs.name: plan.nodes[node].stage
         for node, attrs in graph.nodes()
@@ -129,14 +133,17 @@ def shard_state(
     }
     pipeline = plan.pipeline_stages  # interleaved, a rank holds every chunk of its stage
     state = _materialize(
-        sources, graph, layouts, mesh, coords, lambda n: owner[n] % pipeline == stage
-    )
+        sources, graph, layouts, mesh, coords, lambda n: owner[n] % pipeline == stage,
+        master_dtype,
+    )  # fmt: skip
     trained = tuple(attrs.name for _, attrs in graph.nodes(Role.PARAMETER))
     return StageState(
         layouts=dict(layouts),
         shapes={a.name: a.outputs[0].shape for _, a in graph.nodes() if a.name},
         dtypes={
-            attrs.name: attrs.outputs[0].dtype
+            attrs.name: master_dtype
+            if master_dtype is not None and attrs.role is Role.PARAMETER
+            else attrs.outputs[0].dtype
             for _, attrs in graph.nodes()
             if attrs.role in (Role.PARAMETER, Role.BUFFER)
         },
@@ -182,9 +189,10 @@ def _materialize(
     mesh: Mesh,
     coords: tuple[int, ...],
     here: Callable[[str], bool],
+    master_dtype: torch.dtype | None,
 ) -> dict[str, torch.Tensor]:
-    """This rank's shard of every parameter (a fresh leaf that requires grad) and buffer of
-    its stage (`here(name)`)."""
+    """This rank's shard of every parameter (a fresh leaf that requires grad, in
+    `master_dtype` where given) and buffer of its stage (`here(name)`), in the graph's dtype."""
     state: dict[str, torch.Tensor] = {}
     for _, attrs in graph.nodes():
         if attrs.role not in (Role.PARAMETER, Role.BUFFER):
@@ -199,6 +207,8 @@ def _materialize(
                 "initial values from the model. Materialize it first (model.to_empty(device=...) "
                 "and initialize the weights), then build the Engine."
             )
-        local = shard_tensor(full, layouts[name], mesh, coords).clone()
-        state[name] = local.requires_grad_(attrs.role is Role.PARAMETER)
+        parameter = attrs.role is Role.PARAMETER
+        dtype = master_dtype if parameter and master_dtype is not None else attrs.outputs[0].dtype
+        local = shard_tensor(full, layouts[name], mesh, coords).to(dtype, copy=True)
+        state[name] = local.requires_grad_(parameter)
     return state

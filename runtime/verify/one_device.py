@@ -67,12 +67,21 @@ class Evaluation:
 
 
 def evaluate(
-    model: nn.Module, state: State, inputs: Sequence[torch.Tensor], micro_batches: int
+    model: nn.Module,
+    state: State,
+    inputs: Sequence[torch.Tensor],
+    micro_batches: int,
+    weights: Sequence[float] | None = None,
 ) -> Evaluation:
     """`model`'s step at the weights and buffers `state` on `micro_batches` pieces of `inputs`
-    (each loss scaled by 1/micro_batches), in the model's dtype; results widened to float64."""
+    (each loss scaled by 1/micro_batches, or by `weights`: the plan's, where a mean
+    cross-entropy's micro-batches were weighed by their kept targets), in the model's dtype;
+    results widened to float64.
+    A model below fp32 runs the mixed recipe (`autosbp.plan.Precision`): each micro-batch's
+    gradients, and losses, are accumulated in fp32."""
     first = next(model.parameters())
     dtype = first.dtype
+    summed = torch.float32 if dtype.itemsize < 4 else dtype  # the recipe's accumulation
     buffers = dict(model.named_buffers())
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -81,14 +90,25 @@ def evaluate(
         for name, b in buffers.items():
             if name in state:
                 b.copy_(state[name])
-    total = torch.zeros((), dtype=dtype, device=first.device)
+    total = torch.zeros((), dtype=summed, device=first.device)
+    grads: dict[str, torch.Tensor] = {}
     m = micro_batches
-    for piece in split_micro_batches(inputs, m):
-        loss = model(*(x.to(dtype) if x.is_floating_point() else x for x in piece)) / m
+    for k, piece in enumerate(split_micro_batches(inputs, m)):
+        loss = model(*(x.to(dtype) if x.is_floating_point() else x for x in piece))
+        loss = loss * weights[k] if weights is not None else loss / m
         loss.backward()
-        total += loss.detach()
+        total += loss.detach().to(summed)
+        if summed != dtype:  # into fp32, each micro-batch's own gradient freed
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    grads[name] = (
+                        grads[name] + p.grad.to(summed) if name in grads else p.grad.to(summed)
+                    )
+                    p.grad = None
+    if summed == dtype:
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     gradients = {
-        name: widen(p.grad if p.grad is not None else torch.zeros_like(p))
+        name: widen(grads[name] if name in grads else torch.zeros_like(p))
         for name, p in model.named_parameters()
         if p.requires_grad  # a frozen one has none (torch trains it not)
     }

@@ -3,7 +3,7 @@
 Lives here: `measure_peak_bytes` (the most bytes this rank held at once during a call, e.g.
 an `Engine` step: what the planner's `peak_memory_bytes` predicts), `held_bytes` (the bytes of
 the distinct storages behind some tensors) and `engine_tensors` (what an engine keeps between
-steps). Lives elsewhere: the prediction (`autosbp.planner.memory`), the steps
+steps). Lives elsewhere: the prediction (`autosbp.planner.memory.device_bytes`), the steps
 (`runtime.engine`), the tests that compare the two (tests/runtime/test_memory.py).
 
 How it measures: `torch.profiler` with `profile_memory=True` makes c10's CPU allocator report

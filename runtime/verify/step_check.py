@@ -92,6 +92,7 @@ import torch
 from torch import nn
 
 from autosbp.errors import ExecutionError
+from runtime.optim import OptimizerRecipe
 from runtime.verify.one_device import (
     Evaluation,
     Float32Fallback,
@@ -127,13 +128,16 @@ class Reference:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: OptimizerFactory | None,
+        optimizer: OptimizerFactory | OptimizerRecipe | None,
         micro_batches: int,
         inputs: Sequence[torch.Tensor],
         dropout: tuple[str, ...] = (),
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         require_deterministic(model, inputs, dropout)
-        self.fp32 = copy.deepcopy(model)
+        self.compute = compute_dtype or next(model.parameters()).dtype
+        self.unit = unit_roundoff(self.compute)
+        self.fp32 = _floating_in(copy.deepcopy(model), self.compute)  # the draws: the plan's
         self.fp64 = copy.deepcopy(model).double()
         self.fallback = Float32Fallback()
         self.weights = {
@@ -141,7 +145,7 @@ class Reference:
             for name, p in model.named_parameters()
             if p.requires_grad
         }
-        self.optimizer = optimizer(list(self.weights.values())) if optimizer else None
+        self.optimizer = _optimizer(optimizer, self.weights)
         self.micro_batches = micro_batches
         self.dropout = dropout
         self.frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
@@ -154,12 +158,16 @@ class Reference:
         loss: float,
         gradients: State,
         after: State,
+        weights: Sequence[float] | None = None,
     ) -> StepCheck:
         """Compare the plan's step `step` (its weights `before`, loss, synced `gradients`, and
-        state `after`) with one device at the same weights."""
-        exact = self._exact(before, inputs)
-        samples = [evaluate(self.fp32, before, inputs, self.micro_batches)] + [
-            evaluate(self.fp32, *nudged(before, inputs, seed=step * NUDGED + k), self.micro_batches)
+        state `after`) with one device at the same weights, its micro-batches weighed as the
+        plan weighed them (`weights`: by their kept targets; None: 1/m each)."""
+        exact = self._exact(before, inputs, weights)
+        cast = _in_dtype(before, self.compute), _inputs_in(inputs, self.compute)
+        m = self.micro_batches
+        samples = [evaluate(self.fp32, *cast, m, weights)] + [
+            evaluate(self.fp32, *nudged(*cast, seed=step * NUDGED + k), m, weights)
             for k in range(NUDGED)
         ]
         noise = _noise(exact, samples)
@@ -173,13 +181,16 @@ class Reference:
             _relative_error([s.gradients[n] for n in kept], [exact.gradients[n] for n in kept])
             for s in samples
         )[-2]  # the second largest, as for each value (`_noise`)
-        rows = [_deviation(Kind.LOSS, "loss", torch.tensor(loss), exact.loss, noise, rounding)]
+        unit = self.unit
+        rows = [
+            _deviation(Kind.LOSS, "loss", torch.tensor(loss), exact.loss, noise, rounding, unit)
+        ]
         rows += [
-            _deviation(Kind.GRADIENT, n, gradients[n], exact.gradients[n], noise, rounding)
+            _deviation(Kind.GRADIENT, n, gradients[n], exact.gradients[n], noise, rounding, unit)
             for n in kept
         ]
         rows += [
-            _deviation(Kind.BUFFER, n, after[n], b, noise, rounding)
+            _deviation(Kind.BUFFER, n, after[n], b, noise, rounding, unit)
             for n, b in exact.buffers.items()
         ]
         if self.optimizer is not None:
@@ -188,15 +199,18 @@ class Reference:
         notes = Notes(
             tuple(excluded), self.dropout, tuple(sorted(self.fallback.ops)), self.frozen,
             updates_compared=self.optimizer is not None,
+            dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.compute, "fp32"),
         )  # fmt: skip
         return StepCheck.of(step, float(exact.loss), rounding, rows, notes)
 
-    def _exact(self, state: State, inputs: Sequence[torch.Tensor]) -> Evaluation:
+    def _exact(
+        self, state: State, inputs: Sequence[torch.Tensor], weights: Sequence[float] | None
+    ) -> Evaluation:
         """The float64 evaluation; a model that runs in fp32 (just did) but not in float64, for
         a reason other than one op's kernel, gets an error that says so."""
         try:
             with self.fallback:
-                return evaluate(self.fp64, state, inputs, self.micro_batches)
+                return evaluate(self.fp64, state, inputs, self.micro_batches, weights)
         except Exception as error:
             raise ExecutionError(
                 f"--check's float64 reference failed: the model runs in fp32 but not in float64 "
@@ -226,32 +240,37 @@ class StepChecker:
     `StepCheck`. Build it right before the first step to check (after loading a checkpoint);
     `optimizer` is the job's, or None when the engine's optimizer already holds state the
     reference cannot know (a resumed job): updates are then not compared, and the verdict says
-    so."""
+    so. A step the engine skipped (fp16's loss scale overflowed: no update) is not compared:
+    `after_step` returns None for it."""
 
     def __init__(
         self,
         engine: Engine,
         model: nn.Module,
         inputs: Sequence[torch.Tensor],
-        optimizer: OptimizerFactory | None,
+        optimizer: OptimizerFactory | OptimizerRecipe | None,
         dropout: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
+        compute = engine.precision.compute_dtype
         self.reference = (
-            Reference(model, optimizer, engine.micro_batches, inputs, dropout)
+            Reference(model, optimizer, engine.micro_batches, inputs, dropout, compute)
             if engine.rank == 0
             else None
         )
         self.before = engine.full_state_dict()
+        self.skipped = engine.skipped_steps  # a step the engine skips is not compared
 
     def after_step(
         self, step: int, inputs: Sequence[torch.Tensor], loss: float
     ) -> StepCheck | None:
         gradients, after = self.engine.full_gradients(), self.engine.full_state_dict()
         before, self.before = self.before, after
-        if self.reference is None:
+        skipped, self.skipped = self.engine.skipped_steps > self.skipped, self.engine.skipped_steps
+        if self.reference is None or skipped:  # fp16's loss scale overflowed: no update made
             return None
-        return self.reference.check(step, inputs, before, loss, gradients, after)
+        weights = self.engine.loss_weights
+        return self.reference.check(step, inputs, before, loss, gradients, after, weights)
 
 
 def _deviation(
@@ -261,6 +280,7 @@ def _deviation(
     exact: torch.Tensor,
     noise: Mapping[str, float],
     rounding: float,
+    unit: float = 2.0**-24,
 ) -> Deviation:
     """One tensor of the forward/backward against float64 (header, 1.). A tensor of an exact
     dtype (bool: GPT-BigCode's causal mask; integer: a step counter) must be equal: its error is
@@ -272,12 +292,48 @@ def _deviation(
     plan, exact = _as_real(widen(plan)), _as_real(exact)
     size = float(exact.norm())
     own = noise["loss" if kind is Kind.LOSS else f"{kind.value} {name}"]
-    bound = NOISE_FACTOR * max(own, rounding * size, U_FP32 * size)
+    bound = NOISE_FACTOR * max(own, rounding * size, unit * size)
     error = float((plan - exact).norm())
     scale = float((plan * exact).sum() / (exact * exact).sum()) if size > 0 else None
     if scale is not None and float((plan - scale * exact).norm()) > bound:
         scale = None  # no single factor explains the difference
     return Deviation(kind, name, tuple(exact.shape), error, bound, size, scale)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u of a floating dtype: |fl(x) - x| <= u |x| (2^-24 fp32, 2^-8 bf16, 2^-11 fp16)."""
+    return float(torch.finfo(dtype).eps) / 2
+
+
+def _optimizer(
+    optimizer: OptimizerFactory | OptimizerRecipe | None, weights: Mapping[str, torch.Tensor]
+) -> torch.optim.Optimizer | None:
+    """The job's optimizer over the reference's whole fp32 weights."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, OptimizerRecipe):
+        return optimizer.build(weights, {n: tuple(w.shape) for n, w in weights.items()})
+    return optimizer(list(weights.values()))
+
+
+def _floating_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` with its floating parameters and buffers in `dtype` (complex and integer ones as
+    they are: `Module.to(dtype)` would narrow complex ones too)."""
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor.data = tensor.data.to(dtype)
+    return model
+
+
+def _in_dtype(state: State, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The plan's weights as its programs read them: floating ones cast to the compute dtype
+    (under a mixed recipe, the fp32 masters rounded once, as the engine's copies are)."""
+    return {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+
+
+def _inputs_in(inputs: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    return tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
 
 
 def _noise(exact: Evaluation, samples: Sequence[Evaluation]) -> dict[str, float]:

@@ -81,6 +81,7 @@ class Notes:
     fp32_ops: tuple[str, ...] = ()  # ops run in fp32 inside the float64 reference
     frozen: tuple[str, ...] = ()  # parameters that do not require grad on one device
     updates_compared: bool = True  # False: the optimizer's state came from a checkpoint
+    dtype: str = "fp32"  # the plan's compute dtype: whose rounding bounds the forward/backward
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +147,8 @@ def judge(checks: Sequence[StepCheck]) -> Verdict:
         return Verdict(True, "\n".join([f"matches single-device training{worst}.", *notes]))
     first = failing[0]
     lines = [
-        f"the plan's training differs from one device beyond fp32 rounding at {len(failing)} of "
+        f"the plan's training differs from one device beyond {first.notes.dtype} rounding at "
+        f"{len(failing)} of "
         f"{len(checks)} steps; at step {first.step}, the tensors that differ most:",
         *(f"  {d.describe()}" for d in first.failures[:SHOWN_FAILURES]),
         _cause(first),
@@ -171,10 +173,17 @@ def _notes(checks: Sequence[StepCheck]) -> list[str]:
         else ""
     )
     low, high = min(c.rounding for c in checks), max(c.rounding for c in checks)
+    dtype = checks[-1].notes.dtype
+    recipe = (
+        f" (the same recipe: {dtype} compute, fp32 masters and gradient accumulation)"
+        if dtype != "fp32"
+        else ""
+    )
     notes = [
         f"Compared at every step, at the plan's own weights: {counts}; each forward/backward "
-        f"value against one device in float64 within 16x one device's own fp32 rounding{updates} "
-        "(runtime/verify/step_check.py derives the bounds). One device's fp32 rounding of the gradients was "
+        f"value against one device in float64 within 16x one device's own {dtype} rounding"
+        f"{recipe}{updates} (runtime/verify/step_check.py derives the bounds). One device's "
+        f"{dtype} rounding of the gradients was "
         f"{low:.1e} to {high:.1e} of their size over the steps: differences 16x that pass as "
         "rounding."
     ]

@@ -45,6 +45,7 @@ from costmodel import load_profile, save_profile
 from costmodel.profile_codec import profile_from_dict
 from launching.errors import ExecutionError
 from runtime.state.checkpoint_format import read_manifest
+from runtime.state.checkpoint_lock import hold_checkpoint_dir
 from tests.plan.test_plan_json import sample_plan
 from tests.support.bad_inputs_corpus import write_corpus
 
@@ -129,6 +130,7 @@ def inputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The user model file, a real plan (mlp on 2 devices) and damaged plans and profiles."""
     root = tmp_path_factory.mktemp("bad_inputs")
     (root / "models.py").write_text(USER_MODELS)
+    (root / "data.py").write_text(USER_DATA)
     model, inputs = build_model("mlp")
     plan = autosbp.auto_parallelize(model, inputs, devices=2, time_limit_s=10)
     good = save_plan(plan, root / "plan.json")
@@ -194,6 +196,34 @@ TRAIN = ["train", "mlp", "--nproc", "2", "--plan"]  # + a plan file
 TRAIN_GPT = ["train", "gpt", "--nproc", "2", "--plan"]  # + a plan file edited from the cp plan
 PLAN_MLP4 = ["plan", "mlp", "--model-args", "layers=4", "--devices", "2", "--strategy"]
 # (argv, cause words, fix words). {in} is the inputs directory; the working directory is empty.
+USER_DATA = """
+import torch
+
+
+def raises():
+    raise ValueError("no such corpus")
+
+
+def number():
+    return 3
+
+
+def _samples(n, x_shape=(32,), dtype=torch.float32):
+    return [(torch.zeros(x_shape, dtype=dtype), torch.zeros(8)) for _ in range(n)]
+
+
+def wrong_shape():
+    return _samples(64, x_shape=(5,))
+
+
+def wrong_dtype():
+    return _samples(64, dtype=torch.int64)
+
+
+def too_small():
+    return _samples(3)
+"""
+
 CLI_CASES = [
     # models
     pytest.param(
@@ -561,11 +591,91 @@ CLI_CASES = [
         ("Use another checkpoint",), id="train-manifest-negative-step",
     ),
     pytest.param(
-        ["train", "gpt", "--model-args", "layers=4,hidden=32,heads=2,vocab=64,seq=8,batch=8",
-         "--nproc", "2", "--plan", "megatron:tp=1,pp=2,dp=1,vp=2,mb=2",
-         "--checkpoint-dir", "{in}/ckpt-new"],
-        ("interleaves 2 model chunks", "checkpoints do not record chunks"),
-        ("Train with a vp=1 plan",), id="train-checkpoint-of-an-interleaved-plan",
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-newer", "--resume"],
+        ("version 4", "reads versions 2 to 3"), ("written by a newer autosbp",),
+        id="train-checkpoint-of-a-newer-version",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-badextra", "--resume"],
+        ("is damaged", "training.extra is a list"), ("Use another checkpoint",),
+        id="train-manifest-extra-not-an-object",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-locked"],
+        ("is in use by the job of pid 4242 on host elsewhere.example",
+         "destroy each other's checkpoints"),
+        ("remove", "ckpt-locked.lock and start again"),
+        id="train-checkpoint-dir-held-by-another-host",
+    ),
+    # the training job's data, recipe and outputs (issue #44), each before any process starts
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--data", "{in}/data.py:raises"],
+        ("failed with ValueError: no such corpus",), ("Fix the function",),
+        id="train-data-function-raises",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--data", "{in}/data.py:number"],
+        ("returned an int",), ("map-style Dataset",), id="train-data-function-returns-int",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--data", "{in}/data.py:wrong_shape"],
+        ("shape [5]", "[32]"), ("example inputs",), id="train-data-wrong-sample-shape",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--data", "{in}/data.py:wrong_dtype"],
+        ("int64", "float32"), ("example inputs",), id="train-data-wrong-dtype",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--data", "{in}/data.py:too_small"],
+        ("3 samples", "global batch of 8"), ("--global-batch",), id="train-data-smaller-than-a-batch",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--eval-every", "5"],
+        ("--eval-every needs --eval-data",), ("built-in data set",),
+        id="train-eval-every-without-eval-data",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--steps", "10", "--warmup-steps", "20"],
+        ("--warmup-steps 20 must be between 0 and --steps (10)",), ("warm up for fewer steps",),
+        id="train-warmup-longer-than-the-job",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--lr", "0.01", "--min-lr", "0.1", "--lr-schedule",
+         "cosine"],
+        ("--min-lr 0.1 must be between 0 and --lr 0.01",), ("decays from the peak",),
+        id="train-min-lr-above-lr",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--min-lr", "0.001"],
+        ("has no effect with --lr-schedule constant",), ("choose linear, cosine or wsd",),
+        id="train-min-lr-without-decay",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--weight-decay", "0.1"],
+        ("with adam adds an L2 term",), ("--optimizer adamw",), id="train-weight-decay-with-adam",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--plan", "{in}/plan.json", "--clip-grad-norm", "1"],
+        ("was priced without gradient clipping",), ("autosbp plan ... --clip-grad-norm",),
+        id="train-clipping-a-plan-priced-without",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--plan", "{in}/plan.json", "--dtype", "bf16"],
+        ("was made for --dtype fp32", "asks for --dtype bf16"), ("autosbp plan ... --dtype bf16",),
+        id="train-plan-file-of-another-dtype",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--save-model", "model.bin"],
+        ("must end in .safetensors or .pt",), ("safetensors",), id="train-save-model-suffix",
+    ),
+    pytest.param(
+        ["export", "{in}/missing-checkpoint", "--out", "m.safetensors"],
+        ("missing-checkpoint",), ("",), id="export-missing-checkpoint",
+    ),
+    pytest.param(
+        ["train", "mlp", "--nproc", "2", "--checkpoint-dir", "{in}/ckpt-badlock"],
+        ("locked by {in}/ckpt-badlock.lock", "does not name a job"),
+        ("If no job uses this folder, remove",), id="train-checkpoint-dir-damaged-lock",
     ),
 ]  # fmt: skip
 
@@ -806,6 +916,16 @@ API_CASES = [
         lambda ctx: read_manifest(ctx.inputs / "ckpt-escape"), ExecutionError,
         ("names the rank file '../../../../../etc/hostname'", "is not a file of"),
         ("Use another checkpoint",), id="manifest-names-a-file-outside",
+    ),
+    pytest.param(
+        lambda ctx: read_manifest(ctx.inputs / "ckpt-newer"), ExecutionError,
+        ("version 4", "reads versions 2 to 3"), ("written by a newer autosbp",),
+        id="manifest-of-a-newer-version",
+    ),
+    pytest.param(
+        lambda ctx: hold_checkpoint_dir(ctx.inputs / "ckpt-locked").__enter__(), ExecutionError,
+        ("pid 4242 on host elsewhere.example",), ("Wait for that job to end", "remove"),
+        id="checkpoint-dir-held-by-another-host",
     ),
 ]  # fmt: skip
 NAN = float("nan")

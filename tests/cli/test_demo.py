@@ -1,8 +1,10 @@
-"""End to end through the CLI: `autosbp demo` plans, trains on gloo processes and matches one
-device; `autosbp train --check` with a saved plan does the same for another model."""
+"""End to end through the CLI: `autosbp demo` plans, trains on text on gloo processes beside a
+plain PyTorch loop and plans GPT-3; `autosbp train --check` with a saved plan matches one
+device."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,21 +15,25 @@ from autosbp.plan import load_plan
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_demo_plans_trains_and_matches_one_device(
+def test_demo_plans_trains_on_text_and_plans_gpt3(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = main(
-        ["demo", "--nproc", "2", "--steps", "3", "--gpt3-layers", "16", "--out", str(tmp_path)]
+        ["demo", "--nproc", "2", "--steps", "8", "--gpt3-layers", "16", "--out", str(tmp_path)]
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "matches single-device training" in out
+    assert "(autosbp) vs" in out and "(plain PyTorch)" in out  # the held-out losses, side by side
     assert "auto vs hand plans" in out
     assert "auto vs Megatron-LM" in out
-    assert load_plan(tmp_path / "plan.json").device_count == 2
+    plan = load_plan(tmp_path / "plan.json")
+    assert plan.device_count == 2 and plan.dtype == "bf16" and plan.clips_gradients
     assert load_plan(tmp_path / "gpt3-plan.json").device_count == 1024
-    assert (tmp_path / "timeline.png").stat().st_size > 0
-    assert (tmp_path / "trace.json").stat().st_size > 0
+    for name in ("loss.png", "timeline.png", "trace.json", "metrics.jsonl"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 9))
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [2, 4, 6, 8]
 
 
 @pytest.mark.slow

@@ -24,7 +24,10 @@ def test_gpu_check_in_cpu_mode(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     summary = (out / "summary.txt").read_text()
-    assert "SKIP profile, plan-1gpu, train-1gpu, train-gpt: no CUDA device" in summary
+    assert (
+        "SKIP profile, plan-1gpu, train-1gpu, train-gpt, train-gpt-bf16, train-text-bf16: no CUDA "
+        "device" in summary
+    )
     assert "PASS matmul" in summary and "FAIL" not in summary
     assert "cpu-gloo:" in done.stdout and "TFLOP/s" in done.stdout  # the table, printed
 

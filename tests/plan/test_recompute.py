@@ -20,7 +20,7 @@ from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
 from autosbp.plan import check_plan, load_plan, recomputed_nodes, save_plan
 from autosbp.planner.api import auto_parallelize
-from autosbp.planner.pipeline import recomputed
+from autosbp.planner.space.recomputation import recomputed
 from autosbp.zoo import build_model
 from tests.runtime.test_runtime import MODELS
 

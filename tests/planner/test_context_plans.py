@@ -21,9 +21,9 @@ from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import PlanError
 from autosbp.plan.dtensor import check_dtensor_expressible
 from autosbp.planner.api import MEMORY_RESERVE_FRACTION, ClusterPrices, auto_parallelize
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.problem import MIP_GAP
-from autosbp.planner.search import search
+from autosbp.planner.problem.solve import MIP_GAP
+from autosbp.planner.search.entry import search
+from autosbp.planner.space.strategy import strategy_space
 from autosbp.rules.context import seq_mesh_dims
 from costmodel import Cluster, load_profile
 

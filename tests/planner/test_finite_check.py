@@ -1,9 +1,9 @@
-"""The runtime's non-finite check is priced in the update (`autosbp.planner.finite_check`).
+"""The runtime's non-finite check is priced in the update (`autosbp.planner.timing.finite_check`).
 
 The check (`runtime.verify.finite.first_non_finite`) reads every local gradient once (one
 fused max-norm op) and all-reduces one integer over the world, each step. Oracles: the
 profile's own prices, asked here directly: per parameter candidate, its update less the sync
-and optimizer `param_candidates.parameter_prices` gives is a streaming read of its local
+and optimizer `timing.param_candidates.parameter_prices` gives is a streaming read of its local
 gradient; per stage, the predicted update less its parameters' updates is the op's floor
 and one 8-byte all-reduce over the world.
 """
@@ -17,11 +17,13 @@ import torch
 
 from autosbp.capturing.export import capture
 from autosbp.capturing.graph import Role
-from autosbp.planner.boxing_prices import BoxingPricer
-from autosbp.planner.candidates import sync_bucket_bytes
-from autosbp.planner.param_candidates import parameter_prices
-from autosbp.planner.pipeline import split_stages
-from autosbp.planner.problem import build_problem, predict, solve_mesh
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.solve import solve_mesh
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.timing.boxing_prices import BoxingPricer
+from autosbp.planner.timing.candidates import sync_bucket_bytes
+from autosbp.planner.timing.param_candidates import parameter_prices
+from autosbp.planner.timing.predict import predict
 from autosbp.sbp import Mesh, local_shape
 from autosbp.zoo import build_model
 from tests.planner.test_planner import a100_prices

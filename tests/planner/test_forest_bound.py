@@ -1,4 +1,4 @@
-"""Bound (1b) (`forest_bound`): `forest_min` is the brute-force least on a forest and never above
+"""Bound (1b) (`bounds.forest`): `forest_min` is the brute-force least on a forest and never above
 it with cycles; the bound, and the node bound (1), are at most the ILP objective and the
 predicted step of every configuration solved on its own, under 1F1B (with every recomputation
 mode), interleaved 1F1B (v = 2) and zero bubble, whose path bounds do not drain (the node
@@ -15,16 +15,19 @@ import pytest
 
 from autosbp.capturing.export import capture
 from autosbp.errors import NoFitError
-from autosbp.planner.bounds import step_bound, unhidden_s
-from autosbp.planner.forest_bound import forest_bound, forest_min
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.ilp import solve
-from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
-from autosbp.planner.priced import price_graph
-from autosbp.planner.problem import build_problem, gathers_hidden, predict, solve_mesh
-from autosbp.planner.reduce import tie_graph, tie_stages
-from autosbp.planner.search import mesh_shapes
-from autosbp.planner.zero_bubble_price import predict_zb1, weight_shares
+from autosbp.planner.bounds.forest import forest_bound, forest_min
+from autosbp.planner.bounds.nodes import step_bound, unhidden_s
+from autosbp.planner.ilp.solving import solve
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import solve_mesh
+from autosbp.planner.search.entry import mesh_shapes
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.space.ties import tie_graph, tie_stages
+from autosbp.planner.timing.predict import gathers_hidden, predict
+from autosbp.planner.timing.zero_bubble_price import predict_zb1, weight_shares
 from autosbp.sbp import Mesh
 from autosbp.schedule import check_interleaving
 from autosbp.zoo import build_model

@@ -1,8 +1,8 @@
-"""Spaces without parameter gathers (`Space.may_gather`, `priced.Priced.gathers`): a Megatron
-hand plan computes on its stored pieces, and interleaved or zero-bubble spaces hold only plans
-the runtime runs. The oracle is the runtime's own test (`boxing.params.gathers_parameters`) on
-each plan; each case also solves the same space with gathers allowed, whose plan gathers (so
-the case is not vacuous) and can only be faster."""
+"""Spaces without parameter gathers (`Space.may_gather`, `problem.priced.Priced.gathers`): a
+Megatron hand plan computes on its stored pieces, and interleaved or zero-bubble spaces hold only
+plans the runtime runs. The oracle is the runtime's own test (`boxing.params.gathers_parameters`) on
+each plan; each case also solves the same space with gathers allowed, whose plan gathers (so the
+case is not vacuous) and can only be faster."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from dataclasses import replace
 import pytest
 
 from autosbp.boxing.params import gathers_parameters
-from autosbp.planner.evaluate import Found
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.pipeline import split_stages
-from autosbp.planner.priced import price_graph
-from autosbp.planner.problem import MIP_GAP, build_problem, predict, solve_mesh
-from autosbp.planner.search import mesh_shapes, search
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
+from autosbp.planner.search.entry import mesh_shapes, search
+from autosbp.planner.search.evaluator import Found
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.timing.predict import predict
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from autosbp.errors import PlanError
-from autosbp.planner.ilp import brute_force, lower_bound, solve, solve_below
-from autosbp.planner.ilp_problem import Costs, MaxTerm, MemoryConstraint, Problem
-from autosbp.planner.ilp_solvers import CutOff, Relaxed, fix_by_reduced_costs, relax
+from autosbp.planner.ilp.formulation import Costs, MaxTerm, MemoryConstraint, Problem
+from autosbp.planner.ilp.solvers import CutOff, Relaxed, fix_by_reduced_costs, relax
+from autosbp.planner.ilp.solving import brute_force, lower_bound, solve, solve_below
 
 
 def random_problem(
@@ -303,7 +303,7 @@ def test_highs_binding_and_linprog_agree(
 ) -> None:
     # relax calls HiGHS through scipy's binding, or through linprog where it is missing: both
     # give the same optimum, the same reduced costs and the same cutoff.
-    from autosbp.planner import ilp_solvers
+    from autosbp.planner.ilp import solvers as ilp_solvers
 
     problem = staged_random_problem(seed, stages)
 
@@ -336,7 +336,7 @@ def test_highs_binding_and_linprog_agree(
 def test_columns_are_the_rows_in_csc_form(seed: int, stages: int) -> None:
     # HiGHS gets `columns()`, built in one sort; scipy's CSR -> CSC conversion of `rows()` is
     # the oracle: the same arrays entry for entry (order included), so the same LP.
-    from autosbp.planner.ilp_solvers import LinearProgram
+    from autosbp.planner.ilp.solvers import LinearProgram
 
     lp = LinearProgram(staged_random_problem(seed, stages))
     indptr, indices, data = lp.columns()

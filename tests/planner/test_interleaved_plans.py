@@ -7,8 +7,8 @@ import pytest
 
 from autosbp.errors import PlanError
 from autosbp.planner.api import auto_parallelize
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.pipeline import interleaved_in_flight
+from autosbp.planner.memory.in_flight import interleaved_in_flight
+from autosbp.planner.space.strategy import strategy_space
 from autosbp.schedule import simulate
 from autosbp.zoo import load_model
 

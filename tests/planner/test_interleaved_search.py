@@ -1,4 +1,4 @@
-"""Interleaving in the auto search (`virtual_search`): the device path bounds never exceed the
+"""Interleaving in the auto search (`search.schedules`): the device path bounds never exceed the
 interleaved simulation, auto picks v > 1 where it wins, and the search over v returns the least
 plan of an exhaustive enumeration that includes v (the oracle: every configuration built and
 solved on its own, its plan priced by the simulation)."""
@@ -12,15 +12,18 @@ import numpy as np
 import pytest
 
 from autosbp.errors import PlanError
-from autosbp.planner.evaluate import Found
-from autosbp.planner.hand_plans import Space, strategy_space
-from autosbp.planner.ilp_problem import Solution
-from autosbp.planner.interleaved_cuts import with_cuts
-from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
-from autosbp.planner.priced import Priced, price_graph
-from autosbp.planner.problem import MIP_GAP, build_problem, predict, solve_mesh
-from autosbp.planner.search import mesh_shapes, search
-from autosbp.planner.virtual_search import best_of, search_spaces
+from autosbp.planner.ilp.formulation import Solution
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.priced import Priced, price_graph
+from autosbp.planner.problem.simulation_cuts import with_cuts
+from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
+from autosbp.planner.search.entry import mesh_shapes, search
+from autosbp.planner.search.evaluator import Found
+from autosbp.planner.search.schedules import best_of, search_spaces
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.space.strategy import Space, strategy_space
+from autosbp.planner.timing.predict import predict
 from autosbp.schedule import simulate
 from tests.planner.test_gather_spaces import gathers
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
@@ -73,8 +76,8 @@ def with_gathers(graph, mesh, prices) -> Priced:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_cut_is_the_simulated_step_at_its_choice_and_a_bound_elsewhere(seed: int) -> None:
-    # `interleaved_cuts`: the critical paths read at one choice price that choice exactly (the
-    # objective with them equals the simulation) and no other choice above its simulation.
+    # `problem.simulation_cuts`: the critical paths read at one choice price that choice exactly
+    # (the objective with them equals the simulation) and no other choice above its simulation.
     graphs, prices = graphs_of("gpt"), RandomPrices.draw(30 + seed)
     rng = np.random.default_rng(seed)
     mesh = mesh_shapes(DEVICES // 2, lambda shape, d: link_of((2, *shape), d + 1))[0]

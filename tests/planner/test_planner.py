@@ -24,14 +24,15 @@ from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import PlanError
 from autosbp.plan import Plan, load_plan, save_plan, summary_table
 from autosbp.planner.api import ClusterPrices, plan_graph, plan_graphs
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.ilp import brute_force, solve
-from autosbp.planner.ilp_problem import MemoryConstraint, Problem, Solution
-from autosbp.planner.pipeline import split_stages
-from autosbp.planner.priced import price_graph
-from autosbp.planner.problem import MIP_GAP, build_problem
-from autosbp.planner.reduce import tie_graph, tie_stages
-from autosbp.planner.search import divisors, powers_of_two_dividing
+from autosbp.planner.ilp.formulation import MemoryConstraint, Problem, Solution
+from autosbp.planner.ilp.solving import brute_force, solve
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import MIP_GAP
+from autosbp.planner.search.entry import divisors, powers_of_two_dividing
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.space.ties import tie_graph, tie_stages
 from autosbp.sbp import Mesh, Split, parse_nd_sbp
 from autosbp.zoo import GPT3_175B, ZOO_MODELS, build_model, gpt3_175b, gpt3_megatron
 from costmodel import Cluster, load_profile
@@ -362,14 +363,24 @@ def test_gpt3_on_1024_a100s_beats_every_hand_plan_of_the_grid(gpt3) -> None:
     bench, graphs, auto = gpt3
     assert auto.solver.status == "optimal" and auto.solver.gap <= 0.01, auto.solver
     step = auto.predicted.step_time_s
-    assert step <= 23.7  # the issue's expectation: 8 stages, 16x8, 96 micro-batches
+    # the issue's expectation (8 stages, 16x8, 96 micro-batches: 23.46 s), repriced on
+    # 2026-12-07 for the mixed recipe the runtime runs (fp32 gradient sync, the compute copies'
+    # casts, 18 bytes a parameter): 24.68 s
+    assert step <= 24.7
     rows = bench.hand_grid(graphs)
     fitting = [(s, r, p.predicted.step_time_s) for s, r, p, _ in rows if p is not None]
-    # Megatron replicates weights over dp: 175e9 parameters x 16 bytes (Adam, bf16 with fp32
-    # master) / (tp x pp) fit 67 GiB only with tp x pp >= 64: (4, 16), (8, 8), (8, 16), each
+    # Megatron replicates weights over dp: 175e9 parameters x 18 bytes (Adam, bf16 with fp32
+    # master and gradient) / (tp x pp) fit 67 GiB only with tp x pp >= 64: (8, 8) and (8, 16)
     # with every recomputation (selective keeps what none keeps: GPT's fused attention leaves
-    # it nothing to drop, tests/test_recompute.py; bench/plan_speed.py --hand-grid: 9 of 60 fit).
-    assert len(fitting) == 9, [(s, r, why) for s, r, p, why in rows if p is None]
+    # it nothing to drop), (4, 16) only recomputing in full (its activations; at 16 bytes a
+    # parameter, before the mixed recipe was priced as run, with every recomputation: 9 fitted)
+    fit = {(s.split(",dp=")[0], r) for s, r, _ in fitting}
+    every = ("none", "selective", "full")
+    assert fit == {
+        *(("megatron:tp=8,pp=8", r) for r in every),
+        *(("megatron:tp=8,pp=16", r) for r in every),
+        ("megatron:tp=4,pp=16", "full"),
+    }, [(s, r, why) for s, r, p, why in rows if p is None]
     slower = [(s, r, t) for s, r, t in fitting if step > t * (1 + 1.01 * MIP_GAP)]
     assert not slower, (step, slower)
     # Megatron-LM's published configuration (Narayanan et al. 2021: tp 8, pp 16, dp 8, one
@@ -377,7 +388,7 @@ def test_gpt3_on_1024_a100s_beats_every_hand_plan_of_the_grid(gpt3) -> None:
     hand, count = gpt3_megatron()
     assert hand == "megatron:tp=8,pp=16,dp=8,mb=192" and count == 192
     megatron = bench.plan_megatron(graphs, hand)
-    assert megatron.predicted.step_time_s >= 1.33 * step
+    assert megatron.predicted.step_time_s >= 1.31 * step  # 32.44 s: 1.31x (1.34x at 16 bytes)
 
 
 @pytest.mark.slow
@@ -466,7 +477,7 @@ def test_compare_prices_hand_plans_beside_auto(tmp_path) -> None:
 def test_compute_floors_never_exceed_any_signature(mesh: tuple[int, ...]) -> None:
     # The search skips configurations by these floors: they must be lower bounds (sizes where
     # memory traffic, not the per-op overhead, sets many ops' times: views included).
-    from autosbp.planner.bounds import compute_floors
+    from autosbp.planner.bounds.nodes import compute_floors
 
     model, inputs = build_model(
         "gpt", device="meta", layers=1, hidden=1024, heads=8, seq=512, batch=8
@@ -486,7 +497,7 @@ def test_boxing_prices_reused_across_shapes_equal_fresh_ones() -> None:
     import itertools
 
     from autosbp.capturing.graph import TensorMeta
-    from autosbp.planner.candidates import BoxingPricer
+    from autosbp.planner.timing.candidates import BoxingPricer
     from autosbp.sbp import Broadcast, Partial
 
     prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=2))

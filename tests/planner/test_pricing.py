@@ -19,8 +19,8 @@ from autosbp.capturing.graph import TensorMeta
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import SbpError
 from autosbp.planner.api import ClusterPrices
-from autosbp.planner.candidates import BoxingPricer
-from autosbp.planner.priced import price_graph
+from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.timing.candidates import BoxingPricer
 from autosbp.sbp import B, Mesh, NdSbp, P, S
 from autosbp.zoo import build_model
 from costmodel import Cluster, load_profile
@@ -140,8 +140,8 @@ def test_pair_bytes_equal_use_bytes_pair_by_pair(sole: int, converted: int) -> N
     # `pair_bytes` builds each use's table from per-layout bytes and a cached view mask; the
     # oracle is `use_bytes` called for every pair. Two meshes share no mask entry wrongly:
     # the view mask reads layouts only, the bytes read the mesh.
-    from autosbp.planner.kept import KeptUse
-    from autosbp.planner.memory import pair_bytes, use_bytes
+    from autosbp.planner.memory.device_bytes import pair_bytes, use_bytes
+    from autosbp.planner.memory.kept import KeptUse
 
     layouts = [(a, b) for a in (B, P, S(0), S(1)) for b in (B, P, S(0), S(1))]
     meta = TensorMeta((8, 12), torch.bfloat16)

@@ -20,11 +20,13 @@ import torch.nn.functional as F
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.planner.api import ClusterPrices
-from autosbp.planner.hand_plans import hand_strategies, strategy_space
-from autosbp.planner.pipeline import RECOMPUTE_MODES, recompute_runs, split_stages
-from autosbp.planner.priced import price_graph
-from autosbp.planner.problem import MeshProblem, build_problem, solve_mesh
-from autosbp.planner.space import mesh_shapes
+from autosbp.planner.problem.build import MeshProblem, build_problem
+from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import solve_mesh
+from autosbp.planner.space.configs import mesh_shapes
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES, recompute_runs
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.space.strategy import hand_strategies, strategy_space
 from autosbp.zoo import ZOO_MODELS, build_model
 from autosbp.zoo.models import CausalSelfAttention, Gpt
 from costmodel import Cluster, load_profile
@@ -196,10 +198,11 @@ def test_the_runtime_checkpoints_the_runs_the_planner_prices() -> None:
 
 @pytest.mark.parametrize("model", ["gpt-eager", "moe", "resnet"])
 def test_a_count_keeps_what_another_count_of_its_structure_says(model: str) -> None:
-    # The search reads what backward keeps once per structure (`evaluate.Evaluator.kept_of`):
-    # read off another micro-batch count's graph, it equals reading this graph afresh.
-    from autosbp.planner.kept import kept_for_backward
-    from autosbp.planner.reduce import tie_graph
+    # The search reads what backward keeps once per structure
+    # (`search.evaluator.Evaluator.kept_of`): read off another micro-batch count's graph, it equals
+    # reading this graph afresh.
+    from autosbp.planner.memory.kept import kept_for_backward
+    from autosbp.planner.space.ties import tie_graph
 
     built = eager_gpt() if model == "gpt-eager" else build_model(model, batch=16)
     graphs = micro_batch_graphs(*built, (1, 2, 4), name=model)

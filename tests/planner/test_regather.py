@@ -16,9 +16,10 @@ import pytest
 
 from autosbp.capturing.export import capture
 from autosbp.plan import Plan, load_plan, save_plan
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.ilp import solve
-from autosbp.planner.problem import build_problem, gathers_hidden, predict
+from autosbp.planner.ilp.solving import solve
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.timing.predict import gathers_hidden, predict
 from autosbp.sbp import Mesh
 from autosbp.zoo import build_model
 from tests.planner.test_planner import a100_prices, plan

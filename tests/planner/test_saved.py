@@ -1,14 +1,15 @@
-"""What autograd keeps, as `planner.saved` reads it, equals what autograd's own nodes hold.
+"""What autograd keeps, as `planner.memory.autograd_probe` reads it, equals what autograd's own
+nodes hold.
 
-The probe (`saved.saved_by`) runs each op on fake tensors under `saved_tensors_hooks`. The
-oracle here runs the same op on the node's real inputs (the zoo graphs interpreted node by node,
-`test_rules_zoo.node_values`: valid indices and targets), walks the autograd graph from its
-outputs back to its inputs, and reads every node's `_saved_*` attributes (a different reader of
-the same facts: the attributes torch's generated backward code uses). Both must agree, op by op,
-on which inputs and outputs are kept, the bytes of the other tensors kept, and which outputs
-require grad, for every compute op of every zoo model here, and of every model of the
-real-model suite in `bench/saved_probe.py` (its captures take a minute: outside the CI suite).
-A few well-known rows are pinned too, so a silent change of both readers at once is seen.
+The probe (`memory.autograd_probe.saved_by`) runs each op on fake tensors under
+`saved_tensors_hooks`. The oracle here runs the same op on the node's real inputs (the zoo graphs
+interpreted node by node, `test_rules_zoo.node_values`: valid indices and targets), walks the
+autograd graph from its outputs back to its inputs, and reads every node's `_saved_*` attributes (a
+different reader of the same facts: the attributes torch's generated backward code uses). Both must
+agree, op by op, on which inputs and outputs are kept, the bytes of the other tensors kept, and
+which outputs require grad, for every compute op of every zoo model here, and of every model of the
+real-model suite in `bench/saved_probe.py` (its captures take a minute: outside the CI suite). A few
+well-known rows are pinned too, so a silent change of both readers at once is seen.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from autosbp.capturing.graph import (
     TensorMeta,
     run_device,
 )
-from autosbp.planner.autograd_probe import PROBE_DEVICE, Saved, requires_grad_of, saved_by
+from autosbp.planner.memory.autograd_probe import PROBE_DEVICE, Saved, requires_grad_of, saved_by
 from autosbp.rules.core import resolve_refs
 from autosbp.zoo import build_model
 from tests.rules.test_rules_zoo import TINY, node_inputs, node_values
@@ -195,7 +196,7 @@ def test_an_op_the_probe_cannot_run_keeps_everything(caplog: pytest.LogCaptureFi
         "nonzero", Role.COMPUTE, target=ATEN.nonzero.default, args=(InputRef(0),), inputs=(x,),
         outputs=(TensorMeta((5, 2), torch.int64),),
     )  # fmt: skip
-    with caplog.at_level("INFO", logger="autosbp.planner.autograd_probe"):
+    with caplog.at_level("INFO", logger="autosbp.planner.memory.autograd_probe"):
         got = saved_by(attrs, (True,))
     assert got == Saved(frozenset({0}), frozenset({0}), 0, (False,), known=False)
     assert "not probed" in caplog.text

@@ -21,23 +21,20 @@ import torch
 from autosbp.capturing.graph import OpGraph
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import MicroBatchError, NoFitError
-from autosbp.planner.bounds import compute_floors, step_bound, unhidden_s
-from autosbp.planner.forest_bound import forest_bound
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.ilp_problem import Solution
-from autosbp.planner.kept import kept_for_backward
-from autosbp.planner.pipeline import RECOMPUTE_MODES, split_stages
-from autosbp.planner.priced import price_graph
-from autosbp.planner.problem import (
-    MIP_GAP,
-    MeshProblem,
-    build_problem,
-    lower_bound_of,
-    predict,
-    solve_mesh,
-)
-from autosbp.planner.reduce import tie_graph, tie_stages
-from autosbp.planner.search import divisors, mesh_shapes, search
+from autosbp.planner.bounds.forest import forest_bound
+from autosbp.planner.bounds.lp import lower_bound_of
+from autosbp.planner.bounds.nodes import compute_floors, step_bound, unhidden_s
+from autosbp.planner.ilp.formulation import Solution
+from autosbp.planner.memory.kept import kept_for_backward
+from autosbp.planner.problem.build import MeshProblem, build_problem
+from autosbp.planner.problem.priced import price_graph
+from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
+from autosbp.planner.search.entry import divisors, mesh_shapes, search
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.space.ties import tie_graph, tie_stages
+from autosbp.planner.timing.predict import predict
 from autosbp.zoo import build_model
 
 DEVICES, PER_NODE = 4, 2
@@ -222,7 +219,7 @@ def test_search_returns_the_optimum_of_exhaustive_enumeration(
 def test_two_processes_find_the_plan_one_finds(
     model: str, seed: int, fraction: float | None
 ) -> None:
-    # The search split over 2 processes (`parallel`: each its share of the (count, mesh)
+    # The search split over 2 processes (`search.processes`: each its share of the (count, mesh)
     # pairs, every one cutting with the best plan of both) returns the plan of 1 process: the
     # same configuration, signatures and step, proven optimal, over the same space.
     graphs, prices = graphs_of(model), RandomPrices.draw(seed)
@@ -303,7 +300,7 @@ def test_on_the_time_limit_the_plan_is_feasible_with_the_gap_proven_so_far(
 ) -> None:
     # The time runs out right after the first plan is kept: the search returns it as
     # "feasible" with the gap it proved, and the enumeration's optimum is within that gap.
-    from autosbp.planner import best_first
+    from autosbp.planner.search import best_first
 
     graphs, prices = graphs_of("gpt"), RandomPrices.draw(3)
     keep = best_first.BestFirst.keep

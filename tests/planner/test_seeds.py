@@ -1,5 +1,5 @@
-"""Seeds first (`best_first.BestFirst.seed_first`): the seed of least LP bound is solved as soon
-as no seed left can bound below it (each seed's bound is at least its node bound, and the seeds
+"""Seeds first (`search.best_first.BestFirst.seed_first`): the seed of least LP bound is solved as
+soon as no seed left can bound below it (each seed's bound is at least its node bound, and the seeds
 come in node-bound order), so its plan cuts the seeds left.
 
 The rule is tested on an evaluator of stated bounds (`StatedBounds`): the order of the seeding's
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from autosbp.planner.best_first import BestFirst
-from autosbp.planner.ilp_problem import Solution
-from autosbp.planner.space import Config
+from autosbp.planner.ilp.formulation import Solution
+from autosbp.planner.search.best_first import BestFirst
+from autosbp.planner.space.configs import Config
 from autosbp.sbp import Mesh
 
 

@@ -1,7 +1,7 @@
-"""The simulation's critical paths cut plain 1F1B too (`interleaved_cuts` with v = 1): where the
-ILP's path bounds see less than the simulation (a middle stage slowest), the solve cuts until
-its objective reaches its simulated step, and its plan is then no slower than the uncut
-solve's; each cut prices its own choice exactly and no other above its simulation."""
+"""The simulation's critical paths cut plain 1F1B too (`problem.simulation_cuts` with v = 1): where
+the ILP's path bounds see less than the simulation (a middle stage slowest), the solve cuts until
+its objective reaches its simulated step, and its plan is then no slower than the uncut solve's;
+each cut prices its own choice exactly and no other above its simulation."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import math
 import numpy as np
 import pytest
 
-from autosbp.planner.ilp import solve_below
-from autosbp.planner.ilp_problem import Solution
-from autosbp.planner.interleaved_cuts import with_cuts
-from autosbp.planner.pipeline import split_stages
-from autosbp.planner.problem import MIP_GAP, build_problem, predict, solve_mesh
-from autosbp.planner.search import mesh_shapes
+from autosbp.planner.ilp.formulation import Solution
+from autosbp.planner.ilp.solving import solve_below
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.simulation_cuts import with_cuts
+from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
+from autosbp.planner.search.entry import mesh_shapes
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.timing.predict import predict
 from autosbp.schedule import simulate
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
 

@@ -12,7 +12,8 @@ import torch
 from autosbp import overlap as overlap_rules
 from autosbp.capturing.export import capture
 from autosbp.overlap import hidden_sync_s
-from autosbp.planner.problem import build_problem, predict
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.timing.predict import predict
 from autosbp.sbp import Mesh
 from tests.planner.test_planner import (
     UNLIMITED,

@@ -20,7 +20,7 @@ from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.cli import main
 from autosbp.commands import demo
 from autosbp.planner.api import plan_graphs
-from autosbp.planner.search import TimeLimitWarning
+from autosbp.planner.search.entry import TimeLimitWarning
 from autosbp.zoo import build_model
 
 TINY_S = 1e-9

@@ -1,4 +1,4 @@
-"""The zero-bubble schedule in the auto search (`auto:zb1`, `virtual_search`): its options are
+"""The zero-bubble schedule in the auto search (`auto:zb1`, `search.schedules`): its options are
 checked, it adds one space (stage counts from 2, no recomputation), and the search over both
 schedules returns the least plan of an exhaustive enumeration that includes zb1 (the oracle:
 every configuration built and solved on its own, a zb1 plan priced by `predict_zb1`, gathers
@@ -14,13 +14,14 @@ from dataclasses import replace
 import pytest
 
 from autosbp.errors import NoFitError, PlanError
-from autosbp.planner.evaluate import Found
-from autosbp.planner.hand_plans import auto_options, strategy_space
-from autosbp.planner.pipeline import split_stages
-from autosbp.planner.problem import MIP_GAP, build_problem, solve_mesh
-from autosbp.planner.search import mesh_shapes
-from autosbp.planner.virtual_search import best_of, search_spaces
-from autosbp.planner.zero_bubble_price import predict_zb1, weight_shares
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
+from autosbp.planner.search.entry import mesh_shapes
+from autosbp.planner.search.evaluator import Found
+from autosbp.planner.search.schedules import best_of, search_spaces
+from autosbp.planner.space.stages import split_stages
+from autosbp.planner.space.strategy import auto_options, strategy_space
+from autosbp.planner.timing.zero_bubble_price import predict_zb1, weight_shares
 from tests.planner.test_gather_spaces import gathers
 from tests.planner.test_interleaved_search import BLOCKS, searched, searched_in
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
@@ -110,7 +111,7 @@ def test_the_runtime_trains_what_the_zb1_search_emits() -> None:
     from autosbp.capturing.rebatch import micro_batch_graphs
     from autosbp.planner.api import ClusterPrices
     from autosbp.planner.assemble import PlanContext, assemble_plan
-    from autosbp.planner.search import search
+    from autosbp.planner.search.entry import search
     from autosbp.zoo import load_model
     from costmodel import Cluster, load_profile
     from launching.workers import run_workers

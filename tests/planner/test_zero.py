@@ -1,5 +1,5 @@
 """The distributed optimizer (ZeRO-1 and ZeRO-2) in the planner: optimizer states and gradients
-as SBPs of each parameter (`param_candidates`), chosen by the ILP like any layout.
+as SBPs of each parameter (`timing.param_candidates`), chosen by the ILP like any layout.
 
 Oracles: the state layout's rules by table (split exactly where the weight is replicated on more
 than one device, evenly); the bytes against ZeRO's own count (Rajbhandari et al. 2020 section
@@ -22,13 +22,13 @@ from autosbp.capturing.graph import OpNode, Role, TensorMeta
 from autosbp.errors import PlanError
 from autosbp.plan import Plan, check_plan
 from autosbp.planner.api import auto_parallelize
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.ilp import solve
-from autosbp.planner.ilp_problem import Problem
-from autosbp.planner.memory import candidate_bytes
-from autosbp.planner.param_candidates import zero_state_layout
-from autosbp.planner.priced import Priced
-from autosbp.planner.problem import build_problem, price_graph
+from autosbp.planner.ilp.formulation import Problem
+from autosbp.planner.ilp.solving import solve
+from autosbp.planner.memory.device_bytes import candidate_bytes
+from autosbp.planner.problem.build import build_problem, price_graph
+from autosbp.planner.problem.priced import Priced
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.timing.param_candidates import zero_state_layout
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh, parse_nd_sbp
 from autosbp.zoo import build_model
@@ -81,7 +81,9 @@ def test_bytes_are_zero_s_count(devices: int) -> None:
         OpNode(op="placeholder", role=Role.PARAMETER, outputs=(TensorMeta((64, 16), torch.bfloat16),), name="w"),
         sig, (devices,), optimizer="adam", state=parse_nd_sbp("S(0)"),
     )  # fmt: skip
-    assert bf16 == 4 * n + (8 + 4 + 4) * n / devices  # a bf16 gradient: the shard's is a copy
+    # the mixed recipe (runtime.parallel.precision): the bf16 copy, the fp32 master and the fp32
+    # synced gradient in p; the shard's gradient a view of the fp32 one, its master and states
+    assert bf16 == (2 + 4 + 4) * n + (4 + 4 + 4) * n / devices
     not_slot = candidate_bytes(node, sig, (devices,), optimizer="adam", state=parse_nd_sbp("S(1)"))
     assert not_slot == 8 * n + (8 + 4 + 4) * n / devices  # S(1): a strided slot, copied
     # ZeRO-2: the gradient in the shard's layout only, fp32, beside the master copy

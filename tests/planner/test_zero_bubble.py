@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from autosbp.errors import PlanError
-from autosbp.planner.hand_plans import strategy_space
+from autosbp.planner.space.strategy import strategy_space
 from autosbp.schedule import Phase, pipeline_bubble_s, simulate, stage_orders
 from autosbp.zero_bubble import (
     check_schedule,

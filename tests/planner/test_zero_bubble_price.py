@@ -1,4 +1,4 @@
-"""zb1 priced as it runs (`planner.zero_bubble_price`): the priced bubble and step against a
+"""zb1 priced as it runs (`planner.timing.zero_bubble_price`): the priced bubble and step against a
 brute-force run of the actor rules with separate B and W durations, zb1 with no weight work is
 exactly the runtime's 1F1B, and the memory priced with zb1's activations in flight.
 
@@ -16,7 +16,7 @@ import pytest
 
 from autosbp.plan import Plan
 from autosbp.planner.api import auto_parallelize
-from autosbp.planner.zero_bubble_price import weight_shares
+from autosbp.planner.timing.zero_bubble_price import weight_shares
 from autosbp.schedule import Phase, Step, run_orders, stage_orders
 from autosbp.zero_bubble import run_zb1, zb1_orders
 from autosbp.zoo import load_model
@@ -130,10 +130,11 @@ def test_the_priced_zb1_bubble_is_the_brute_force_one(stages: int, micro_batches
     its own per-stage F, B = backward - W and W (`weight_s`), its memory counts zb1's in
     flight, and its 1F1B prediction (`predict`) is the one the problem always had."""
     from autosbp.capturing.export import capture_micro_batch
-    from autosbp.planner.ilp import solve
-    from autosbp.planner.pipeline import split_stages
-    from autosbp.planner.problem import build_problem, predict
-    from autosbp.planner.zero_bubble_price import predict_zb1, weight_s
+    from autosbp.planner.ilp.solving import solve
+    from autosbp.planner.problem.build import build_problem
+    from autosbp.planner.space.stages import split_stages
+    from autosbp.planner.timing.predict import predict
+    from autosbp.planner.timing.zero_bubble_price import predict_zb1, weight_s
     from autosbp.sbp import Mesh
     from tests.planner.test_planner import a100_prices
 

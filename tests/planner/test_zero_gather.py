@@ -4,7 +4,7 @@ Oracle: brute force over every device of the mesh, as the runtime decides
 (`runtime.parallel.sharded_update._member_slots`): the layouts differ on one mesh dim, each
 member's piece in the state layout lies inside its piece in the weight's layout
 (`boxing.steps.local_box`), and the slot is a contiguous view of a real tensor of the piece's
-shape. `param_candidates.gathers_in_bucket` decides from the layouts alone; both must agree on
+shape. `memory.gather_buffers.gathers_in_bucket` decides from the layouts alone; both must agree on
 every weight layout and state layout of small shapes and meshes. The staging bytes follow it,
 and a piece of `GATHER_IN_PLACE_BYTES` or more, which the runtime gathers in place
 (`weight_gather.GatheredParam.in_place`), shares no bucket and stages nothing.
@@ -20,7 +20,7 @@ import torch
 from autosbp.boxing.steps import local_box
 from autosbp.capturing.graph import TensorMeta
 from autosbp.overlap import GATHER_IN_PLACE_BYTES
-from autosbp.planner.param_candidates import (
+from autosbp.planner.memory.gather_buffers import (
     gather_staging_bytes,
     gathers_in_bucket,
     shares_gather_bucket,

@@ -82,7 +82,7 @@ def _per_device_scores(node, sig, mesh_shape) -> list[tuple[int, int]]:  # type:
 
 
 def _dense_share(node, sig, mesh_shape) -> float:  # type: ignore[no-untyped-def]
-    """The dense scores times the planner's share of one device (`candidates`: the least
+    """The dense scores times the planner's share of one device (`timing.candidates`: the least
     local / global size ratio among the op's tensors)."""
     metas, layouts = (*node.inputs, *node.outputs), (*sig.inputs, *sig.outputs)
     share = min(

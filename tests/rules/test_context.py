@@ -4,7 +4,7 @@ Oracles: the op on whole tensors (one device) for every sequence-split signature
 devices (threads exchanging in memory, float64); torch autograd on one device for the kernel's
 forward and backward on 2 and 4 gloo processes (all-gather of keys and values, its reduce-scatter
 in backward, the causal halves swapped with the mirrored device); the cost model's collective
-prices summed by hand for the planner's node cost (the one hook, `planner.op_comm`).
+prices summed by hand for the planner's node cost (the one hook, `planner.timing.op_exchanges`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.layout import assemble_tensor
 from autosbp.planner.api import ClusterPrices
-from autosbp.planner.candidates import BACKWARD_FACTOR
-from autosbp.planner.problem import price_graph
+from autosbp.planner.problem.build import price_graph
+from autosbp.planner.timing.candidates import BACKWARD_FACTOR
 from autosbp.rules import NdSignature, exchanges, nd_signatures
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.rules.oracle import node_from_call, run_global, simulate

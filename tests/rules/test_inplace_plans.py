@@ -23,7 +23,12 @@ from autosbp.capturing.export import capture
 from autosbp.capturing.graph import OpGraph, TensorMeta
 from autosbp.errors import PlanError
 from autosbp.planner.api import auto_parallelize
-from autosbp.planner.candidates import BoxingPricer, edge_matrix, node_strategies, sync_bucket_bytes
+from autosbp.planner.timing.candidates import (
+    BoxingPricer,
+    edge_matrix,
+    node_strategies,
+    sync_bucket_bytes,
+)
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs
 from autosbp.sbp import B, Mesh, S
 from runtime.execute.groups import ProcessGroups

@@ -16,14 +16,14 @@ import pytest
 from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import PlanError
 from autosbp.planner.api import ClusterPrices
-from autosbp.planner.candidates import (
+from autosbp.planner.problem.build import price_graph
+from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.timing.candidates import (
     BACKWARD_FACTOR,
     NodeStrategies,
     _forward_s,
     without_dominated_kernels,
 )
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.problem import price_graph
 from autosbp.rules import exchanges, find_signature, nd_signatures
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.sbp import Mesh

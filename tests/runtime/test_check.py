@@ -4,7 +4,7 @@ fails wrong ones, naming the tensors that differ and a cause only where the evid
 Oracles: in-process, a "plan" that is one device summing in another order (the batch cut in two
 halves, each loss halved: the same function, other roundings) passes, and the same step with a
 known bug (a gradient times 1 + 1e-3, doubled, halved; an update missed; a loss off) fails with
-the matching cause. On gloo processes, the real job (`runtime.jobs.train_worker`): the models that
+the matching cause. On gloo processes, the real job (`runtime.trainer.train_worker`): the models that
 false-alarmed (a separate key bias, a bias feeding BatchNorm, dropout, an op with no float64
 kernel) pass under data, fully sharded and tensor parallel plans, and bugs patched into the
 runtime of the worker processes (tests/support/check_workers.py) fail. The README's 8-process

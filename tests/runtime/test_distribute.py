@@ -97,9 +97,9 @@ def test_a_distributed_model_is_freed_with_its_last_reference(trained: dict) -> 
 
 def test_the_check_catches_torchs_mse_loss_bug(trained: dict) -> None:
     """The same check, on F.mse_loss under a batch-sharded input: torch 2.13's DTensor doubles
-    the gradients (README "Status and limits"), and the check says so (it can fail)."""
+    the gradients (docs/limits.md), and the check says so (it can fail)."""
     passed, worst, text = trained[("dp", "mse")][0]
     if passed:
-        pytest.skip("this torch's DTensor gets F.mse_loss's gradient right: update the README")
+        pytest.skip("this torch's DTensor gets F.mse_loss's gradient right: update docs/limits.md")
     assert worst > 100, text  # a bug, 10^2+ times the rounding bound (measured: 4e5)
     assert "the forward is right" in text and "2 times one device's" in text, text

@@ -19,8 +19,8 @@ from autosbp.capturing.export import capture
 from autosbp.capturing.graph import Role
 from autosbp.cli import main
 from autosbp.planner.api import auto_parallelize
-from autosbp.planner.kept import kept_for_backward
-from autosbp.planner.reduce import tie_graph
+from autosbp.planner.memory.kept import kept_for_backward
+from autosbp.planner.space.ties import tie_graph
 from tests.support.frozen_models import build
 
 MODELS = Path(__file__).resolve().parents[1] / "support" / "frozen_models.py"

@@ -11,7 +11,6 @@ embedding from virtual stage 0 to the head on the last virtual stage every micro
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib.util
 from functools import cache
 from pathlib import Path
@@ -19,13 +18,11 @@ from typing import Any
 
 import pytest
 
-from autosbp.errors import ExecutionError
 from autosbp.planner.api import auto_parallelize
 from autosbp.zoo import load_model
 from launching.workers import run_workers
-from runtime.jobs import TrainSpec, check_spec
+from runtime.jobs import TrainSpec
 from runtime.verify.verdict import judge
-from tests.plan.test_plan_schedule import interleaved_plan
 from tests.support import real_models
 from tests.support.check_workers import run_checked
 from tests.support.memory_workers import assert_predicted_peak
@@ -98,7 +95,7 @@ def test_an_interleaved_hugging_face_llama_matches_one_device() -> None:
 @pytest.mark.dist
 def test_interleaved_peak_memory_is_the_predicted_peak() -> None:
     """Each rank holds its 2 chunks' states and their activations in flight at the rank's peak
-    (`planner.pipeline.interleaved_in_flight`)."""
+    (`planner.memory.in_flight.interleaved_in_flight`)."""
     plan = _plan(2, tuple(sorted(WIDE.items())), "megatron:tp=1,pp=2,dp=1,vp=2,mb=4")
     case = {"id": "vp2", "model": "gpt", "model_kwargs": WIDE, "plan": plan, "regather": None}
     assert_predicted_peak(case, 2)
@@ -118,11 +115,3 @@ def test_interleaving_beside_parameter_gathers_is_refused() -> None:
     for result in per_rank:
         assert "ExecutionError" in result[0]["error"], result[0]
         assert "gathers parameters" in result[0]["error"], result[0]
-
-
-def test_a_checkpointed_interleaved_job_is_refused_before_it_starts() -> None:
-    plan = interleaved_plan(micro_batches=2)
-    spec = TrainSpec("gpt", {}, plan.to_json(), 1, checkpoint_dir="ck")
-    with pytest.raises(ExecutionError, match="interleaves 2 model chunks"):
-        check_spec(spec, plan)
-    check_spec(dataclasses.replace(spec, checkpoint_dir=None), plan)  # without: it trains

@@ -49,6 +49,13 @@ CASES: list[tuple[int, str, str]] = [
     ),
     (2, "gpt-wide", "megatron:tp=1,pp=1,dp=2,zero=1"),
     (2, "gpt-wide", "megatron:tp=1,pp=1,dp=2,zero=2"),
+    # the mixed recipe (runtime.parallel.precision): bf16 compute copies beside fp32 masters,
+    # gradients accumulated in fp32 (18 bytes per Adam element, not 16)
+    (2, "gpt-wide", "dp/bf16"),
+    (2, "gpt-wide", "fsdp/bf16"),
+    (2, "gpt-wide", "megatron:tp=1,pp=1,dp=2,zero=1/bf16"),
+    (4, "mlp-wide", "fsdp/bf16"),
+    (4, "gpt-wide", "auto/bf16"),
 ]
 
 
@@ -89,20 +96,32 @@ def worlds() -> Callable[[int], dict[str, list[dict[str, float]]]]:
 # a free the profiler had not counted (`runtime.verify.peak_memory`'s header). Since every
 # thread is counted: 1.064 on every rank in 43 runs beside 3 busy processes.
 #
-# Priced since the non-finite check joined the update (`autosbp.planner.finite_check`), the
+# Priced since the non-finite check joined the update (`autosbp.planner.timing.finite_check`), the
 # auto plan of gpt-wide on 2 ranks under the tests' made-up prices (1 GB/s memory) is another
 # one: attention and MLP tensor-parallel, where it was replicated attention. Its peak is
 # over-predicted: 0.888 on both ranks in a steady step (681,044 of 767,362 bytes), 0.97-0.98 on
 # a rank where a 73,728-byte transient lands beside the peak. An open finding (what the
 # planner prices of this plan that a step never holds at once), not noise.
 OPEN = {(2, "gpt-wide", "auto"): "gpt-wide's tensor-parallel auto plan on 2 ranks: over-predicted"}
+# fsdp of mlp-wide on 4 ranks in bf16 measured 1.139 on every rank (309,810 of 272,008 bytes):
+# under the mixed recipe a gathered weight's gradient is summed in fp32, a full-size fp32 copy
+# of the bf16 gradient beside it while the reduce-scatter runs (FSDP2's reduce_dtype cast does
+# the same); the planner prices the gradient in the compute dtype there. gpt-wide's fsdp on 2
+# ranks, whose peak is elsewhere, is within the bound. An open finding: price the wire.
+STRICT_OPEN = {
+    (4, "mlp-wide", "fsdp/bf16"): "fsdp in bf16: the fp32 reduce-scatter wire is not priced"
+}
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
     ("world_size", "model", "strategy"),
     [
-        pytest.param(*c, marks=pytest.mark.xfail(reason=OPEN[c], strict=False)) if c in OPEN else c
+        pytest.param(*c, marks=pytest.mark.xfail(reason=OPEN[c], strict=False))
+        if c in OPEN
+        else pytest.param(*c, marks=pytest.mark.xfail(reason=STRICT_OPEN[c], strict=True))
+        if c in STRICT_OPEN
+        else c
         for c in CASES
     ],
     ids=[_case_id(*c) for c in CASES],

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from autosbp.cli import main
+from runtime.parallel.grad_norm import _not_finite
 from runtime.state.checkpoint_format import read_manifest
-from runtime.verify.finite import _not_finite
 
 MODEL = """
 import torch
@@ -84,7 +84,7 @@ def test_a_nan_loss_stops_the_job_at_its_step_with_the_checkpoint_intact(
     assert "--skip-non-finite" in err and "Traceback" not in err, err
     # the oracle: a job asked for exactly the steps before the nan
     assert _train(model, "--steps", str(NAN_STEP - 1), "--checkpoint-dir", str(ended)) == 0
-    assert read_manifest(stopped).optimizer_step == read_manifest(ended).optimizer_step == 2
+    assert read_manifest(stopped).step == read_manifest(ended).step == 2
     got, want = _parameters(stopped), _parameters(ended)
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
@@ -138,4 +138,5 @@ def test_the_two_norm_screen_flags_exactly_the_non_finite_gradients(
     """Oracle: torch.isfinite over every element (the 2-norm screens, the max-norm confirms)."""
     expected = [i for i, g in enumerate(grads) if not bool(torch.isfinite(g).all())]
     assert expected == flagged
-    assert _not_finite(grads).tolist() == flagged
+    norms = torch.stack(torch._foreach_norm(grads, 2))
+    assert _not_finite(grads, norms) == flagged

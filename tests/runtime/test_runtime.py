@@ -31,9 +31,10 @@ from autosbp.capturing.export import capture_micro_batch
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.plan import Plan
+from autosbp.plan.values import DTYPES
 from autosbp.planner.assemble import PlanContext, assemble_plan
-from autosbp.planner.hand_plans import strategy_space
-from autosbp.planner.search import search
+from autosbp.planner.search.entry import search
+from autosbp.planner.space.strategy import strategy_space
 from autosbp.zoo import build_model
 from launching.workers import run_workers
 from runtime import Engine
@@ -56,6 +57,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-tied": ("gpt", {**GPT, "tied": True}),
     "gpt-2l": ("gpt", {**GPT, "layers": 2}),
     "gpt-2l-tied": ("gpt", {**GPT, "layers": 2, "tied": True}),
+    "gpt-4l": ("gpt", {**GPT, "layers": 4}),  # 4 blocks: vp=2 runs 2 x 2 chunks (test_checkpoint)
     "widedeep": ("widedeep", WIDEDEEP),
     "resnet": ("resnet", {"channels": 4, "blocks": 1, "classes": 4, "image": 4, "batch": 4}),
     # Wide enough that a peak is hundreds of kB: tests/runtime/test_memory.py's 10% is then far
@@ -137,9 +139,11 @@ def _build(model: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
 
 
 @cache
-def _graph(model: str, micro_batches: int = 1) -> OpGraph:
+def _graph(model: str, micro_batches: int = 1, dtype: str = "fp32") -> OpGraph:
     module, inputs = _build(model)
-    return capture_micro_batch(module, inputs, micro_batches, name=MODELS[model][0])
+    return capture_micro_batch(
+        module, inputs, micro_batches, name=MODELS[model][0], dtype=DTYPES[dtype]
+    )
 
 
 @cache
@@ -149,7 +153,8 @@ def _plan_json(model: str, devices: int, strategy_mb: str) -> dict[str, Any]:
     strategy, *options = strategy_mb.split("/")
     micro_batches = next((int(o[2:]) for o in options if o.startswith("mb")), 1)
     recompute = next((o for o in options if o in ("selective", "full")), "none")
-    graph = _graph(model, micro_batches)
+    dtype = next((o for o in options if o in DTYPES), "fp32")  # bf16: the mixed recipe
+    graph = _graph(model, micro_batches, dtype)
     space = dataclasses.replace(
         strategy_space(strategy, recompute, max_stages=2), micro_batches=(micro_batches,)
     )
@@ -158,7 +163,7 @@ def _plan_json(model: str, devices: int, strategy_mb: str) -> dict[str, Any]:
         lambda count: graph, batch, devices, AlphaBetaPrices(), lambda shape, mesh_dim: "intra_node",
         space, optimizer="adam", memory_limit_bytes=None, time_limit_s=PLAN_TIME_LIMIT_S,
     )  # fmt: skip
-    ctx = PlanContext("test", 0, strategy, batch, torch.float32, "adam")
+    ctx = PlanContext("test", 0, strategy, batch, DTYPES[dtype], "adam")
     return assemble_plan(found, ctx).to_json()  # plain JSON data, as a plan file holds
 
 

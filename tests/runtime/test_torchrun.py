@@ -1,6 +1,6 @@
 """torchrun's environment read by `launching.torchrun` (a rank's place, or refusals naming the
 variables), and the backends a job joins with. The real thing, `autosbp train` under torchrun
-with 2 local processes and `--check`, runs as the README writes it (tests/cli/test_readme.py)."""
+with 2 local processes and `--check`, runs as docs/cluster.md writes it (tests/cli/test_readme.py)."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_zero_bubble_peak_memory_is_the_predicted_peak() -> None:
 def test_zero_bubble_beside_recomputation_is_refused() -> None:
     """W runs backward once per weight group, and each run would recompute the checkpointed
     blocks again: the runtime refuses a recomputing zb1 plan on every rank before any step
-    (the planner makes none: `hand_plans`)."""
+    (the planner makes none: `space.strategy`)."""
     args = {**GPT, "layers": 2}
     module, inputs = load_model("gpt", args)
     recomputing = auto_parallelize(

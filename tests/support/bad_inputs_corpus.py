@@ -218,6 +218,12 @@ ESCAPING_MANIFEST: dict[str, Any] = {
 }  # fmt: skip
 
 
+# A checkpoint folder's lock held by a job on another host (runtime.state.checkpoint_lock).
+LOCK_ELSEWHERE: dict[str, Any] = {
+    "host": "elsewhere.example", "pid": 4242, "started": None, "since": "2026-12-07 10:00:00",
+}  # fmt: skip
+
+
 def _duplicated_param(plan: dict[str, Any], name: str) -> str:
     """`plan`'s JSON text with parameter `name` listed three times, with three SBPs (a JSON
     reader would keep the last one silently)."""
@@ -230,8 +236,10 @@ def _duplicated_param(plan: dict[str, Any], name: str) -> str:
 def write_corpus(root: Path, plans: dict[str, dict[str, Any]], profile: dict[str, Any]) -> None:
     """plan-<name>.json for every PLAN_EDITS (from `plans`: "dp", "pp", "cp" -> plan JSON), plan-nested.json
     (100,000 brackets deep), plan-dupparams.json (a parameter listed three times), profile-<name>.json for every PROFILE_EDITS (from `profile`),
-    bad_models.py (MODELS), ckpt-escape/manifest.json (ESCAPING_MANIFEST) and
-    ckpt-negstep/manifest.json (the same, naming its own rank file, at step -7)."""
+    bad_models.py (MODELS), ckpt-escape/manifest.json (ESCAPING_MANIFEST),
+    ckpt-negstep/manifest.json (the same, naming its own rank file, at step -7),
+    ckpt-newer/manifest.json (version 4), ckpt-badextra/manifest.json (version 3 whose extra
+    state is a list), ckpt-locked.lock (LOCK_ELSEWHERE) and ckpt-badlock.lock (not JSON)."""
     (root / "bad_models.py").write_text(MODELS)
     (root / "ckpt-escape").mkdir()
     (root / "ckpt-escape" / "manifest.json").write_text(json.dumps(ESCAPING_MANIFEST))
@@ -239,6 +247,16 @@ def write_corpus(root: Path, plans: dict[str, dict[str, Any]], profile: dict[str
     negative["files"] = [{**ESCAPING_MANIFEST["files"][0], "name": "rank00000.pt"}]
     (root / "ckpt-negstep").mkdir()
     (root / "ckpt-negstep" / "manifest.json").write_text(json.dumps(negative))
+    own_file = {**ESCAPING_MANIFEST, "files": negative["files"]}
+    manifests = {
+        "ckpt-newer": {**own_file, "version": 4},
+        "ckpt-badextra": {**own_file, "version": 3, "training": {"step": 1, "extra": [1]}},
+    }
+    for name, manifest in manifests.items():
+        (root / name).mkdir()
+        (root / name / "manifest.json").write_text(json.dumps(manifest))
+    (root / "ckpt-locked.lock").write_text(json.dumps(LOCK_ELSEWHERE))
+    (root / "ckpt-badlock.lock").write_text("{")
     for name, (base, edit) in PLAN_EDITS.items():
         data = json.loads(json.dumps(plans[base]))
         edit(data)

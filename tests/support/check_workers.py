@@ -1,5 +1,5 @@
 """Module-level worker for the check's tests (spawned by `launching.workers.run_workers`): the real
-training job (`runtime.jobs.train_worker`) with `check`, optionally with a bug injected.
+training job (`runtime.trainer.train_worker`) with `check`, optionally with a bug injected.
 
 Lives here: `run_checked`, which runs each case's job on every rank and returns rank 0's
 `StepCheck`s, and `FAULTS`, the injected bugs: each is a way a runtime can be wrong that the
@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 
 from runtime.engine import Engine
-from runtime.jobs import TrainSpec, train_worker
+from runtime.jobs import TrainSpec
 from runtime.parallel.grad_sync import GradSync
 from runtime.parallel.sharded_update import ShardedUpdate
 from runtime.parallel.weight_gather import GatherBucket
+from runtime.trainer import train_worker
 from runtime.verify.verdict import StepCheck
 
 SCALE = 1 + 1e-3  # grad-scale's factor: the smallest error the issue asks the check to catch
@@ -150,7 +151,7 @@ def run_checked(
     out = {}
     for case_id, spec, fault in cases:
         with FAULTS[fault]():
-            rows, _, _ = train_worker(rank, world_size, spec)
+            rows = train_worker(rank, world_size, spec).records
         out[case_id] = [
             row[2] for row in rows if row[2] is not None
         ]  # (step, loss, check, skipped)

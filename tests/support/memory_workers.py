@@ -14,6 +14,7 @@ from typing import Any
 
 from autosbp.capturing.export import capture_micro_batch
 from autosbp.plan import Plan
+from autosbp.plan.values import DTYPES
 from autosbp.zoo import build_model
 from launching.workers import run_workers
 from runtime import Engine
@@ -52,7 +53,9 @@ def measure_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[st
 def _measure(case: Case, rank: int) -> dict[str, float]:
     model, inputs = build_model(case["model"], seed=0, **case["model_kwargs"])
     plan = Plan.from_json(case["plan"])
-    graph = capture_micro_batch(model, inputs, plan.micro_batches, name=case["model"])
+    graph = capture_micro_batch(
+        model, inputs, plan.micro_batches, name=case["model"], dtype=DTYPES[plan.dtype]
+    )
     policy = None
     if case["regather"] is not None:
         names = frozenset(name for name, _ in model.named_parameters())

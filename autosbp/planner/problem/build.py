@@ -1,0 +1,148 @@
+"""The strategy ILP of one configuration (stage count, stage mesh, micro-batch count,
+recomputation): its objective and memory constraints over the candidates behind its indices.
+
+Lives here: `MeshProblem` (the ILP of one configuration with its candidates), `build_problem`
+(objective and memory, see its docstring) and `gather_constraints` (the stages' memory at their
+weight gathers). Lives elsewhere: the prices of a graph on a stage mesh that every
+configuration shares (`problem.priced`), the per-stage sums (`problem.stage_terms`), the
+objective made of them (`timing.objective`), its solve (`problem.solve`), its LP bound
+(`bounds.lp`), its prediction (`timing.predict`), prices (`timing`, `memory`), stages,
+recomputation and ties (`space`), the solver (`ilp`), the search over configurations (`search`).
+
+Each configuration is solved exactly (to MIP_GAP). Within a stage, the objective has one
+overlap: the gradient sync runs while the last micro-batch's backward does
+(`overlap.hidden_sync_s`); every op's forward and backward, every boxing and the optimizer
+update run one after another on each device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from autosbp.boxing.params import gathers_run_beside
+from autosbp.capturing.graph import OpGraph
+from autosbp.planner.ilp.formulation import MemoryConstraint, Problem, Solution
+from autosbp.planner.memory.in_flight import interleaved_in_flight
+from autosbp.planner.problem.priced import Priced, price_graph
+from autosbp.planner.problem.stage_terms import P2P, StageTerms
+from autosbp.planner.space.stages import StageSplit, split_stages
+from autosbp.planner.space.strategy import Allow
+from autosbp.planner.space.ties import TiedStages, tie_graph, tie_stages
+from autosbp.planner.timing.candidates import NodeStrategies, Prices
+from autosbp.planner.timing.finite_check import check_step_s
+from autosbp.planner.timing.objective import StageCosts, objective_terms
+from autosbp.rules import NdSignature
+from autosbp.sbp import Mesh
+from autosbp.zero_bubble import zb1_in_flight_counts
+
+
+@dataclass(frozen=True)
+class MeshProblem:
+    """The ILP of one (graph, stage mesh, stages, micro-batches, recomputation) with the
+    candidates behind its indices."""
+
+    mesh: Mesh  # every stage's mesh shape (stage s runs on its own devices)
+    strategies: dict[str, NodeStrategies]  # every node (tied nodes share their representative's)
+    problem: Problem  # keyed by representative nodes
+    representative: dict[str, str]
+    split: StageSplit
+    stage_costs: StageCosts
+    micro_batches: int = 1
+    recompute: str = "none"
+    graph: OpGraph | None = None
+    # Interleaved 1F1B: `split`'s stages are v x P virtual stages, c x P + d on stage d's
+    # devices (the search's device count then counts each device v times).
+    virtual_stages: int = 1
+    schedule: str = "1f1b"  # the pipeline schedule it prices (`schedule.SCHEDULES`)
+
+    @property
+    def pipeline_stages(self) -> int:
+        return self.split.num_stages // self.virtual_stages
+
+    def choice_of(self, solution: Solution, name: str) -> NdSignature:
+        return self.strategies[name].candidates[solution.choice[self.representative[name]]]
+
+
+def build_problem(
+    graph: OpGraph,
+    mesh: Mesh,
+    prices: Prices,
+    *,
+    optimizer: str,
+    memory_limit_bytes: float | None,
+    allow: Allow | None = None,
+    micro_batches: int = 1,
+    split: StageSplit | None = None,
+    recompute: str = "none",
+    stage_link: str = "inter_node",
+    priced: Priced | None = None,
+    tied: TiedStages | None = None,
+    virtual_stages: int = 1,
+    schedule: str = "1f1b",
+) -> MeshProblem:
+    """The ILP of `graph` (one micro-batch) with `split`'s stages, each on a mesh like `mesh`.
+
+    Objective (`timing.objective`): with stages, the largest of the 1F1B path bounds (Narayanan et
+    al. 2021 section 2.2: the fill to a stage, its steady state, the drain, a stage's update), a
+    lower bound of the simulated step for every choice and equal to it with the slowest stage last;
+    with one stage, micro_batches x the stage time plus its update. Within a stage, ops and
+    activations' boxing run one after another; parameters' conversions overlap the compute of
+    identical blocks (`overlap.hidden_gather_s`) and the gradient sync the last backward
+    (`overlap.hidden_sync_s`). Memory: one constraint per stage, what backward keeps x the
+    micro-batches in flight there (`problem.stage_terms`), on node candidates and on edge pairs (the
+    converted copies kept, unless a parameter re-gathers them). Interleaved (`virtual_stages` v > 1:
+    `split` holds v x P virtual stages), each virtual stage keeps the micro-batches its chunk holds
+    at its device's peak (`memory.in_flight.interleaved_in_flight`) and the objective adds to 1F1B's
+    path bounds over the virtual stages the device path bounds (`timing.objective`: each device's
+    chunks' whole load, its chunk-0 fill and drain), a lower bound of `predict`'s interleaved
+    schedule for every choice and equal to it on identical chunks.
+    """
+    split = split or split_stages(graph, 1)
+    gathers = gathers_run_beside(virtual_stages, schedule == "zb1")
+    priced = priced or price_graph(graph, mesh, prices, allow, gathers=gathers)
+    tied = tied or tie_stages(tie_graph(graph, priced.representative), split)
+    blocks = tuple(len(b) for b in split.blocks)
+    kept = zb1_in_flight_counts(split.num_stages, micro_batches) if schedule == "zb1" else None
+    if virtual_stages > 1:
+        kept = interleaved_in_flight(
+            split.num_stages // virtual_stages, virtual_stages, micro_batches
+        )
+    terms = StageTerms(blocks, priced.blocks_identical(), kept)
+    terms.add_nodes(tied, priced, optimizer, micro_batches, recompute)
+    devices_stages = split.num_stages // virtual_stages
+    terms.add_check(check_step_s(prices, mesh, devices_stages, stage_link), devices_stages)
+    keys = list(dict.fromkeys(priced.representative.values()))
+    sizes = {r: len(priced.strategies[r].candidates) for r in keys}
+    # Where the nodes alone overflow a stage (each at its fewest bytes), no choice fits: the
+    # edges are not priced (most configurations of a deep model end here; `lower_bound_of`
+    # then says nothing fits, and the no-fit message reads the node bytes).
+    overflows = memory_limit_bytes is not None and terms.least_bytes(sizes) > memory_limit_bytes
+    if not overflows:
+        terms.add_edges(tied, priced, recompute, P2P(prices, mesh, stage_link))
+    stage_costs = terms.stage_costs(sizes, prices.overlap_efficiency, memory_limit_bytes)
+    node_costs, edge_costs, max_terms = objective_terms(
+        stage_costs, keys, micro_batches, virtual_stages, schedule
+    )
+    constraints = (
+        tuple(replace(c, name=f"{c.name} memory") for c in stage_costs.memory)
+        + gather_constraints(stage_costs)
+        if memory_limit_bytes is not None
+        else ()
+    )
+    problem = Problem(node_costs, edge_costs, constraints, max_terms)
+    return MeshProblem(
+        mesh, priced.strategies, problem, priced.representative, split, stage_costs,
+        micro_batches, recompute, graph, virtual_stages, schedule,
+    )  # fmt: skip
+
+
+def gather_constraints(costs: StageCosts) -> tuple[MemoryConstraint, ...]:
+    """The stages' memory at their weight gathers, where some candidate gathers in a bucket
+    (elsewhere the stage's own constraint implies it: the same bytes, and activations)."""
+    return tuple(
+        c
+        for c, staged in zip(costs.update_memory, costs.staging, strict=True)
+        if any(np.any(b) for b in staged.node_costs.values())
+    )

@@ -1,0 +1,151 @@
+"""Recomputation: which of a graph's ops a recomputation mode recomputes in backward.
+
+Lives here: the mode names (`RECOMPUTE_MODES`), `recompute_runs` (every recomputed node and
+its run) and `recomputed`. Lives elsewhere: what the modes keep from forward to backward
+(`memory.kept`), the runtime's checkpointed runs (`runtime.execute.recompute_runs`), the
+stage split (`space.stages`).
+
+Recomputation (Chen et al. 2016; Korthikanti et al. 2022) recomputes runs of a block's ops
+in backward (`recompute_runs`; the runtime checkpoints each run, `runtime.execute.program`): `full`
+every op of each block, keeping what the block reads from outside; `selective` the attention
+core of each block alone (Korthikanti et al. section 5: from the product of queries and keys
+through the softmax, its mask and dropout to the product with the values, whose score
+tensors grow with the sequence squared and cost few flops). A fused attention kernel
+(`scaled_dot_product_attention`) keeps no scores: there is nothing to drop, and selective
+recomputes nothing. An op that writes into an input is never recomputed (its write would run
+twice). So what full keeps is a subset of selective's, and selective's of none's; a
+recomputing stage also holds, one run at a time, what the run's ops save while it recomputes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+from autosbp.capturing.flops import op_family
+from autosbp.capturing.graph import OpGraph, OpNode, Role
+from autosbp.errors import PlanError
+from autosbp.rules import mutated_inputs
+from autosbp.rules.core import HIDDEN_WRITES
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+# What an attention core may hold between its two products (cheap ops of few flops per element).
+_CORE_FAMILIES = frozenset({"elementwise", "view", "copy", "factory", "dropout", "softmax"})
+
+
+def recomputed(graph: OpGraph, name: str, mode: str) -> bool:
+    """Is node `name`'s output recomputed in backward (not kept) under `mode`?"""
+    return name in recompute_runs(graph, mode)
+
+
+_RUNS: dict[int, tuple[weakref.ref, dict[str, Mapping[str, int]]]] = {}  # per live graph
+
+
+def recompute_runs(graph: OpGraph, mode: str) -> Mapping[str, int]:
+    """Every node `mode` recomputes -> its run: the maximal stretches, in program order, of
+    recomputed compute nodes of one block (the module docstring; computed once per graph).
+    The runtime checkpoints each run as one step; a run saves what it reads from outside it."""
+    if mode not in RECOMPUTE_MODES:
+        raise PlanError(
+            f"recompute {mode!r} is not known; use one of {', '.join(RECOMPUTE_MODES)}."
+        )
+    key = id(graph)
+    entry = _RUNS.get(key)
+    if entry is None or entry[0]() is not graph:
+        entry = _RUNS[key] = (weakref.ref(graph, lambda _: _RUNS.pop(key, None)), {})
+    memo = entry[1]
+    if mode not in memo:
+        chosen = _attention_cores(graph) if mode == "selective" else _block_ops(graph)
+        memo[mode] = _runs(graph, chosen) if mode != "none" else {}
+    return memo[mode]
+
+
+def _block_ops(graph: OpGraph) -> set[str]:
+    return {n for n, a in graph.nodes(Role.COMPUTE) if a.block is not None and not _writes(a)}
+
+
+def _writes(attrs: OpNode) -> bool:
+    """Does the op write into an input (`rules.mutated_inputs`, asked only of ops whose schema
+    is mutable or that write in training: the common case costs a lookup)?"""
+    schema = getattr(attrs.target, "_schema", None)
+    if schema is not None and not schema.is_mutable and attrs.op not in HIDDEN_WRITES:
+        return False
+    return bool(mutated_inputs(attrs))
+
+
+def _runs(graph: OpGraph, chosen: set[str]) -> dict[str, int]:
+    """The chosen nodes numbered by run: consecutive compute nodes of one block."""
+    runs: dict[str, int] = {}
+    run, last = 0, None  # the block of the run going on (None: none)
+    for name, attrs in graph.nodes(Role.COMPUTE):
+        block = attrs.block if name in chosen else None
+        if block is None or block != last:
+            run += 1
+        last = block
+        if block is not None:
+            runs[name] = run
+    return runs
+
+
+def _attention_cores(graph: OpGraph) -> set[str]:
+    """The attention cores of the blocks: for each softmax of a block between two products
+    of activations (queries x keys before it, x values after it, each reached through cheap
+    ops), every compute node of the block from the first product to the second in program
+    order, when all between are cheap (`_CORE_FAMILIES`) and none writes into an input."""
+    position = {n: i for i, n in enumerate(graph.order)}
+    cores: set[str] = set()
+    for name, attrs in graph.nodes(Role.COMPUTE):
+        if attrs.block is None or op_family(attrs.op) != "softmax":
+            continue
+        first, last = _product(graph, name, up=True), _product(graph, name, up=False)
+        if first is None or last is None:
+            continue
+        span = graph.order[position[first] : position[last] + 1]
+        core = [
+            n
+            for n in span
+            if graph.node(n).role is Role.COMPUTE and graph.node(n).block == attrs.block
+        ]
+        inner = [graph.node(n) for n in core if n not in (first, last)]
+        if all(op_family(a.op) in _CORE_FAMILIES and not _writes(a) for a in inner):
+            cores.update(core)
+    return cores
+
+
+def _product(graph: OpGraph, start: str, *, up: bool) -> str | None:
+    """The one matmul of two activations reached from `start` through cheap ops of its block,
+    against (`up`) or along the data; None if there is none, several, or a projection (a
+    product with a parameter) comes first."""
+    block = graph.node(start).block
+    step = graph.graph.predecessors if up else graph.graph.successors
+    seen, frontier, found = {start}, [start], set()
+    while frontier:
+        for n in step(frontier.pop()):
+            attrs = graph.node(n)
+            if n in seen or attrs.role is not Role.COMPUTE or attrs.block != block:
+                continue
+            seen.add(n)
+            family = op_family(attrs.op)
+            if family == "matmul":
+                if any(_of_parameter(graph, p[0]) for p in graph.producers(n) if p):
+                    return None
+                found.add(n)
+            elif family in _CORE_FAMILIES:
+                frontier.append(n)
+    return found.pop() if len(found) == 1 else None
+
+
+def _of_parameter(graph: OpGraph, name: str) -> bool:
+    """Is `name` a parameter, or a view of one?"""
+    while True:
+        attrs = graph.node(name)
+        if attrs.role is Role.PARAMETER:
+            return True
+        if attrs.role is not Role.COMPUTE or op_family(attrs.op) != "view":
+            return False
+        found = graph.producers(name)
+        if not found or found[0] is None:
+            return False
+        name = found[0][0]

@@ -4,12 +4,15 @@ through every step a user takes.
 Steps (one column each): capture on meta and on the CPU with the same fingerprint; plan on 4
 cpu-gloo processes and on 64 DGX A100 GPUs with the hand plans priced beside (`--compare`);
 train 2 steps on 2 gloo processes under the auto plan, fsdp and tensor parallel 2 (heads or
-channels), each with `--check`'s machinery (runtime/verify/step_check.py). Prints a markdown table,
-pass or the first line of the reason, and the seconds each column took. The assertions of the
-same steps are tests/models/test_real_models.py; this prints what they assert, for
-docs/real-models.md.
+channels), and for issue #48's families (`FAULTS`: bool buffers, set-ordered rotary tables, eye
+in the loss) also interleaved (vp=2, their 4-layer `DEEPER` variant), context parallel (cp=2)
+and ZeRO-1, each with `--check`'s machinery (runtime/verify/step_check.py). Prints a markdown
+table, pass or the first line of the reason ("-": not run for that model), and the seconds each
+column took. The assertions of a share of the same steps are tests/models/test_real_models.py
+(which plans on 64 A100s only: the 4-process cpu-gloo column is this bench's); this prints what
+they assert, and the rest, for docs/real-models.md.
 
-Run: `python bench/real_models.py [model,model,...]` (default: every model; ~10 minutes on 2
+Run: `python bench/real_models.py [model,model,...]` (default: every model; ~15 minutes on 2
 cores).
 """
 
@@ -27,12 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autosbp.capturing.export import capture
 from autosbp.planner.api import auto_parallelize
 from launching.workers import run_workers
-from tests.models.test_real_models import STRATEGIES
-from tests.support.real_model_families import BUILDERS
-from tests.support.real_model_workers import train_checked
+from tests.models.test_real_models import INTERLEAVED, PROOF, STRATEGIES
+from tests.support.real_model_families import BUILDERS, DEEPER, FAULTS
+from tests.support.real_model_workers import build, train_checked
 
 STEPS = 2
-COLUMNS = ("capture meta = cpu", "plan cpu-gloo 4", "plan dgx-a100 64", "auto", "fsdp", "tp=2")
+COLUMN_NAMES = ("auto", "fsdp", "tp=2", "vp=2", "cp=2", "zero=1")
+TRAINED = dict(zip(COLUMN_NAMES, (*STRATEGIES, *PROOF), strict=True))  # column -> strategy
+COLUMNS = ("capture meta = cpu", "plan cpu-gloo 4", "plan dgx-a100 64", *TRAINED)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -49,11 +54,23 @@ def _capture(name: str) -> str:
     )
 
 
+def _args(name: str, strategy: str) -> dict | None:
+    """4 layers where the strategy interleaves (`DEEPER`)."""
+    return DEEPER[name] if strategy == INTERLEAVED else None
+
+
+def _runs(name: str, column: str) -> bool:
+    """Does the matrix train `name` under `column`? The three usual plans for every model; the
+    issue #48 plans for its families (interleaving where a 4-layer variant exists)."""
+    if column in ("auto", "fsdp", "tp=2"):
+        return True
+    return name in FAULTS and (column != "vp=2" or name in DEEPER)
+
+
 def _plan(
     name: str, profile: str, devices: int, strategy: str = "auto", compare: bool = True
 ) -> tuple[str, dict | None]:
-    with torch.device("meta"):
-        model, inputs = BUILDERS[name]()
+    model, inputs = build(name, "meta", _args(name, strategy))
     try:
         plan = auto_parallelize(
             model, inputs, profile=profile, devices=devices, strategy=strategy, compare=compare,
@@ -80,22 +97,18 @@ def main() -> None:
             start = time.perf_counter()
             rows[name][column] = _plan(name, profile, devices)[0]
             seconds[column] += time.perf_counter() - start
-        for column, strategy in zip(COLUMNS[3:], STRATEGIES, strict=True):
+        for column, strategy in TRAINED.items():
+            if not _runs(name, column):
+                rows[name][column] = "-"
+                continue
             verdict, plan = _plan(name, "cpu-gloo", 2, strategy, compare=False)
             rows[name][column] = verdict
             if plan is not None:
-                cases.append(
-                    {
-                        "id": f"{name}|{column}",
-                        "model": name,
-                        "plan": plan,
-                        "steps": STEPS,
-                        "lr": 1e-2,
-                    }
-                )
+                case = {"id": f"{name}|{column}", "model": name, "plan": plan, "steps": STEPS}
+                cases.append({**case, "lr": 1e-2, "args": _args(name, strategy)})
     start = time.perf_counter()
     results = run_workers(train_checked, 2, (cases,), timeout_s=3600.0)[0]
-    seconds["auto"] = time.perf_counter() - start  # the three training columns together
+    seconds["auto"] = time.perf_counter() - start  # the training columns together
     for case, result in zip(cases, results, strict=True):
         name, column = case["id"].split("|")
         if "error" in result:
@@ -109,7 +122,7 @@ def main() -> None:
     for name in names:
         print(f"| {name} | " + " | ".join(rows[name][c] for c in COLUMNS) + " |")
     passed = sum(v == "pass" for row in rows.values() for v in row.values())
-    total = sum(len(row) for row in rows.values())
+    total = sum(v != "-" for row in rows.values() for v in row.values())
     print(
         f"\n{passed} of {total} steps pass; seconds per column: "
         + ", ".join(f"{c} {s:.0f}" for c, s in seconds.items() if s)

@@ -15,26 +15,31 @@ sliding table's frequencies in one process and the global table's in the other: 
 two fingerprints, one model.
 
 What. A segment of the program order made of k >= 2 consecutive runs of one template (node for
-node the same op, module path, input and output shapes and dtypes, and the same edges inside
-the run), none reading another, holding no in-place write, is what a loop over k keys gives
-whatever their order. The runs are sorted by what does not depend on that order: the positions
-of the nodes they read before the segment (canonical by induction: segments are canonicalized
-left to right, and each keeps its span), then their arguments, then the positions of their
-readers after the segment. Names stay where they were: the t-th node of the segment takes the
+node the same op, module path, input and output shapes and dtypes, arguments and Python stack
+(export's `stack_trace`), and the same edges inside the run), none reading another, holding no
+in-place write, is what a loop over k keys gives whatever their order; straight-line code that
+repeats an op (q, k and v projections, one line's several multiplications) differs in its
+lines or arguments, and keeps its order. The runs are sorted by what does not depend on that
+order: the positions of the nodes they read before the segment (canonical by induction:
+segments are canonicalized left to right, and each keeps its span), then the positions of
+their readers after the segment. Names stay where they were: the t-th node of the segment takes the
 name export gave the t-th node, which is the same in every process (the runs' op sequences are
 equal, and export's counters follow positions). A segment takes the largest span found at its
 start (a loop's runs, not a repeated op inside one run).
 
 Invariants: the identity where the program order holds no such segment, or holds its runs
-sorted already (every model of the real-model suite but Gemma3 and ModernBERT keeps its
-fingerprint); `order` keeps its list of names; a topological order stays one (no run reads
+sorted already (the 36 models of the real-model suite before issue #48 keep their
+fingerprints); `order` keeps its list of names; a topological order stays one (no run reads
 another, and the segment keeps its span).
-Limits: runs whose code differs per key (an `if` on the key inside the loop) are not
-recognised; their processes then disagree, and the ranks' agreement refuses to start.
+Limits: runs whose code differs per key (an `if` on the key inside the loop) or whose
+arguments do (a scaling per key) are not recognised, nor runs whose readers lie in a later
+segment not yet sorted; their processes then disagree, and the ranks' agreement refuses to
+start.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -85,10 +90,9 @@ class _Pass:
         if self.templates[i] is None:
             return None
         best: tuple[int, int] | None = None
-        for j in self.at[self.templates[i]]:
+        later = self.at[self.templates[i]]  # ascending positions of the same template
+        for j in later[bisect.bisect_right(later, i) :]:
             length = j - i
-            if length <= 0:
-                continue
             if 2 * length > len(self.order) - i:
                 break
             count = 1

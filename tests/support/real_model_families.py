@@ -1,7 +1,10 @@
 """The real-model suite's families beyond decoders, BERT, T5, ViT and CNNs (issue #29): an
 encoder-decoder with LayerDrop (BART), audio (Wav2Vec2 for CTC), windowed vision attention
 (Swin: `roll`), two-tower contrastive (CLIP: `argmax`), state-space (Mamba, transformers'
-torch path) and a LoRA fine-tune of a causal LM (Llama frozen, low-rank adapters in plain torch).
+torch path) and a LoRA fine-tune of a causal LM (Llama frozen, low-rank adapters in plain torch);
+and issue #48's (`FAULTS`): causal LMs with a bool causal-mask buffer (GPT-BigCode, GPT-Neo,
+ImageGPT), rotary tables built in a loop over a `set` of layer types (Gemma3, ModernBERT, OLMo3,
+ModernBERT's decoder), and SigLIP, whose loss holds `eye`; `DEEPER` gives them 4 layers.
 
 Lives here: one builder per model, `(model, example_inputs)` with `model(*inputs)` the training
 loss, under the invariants of tests/support/real_models.py (no download, seeded, tiny, dropout 0,
@@ -13,6 +16,7 @@ builders (tests/support/real_models.py), LayerDrop's and the raise-only check's 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -160,9 +164,10 @@ def lora_llama(seed: int = 0) -> ModelAndInputs:
 # Written from transformers 5.17's Config classes: a bool causal-mask buffer (GPT-BigCode,
 # GPT-Neo, ImageGPT: `--check` compares it by equality), rotary tables built per layer type in
 # `for layer_type in set(config.layer_types)` (Gemma3, ModernBERT, OLMo3, ModernBERT's decoder:
-# Python's per-process set order, made canonical by capture), `eye` in the loss (SigLIP,
-# SigLIP2's text-image loss) and a complex buffer (FNet's DFT matrices on its TPU path).
+# Python's per-process set order, made canonical by capture) and `eye` in the loss (SigLIP).
 _LAYER_TYPES = ["sliding_attention", "full_attention"]  # one layer of each: both tables read
+# No KV cache in training (HF's default makes one): a sliding layer's cache runs other ops than
+# a full one's, so the layers would not be alike blocks, and no pipeline could cut them.
 
 gpt_bigcode = _decoder(
     "GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_positions=TEXT["seq"], n_embd=32, n_layer=2,
@@ -179,19 +184,19 @@ gemma3 = _decoder(
     "Gemma3TextConfig", "Gemma3ForCausalLM", hidden_size=32, intermediate_size=64,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     max_position_embeddings=TEXT["seq"], sliding_window=8, layer_types=_LAYER_TYPES,
-    attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    attention_dropout=0.0, use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )  # fmt: skip
 olmo3 = _decoder(
     "Olmo3Config", "Olmo3ForCausalLM", hidden_size=32, intermediate_size=64,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=TEXT["seq"], sliding_window=8, layer_types=_LAYER_TYPES,
-    attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    attention_dropout=0.0, use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )  # fmt: skip
 modernbert_decoder = _decoder(
     "ModernBertDecoderConfig", "ModernBertDecoderForCausalLM", hidden_size=32,
     intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     max_position_embeddings=TEXT["seq"], local_attention=8, layer_types=_LAYER_TYPES,
-    embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0, bos_token_id=1,
+    embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0, use_cache=False, bos_token_id=1,
     eos_token_id=2, pad_token_id=0, cls_token_id=1, sep_token_id=2,
 )  # fmt: skip
 modernbert = _masked_lm(
@@ -200,12 +205,6 @@ modernbert = _masked_lm(
     local_attention=8, layer_types=_LAYER_TYPES, embedding_dropout=0.0, mlp_dropout=0.0,
     attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
     sep_token_id=2,
-)  # fmt: skip
-fnet = _masked_lm(
-    "FNetConfig", "FNetForMaskedLM", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    max_position_embeddings=TEXT["seq"], use_tpu_fourier_optimizations=True,
-    tpu_short_seq_length=TEXT["seq"], hidden_dropout_prob=0.0, pad_token_id=0,
-    bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
 
 
@@ -257,7 +256,7 @@ FAMILIES: dict[str, Callable[..., ModelAndInputs]] = {
     "mamba": mamba,
     "lora_llama": lora_llama,
 }
-# Issue #48's: a bool buffer, a set-ordered rotary model, eye in the loss, a complex buffer.
+# Issue #48's: a bool buffer, a set-ordered rotary model, eye in the loss.
 FAULTS: dict[str, Callable[..., ModelAndInputs]] = {
     "gpt_bigcode": gpt_bigcode,
     "gpt_neo": gpt_neo,
@@ -267,7 +266,15 @@ FAULTS: dict[str, Callable[..., ModelAndInputs]] = {
     "olmo3": olmo3,
     "modernbert_decoder": modernbert_decoder,
     "siglip": siglip,
-    "fnet": fnet,
+}
+# The builder arguments that give 4 layers (what an interleaved pipeline of 2 stages of 2
+# chunks cuts), for the families that take them and pipeline: ModernBERT's and its decoder's
+# first layer has no attention norm (nn.Identity), so their layers are not alike blocks.
+DEEPER: dict[str, dict[str, Any]] = {
+    "gpt_bigcode": {"n_layer": 4},
+    "gpt_neo": {"num_layers": 4, "attention_types": [[["global", "local"], 2]]},
+    "gemma3": {"num_hidden_layers": 4, "layer_types": _LAYER_TYPES * 2},
+    "olmo3": {"num_hidden_layers": 4, "layer_types": _LAYER_TYPES * 2},
 }
 # Every model of the real-model suite, the older ones first (what `build` and the bench read).
 BUILDERS: dict[str, Callable[..., ModelAndInputs]] = (

@@ -32,12 +32,15 @@ from tests.support.real_models import (
 
 
 def _decoder(config_name: str, model_name: str, **config: Any) -> Callable[..., ModelAndInputs]:
-    """A causal-LM builder from transformers' `config_name(**config)` and `model_name`."""
+    """A causal-LM builder from transformers' `config_name(**config)` and `model_name`; the
+    builder's keyword arguments beyond batch, seq and seed replace config entries (layers)."""
 
-    def build(batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0) -> ModelAndInputs:
+    def build(
+        batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0, **changed: Any
+    ) -> ModelAndInputs:
         import transformers
 
-        made = getattr(transformers, config_name)(vocab_size=VOCAB, **config)
+        made = getattr(transformers, config_name)(vocab_size=VOCAB, **{**config, **changed})
         model_class = getattr(transformers, model_name)
         return _causal_lm(lambda: model_class(made), vocab=VOCAB, batch=batch, seq=seq, seed=seed)
 
@@ -94,12 +97,15 @@ def qwen3(batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0) -> 
 
 
 def _masked_lm(config_name: str, model_name: str, **config: Any) -> Callable[..., ModelAndInputs]:
-    """A masked-LM builder: labels hold the token at a quarter of the positions, -100 elsewhere."""
+    """A masked-LM builder: labels hold the token at a quarter of the positions, -100 elsewhere;
+    the builder's keyword arguments beyond batch, seq and seed replace config entries."""
 
-    def build(batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0) -> ModelAndInputs:
+    def build(
+        batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0, **changed: Any
+    ) -> ModelAndInputs:
         import transformers
 
-        made = getattr(transformers, config_name)(vocab_size=VOCAB, **config)
+        made = getattr(transformers, config_name)(vocab_size=VOCAB, **{**config, **changed})
         with _seeded(seed) as g:
             model = getattr(transformers, model_name)(made)
             ids = torch.randint(0, VOCAB, (batch, seq), generator=g)

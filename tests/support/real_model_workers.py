@@ -32,15 +32,18 @@ from tests.support.real_model_families import BUILDERS
 
 Case = dict[str, Any]
 """{"id": str, "model": a BUILDERS name or "zoo:NAME", "plan": Plan JSON, "steps": int,
-"lr": float}"""
+"lr": float, optional "args": the builder's keyword arguments}"""
 
 
-def build(name: str, device: str = "cpu") -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    """A model of tests/support/real_models.py, or the zoo's `zoo:NAME` at its defaults, on `device`."""
+def build(
+    name: str, device: str = "cpu", args: dict[str, Any] | None = None
+) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """A model of tests/support/real_models.py with `args` (default: none), or the zoo's
+    `zoo:NAME` at its defaults, on `device`."""
     if name.startswith("zoo:"):
         return build_model(name.removeprefix("zoo:"), device=device)
     with torch.device(device):
-        return BUILDERS[name]()
+        return BUILDERS[name](**(args or {}))
 
 
 def train_checked(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
@@ -56,7 +59,7 @@ def train_checked(rank: int, world_size: int, cases: list[Case]) -> list[dict[st
 
 
 def _train(case: Case, rank: int) -> dict[str, Any]:
-    model, inputs = build(case["model"])
+    model, inputs = build(case["model"], args=case.get("args"))
     dropout = disable_dropout(model)
     lr = case["lr"]
     engine = Engine(

@@ -13,8 +13,9 @@ to Whisper), through what a user does with it:
             op of any plan (these, and the 2-process ones below) runs replicated for want of a
             rule (the plan's `replicated.no_rule_ops`). On 4 cpu-gloo processes with the hand
             plans, and issue #48's families on 64 A100s: bench/real_models.py (the suite's time)
-  train     on 2 gloo processes under the auto plan and under sharded hand plans (fsdp, and
-            tensor parallel 2: heads or channels), with `--check`'s machinery: every step
+  train     on 2 gloo processes under the auto plan, and one model of each construct under
+            sharded hand plans (fsdp, and tensor parallel 2: heads or channels; every model
+            under every strategy in bench/real_models.py), with `--check`'s machinery: every step
             against one device (runtime/verify/step_check.py), its verdict the assertion; of the
             sweep, three families of its own constructs (Falcon: multi-query fused QKV; BLOOM:
             ALiBi; Whisper: a convolutional front end and encoder-decoder) under auto and tp 2;
@@ -66,8 +67,14 @@ ZOO_BATCH_NORM = [
     ("zoo:resnet", "megatron:tp=1,pp=2,dp=1,mb=2"),
     ("zoo:resnet", "megatron:tp=1,pp=1,dp=2,mb=2"),
 ]
+# The sharded hand plans of one model of each construct (the suite's time on 2 cores is the
+# limit; every family under every strategy: `python bench/real_models.py`): Conv1D (GPT-2),
+# rotary and grouped KV heads (Llama), an encoder-decoder writing through a view (T5), MoE
+# routing (Mixtral), BatchNorm channels (ResNet).
+SHARDED = ("gpt2", "llama", "t5", "mixtral", "resnet")
 TRAINING: list[tuple[str, str]] = [
-    *((m, s) for m in SUITE if m not in (*SWEEP, *FAULTS) for s in STRATEGIES),
+    *((m, "auto") for m in SUITE if m not in (*SWEEP, *FAULTS)),
+    *((m, s) for m in SHARDED for s in STRATEGIES if s != "auto"),
     *((m, s) for m in SWEEP_TRAINED for s in ("auto", TENSOR_PARALLEL)),
     *ZOO_BATCH_NORM,
     *((m, "auto") for m in FAULTS),

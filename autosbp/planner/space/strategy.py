@@ -9,7 +9,6 @@ themselves (`rules`).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -360,44 +359,20 @@ def _replicated(nd: NdSbp) -> bool:
 
 def _allow(param: Callable | None = None, data: Callable | None = None) -> Allow:
     """`param(nd_sbp, shape) -> bool` filters parameter layouts, `data(nd_sbp)` input layouts
-    (default: the batch split on every mesh dim). An input may also be whole (B) on any mesh
-    dim: each rank reads its own rows of the data (`runtime.data`), so a replica reading every
-    row pays nothing to place it, and a consumer that needs the whole input (cross-entropy's
-    targets) is not made to gather it (`_or_whole`)."""
-    wanted = _or_whole(data if data is not None else _batch_split)
+    (default: the batch split on every mesh dim)."""
 
     def allow(graph: OpGraph, name: str, sig: NdSignature) -> bool:
         attrs = graph.node(name)
         if attrs.role is Role.PARAMETER and param is not None:
             return bool(param(sig.outputs[0], attrs.outputs[0].shape))
         if attrs.role is Role.INPUT:
-            return wanted(sig.outputs[0])
+            nd = sig.outputs[0]
+            if data is not None:
+                return bool(data(nd))
+            return all(isinstance(s, Split) and s.dim == 0 for s in nd)
         return not sig.kernel
 
     return allow
-
-
-def _batch_split(nd: NdSbp) -> bool:
-    return all(isinstance(s, Split) and s.dim == 0 for s in nd)
-
-
-def _or_whole(data: Callable[[NdSbp], bool]) -> Callable[[NdSbp], bool]:
-    """`data`'s layouts, and each of them with any of its mesh dims whole (B) instead: `nd` is
-    wanted where some layout `data` wants agrees with it on every dim `nd` does not hold whole
-    (an input is split on its batch or sequence dim, S(0) or S(1), where `data` splits it)."""
-    choices = (Broadcast(), Split(0), Split(1))
-
-    def wanted(nd: NdSbp) -> bool:
-        whole = [d for d, sbp in enumerate(nd) if isinstance(sbp, Broadcast)]
-        for picked in itertools.product(choices, repeat=len(whole)):
-            trial = list(nd)
-            for d, sbp in zip(whole, picked, strict=True):
-                trial[d] = sbp
-            if data(tuple(trial)):
-                return True
-        return False
-
-    return wanted
 
 
 def _own_kernels(graph: OpGraph, name: str, sig: NdSignature) -> bool:

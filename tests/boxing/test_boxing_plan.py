@@ -238,6 +238,7 @@ def _dot(xs, ys) -> float:
     return sum(float((x * y).sum()) for x, y in zip(xs, ys, strict=True))
 
 
+@pytest.mark.slow
 @settings(max_examples=1000, deadline=None)
 @given(st.binary(min_size=32, max_size=32), st.integers(0, 2**16))
 def test_boxing_simulates_to_the_target_layout_and_back(choices: bytes, seed: int):

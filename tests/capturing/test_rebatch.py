@@ -54,6 +54,7 @@ def assert_same_graph(got: OpGraph, want: OpGraph) -> None:
     assert set(got.meta["constants"]) == set(want.meta["constants"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("key", "fit", "target"),
     [

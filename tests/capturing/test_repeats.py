@@ -65,6 +65,7 @@ def _hf_llama() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return LossOf(model, ("input_ids", "labels")), (ids, ids.clone())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [_zoo_gpt, _hf_llama], ids=["zoo-gpt", "hf-llama"])
 def test_replicated_graph_is_the_whole_export(
     build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]],

@@ -68,6 +68,7 @@ def test_layerdrop_inside_0_1_is_refused_naming_the_config_fields(name: str, set
     assert f"Fix: set {setting}" in str(info.value), str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_hugging_face_layerdrop_captures_on_meta_as_on_cpu(name: str) -> None:
     pytest.importorskip("transformers")

@@ -14,6 +14,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU mode; a GPU runs the real thing")
 def test_gpu_check_in_cpu_mode(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -103,6 +103,7 @@ CASES: list[tuple[str, list[str] | Callable[[Plan], list[str]], Check]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "check"), [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES]
 )

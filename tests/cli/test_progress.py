@@ -96,6 +96,7 @@ def stepping_worker(rank: int, world: int, steps: int) -> list[float]:
     return [float(rank)]
 
 
+@pytest.mark.dist
 def test_finished_steps_reach_the_parent() -> None:
     seen: list[tuple[int, tuple[float, ...]]] = []
     run_workers(stepping_worker, 2, (5,), timeout_s=60, on_done=lambda r, v: seen.append((r, v)))

@@ -73,6 +73,7 @@ def test_a_new_plan_states_each_recomputed_node() -> None:
     assert json.loads(json.dumps(plan.to_json()))["nodes"][sorted(stated)[0]]["recomputed"]
 
 
+@pytest.mark.slow
 def test_a_plan_cannot_recompute_a_node_outside_the_blocks() -> None:
     name, kwargs = MODELS["gpt-2l"]
     model, inputs = build_model(name, seed=0, **kwargs)

@@ -115,6 +115,7 @@ CASES = [  # schedule, v, seed, memory limit as a share of the unconstrained pla
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "v", "seed", "share"), CASES)
 def test_bounds_are_at_most_the_objective_and_the_step(
     schedule: str, v: int, seed: int, share: float | None

@@ -102,6 +102,7 @@ def tiny_problem(mesh: tuple[int, ...], memory_fraction: float | None) -> Proble
     ).problem
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mesh", "memory_fraction"),
     [((2,), None), ((2,), 0.1), ((2,), 0.3), ((4,), 0.3)],
@@ -204,6 +205,7 @@ def test_tight_memory_shards_parameters() -> None:
     assert tight.predicted.step_time_s >= free.predicted.step_time_s * (1 - 1e-9)
 
 
+@pytest.mark.slow
 def test_tight_memory_adds_micro_batches() -> None:
     from autosbp import auto_parallelize
 
@@ -246,6 +248,7 @@ def test_explain_prices_the_alternatives_of_a_node(tmp_path) -> None:
         explain(p, tied[:-1] + "x")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory_fraction", [None, 0.3])
 def test_pipelined_problem_equals_brute_force(memory_fraction: float | None) -> None:
     # Two stages of a zoo model (one block each), four micro-batches: the stage-time max terms

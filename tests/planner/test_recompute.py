@@ -112,6 +112,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "strategy"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
 def test_full_keeps_at_most_selective_keeps_at_most_none(model: str, strategy: str) -> None:
     graph = _graph(model)

@@ -193,6 +193,7 @@ CASES = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "seed", "fraction"), CASES)
 def test_search_returns_the_optimum_of_exhaustive_enumeration(
     model: str, seed: int, fraction: float | None
@@ -215,6 +216,7 @@ def test_search_returns_the_optimum_of_exhaustive_enumeration(
         assert free.prediction.step_time_s < best * (1 - 1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "seed", "fraction"), CASES)
 def test_two_processes_find_the_plan_one_finds(
     model: str, seed: int, fraction: float | None
@@ -295,6 +297,7 @@ def test_a_count_whose_graph_does_not_capture_is_refused() -> None:
         search(graph_for({1, 2, 4, 8}), 8, DEVICES, prices, link_of, space, **common)
 
 
+@pytest.mark.slow
 def test_on_the_time_limit_the_plan_is_feasible_with_the_gap_proven_so_far(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

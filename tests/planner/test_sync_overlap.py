@@ -48,6 +48,7 @@ def test_one_bucket_or_no_overlap_hides_nothing_and_overlap_scales_the_rest() ->
     assert hidden_sync_s(1.0, 5.0, 4, overlap=0.5) == pytest.approx(0.5 * 0.75)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory_fraction", [None, 0.3])
 def test_overlapped_sync_problem_equals_brute_force_and_the_prediction(
     monkeypatch: pytest.MonkeyPatch, memory_fraction: float | None

@@ -40,6 +40,7 @@ def _says_the_limit(text: str) -> None:
     assert "--time-limit-s" in text, text
 
 
+@pytest.mark.slow
 def test_the_api_warns_when_the_limit_stops_the_search() -> None:
     common = {
         "profile": "dgx-a100", "devices": 8, "memory_limit": None, "global_batch": None,

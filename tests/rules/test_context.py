@@ -99,6 +99,7 @@ def _reference(case: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return out.detach(), [t.grad for t in leaves]  # type: ignore[misc]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     ("world", "case_id"), [(w, c[0]) for w, cases in CASES.items() for c in cases], ids=str
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -19,6 +20,8 @@ from launching.workers import run_workers
 from runtime import Engine
 from runtime.execute.groups import world_timeout
 from runtime.parallel.grad_sync import GradSync, build_sync_groups, summed_dims, sync_patterns
+
+pytestmark = pytest.mark.dist
 
 MESH = Mesh((2, 2), device_ids=(0, 1, 2, 3))
 # graph order; "unused" gets no gradient and comes first, so its bucket is launched last

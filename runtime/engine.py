@@ -56,7 +56,7 @@ from autosbp.zero_bubble import plan_orders
 from runtime.data import BatchLayout, InputSpec, RankBatch, RankLoader
 from runtime.execute.collectives import world_device
 from runtime.execute.groups import build_groups, world_timeout
-from runtime.execute.instructions import Boxer
+from runtime.execute.instructions import Boxer, evaluating
 from runtime.execute.program import Pieces, Program, Value, build_program
 from runtime.execute.signatures import read_signatures
 from runtime.optim import OptimizerRecipe
@@ -367,13 +367,14 @@ class Engine:
         return report.problem()
 
     def evaluate(self, batch: Sequence[torch.Tensor] | RankBatch) -> float:
-        """The loss of `batch` (as `step` takes it) under the plan, without gradients and
-        without changing any state (the forwards' buffer updates, BatchNorm's running
-        statistics, are undone): every stage's forwards, micro-batch by micro-batch. The
-        graph is the training graph: BatchNorm normalizes by the batch's statistics, and a
-        dropout the graph holds still draws. A collective: every rank calls it."""
+        """The loss of `batch` (as `step` takes it) under the plan, as the model computes it
+        under `nn.Module.eval()` and `torch.no_grad()`: dropout off, batch norm by its running
+        statistics (`autosbp.rules.in_eval_mode`), every stage's forwards, micro-batch by
+        micro-batch, no state changed (a buffer another op writes is restored). What the
+        model decides in Python by `self.training` was decided when it was captured, in
+        training mode. A collective: every rank calls it."""
         kept = {n: t.detach().clone() for n, t in self.shards.state.items() if not t.requires_grad}
-        with torch.no_grad():
+        with torch.no_grad(), evaluating():
             value = self.pipeline.run_forwards(self._pieces(batch))
             for name, tensor in kept.items():
                 self.shards.state[name].copy_(tensor)

@@ -52,6 +52,7 @@ from autosbp.rules.core import (
     Node,
     Signature,
     default_local_op,
+    in_eval_mode,
     mutated_inputs,
     tensor_slots,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "exchanges",
     "find_signature",
     "has_rule",
+    "in_eval_mode",
     "kept_targets",
     "local_call",
     "local_op",

@@ -17,6 +17,7 @@ OneFlow `GetSbp` functions.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -272,8 +273,15 @@ def local_op_with(
     node: Node, fn: Callable[..., Any], overrides: Mapping[str, Any], scale: float | None = None
 ) -> LocalOp:
     """`fn` called with the node's args, schema arguments in `overrides` replaced."""
-    args = list(node.args)
-    kwargs = dict(node.kwargs)
+    args, kwargs = _overridden(node, node.args, node.kwargs, overrides)
+    return LocalOp(fn, args, kwargs, len(node.outputs), scale)
+
+
+def _overridden(
+    node: Node, args: Sequence[Any], kwargs: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`args` and `kwargs` of a call of the node's op, schema arguments in `overrides` replaced."""
+    args, kwargs = list(args), dict(kwargs)
     if overrides:
         assert node.schema is not None, f"{node.op}: overrides by name need an ATen schema"
         names = [a.name for a in node.schema.arguments]
@@ -283,7 +291,30 @@ def local_op_with(
                 args[pos] = value
             else:
                 kwargs[name] = value
-    return LocalOp(fn, tuple(args), kwargs, len(node.outputs), scale)
+    return tuple(args), kwargs
+
+
+def in_eval_mode(node: Node, op: LocalOp) -> LocalOp | None:
+    """`op` as the node runs under `nn.Module.eval()`: dropout (aten.dropout, native_dropout,
+    attention's dropout_p) passes its input through, batch norm normalizes by its running
+    statistics and leaves them unchanged. None where the node runs alike in both modes, or
+    where its kernel is not the op itself (a kernel of its own refuses dropout: `context`).
+    The graph is captured in training mode; evaluation runs it with these flags flipped."""
+    if op.fn is not node.target or node.schema is None:
+        return None
+    bound = bound_args(node)
+    flips: dict[str, Any] = {}
+    for name in ("train", "training"):
+        if name in bound and bound[name] is not False:
+            flips[name] = False
+    if "running_mean" in bound and bound["running_mean"] is None:
+        flips.pop("training", None)  # no running statistics: the batch's, in eval mode too
+    if bound.get("dropout_p", 0.0):
+        flips["dropout_p"] = 0.0
+    if not flips:
+        return None
+    args, kwargs = _overridden(node, op.args, op.kwargs, flips)
+    return dataclasses.replace(op, args=args, kwargs=kwargs)
 
 
 def local_out_shape(node: Node, sig: NdSignature, mesh_shape: Shape, index: int = 0) -> list[int]:

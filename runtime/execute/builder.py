@@ -15,6 +15,8 @@ Invariants:
   boxed back and copied into the buffer right after the op. Boxing into any other in-place
   write (`autosbp.rules.pinned_inputs`) is refused: the planner never plans it.
 - The graph's RUN_DEVICE (factory ops, `.to(device)`) is this rank's device.
+- A node with a training flag (dropout, batch norm) runs its eval-mode form inside
+  `runtime.execute.instructions.evaluating()` (`autosbp.rules.in_eval_mode`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from autosbp.errors import PlanError
 from autosbp.rules import (
     MeanOverTargets,
     NdSignature,
+    in_eval_mode,
     kept_targets,
     local_op,
     mean_over_targets,
@@ -44,6 +47,7 @@ from runtime.execute.instructions import (
     Instruction,
     Values,
     box_instruction,
+    by_mode,
     clone_instruction,
     compute_instruction,
     write_back_instruction,
@@ -147,7 +151,11 @@ class ProgramBuilder:
             args=run_device(op.args, self.device),
             kwargs=run_device(dict(op.kwargs), self.device),
         )
-        self.emit(compute_instruction(op, ins, outs), ins, outs)
+        run = compute_instruction(op, ins, outs)
+        evaluated = in_eval_mode(attrs, op)
+        if evaluated is not None:
+            run = by_mode(run, compute_instruction(evaluated, ins, outs))
+        self.emit(run, ins, outs)
         for index in mutated_inputs(attrs):
             self.write_back(name, index, ins[index])
         mean = mean_over_targets(attrs)

@@ -1,9 +1,10 @@
 """The closures a rank's program runs every step: op kernels, boxings, buffer write-backs.
 
 Lives here: `Boxer` (plans a boxing chain once and returns the closure that runs it, dropping
-relabels) and the instruction makers (`compute_instruction`, `box_instruction`,
+relabels), the instruction makers (`compute_instruction`, `box_instruction`,
 `take_instruction`, `clone_instruction`, `write_back_instruction`, `checkpoint_instruction`)
-that read and write a step's slot list. Lives elsewhere: which closures a program holds and in
+that read and write a step's slot list, and `evaluating` (the mode in which a kernel with a
+training flag runs its `autosbp.rules.in_eval_mode` form: `by_mode`). Lives elsewhere: which closures a program holds and in
 what order (`runtime.execute.program`, `runtime.execute.builder`), the collectives
 (`runtime.execute.collectives`), parameter gathers run ahead (`runtime.parallel.prefetch`), the
 local kernels (`autosbp.rules.local_op`).
@@ -15,13 +16,17 @@ Invariants:
   is dropped; a chain of only relabels is the identity. So a one-process plan runs no boxing.
 - A kernel gives the same results as `LocalOp.__call__`; the fast path only precomputes where
   the tensor arguments go (ops with tensors inside lists or keywords keep `LocalOp.__call__`).
+- The mode is read when an instruction runs (programs run on the caller's thread): training
+  unless inside `evaluating()`.
 Reference: docs/architecture.md ("Contracts between the parts": boxing steps as autograd-aware
 collectives).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +47,11 @@ __all__ = [
     "Instruction",
     "Values",
     "box_instruction",
+    "by_mode",
     "checkpoint_instruction",
     "clone_instruction",
     "compute_instruction",
+    "evaluating",
     "take_instruction",
     "write_back_instruction",
 ]
@@ -52,6 +59,27 @@ __all__ = [
 Values = list[Any]  # slot -> local tensor (None once dead)
 Instruction = Callable[[Values], None]
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
+
+_EVALUATING: ContextVar[bool] = ContextVar("evaluating", default=False)
+
+
+@contextmanager
+def evaluating() -> Iterator[None]:
+    """Programs run inside run as under `nn.Module.eval()` (`by_mode`)."""
+    token = _EVALUATING.set(True)
+    try:
+        yield
+    finally:
+        _EVALUATING.reset(token)
+
+
+def by_mode(training: Instruction, evaluation: Instruction) -> Instruction:
+    """`evaluation` inside `evaluating()`, else `training`."""
+
+    def run(values: Values) -> None:
+        (evaluation if _EVALUATING.get() else training)(values)
+
+    return run
 
 
 @dataclass(frozen=True, slots=True)

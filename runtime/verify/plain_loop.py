@@ -103,9 +103,11 @@ def _whole(pieces: tuple[tuple[torch.Tensor | None, ...], ...]) -> tuple[torch.T
 
 def _evaluate(model: torch.nn.Module, loader: object, batches: int | None) -> float:
     losses = []
+    model.eval()
     with torch.no_grad():
         for pieces, _ in loader:  # type: ignore[attr-defined]
             losses.append(float(model(*_whole(pieces))))
             if batches is not None and len(losses) == batches:
                 break
+    model.train()
     return sum(losses) / len(losses)

@@ -14,7 +14,10 @@ Oracles:
   replicas must;
 - one device on the whole batch: a micro-batched step whose micro-batches ignore different
   numbers of targets gives one device's loss and gradients (rel 1e-5: fp32 sums in another
-  order), where weighting each micro-batch 1/m would not.
+  order), where weighting each micro-batch 1/m would not;
+- the model under `eval()`: `Engine.evaluate` of a model with dropout (a module and
+  attention's dropout_p) and batch norm gives its eval-mode loss (rel 1e-5), twice alike (no
+  draw, no running statistic moved), and the training step after it does not (dp, fsdp, tp=2).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ NORMS = [
 ]
 RESUMES = ["dp", "megatron:tp=1,pp=2,dp=1,vp=2,mb=2", "megatron:tp=1,pp=1,dp=2,zero=1"]
 WEIGHED = ["dp", "megatron:tp=1,pp=2,dp=1"]
+EVAL_MODEL = f"{Path(__file__).resolve().parents[1] / 'support' / 'eval_models.py'}:build"
+EVALUATED = ["dp", "fsdp", "megatron:tp=2,pp=1,dp=1"]
 
 
 @cache
@@ -87,6 +92,7 @@ def _cases(world_size: int) -> list[dict]:
         _case("rows", "gpt", GPT, "megatron:tp=2,pp=1,dp=1"),
         *(_case("weights", "gpt", GPT, s) for s in WEIGHED),
         _case("mixed-batches", "gpt", GPT, "dp"),
+        *(_case("eval", EVAL_MODEL, {}, s) for s in EVALUATED),
     ]
 
 
@@ -174,3 +180,18 @@ def test_ignored_targets_are_normalised_over_the_whole_batch(strategy: str) -> N
 def test_different_batches_on_different_ranks_are_refused() -> None:
     messages = _worlds(2)["mixed-batches-dp"]
     assert all("different batches on different ranks" in m for m in messages), messages
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", EVALUATED)
+def test_evaluation_runs_the_model_in_eval_mode(strategy: str) -> None:
+    module, inputs = load_model(EVAL_MODEL)
+    with torch.no_grad():
+        want = float(module.eval()(*inputs))
+        trained = float(module.train()(*inputs))  # draws: only far from eval's value
+    assert abs(trained - want) > 1e-2 * want  # the model's modes differ on this batch
+    for found in _worlds(2)[f"eval-{strategy}"]:
+        first, again = found["evaluations"]
+        assert first == again and math.isclose(first, want, rel_tol=1e-5), (first, want)
+        assert abs(found["trained"] - want) > 1e-2 * want, found

@@ -11,7 +11,8 @@ findings (plain numbers and lists: results cross processes by pickling):
   its programs read;
 - "weights": one step on a batch whose labels ignore some targets, micro-batched: the loss
   and whole gradients;
-- "mixed-batches": a step given another batch on rank 1: the error's text.
+- "mixed-batches": a step given another batch on rank 1: the error's text;
+- "eval": `Engine.evaluate` of the example batch twice, then a training step's loss.
 Lives elsewhere: the cases and their oracles (tests/runtime/test_job_parts.py).
 """
 
@@ -104,10 +105,17 @@ def _mixed_batches(case: dict[str, Any]) -> str:
     return ""
 
 
+def _evaluations(case: dict[str, Any]) -> dict[str, Any]:
+    engine, inputs = _engine(case)
+    first, again = engine.evaluate(inputs), engine.evaluate(inputs)
+    return {"evaluations": [first, again], "trained": engine.step(inputs)}
+
+
 _KINDS = {
     "norm": _norm,
     "resume": _resume,
     "rows": _rows,
     "weights": _weights,
     "mixed-batches": _mixed_batches,
+    "eval": _evaluations,
 }

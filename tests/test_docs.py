@@ -51,6 +51,7 @@ NOT_CODE = {  # first word of a dotted name that is not this code's
     "DIR": "a placeholder: the checkpoint folder a user names",
     "dist": "torch.distributed, as the README's train.py imports it",
     "gc": "the standard library",
+    "self": "a user's nn.Module attribute (self.training)",
 }
 PLACEHOLDER_PATHS = {"path/to/file.py": "a user's model file (`path/to/file.py:function`)"}
 README = ROOT / "README.md"

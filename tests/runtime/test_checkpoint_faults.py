@@ -45,12 +45,14 @@ from runtime.verify.faults import FAULT_ENV
 HOOK_DIR = Path(__file__).resolve().parents[1] / "support" / "publish_kill"
 REPO = Path(__file__).resolve().parents[2]
 
-# (id, the rename or removal killed at (1-based), killed halfway through it, the step resumed at)
+# (id, the rename or removal killed at (1-based), killed halfway through it, the step resumed at):
+# the three states a resume must read apart (two CLI jobs each, the suite's time): no DIR but a
+# DIR.tmp; DIR.old the only whole one (issue #31's loss); DIR whole beside a half-removed
+# DIR.old. A kill at 2 (DIR and DIR.tmp whole) or at 4 before removing (DIR and DIR.old whole)
+# leaves what these do: a DIR.tmp to drop, or a DIR.old to drop.
 KILLS = [
     ("before-the-first-publish", 1, False, 0),
-    ("before-moving-the-old-aside", 2, False, 2),
     ("between-the-renames", 3, False, 2),
-    ("before-removing-the-old", 4, False, 4),
     ("halfway-removing-the-old", 4, True, 4),
 ]
 

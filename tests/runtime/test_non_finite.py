@@ -61,19 +61,28 @@ def _parameters(directory: Path) -> dict[str, torch.Tensor]:
     return torch.load(directory / record.name, weights_only=True)
 
 
-@pytest.fixture
-def model(tmp_path: Path) -> Path:
-    path = tmp_path / "nan_model.py"
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "nan_model.py"
     path.write_text(MODEL)
     return path
+
+
+@pytest.fixture(scope="module")
+def ended(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The oracle of a stopped or skipping job: the checkpoint of a job asked for exactly the
+    steps before the nan."""
+    directory = tmp_path_factory.mktemp("ended") / "ckpt"
+    assert _train(model, "--steps", str(NAN_STEP - 1), "--checkpoint-dir", str(directory)) == 0
+    return directory
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_nan_loss_stops_the_job_at_its_step_with_the_checkpoint_intact(
-    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    model: Path, ended: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    stopped, ended = tmp_path / "stopped", tmp_path / "ended"
+    stopped = tmp_path / "stopped"
     code = _train(
         model, "--steps", "5", "--checkpoint-dir", str(stopped), "--checkpoint-every", "2"
     )
@@ -82,8 +91,6 @@ def test_a_nan_loss_stops_the_job_at_its_step_with_the_checkpoint_intact(
     assert f"step {NAN_STEP}: the loss is nan, so the job stopped" in err, err
     assert f"The checkpoint in {stopped} (after 2 steps) is intact" in err, err
     assert "--skip-non-finite" in err and "Traceback" not in err, err
-    # the oracle: a job asked for exactly the steps before the nan
-    assert _train(model, "--steps", str(NAN_STEP - 1), "--checkpoint-dir", str(ended)) == 0
     assert read_manifest(stopped).step == read_manifest(ended).step == 2
     got, want = _parameters(stopped), _parameters(ended)
     assert got.keys() == want.keys()
@@ -104,13 +111,12 @@ def test_a_nan_gradient_under_a_finite_loss_names_its_parameter(
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_skip_non_finite_skips_the_updates_and_goes_on(
-    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    model: Path, ended: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    skipped, ended = tmp_path / "skipped", tmp_path / "ended"
+    skipped = tmp_path / "skipped"
     assert _train(model, "--steps", "4", "--skip-non-finite", "--checkpoint-dir", str(skipped)) == 0
     out = capsys.readouterr().out
     assert out.count("nan (skipped)") == 2, out  # steps 3 and 4: a no longer moves
-    assert _train(model, "--steps", str(NAN_STEP - 1), "--checkpoint-dir", str(ended)) == 0
     got, want = _parameters(skipped), _parameters(ended)
     # no update since step 2: every parameter as after 2 steps (Adam's state too)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []

@@ -260,3 +260,13 @@ _COMPUTE = {
     torch.float32: torch.float32,
     torch.bfloat16: torch.float32,
 }
+
+
+def test_autosbp_capture_says_which_norms_it_fused(capsys: pytest.CaptureFixture[str]) -> None:
+    from autosbp import cli
+    from tests.support import real_models
+
+    assert cli.main(["capture", f"{real_models.__file__}:llama"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "norm: modeling_llama.py:" in out and " LlamaRMSNorm at model.model.layers.*" in out
+    assert "run as torch's fused rms_norm" in out

@@ -40,6 +40,7 @@ from runtime.execute.groups import ProcessGroups
 __all__ = [
     "Boxer",
     "Instruction",
+    "TensorFn",
     "Values",
     "box_instruction",
     "checkpoint_instruction",

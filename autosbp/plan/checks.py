@@ -24,7 +24,9 @@ With the model's graph (of one micro-batch, as the plan was made):
   order: a value sent back to an earlier stage would wait forever);
 - every parameter's entry matches its node: layout, stage, shape;
 - the global batch is what the runtime trains: micro-batches x the graph's batch;
-- a recomputed node is a compute node inside a repeated block that writes no input.
+- a recomputed node is a compute node inside a repeated block that writes no input;
+- an input re-gathered in backward is an activation reaching a node that is not recomputed
+  through a conversion that exchanges data, under a backward that runs once (1f1b).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def plan_problems(plan: Plan, graph: OpGraph | None = None) -> list[str]:
     if graph is not None:
         problems += [*_coverage(plan, graph), *_data_flow(plan, graph), *_params(plan, graph)]
         problems += [*_blocks(plan, graph), *_batch(plan, graph), *_recomputation(plan, graph)]
+        problems += _regathers(plan, graph)
     return problems
 
 
@@ -397,4 +400,43 @@ def _recomputation(plan: Plan, graph: OpGraph) -> list[str]:
     return [
         f"nodes {_names(wrong)} are marked recomputed, but only compute nodes inside a repeated "
         "block that write into none of their inputs can be"
+    ]
+
+
+def _regathers(plan: Plan, graph: OpGraph) -> list[str]:
+    """An input a node re-gathers in backward (`NodePlan.regathered`) is an activation an op
+    made, reaching a node that is not recomputed through a conversion that exchanges data,
+    under a schedule whose backward runs once (not zb1's split)."""
+    from autosbp.boxing import plan_boxing
+    from autosbp.boxing.params import has_collective
+    from autosbp.capturing.graph import Role
+    from autosbp.plan.recompute import recomputed_nodes
+    from autosbp.sbp import Mesh
+
+    stated = {n: node for n, node in plan.nodes.items() if node.regathered and n in graph.graph}
+    if not stated:
+        return []
+    if plan.schedule != "1f1b":
+        return [
+            f"nodes {_names(stated)} re-gather inputs in backward under the {plan.schedule} "
+            "schedule, whose backward split in two would gather them twice"
+        ]
+    again, mesh, wrong = recomputed_nodes(plan, graph), Mesh(plan.mesh_shape), []
+    for name, node in stated.items():
+        producers = graph.producers(name)
+        for index in node.regathered:
+            found = producers[index] if index < len(producers) else None
+            if found is None or name in again or graph.node(found[0]).role is not Role.COMPUTE:
+                wrong.append(f"{name} input {index}")
+                continue
+            have = parse_nd_sbp(plan.nodes[found[0]].outputs[found[1]])
+            want = parse_nd_sbp(node.inputs[index])
+            shape = graph.node(found[0]).outputs[found[1]].shape
+            if have == want or not has_collective(plan_boxing(have, want, shape, mesh)):
+                wrong.append(f"{name} input {index}")
+    if not wrong:
+        return []
+    return [
+        f"{_names(wrong)} are re-gathered in backward, but only an activation an op made, read "
+        "through a conversion that exchanges data by a node that is not recomputed, can be"
     ]

@@ -60,6 +60,11 @@ class NodePlan:
     # name of a parameter or buffer ("blocks.0.attn.qkv.weight"); "" at the model's top level,
     # for an input, and in plans written before paths were recorded.
     path: str = ""
+    # The inputs (by position) the op keeps for backward as it read them through a conversion
+    # that exchanges data (an all-gather) and that backward converts again from the producer's
+    # piece instead of keeping the converted copy (`runtime.parallel.regather`: sequence
+    # parallelism's re-gather); empty where every kept copy is kept, and in plans written before.
+    regathered: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -404,6 +409,7 @@ class Plan:
                     n.get("recomputed", False),
                     tuple(n.get("exchanges", ())),
                     n.get("path", ""),
+                    tuple(n.get("regathered", ())),
                 )
                 for name, n in data["nodes"].items()
             },
@@ -472,6 +478,7 @@ def _node_json(node: NodePlan) -> dict[str, Any]:
         **({"recomputed": True} if node.recomputed else {}),
         **({"exchanges": list(node.exchanges)} if node.exchanges else {}),
         **({"path": node.path} if node.path else {}),
+        **({"regathered": list(node.regathered)} if node.regathered else {}),
     }
 
 

@@ -68,4 +68,8 @@ def _measure(case: Case, rank: int) -> dict[str, float]:
     engine.step(inputs)
     measured = measure_peak_bytes(lambda: engine.step(inputs), lambda: engine_tensors(engine))
     stage = next(s for s in plan.stages if rank in s.devices)
-    return {"measured_bytes": float(measured), "predicted_bytes": float(stage.peak_memory_bytes)}
+    again = sum(p.regathers.counts.regathered for p in engine.programs if p.regathers)
+    return {
+        "measured_bytes": float(measured), "predicted_bytes": float(stage.peak_memory_bytes),
+        "regathered": float(again),  # activations gathered again in backward, both steps
+    }  # fmt: skip

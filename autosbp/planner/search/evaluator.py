@@ -152,7 +152,13 @@ class Evaluator:
     def __post_init__(self) -> None:
         space = self.request.space
         self.priced = MeshPrices(
-            self.request.prices, space.allow, space.zero, space.may_gather, self.request.recipe
+            self.request.prices,
+            space.allow,
+            space.zero,
+            space.may_gather,
+            self.request.recipe,
+            regathers=space.schedule != "zb1",
+            sequence_parallel=space.sequence_parallel,
         )
         self.kept = KeptMemo(space.recompute)
 

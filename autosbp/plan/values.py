@@ -65,6 +65,11 @@ class NodePlan:
     # piece instead of keeping the converted copy (`runtime.parallel.regather`: sequence
     # parallelism's re-gather); empty where every kept copy is kept, and in plans written before.
     regathered: tuple[int, ...] = ()
+    # Run in this many chunks, each chunk's share of the output's one reduction (an all-reduce
+    # or reduce-scatter of a row-parallel matmul's partial sums) started while the next chunk
+    # computes (`runtime.parallel.tp_overlap`: tensor-parallel communication hidden behind
+    # compute); 0: the op runs whole and its output is boxed in line, as in plans written before.
+    overlap_chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -410,6 +415,7 @@ class Plan:
                     tuple(n.get("exchanges", ())),
                     n.get("path", ""),
                     tuple(n.get("regathered", ())),
+                    n.get("overlap_chunks", 0),
                 )
                 for name, n in data["nodes"].items()
             },
@@ -479,6 +485,7 @@ def _node_json(node: NodePlan) -> dict[str, Any]:
         **({"exchanges": list(node.exchanges)} if node.exchanges else {}),
         **({"path": node.path} if node.path else {}),
         **({"regathered": list(node.regathered)} if node.regathered else {}),
+        **({"overlap_chunks": node.overlap_chunks} if node.overlap_chunks else {}),
     }
 
 

@@ -71,6 +71,9 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             exchanges=tuple(e.describe() for e in exchanges(attrs, sig, mesh.shape)),
             path=attrs.name or attrs.module_path,
             regathered=regathered.get(name, ()),
+            overlap_chunks=solved.strategies[rep].chunks_of(solution.choice[rep])
+            if attrs.role is Role.COMPUTE
+            else 0,
         )
         if attrs.role is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])

@@ -36,6 +36,7 @@ from autosbp.boxing.steps import BoxingStep
 from autosbp.capturing.graph import OpGraph, OpNode, Role, run_device
 from autosbp.errors import PlanError
 from autosbp.rules import (
+    LocalOp,
     MeanOverTargets,
     NdSignature,
     in_eval_mode,
@@ -46,6 +47,7 @@ from autosbp.rules import (
     pinned_inputs,
 )
 from autosbp.sbp import Mesh, NdSbp, format_nd_sbp
+from autosbp.tp_overlap import chunk_plan, fits, reduce_step
 from runtime.execute.instructions import (
     Boxer,
     Instruction,
@@ -60,6 +62,7 @@ from runtime.execute.instructions import (
 from runtime.execute.op_comm import GroupComm
 from runtime.parallel.gathers import ParamBox
 from runtime.parallel.regather import Regathers
+from runtime.parallel.tp_overlap import overlapped_instruction
 
 __all__ = ["ProgramBuilder", "last_uses"]
 
@@ -94,6 +97,9 @@ class ProgramBuilder:
     # what registers their copies (`runtime.parallel.regather`; None where there are none)
     regathered: Mapping[str, frozenset[int]] = dataclasses.field(default_factory=dict)
     regathers: Regathers | None = None
+    # The ops the plan overlaps with the reduction of their output, and their chunks
+    # (`NodePlan.overlap_chunks`, `runtime.parallel.tp_overlap`)
+    overlapped: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def new_slot(self, value: Any = None) -> int:
         self.template.append(value)
@@ -184,6 +190,9 @@ class ProgramBuilder:
             args=run_device(op.args, self.device),
             kwargs=run_device(dict(op.kwargs), self.device),
         )
+        if name in self.overlapped:
+            self.emit_overlapped(name, attrs, op, ins, outs)
+            return
         run = compute_instruction(op, ins, outs)
         evaluated = in_eval_mode(attrs, op)
         if evaluated is not None:
@@ -194,6 +203,32 @@ class ProgramBuilder:
         mean = mean_over_targets(attrs)
         if mean is not None:
             self.count_kept(mean, ins, attrs.inputs[mean.target].numel)
+
+    def emit_overlapped(
+        self, name: str, attrs: OpNode, op: LocalOp, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> None:
+        """`name` in chunks with its output's one conversion overlapped (`runtime.parallel.
+        tp_overlap`): the converted copy is the boxing its reader finds (refused where the plan
+        states an overlap the runtime cannot run: the planner never does)."""
+        readers = [(v, i) for v in self.graph.readers(name) for _, i in self.graph.uses(name, v)]
+        chunks = self.overlapped[name]
+        want = self.signatures[readers[0][0]].inputs[readers[0][1]] if len(readers) == 1 else None
+        meta = attrs.outputs[0]
+        have = self.layout(name, 0)
+        step = None if want is None else reduce_step(self.boxer.steps(have, want, meta.shape))
+        cut = chunk_plan(attrs, self.signatures[name], self.mesh.shape, chunks)
+        if step is None or cut is None or not fits(cut, step) or self.comm is None:
+            raise PlanError(
+                f"the plan overlaps node {name!r} ({attrs.op}) with its output's reduction in "
+                f"{chunks} chunks, but that output is not one matmul's partial sums read once "
+                "through one all-reduce or reduce-scatter, cut along a dim it does not split; the "
+                "planner never does this: the plan was edited or made by another autosbp "
+                "version: make it again."
+            )
+        assert want is not None, "a reduction without its layout"
+        dst = self.new_slot()
+        self.emit(overlapped_instruction(op, cut, step, self.comm, ins, dst), ins, (*outs, dst))
+        self.boxed[(name, 0, want, "")] = dst
 
     def count_kept(self, mean: MeanOverTargets, ins: tuple[int, ...], size: int) -> None:
         """The kept targets of a mean cross-entropy's micro-batch into a slot of their own (its

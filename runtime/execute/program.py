@@ -173,6 +173,7 @@ def build_program(
     gathering: GatherSetup | None = None,
     param_grad_dtype: torch.dtype | None = None,
     regathered: Mapping[str, frozenset[int]] | None = None,
+    overlapped: Mapping[str, int] | None = None,
 ) -> Program:
     """This rank's program for `stage` (every node when `stage_of` is None). `state` maps every
     parameter/buffer/constant name of the stage to this rank's local tensor in its plan layout.
@@ -183,7 +184,9 @@ def build_program(
     through a `GatherSchedule` (`runtime.parallel.prefetch`). `param_grad_dtype`: the dtype a
     parameter boxing's backward sums its gradient in (a mixed recipe's reduce dtype).
     `regathered` (per node, `NodePlan.regathered`): the inputs whose copies backward converts
-    again instead of keeping (`runtime.parallel.regather`)."""
+    again instead of keeping (`runtime.parallel.regather`). `overlapped` (per node,
+    `NodePlan.overlap_chunks`): the ops run in chunks beside their output's reduction
+    (`runtime.parallel.tp_overlap`)."""
     device = next(iter(state.values())).device if state else torch.device("cpu")
     comm = GroupComm(boxer.mesh, coords, boxer.groups)
     here = _stage_nodes(graph, stage_of, stage)
@@ -191,6 +194,7 @@ def build_program(
     builder = ProgramBuilder(
         graph, signatures, boxer.mesh, coords, boxer, device, comm, param_grad_dtype,
         regathered=regathered, regathers=Regathers(boxer.groups) if regathered else None,
+        overlapped={n: k for n, k in (overlapped or {}).items() if k > 1 and n in here},
     )  # fmt: skip
     imports = [builder.slots.setdefault(value, builder.new_slot()) for value in received]
     inputs = _load_inputs(builder, here)

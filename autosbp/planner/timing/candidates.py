@@ -74,8 +74,10 @@ from autosbp.planner.timing.op_exchanges import exchange_cost
 from autosbp.planner.timing.param_candidates import parameter_prices, with_zero_states
 from autosbp.planner.timing.recipe import PLAIN, Recipe
 from autosbp.planner.timing.regather import regather_twins
+from autosbp.planner.timing.tp_overlap import overlap_cut, overlapped_forward_s
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs, work_fraction
 from autosbp.sbp import Broadcast, NdSbp, Partial, local_shape
+from autosbp.tp_overlap import ChunkPlan
 
 __all__ = [
     "BACKWARD_FACTOR", "BoxingPricer", "NodeStrategies", "Prices", "edge_matrices",
@@ -111,6 +113,9 @@ class NodeStrategies:
     # compute ops only: per candidate, the input its backward gathers again instead of keeping
     # the gathered copy (`timing.regather`), -1 for a candidate that keeps every copy
     regather_input: np.ndarray | None = None
+    # compute ops only: per candidate, the cut it runs in beside its output's reduction
+    # (`timing.tp_overlap`), None for a candidate that runs whole
+    overlap_cuts: tuple[ChunkPlan | None, ...] | None = None
 
     def restricted(self, keep: Sequence[int]) -> NodeStrategies:
         """Only the candidates at `keep`."""
@@ -125,6 +130,7 @@ class NodeStrategies:
             self.name, candidates, self.compute_s[keep], pick(self.sync_s),
             pick(self.accumulate_s), self.pinned, pick(self.regather), pick(self.forward_s),
             pick(self.held_bytes), state, grad, pick(self.scatter_s), pick(self.regather_input),
+            None if self.overlap_cuts is None else tuple(self.overlap_cuts[i] for i in keep),
         )  # fmt: skip
 
     def per_micro_batch_s(self, micro_batches: int) -> np.ndarray:
@@ -162,6 +168,11 @@ class NodeStrategies:
         if self.regather_input is not None:
             return bool(self.regather_input[index] >= 0)
         return self.regather is not None and bool(self.regather[index])
+
+    def chunks_of(self, index: int) -> int:
+        """The chunks candidate `index` runs in beside its output's reduction (0: whole)."""
+        cut = None if self.overlap_cuts is None else self.overlap_cuts[index]
+        return 0 if cut is None else cut.chunks
 
     def regathered_input(self, index: int) -> int | None:
         """The input candidate `index` of an op gathers again in backward (None: it keeps)."""
@@ -224,11 +235,42 @@ def node_strategies(
         forward_s=np.array(forward), held_bytes=np.array(held) if any(held) else None,
     )  # fmt: skip
     twins = regather_twins(attrs, candidates, regather_inputs, mesh_shape)
+    if twins:
+        again = found.restricted([*range(len(candidates)), *(j for j, _ in twins)])
+        inputs = np.array([-1] * len(candidates) + [i for _, i in twins], dtype=int)
+        found = replace(again, regather_input=inputs)
+    return _with_overlap_twins(graph, name, found, roofline, backward_share, pricer)
+
+
+def _with_overlap_twins(
+    graph: OpGraph,
+    name: str,
+    found: NodeStrategies,
+    roofline: _Roofline,
+    backward_share: float,
+    pricer: BoxingPricer,
+) -> NodeStrategies:
+    """`found` with each candidate that may run beside its output's reduction once more, run in
+    chunks (`timing.tp_overlap`: its compute chunked here, its edge in `edge_matrices`)."""
+    twins: list[tuple[int, ChunkPlan]] = []
+    for i, sig in enumerate(found.candidates):
+        cut = None if found.regathers(i) else overlap_cut(graph, name, sig, pricer.mesh.shape,
+                                                          pricer.prices)  # fmt: skip
+        if cut is not None:
+            twins.append((i, cut))
     if not twins:
         return found
-    again = found.restricted([*range(len(candidates)), *(j for j, _ in twins)])
-    inputs = np.array([-1] * len(candidates) + [i for _, i in twins], dtype=int)
-    return replace(again, regather_input=inputs)
+    n = len(found.candidates)
+    again = found.restricted([*range(n), *(i for i, _ in twins)])
+    forward = np.array([roofline.chunked_forward_s(found.candidates[i], cut) for i, cut in twins])
+    backward = BACKWARD_FACTOR * forward * backward_share
+    assert again.forward_s is not None, "compute ops state their forward"
+    return replace(
+        again,
+        compute_s=np.concatenate([found.compute_s, forward + backward]),
+        forward_s=np.concatenate([again.forward_s[:n], forward]),
+        overlap_cuts=(None,) * n + tuple(cut for _, cut in twins),
+    )
 
 
 def without_dominated_kernels(found: NodeStrategies) -> NodeStrategies:
@@ -247,6 +289,7 @@ def without_dominated_kernels(found: NodeStrategies) -> NodeStrategies:
             j != i
             and (other.inputs, other.outputs) == (sig.inputs, sig.outputs)
             and found.regathered_input(j) == found.regathered_input(i)  # twins: edges differ
+            and found.chunks_of(j) == found.chunks_of(i)
             and bool(np.all(cost[j] <= cost[i]))
             and (bool(np.any(cost[j] < cost[i])) or j < i)
             for j, other in enumerate(found.candidates)
@@ -335,6 +378,23 @@ class _Roofline:
         special = attrs.transcendentals * share
         return self.prices.op_time_s(attrs.flops * share, local_bytes, self.dtype, special)
 
+    def chunked_forward_s(self, sig: NdSignature, cut: ChunkPlan) -> float:
+        """The forward of `sig` run in the chunks of `cut` (`timing.tp_overlap`): per chunk, the
+        share of the work over the chunks, the sliced tensors' bytes over the chunks and the
+        others' whole (each chunk reads them again); the chunks' times summed."""
+        attrs, k = self.attrs, cut.chunks
+        sliced = (*(d is not None for d in cut.input_dims), *(True for _ in attrs.outputs))
+        layouts = (*sig.inputs, *sig.outputs)
+        share, chunk_bytes = 1.0, 0.0
+        for (shape, numel, itemsize), nd, cut_here in zip(self.sizes, layouts, sliced, strict=True):
+            local = math.prod(local_shape(shape, nd, self.mesh_shape))
+            if numel:
+                share = min(share, local / numel)
+            chunk_bytes += local * itemsize / (k if cut_here else 1)
+        share *= work_fraction(attrs, sig, self.mesh_shape, self.skip) / k
+        special = attrs.transcendentals * share
+        return k * self.prices.op_time_s(attrs.flops * share, chunk_bytes, self.dtype, special)
+
 
 def _forward_s(
     attrs: OpNode, sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
@@ -407,9 +467,32 @@ def edge_matrices(
             reduced = _all_reduced(srcs, dsts, meta, scattered_on, pricer.mesh.shape)
             tables = [np.where(reduced, np.inf, table) for table in tables]
         pick = np.ix_(src_of, dst_of)
-        both += tables[0][pick]
-        forward_only += tables[1][pick]
+        both_use, forward_use = tables[0][pick], tables[1][pick]
+        for i, cut in enumerate(producer.overlap_cuts or ()):
+            if cut is not None:  # an overlapped twin: its forward reduction runs beside its chunks
+                row = _overlapped_row(producer, i, cut, dsts, meta, pricer)[dst_of]
+                forward_use[i] = np.where(np.isinf(forward_use[i]), np.inf, row)
+                both_use[i] = forward_use[i] + backward[src_of[i]][dst_of]
+        both += both_use
+        forward_only += forward_use
     return both, forward_only
+
+
+def _overlapped_row(
+    producer: NodeStrategies,
+    i: int,
+    cut: ChunkPlan,
+    dsts: Sequence[NdSbp],
+    meta: TensorMeta,
+    pricer: BoxingPricer,
+) -> np.ndarray:
+    """Per distinct consumer layout, the forward time of overlapped twin `i`'s output reduction
+    run beside its chunks (`timing.tp_overlap`)."""
+    sig = producer.candidates[i]
+    assert producer.forward_s is not None, "compute ops state their forward"
+    return overlapped_forward_s(
+        sig.outputs[0], dsts, meta, cut, float(producer.forward_s[i]), pricer.mesh, pricer.prices
+    )
 
 
 def _all_reduced(

@@ -1,0 +1,88 @@
+"""The price of tensor-parallel reductions overlapped with their matmul (issue 47 item 2): the
+exposed time against an event simulation of the chunks, what the planner offers and chooses,
+and that a profile without an overlap efficiency prices every plan as before.
+
+Oracles: an event simulation (chunks of compute ready at even intervals, their collectives
+one at a time); the same search with the overlapped twins taken away (`overlap_cut` None);
+the runtime's own cut (`autosbp.tp_overlap.chunk_plan`, what `runtime.parallel.tp_overlap`
+runs) against the plan's statement.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autosbp.capturing.export import capture
+from autosbp.overlap import hidden_sync_s
+from autosbp.plan import Plan
+from autosbp.planner.api import ClusterPrices, plan_graph
+from autosbp.rules import NdSignature
+from autosbp.sbp import parse_nd_sbp
+from autosbp.tp_overlap import TP_OVERLAP_CHUNKS, chunk_plan
+from autosbp.zoo import build_model
+
+# Sizes at which tensor parallelism's reductions are worth hiding on dgx-a100 (a Llama-sized
+# hidden, 2K tokens); captured on meta, planned only.
+WIDE = {"layers": 1, "hidden": 4096, "heads": 32, "seq": 2048, "batch": 8, "vocab": 1024}
+TP8 = "megatron:tp=8,pp=1,dp=1,mb=1"
+
+
+def _simulated_exposed_s(comm_s: float, compute_s: float, chunks: int) -> float:
+    """Chunk i computed by (i + 1) compute / k, its collective (comm / k) started then, after
+    the previous one: how long the last ends after the compute does."""
+    end_s = 0.0
+    for i in range(1, chunks + 1):
+        end_s = max(end_s, i * compute_s / chunks) + comm_s / chunks
+    return end_s - compute_s
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exposed_reduction_equals_an_event_simulation_of_the_chunks(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(50):
+        comm_s, compute_s, k = rng.uniform(0, 2), rng.uniform(0, 2), rng.randint(2, 8)
+        exposed = comm_s - hidden_sync_s(comm_s, compute_s, k, overlap=1.0)
+        assert exposed == pytest.approx(_simulated_exposed_s(comm_s, compute_s, k))
+
+
+def _plan(monkeypatch: pytest.MonkeyPatch, *, twins: bool, overlap: float | None) -> Plan:
+    if overlap is not None:
+        monkeypatch.setattr(ClusterPrices, "overlap_efficiency", property(lambda _: overlap))
+    if not twins:
+        monkeypatch.setattr("autosbp.planner.timing.candidates.overlap_cut", lambda *_: None)
+    model, inputs = build_model("gpt", device="meta", **WIDE)
+    found = plan_graph(
+        capture(model, inputs), profile="dgx-a100", devices=8, memory_limit=None,
+        global_batch=None, optimizer="adam", dtype="fp32", strategy=TP8, time_limit_s=60,
+    )  # fmt: skip
+    monkeypatch.undo()
+    return found
+
+
+def test_the_planner_overlaps_where_it_pays_and_states_what_the_runtime_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    overlapped = _plan(monkeypatch, twins=True, overlap=None)  # dgx-a100's 0.8
+    whole = _plan(monkeypatch, twins=False, overlap=None)
+    chosen = {n: node for n, node in overlapped.nodes.items() if node.overlap_chunks}
+    assert chosen, "at these sizes hiding the row-parallel reductions pays"
+    assert overlapped.predicted.step_time_s < whole.predicted.step_time_s
+    graph = capture(*build_model("gpt", device="meta", **WIDE))
+    for name, node in chosen.items():
+        assert node.op == "aten.linear.default" and node.outputs == ("P",), name
+        assert node.overlap_chunks == TP_OVERLAP_CHUNKS
+        sig = NdSignature(tuple(map(parse_nd_sbp, node.inputs)), (parse_nd_sbp("P"),))
+        cut = chunk_plan(graph.node(name), sig, (8,), node.overlap_chunks)  # the runtime's
+        assert cut is not None and cut.dim == 0, name  # the batch: the reduce-scatter splits 1
+
+
+def test_without_an_overlap_efficiency_nothing_is_overlapped_and_prices_stay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    none = _plan(monkeypatch, twins=True, overlap=0.0)
+    before = _plan(monkeypatch, twins=False, overlap=0.0)
+    assert not any(node.overlap_chunks for node in none.nodes.values())
+    assert none.predicted.step_time_s == before.predicted.step_time_s
+    assert none.nodes == before.nodes

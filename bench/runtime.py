@@ -417,7 +417,7 @@ def overlap_worker(rank: int, world_size: int, job: Job) -> Timing:
             Plan.from_json(job.plans[k]),
             lambda ps: torch.optim.Adam(ps, lr=LR),
             example_inputs=inputs,
-        )  # fmt: skip
+        )
         for m, k in ((model, "overlapped"), (twin, "whole"))
     ]
     return _alternate(*(functools.partial(e.step, inputs) for e in engines), job)

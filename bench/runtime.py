@@ -436,10 +436,10 @@ def overlap_row(args: argparse.Namespace) -> str:
         strategy="megatron:tp=2,pp=1,dp=1,mb=1", time_limit_s=60,
     ).to_json()  # fmt: skip
     overlapped = {**plan, "nodes": dict(plan["nodes"])}
+    head = f"linear_{OVERLAP_MODEL['layers'] + 1}"
     for name, node in plan["nodes"].items():  # the hidden layers' row-parallel linears
-        if node["op"] == "aten.linear.default" and node["outputs"] == ["P"]:
-            if name != "linear_" + str(OVERLAP_MODEL["layers"] + 1):  # not the head's
-                overlapped["nodes"][name] = {**node, "overlap_chunks": OVERLAP_CHUNKS}
+        if node["op"] == "aten.linear.default" and node["outputs"] == ["P"] and name != head:
+            overlapped["nodes"][name] = {**node, "overlap_chunks": OVERLAP_CHUNKS}
     job = Job({}, {"overlapped": overlapped, "whole": plan}, Reference.EAGER, _threads(2),
               args.warmup, args.steps, None)  # fmt: skip
     timing = _fold(run_workers(overlap_worker, 2, (job,), timeout_s=WORKER_TIMEOUT_S))

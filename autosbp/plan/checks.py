@@ -26,7 +26,12 @@ With the model's graph (of one micro-batch, as the plan was made):
 - the global batch is what the runtime trains: micro-batches x the graph's batch;
 - a recomputed node is a compute node inside a repeated block that writes no input;
 - an input re-gathered in backward is an activation reaching a node that is not recomputed
-  through a conversion that exchanges data, under a backward that runs once (1f1b).
+  through a conversion that exchanges data, under a backward that runs once (1f1b);
+- an op run in chunks beside its output's reduction (`overlap_chunks` k) is a matmul-like
+  compute op, k >= 2, whose one output one reader on its stage reads once through one
+  all-reduce or reduce-scatter (`tp_overlap.reduce_step`), cut along a dim (`tp_overlap.
+  chunk_plan`) that reduction does not split, recomputed exactly when its reader is (what the
+  runtime runs and the planner prices: `planner.timing.tp_overlap`).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ def plan_problems(plan: Plan, graph: OpGraph | None = None) -> list[str]:
     if graph is not None:
         problems += [*_coverage(plan, graph), *_data_flow(plan, graph), *_params(plan, graph)]
         problems += [*_blocks(plan, graph), *_batch(plan, graph), *_recomputation(plan, graph)]
-        problems += _regathers(plan, graph)
+        problems += [*_regathers(plan, graph), *_overlaps(plan, graph)]
     return problems
 
 
@@ -440,3 +445,69 @@ def _regathers(plan: Plan, graph: OpGraph) -> list[str]:
         f"{_names(wrong)} are re-gathered in backward, but only an activation an op made, read "
         "through a conversion that exchanges data by a node that is not recomputed, can be"
     ]
+
+
+def _overlaps(plan: Plan, graph: OpGraph) -> list[str]:
+    """An op run in chunks beside its output's reduction (`NodePlan.overlap_chunks`): what the
+    runtime's overlapped instruction can run (`runtime.parallel.tp_overlap`), and the planner
+    states (`planner.timing.tp_overlap.overlap_cut`); one problem per node, its cause and fix."""
+    stated = {n: node for n, node in plan.nodes.items() if node.overlap_chunks}
+    stated = {n: node for n, node in stated.items() if n in graph.graph}
+    if not stated:
+        return []
+    from autosbp.plan.recompute import recomputed_nodes
+
+    again = recomputed_nodes(plan, graph)
+    out = []
+    for name, node in stated.items():
+        why = _overlap_problem(plan, graph, name, again)
+        if why:
+            out.append(
+                f"node {name} ({node.op}) runs in {node.overlap_chunks} chunks beside its "
+                f"output's reduction, but {why}; drop its overlap_chunks (it then runs whole)"
+            )
+    return out
+
+
+def _overlap_problem(plan: Plan, graph: OpGraph, name: str, again: frozenset[str]) -> str:
+    """Why node `name`'s `overlap_chunks` cannot run as stated ("" where it can)."""
+    from autosbp.boxing import plan_boxing
+    from autosbp.capturing.graph import Role
+    from autosbp.rules import NdSignature
+    from autosbp.rules.matmul import EINSUM
+    from autosbp.sbp import Mesh
+    from autosbp.tp_overlap import chunk_plan, fits, reduce_step
+
+    attrs, node, chunks = graph.node(name), plan.nodes[name], plan.nodes[name].overlap_chunks
+    if attrs.role is not Role.COMPUTE or attrs.op not in EINSUM or len(attrs.outputs) != 1:
+        return "only a matmul-like op (linear, matmul, bmm, einsum) of one output is cut so"
+    if chunks < 2:
+        return "it must run in at least 2 chunks to overlap anything"
+    uses = [(v, i) for v in graph.readers(name) for _, i in graph.uses(name, v)]
+    if len(uses) != 1:
+        return f"its output is read {len(uses)} times, not once (each read converts apart)"
+    reader, index = uses[0]
+    if plan.nodes[reader].stage != node.stage:
+        return f"its reader {reader} runs on stage {plan.nodes[reader].stage}, not {node.stage}"
+    if (name in again) != (reader in again):
+        return (
+            f"it is {'' if name in again else 'not '}recomputed and its reader {reader} is "
+            f"{'' if reader in again else 'not '}(backward would run its reduction again where "
+            "the plan's price does not, or not where it does)"
+        )
+    have, want = parse_nd_sbp(node.outputs[0]), parse_nd_sbp(plan.nodes[reader].inputs[index])
+    shape = attrs.outputs[0].shape
+    step = reduce_step(plan_boxing(have, want, shape, Mesh(plan.mesh_shape)))
+    if step is None:
+        return (
+            f"its output ({node.outputs[0]}) reaches {reader} ({plan.nodes[reader].inputs[index]}) "
+            "through no single all-reduce or reduce-scatter of partial sums"
+        )
+    inputs = tuple(map(parse_nd_sbp, node.inputs))
+    cut = chunk_plan(attrs, NdSignature(inputs, (have,)), plan.mesh_shape, chunks)
+    if cut is None:
+        local = list(local_shape(shape, have, plan.mesh_shape))
+        return f"no dim of its local output {local} has {chunks} or more entries to cut"
+    if not fits(cut, step):
+        return f"the reduce-scatter to {reader} splits dim {cut.dim}, the dim the chunks cut"
+    return ""

@@ -18,10 +18,12 @@ from autosbp.capturing.export import capture
 from autosbp.overlap import hidden_sync_s
 from autosbp.plan import Plan
 from autosbp.planner.api import ClusterPrices, plan_graph
+from autosbp.planner.timing.tp_overlap import overlap_cut
 from autosbp.rules import NdSignature
 from autosbp.sbp import parse_nd_sbp
 from autosbp.tp_overlap import TP_OVERLAP_CHUNKS, chunk_plan
-from autosbp.zoo import build_model
+from autosbp.zoo import build_model, load_model
+from costmodel import Cluster, load_profile
 
 # Sizes at which tensor parallelism's reductions are worth hiding on dgx-a100 (a Llama-sized
 # hidden, 2K tokens); captured on meta, planned only.
@@ -86,3 +88,16 @@ def test_without_an_overlap_efficiency_nothing_is_overlapped_and_prices_stay(
     assert not any(node.overlap_chunks for node in none.nodes.values())
     assert none.predicted.step_time_s == before.predicted.step_time_s
     assert none.nodes == before.nodes
+
+
+def test_twins_only_where_the_op_and_its_reader_run_on_one_stage_recomputed_alike() -> None:
+    """The MLP's blocks are linear -> gelu (the linear recomputed with its gelu under full);
+    its head linear, outside the blocks, is read by the loss's broadcast, also outside: on the
+    last stage under the splits here, but not under every split a graph with blocks may have
+    (`timing.tp_overlap._beside`), so it has no twin (the check refuses one too)."""
+    module, inputs = load_model("mlp", {"layers": 2, "hidden": 32, "features": 16, "batch": 8})
+    graph = capture(module, inputs)
+    prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=1))
+    partial = NdSignature(tuple(map(parse_nd_sbp, ("S(1)", "S(1)", "P"))), (parse_nd_sbp("P"),))
+    assert overlap_cut(graph, "linear_1", partial, (2,), prices) is not None  # in block 0
+    assert overlap_cut(graph, "linear_3", partial, (2,), prices) is None  # the head

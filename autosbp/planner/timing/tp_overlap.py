@@ -17,7 +17,10 @@ beside the chunks after them, the exposed forward time is t - a (1 - 1/k) min(t,
 profile's overlap efficiency: the gradient buckets' formula (`overlap.hidden_sync_s`), the same
 event argument. Backward runs the reduction's dual once, in line (priced as the edge's
 unoverlapped backward). A pair whose conversion is not one reduction the cut can carry (a raw
-read, a chain of steps, a reduce-scatter along the cut dim) is forbidden to the twin. A profile
+read, a chain of steps, a reduce-scatter along the cut dim) is forbidden to the twin. Twins
+exist only for an op and reader of one repeated block (or of a graph without blocks),
+recomputed alike by every mode (so on one stage; where both are recomputed the checkpointed run runs the chunks and their reduction
+again, priced by the node's and the edge's recomputed forward as any op's). A profile
 without an overlap efficiency (0) gets no twins: every price stays what it was.
 Invariants: a twin's edge prices are a function of the candidate, the consumer layout and the
 prices alone; the cut priced is the one the runtime runs (`autosbp.tp_overlap.chunk_plan`).
@@ -25,6 +28,7 @@ prices alone; the cut priced is the one the runtime runs (`autosbp.tp_overlap.ch
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,6 +36,7 @@ import numpy as np
 from autosbp.boxing import plan_boxing
 from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.overlap import hidden_sync_s
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES, recomputed
 from autosbp.planner.timing.boxing_prices import Prices
 from autosbp.rules import NdSignature
 from autosbp.rules.matmul import EINSUM
@@ -45,7 +50,7 @@ def overlap_cut(
     graph: OpGraph, name: str, sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
 ) -> ChunkPlan | None:
     """The cut of `sig`'s overlapped twin: where op `name` is matmul-like, its one output read
-    once by one op, partial sums on exactly one mesh dim of more than one device under `sig`,
+    once by one op of its block, recomputed alike (`_beside`), partial sums on exactly one mesh dim of more than one device under `sig`,
     and the profile hides some communication behind compute; else None (no twin)."""
     attrs = graph.node(name)
     if prices.overlap_efficiency <= 0 or attrs.role is not Role.COMPUTE or attrs.op not in EINSUM:
@@ -54,9 +59,38 @@ def overlap_cut(
     if len(readers) != 1 or len(graph.uses(name, readers[0])) != 1:
         return None
     partial = [d for d, x in enumerate(sig.outputs[0]) if isinstance(x, Partial)]
-    if len(partial) != 1 or mesh_shape[partial[0]] == 1:
+    if len(partial) != 1 or mesh_shape[partial[0]] == 1 or not _beside(graph, name, readers[0]):
         return None
     return chunk_plan(attrs, sig, mesh_shape, TP_OVERLAP_CHUNKS)
+
+
+def _beside(graph: OpGraph, name: str, reader: str) -> bool:
+    """Do op `name` and its one `reader` run alike under every configuration: on one stage
+    under every split (in one repeated block, which `space.stages` deals whole, or anywhere in
+    a graph without blocks, which has one stage), recomputed by every mode both or neither (a
+    recomputed run with the op runs its chunks and reduction again in backward, priced as the
+    twin's forward on the node and the reduction's exposed forward on the edge,
+    `problem.stage_terms`; a reader recomputed alone would convert again what the runtime does
+    not, an op recomputed alone its reduction unpriced)?"""
+    block = graph.node(name).block
+    if graph.node(reader).block != block or (block is None and _has_blocks(graph)):
+        return False
+    return all(
+        recomputed(graph, name, mode) == recomputed(graph, reader, mode) for mode in RECOMPUTE_MODES
+    )
+
+
+_BLOCKED: dict[int, tuple[weakref.ref, bool]] = {}  # per live graph (as `space.recomputation`)
+
+
+def _has_blocks(graph: OpGraph) -> bool:
+    """Does `graph` have a repeated block (else it runs on one stage: `space.stages`)?"""
+    key = id(graph)
+    entry = _BLOCKED.get(key)
+    if entry is None or entry[0]() is not graph:
+        found = any(attrs.block is not None for _, attrs in graph.nodes())
+        entry = _BLOCKED[key] = (weakref.ref(graph, lambda _: _BLOCKED.pop(key, None)), found)
+    return entry[1]
 
 
 def overlapped_forward_s(

@@ -15,9 +15,11 @@ import random
 import pytest
 
 from autosbp.capturing.export import capture
+from autosbp.errors import PlanError
 from autosbp.overlap import hidden_sync_s
 from autosbp.plan import Plan
 from autosbp.planner.api import ClusterPrices, plan_graph
+from autosbp.planner.space.strategy import strategy_space
 from autosbp.planner.timing.tp_overlap import overlap_cut
 from autosbp.rules import NdSignature
 from autosbp.sbp import parse_nd_sbp
@@ -49,7 +51,9 @@ def test_exposed_reduction_equals_an_event_simulation_of_the_chunks(seed: int) -
         assert exposed == pytest.approx(_simulated_exposed_s(comm_s, compute_s, k))
 
 
-def _plan(monkeypatch: pytest.MonkeyPatch, *, twins: bool, overlap: float | None) -> Plan:
+def _plan(
+    monkeypatch: pytest.MonkeyPatch, *, twins: bool, overlap: float | None, named: str = ""
+) -> Plan:
     if overlap is not None:
         monkeypatch.setattr(ClusterPrices, "overlap_efficiency", property(lambda _: overlap))
     if not twins:
@@ -57,7 +61,7 @@ def _plan(monkeypatch: pytest.MonkeyPatch, *, twins: bool, overlap: float | None
     model, inputs = build_model("gpt", device="meta", **WIDE)
     found = plan_graph(
         capture(model, inputs), profile="dgx-a100", devices=8, memory_limit=None,
-        global_batch=None, optimizer="adam", dtype="fp32", strategy=TP8, time_limit_s=60,
+        global_batch=None, optimizer="adam", dtype="fp32", strategy=TP8 + named, time_limit_s=60,
     )  # fmt: skip
     monkeypatch.undo()
     return found
@@ -101,3 +105,42 @@ def test_twins_only_where_the_op_and_its_reader_run_on_one_stage_recomputed_alik
     partial = NdSignature(tuple(map(parse_nd_sbp, ("S(1)", "S(1)", "P"))), (parse_nd_sbp("P"),))
     assert overlap_cut(graph, "linear_1", partial, (2,), prices) is not None  # in block 0
     assert overlap_cut(graph, "linear_3", partial, (2,), prices) is None  # the head
+
+
+@pytest.mark.parametrize(
+    ("named", "overlap", "chunks"),
+    [(",overlap=1", 0.0, TP_OVERLAP_CHUNKS), (",overlap=2", None, 2), (",overlap=0", None, 0)],
+    ids=["forced-without-efficiency", "two-chunks", "never"],
+)
+def test_a_hand_plan_names_the_overlap(
+    monkeypatch: pytest.MonkeyPatch, named: str, overlap: float | None, chunks: int
+) -> None:
+    """`megatron:...,overlap=K` forces every twin that applies (each row-parallel linear the ILP
+    keeps row-parallel), in K chunks, even where the profile hides nothing; overlap=0 offers none (on dgx-a100, where the
+    search takes them: the test above)."""
+    found = _plan(monkeypatch, twins=True, overlap=overlap, named=named)
+    rows = [n for n, node in found.nodes.items() if node.outputs == ("P",)]
+    rows = [n for n in rows if found.nodes[n].op == "aten.linear.default"]
+    assert "linear_3" in rows, "the MLP's second linear is row-parallel"
+    assert {found.nodes[n].overlap_chunks for n in rows} == {chunks}
+    assert not any(node.overlap_chunks for n, node in found.nodes.items() if n not in rows)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "match"),
+    [
+        ("megatron:tp=1,pp=1,dp=2,overlap=1", "with tp=1 there are none"),
+        ("megatron:tp=2,pp=1,dp=1,overlap=-1", "overlap must be given once, a whole number"),
+        ("megatron:tp=2,pp=1,dp=1,overlap=x", "a whole number"),
+        ("megatron:tp=2,pp=1,dp=1,overlap=1,overlap=2", "given once"),
+    ],
+    ids=["no-tp", "negative", "not-a-number", "twice"],
+)
+def test_a_bad_overlap_is_refused(strategy: str, match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        strategy_space(strategy)
+
+
+@pytest.mark.parametrize(("named", "chunks"), [("", None), (",overlap=0", 0), (",overlap=1", 4)])
+def test_the_space_states_the_overlap(named: str, chunks: int | None) -> None:
+    assert strategy_space(TP8 + named).tp_overlap == chunks

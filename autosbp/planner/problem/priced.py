@@ -223,6 +223,7 @@ def price_graph(
     recipe: Recipe = PLAIN,
     regathers: bool = True,
     sequence_parallel: bool = False,
+    tp_overlap: int | None = None,
 ) -> Priced:
     """Candidates of every representative node (`space.ties.tie_blocks`, or `representative` where
     given); edges on first use. `pricer`: a boxing pricer of `mesh` to reuse (its chains serve
@@ -235,7 +236,8 @@ def price_graph(
     `recipe`: what the step runs around each parameter (`timing.recipe`); `regathers`: may an
     op re-gather its kept activations in backward (`timing.regather`; not beside zero bubble,
     whose weight-gradient pass would gather them again); `sequence_parallel`: Megatron's
-    (`Priced.sequence_parallel`)."""
+    (`Priced.sequence_parallel`); `tp_overlap`: the chunks of the overlapped twins
+    (`space.strategy.Space.tp_overlap`: None the search's choice, K >= 2 forced, 0 none)."""
     pricer = pricer or BoxingPricer(prices, mesh)
     rep = representative or tie_blocks(graph)
     kept_memo = {} if kept_memo is None else kept_memo
@@ -257,7 +259,7 @@ def price_graph(
             share = kept_memo["none"].backward_share.get(name, 1.0)
             inputs = regather_inputs.get(name, frozenset()) if regathers else frozenset()
             found = node_strategies(
-                graph, name, pricer, bucket_bytes, again, share, allow, recipe, inputs
+                graph, name, pricer, bucket_bytes, again, share, allow, recipe, inputs, tp_overlap
             )
             if memo is not None and key is not None:
                 memo[key] = found
@@ -265,6 +267,8 @@ def price_graph(
         if sequence_parallel:  # no replicated compute on tp between its regions
             keep = split_candidates(graph, name, allowed.candidates, data)
             allowed = allowed if len(keep) == len(allowed.candidates) else allowed.restricted(keep)
+        if tp_overlap:  # a hand plan's overlap: each candidate that has a twin runs as it
+            allowed = _overlapped_only(allowed)
         strategies[name] = without_dominated_kernels(allowed)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
@@ -272,6 +276,18 @@ def price_graph(
         mesh, rep, strategies, graph, pricer, kept_memo, gathers=gathers,
         sequence_parallel=sequence_parallel,
     )  # fmt: skip
+
+
+def _overlapped_only(found: NodeStrategies) -> NodeStrategies:
+    """`found` without the in-line copy of each candidate that has an overlapped twin
+    (`timing.tp_overlap`): the twin forced where it applies."""
+    twinned = {found.candidates[i] for i in range(len(found.candidates)) if found.chunks_of(i)}
+    keep = [
+        i
+        for i, sig in enumerate(found.candidates)
+        if found.chunks_of(i) or sig not in twinned or found.regathers(i)
+    ]
+    return found if len(keep) == len(found.candidates) else found.restricted(keep)
 
 
 def _zero_stage(found: NodeStrategies, i: int) -> int:
@@ -331,6 +347,7 @@ class MeshPrices:
     recipe: Recipe = PLAIN
     regathers: bool = True  # may ops re-gather their kept activations (`price_graph`)
     sequence_parallel: bool = False  # Megatron's (`Priced.sequence_parallel`)
+    tp_overlap: int | None = None  # the overlapped twins' chunks (`price_graph`)
     priced: dict[tuple[int, Mesh], Priced] = field(default_factory=dict)
     pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
     parameters: dict[Hashable, NodeStrategies] = field(default_factory=dict)
@@ -351,6 +368,6 @@ class MeshPrices:
             self.priced[key] = price_graph(
                 graph, mesh, self.prices, self.allow, pricer, representative, self.parameters,
                 kept(), self.zero, self.gathers, self.recipe, self.regathers,
-                self.sequence_parallel,
+                self.sequence_parallel, self.tp_overlap,
             )  # fmt: skip
         return self.priced[key]

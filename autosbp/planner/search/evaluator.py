@@ -159,6 +159,7 @@ class Evaluator:
             self.request.recipe,
             regathers=space.schedule != "zb1",
             sequence_parallel=space.sequence_parallel,
+            tp_overlap=space.tp_overlap,
         )
         self.kept = KeptMemo(space.recompute)
 

@@ -20,6 +20,7 @@ from autosbp.rules import NdSignature
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
 from autosbp.schedule import SCHEDULES
+from autosbp.tp_overlap import TP_OVERLAP_CHUNKS
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class Space:
     # all-reduced there (partial sums are reduce-scattered into a split), and every kept copy a
     # contraction reads gathered is re-gathered in backward (`timing.regather`)
     sequence_parallel: bool = False
+    # tensor-parallel reductions overlapped with their matmul (`overlap=K`, `timing.tp_overlap`):
+    # None the search's choice per op; K >= 2 every op that can runs in K chunks (its in-line
+    # copy not offered); 0 none
+    tp_overlap: int | None = None
 
     @property
     def may_gather(self) -> bool:
@@ -87,7 +92,13 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     if strategy.startswith("megatron:"):
         strategy, schedule = _schedule(strategy)
         strategy, vp = _virtual_stages(strategy)
+        strategy, overlap = _overlap(strategy)
         tp, pp, dp, mb, ep, cp, zero, sp = _megatron_degrees(strategy)
+        if overlap and tp == 1:
+            raise PlanError(
+                f"{strategy!r}: overlap hides tensor-parallel reductions behind their matmul; "
+                "with tp=1 there are none. Drop overlap, or use tp=T with T > 1."
+            )
         if sp and (tp == 1 or schedule == "zb1"):
             raise PlanError(
                 f"{strategy!r}: sp=1 (sequence parallelism) splits the activations between "
@@ -108,11 +119,12 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
         if schedule == "zb1":
             space = replace(space, recompute=_without_recompute(strategy, modes))
         return replace(
-            space, zero=zero, schedule=schedule, gathers=False, sequence_parallel=bool(sp)
-        )
+            space, zero=zero, schedule=schedule, gathers=False, sequence_parallel=bool(sp),
+            tp_overlap=overlap,
+        )  # fmt: skip
     raise PlanError(
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M]"
-        "[,ep=E][,cp=C[,ring=1]][,zero=1|2][,sp=1][,vp=V][,schedule=zb1]."
+        "[,ep=E][,cp=C[,ring=1]][,zero=1|2][,sp=1][,overlap=0|1|K][,vp=V][,schedule=zb1]."
     )
 
 
@@ -189,6 +201,26 @@ def _virtual_stages(strategy: str) -> tuple[str, int]:
             "pipeline stage holds, e.g. megatron:tp=1,pp=2,dp=1,vp=2)."
         )
     return "megatron:" + ",".join(kept), int(given[0])
+
+
+def _overlap(strategy: str) -> tuple[str, int | None]:
+    """`strategy` without its `overlap=K`, and the chunks it forces (`Space.tp_overlap`): None
+    where absent (the search's choice), 0 for overlap=0 (none), TP_OVERLAP_CHUNKS for
+    overlap=1, K for K >= 2."""
+    items = strategy.removeprefix("megatron:").split(",")
+    kept = [item for item in items if not item.startswith("overlap=")]
+    given = [item.removeprefix("overlap=") for item in items if item.startswith("overlap=")]
+    if not given:
+        return strategy, None
+    if len(given) > 1 or not given[0].isdigit():
+        raise PlanError(
+            f"{strategy!r}: overlap must be given once, a whole number: overlap=1 runs every "
+            "row-parallel matmul that can in chunks beside its all-reduce or reduce-scatter "
+            f"({TP_OVERLAP_CHUNKS} chunks), overlap=K in K chunks (K >= 2), overlap=0 never; "
+            "e.g. megatron:tp=2,pp=1,dp=1,overlap=1."
+        )
+    chunks = int(given[0])
+    return "megatron:" + ",".join(kept), TP_OVERLAP_CHUNKS if chunks == 1 else chunks
 
 
 def _schedule(strategy: str) -> tuple[str, str]:

@@ -200,6 +200,7 @@ def node_strategies(
     allow: Callable[[OpGraph, str, NdSignature], bool] | None = None,
     recipe: Recipe = PLAIN,
     regather_inputs: frozenset[int] = frozenset(),
+    overlap: int | None = None,
 ) -> NodeStrategies:
     """Candidates of node `name`: per micro-batch compute time, or per step for parameters (their
     gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`). `regatherable` (a
@@ -212,7 +213,9 @@ def node_strategies(
     (`problem.priced._restricted`). `recipe`: what the step runs around a parameter
     (`timing.recipe`). `regather_inputs` (an op's kept activations, `memory.kept.Kept.
     regather_inputs`): each candidate that may read one of them gathered comes once more per
-    such input, re-gathering it in backward instead of keeping its copy (`timing.regather`)."""
+    such input, re-gathering it in backward instead of keeping its copy (`timing.regather`).
+    `overlap`: the chunks of an op's overlapped twins (`timing.tp_overlap.overlap_cut`: None
+    the search's, K a hand plan's, 0 none)."""
     attrs = graph.node(name)
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
@@ -239,7 +242,7 @@ def node_strategies(
         again = found.restricted([*range(len(candidates)), *(j for j, _ in twins)])
         inputs = np.array([-1] * len(candidates) + [i for _, i in twins], dtype=int)
         found = replace(again, regather_input=inputs)
-    return _with_overlap_twins(graph, name, found, roofline, backward_share, pricer)
+    return _with_overlap_twins(graph, name, found, roofline, backward_share, pricer, overlap)
 
 
 def _with_overlap_twins(
@@ -249,13 +252,14 @@ def _with_overlap_twins(
     roofline: _Roofline,
     backward_share: float,
     pricer: BoxingPricer,
+    chunks: int | None,
 ) -> NodeStrategies:
     """`found` with each candidate that may run beside its output's reduction once more, run in
-    chunks (`timing.tp_overlap`: its compute chunked here, its edge in `edge_matrices`)."""
+    `chunks` chunks (`timing.tp_overlap`: its compute chunked here, its edge in `edge_matrices`)."""
     twins: list[tuple[int, ChunkPlan]] = []
     for i, sig in enumerate(found.candidates):
         cut = None if found.regathers(i) else overlap_cut(graph, name, sig, pricer.mesh.shape,
-                                                          pricer.prices)  # fmt: skip
+                                                          pricer.prices, chunks)  # fmt: skip
         if cut is not None:
             twins.append((i, cut))
     if not twins:

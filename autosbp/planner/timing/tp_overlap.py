@@ -47,13 +47,22 @@ __all__ = ["overlap_cut", "overlapped_forward_s"]
 
 
 def overlap_cut(
-    graph: OpGraph, name: str, sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
+    graph: OpGraph,
+    name: str,
+    sig: NdSignature,
+    mesh_shape: tuple[int, ...],
+    prices: Prices,
+    chunks: int | None = None,
 ) -> ChunkPlan | None:
     """The cut of `sig`'s overlapped twin: where op `name` is matmul-like, its one output read
     once by one op of its block, recomputed alike (`_beside`), partial sums on exactly one mesh dim of more than one device under `sig`,
-    and the profile hides some communication behind compute; else None (no twin)."""
+    and the profile hides some communication behind compute; else None (no twin). `chunks`:
+    the search's (None: TP_OVERLAP_CHUNKS where the profile hides some), or a hand plan's
+    (`megatron:...,overlap=K`: K chunks even where it hides none, 0 never)."""
     attrs = graph.node(name)
-    if prices.overlap_efficiency <= 0 or attrs.role is not Role.COMPUTE or attrs.op not in EINSUM:
+    if chunks is None:
+        chunks = TP_OVERLAP_CHUNKS if prices.overlap_efficiency > 0 else 0
+    if chunks < 2 or attrs.role is not Role.COMPUTE or attrs.op not in EINSUM:
         return None
     readers = graph.readers(name)
     if len(readers) != 1 or len(graph.uses(name, readers[0])) != 1:
@@ -61,7 +70,7 @@ def overlap_cut(
     partial = [d for d, x in enumerate(sig.outputs[0]) if isinstance(x, Partial)]
     if len(partial) != 1 or mesh_shape[partial[0]] == 1 or not _beside(graph, name, readers[0]):
         return None
-    return chunk_plan(attrs, sig, mesh_shape, TP_OVERLAP_CHUNKS)
+    return chunk_plan(attrs, sig, mesh_shape, chunks)
 
 
 def _beside(graph: OpGraph, name: str, reader: str) -> bool:

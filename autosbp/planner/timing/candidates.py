@@ -74,7 +74,7 @@ from autosbp.planner.timing.op_exchanges import exchange_cost
 from autosbp.planner.timing.param_candidates import parameter_prices, with_zero_states
 from autosbp.planner.timing.recipe import PLAIN, Recipe
 from autosbp.planner.timing.regather import regather_twins
-from autosbp.planner.timing.tp_overlap import overlap_cut, overlapped_forward_s
+from autosbp.planner.timing.tp_overlap import overlap_cut, overlapped_forward_s, twin_may_pay
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs, work_fraction
 from autosbp.sbp import Broadcast, NdSbp, Partial, local_shape
 from autosbp.tp_overlap import ChunkPlan
@@ -257,16 +257,25 @@ def _with_overlap_twins(
     """`found` with each candidate that may run beside its output's reduction once more, run in
     `chunks` chunks (`timing.tp_overlap`: its compute chunked here, its edge in `edge_matrices`)."""
     twins: list[tuple[int, ChunkPlan]] = []
+    priced: list[float] = []
+    assert found.forward_s is not None or not found.candidates, "compute ops state their forward"
     for i, sig in enumerate(found.candidates):
         cut = None if found.regathers(i) else overlap_cut(graph, name, sig, pricer.mesh.shape,
                                                           pricer.prices, chunks)  # fmt: skip
-        if cut is not None:
+        if cut is None:
+            continue
+        fwd = roofline.chunked_forward_s(sig, cut)
+        extra = fwd * (1 + BACKWARD_FACTOR * backward_share) - float(found.compute_s[i])
+        meta = graph.node(name).outputs[0]
+        if chunks or twin_may_pay(sig.outputs[0], meta, cut, fwd, extra, pricer.mesh,
+                                  pricer.prices):  # fmt: skip
             twins.append((i, cut))
+            priced.append(fwd)
     if not twins:
         return found
     n = len(found.candidates)
     again = found.restricted([*range(n), *(i for i, _ in twins)])
-    forward = np.array([roofline.chunked_forward_s(found.candidates[i], cut) for i, cut in twins])
+    forward = np.array(priced)
     backward = BACKWARD_FACTOR * forward * backward_share
     assert again.forward_s is not None, "compute ops state their forward"
     return replace(

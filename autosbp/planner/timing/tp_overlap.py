@@ -30,20 +30,24 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
 from autosbp.boxing import plan_boxing
+from autosbp.boxing.steps import BoxingStep
 from autosbp.capturing.graph import OpGraph, Role, TensorMeta
+from autosbp.errors import SbpError
 from autosbp.overlap import hidden_sync_s
 from autosbp.planner.space.recomputation import RECOMPUTE_MODES, recomputed
 from autosbp.planner.timing.boxing_prices import Prices
 from autosbp.rules import NdSignature
 from autosbp.rules.matmul import EINSUM
-from autosbp.sbp import Mesh, NdSbp, Partial
+from autosbp.sbp import Broadcast, Mesh, NdSbp, Partial, Split, check_nd_sbp
 from autosbp.tp_overlap import TP_OVERLAP_CHUNKS, ChunkPlan, chunk_plan, fits, reduce_step
 
-__all__ = ["overlap_cut", "overlapped_forward_s"]
+__all__ = ["overlap_cut", "overlapped_forward_s", "twin_may_pay"]
 
 
 def overlap_cut(
@@ -71,6 +75,62 @@ def overlap_cut(
     if len(partial) != 1 or mesh_shape[partial[0]] == 1 or not _beside(graph, name, readers[0]):
         return None
     return chunk_plan(attrs, sig, mesh_shape, chunks)
+
+
+def twin_may_pay(
+    src: NdSbp,
+    meta: TensorMeta,
+    cut: ChunkPlan,
+    compute_s: float,
+    extra_s: float,
+    mesh: Mesh,
+    prices: Prices,
+) -> bool:
+    """Can the twin of a candidate whose output is `src` beat its in-line copy on some consumer
+    layout: does the most its reduction hides, beside `compute_s` (the twin's forward), exceed
+    `extra_s` (what its chunks cost over the op run whole, forward and backward)? The twin and
+    its copy differ only there and on the edge's forward, where a layout one reduction reaches
+    costs the whole collective in line and `overlapped_forward_s` beside the chunks (the other
+    layouts: forbidden to the twin); the in-line copy may also pay relabels the twin's price
+    leaves out, ignored here. So a twin this refuses never wins a pair: dropping it changes
+    no plan, and keeps the search's size where chunking cannot pay (small ops, where k launches
+    outweigh what is hidden)."""
+    dim = next(d for d, x in enumerate(src) if isinstance(x, Partial))
+    summed = [*src[:dim], Broadcast(), *src[dim + 1 :]]
+    scattered = [(*src[:dim], Split(d), *src[dim + 1 :]) for d in range(len(meta.shape))]
+    dsts = [tuple(summed)] + [
+        dst for d, dst in enumerate(scattered) if d != cut.dim and _fits(dst, meta, mesh)
+    ]
+    exposed = overlapped_forward_s(src, dsts, meta, cut, compute_s, mesh, prices)
+    for dst, shown in zip(dsts, exposed, strict=True):
+        if np.isinf(shown):
+            continue
+        step = _reduction(src, dst, tuple(meta.shape), mesh, meta.dtype)
+        assert step is not None and step.link_class is not None, "priced above"
+        whole = prices.collective_time_s(
+            step.kind.value, step.message_bytes, step.group_size, step.link_class
+        )
+        if whole - shown > extra_s:
+            return True
+    return False
+
+
+@lru_cache(maxsize=16384)
+def _reduction(
+    src: NdSbp, dst: NdSbp, shape: tuple[int, ...], mesh: Mesh, dtype: Any
+) -> BoxingStep | None:
+    """The one reduction of `src` -> `dst` (`autosbp.tp_overlap.reduce_step`), cached: a search
+    asks for the same pairs on every edge of every configuration."""
+    return reduce_step(plan_boxing(src, dst, shape, mesh, dtype=dtype))
+
+
+def _fits(nd: NdSbp, meta: TensorMeta, mesh: Mesh) -> bool:
+    """Does `nd` split `meta` evenly on `mesh` (`sbp.check_nd_sbp`)?"""
+    try:
+        check_nd_sbp(nd, meta.shape, mesh.shape)
+    except SbpError:
+        return False
+    return True
 
 
 def _beside(graph: OpGraph, name: str, reader: str) -> bool:
@@ -115,7 +175,7 @@ def overlapped_forward_s(
     chunk beside `compute_s` (the twin's forward), inf where the cut cannot carry it."""
     out = np.full(len(dsts), np.inf)
     for j, dst in enumerate(dsts):
-        step = reduce_step(plan_boxing(src, dst, meta.shape, mesh, dtype=meta.dtype))
+        step = _reduction(src, dst, tuple(meta.shape), mesh, meta.dtype)
         if step is None or not fits(cut, step):
             continue
         link = step.link_class

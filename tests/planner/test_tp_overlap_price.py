@@ -19,10 +19,11 @@ from autosbp.errors import PlanError
 from autosbp.overlap import hidden_sync_s
 from autosbp.plan import Plan
 from autosbp.planner.api import ClusterPrices, plan_graph
+from autosbp.planner.problem.priced import price_graph
 from autosbp.planner.space.strategy import strategy_space
 from autosbp.planner.timing.tp_overlap import overlap_cut
 from autosbp.rules import NdSignature
-from autosbp.sbp import parse_nd_sbp
+from autosbp.sbp import Mesh, parse_nd_sbp
 from autosbp.tp_overlap import TP_OVERLAP_CHUNKS, chunk_plan
 from autosbp.zoo import build_model, load_model
 from costmodel import Cluster, load_profile
@@ -144,3 +145,29 @@ def test_a_bad_overlap_is_refused(strategy: str, match: str) -> None:
 @pytest.mark.parametrize(("named", "chunks"), [("", None), (",overlap=0", 0), (",overlap=1", 4)])
 def test_the_space_states_the_overlap(named: str, chunks: int | None) -> None:
     assert strategy_space(TP8 + named).tp_overlap == chunks
+
+
+def test_twins_that_cannot_pay_are_not_offered_and_dropping_them_changes_no_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tiny MLP's chunks cost more launches than its reductions could hide: no twin is
+    offered (`twin_may_pay`); offered anyway, the search takes none, and prices the same."""
+    module, inputs = load_model("mlp", {"layers": 2, "hidden": 32, "features": 16, "batch": 8})
+    graph = capture(module, inputs)
+
+    def planned() -> Plan:
+        return plan_graph(
+            graph, profile="dgx-a100", devices=2, memory_limit=None, global_batch=None,
+            optimizer="adam", dtype="fp32", strategy="megatron:tp=2,pp=1,dp=1,mb=1",
+            time_limit_s=60,
+        )  # fmt: skip
+
+    pruned = planned()
+    cuts = price_graph(graph, Mesh((2,)), ClusterPrices(Cluster(load_profile("dgx-a100"), 1)))
+    assert cuts.strategies["linear_1"].overlap_cuts is None
+    monkeypatch.setattr("autosbp.planner.timing.candidates.twin_may_pay", lambda *_: True)
+    offered = price_graph(graph, Mesh((2,)), ClusterPrices(Cluster(load_profile("dgx-a100"), 1)))
+    assert any(offered.strategies["linear_1"].overlap_cuts or ())
+    unpruned = planned()
+    assert not any(node.overlap_chunks for node in unpruned.nodes.values())
+    assert unpruned.predicted.step_time_s == pruned.predicted.step_time_s

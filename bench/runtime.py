@@ -41,6 +41,11 @@ Rows, each with its target:
   mask, a plain tensor, meets the DTensor scores ("aten.add.Tensor got mixed torch.Tensor and
   DTensor"); so this row has no torch peer. A second row runs `...,cp=2,ring=1`: the ring kernel
   (keys and values passed around the ring, each step beside the step's compute).
+- tp=2 overlapped (issue #47 item 2): our Engine under `megatron:tp=2,pp=1,dp=1` of a wide MLP
+  whose row-parallel linears run in 4 chunks, each chunk's all-reduce started while the next
+  computes (`NodePlan.overlap_chunks`, set on every such linear), vs the same plan run whole,
+  stepped in turn; printed with the cpu-gloo profile's overlap efficiency beside it (what the
+  planner assumes such overlap hides). No torch peer: the comparison is the plan without overlap.
 
 How it measures: both sides live in the same processes; after `warmup` steps of each, they take
 turns step by step, so each pair of steps meets the same machine load (the cores may be shared).
@@ -387,9 +392,75 @@ def main(argv: list[str] | None = None) -> int:
         for comparison in comparisons
         for name, timing in run_row(comparison.models or models, comparison, args).items()
     ] + context_rows(args)
+    if args.only is None and not args.models:
+        console.print(overlap_row(args))
     command = "python bench/runtime.py " + " ".join(argv if argv is not None else sys.argv[1:])
     console.print(_table(rows, command.strip()))
     return 0
+
+
+# ------------------------------------------------------------------------------ tp overlap row
+OVERLAP_MODEL = {"layers": 4, "hidden": 1024, "features": 512, "outputs": 64, "batch": 256}
+OVERLAP_CHUNKS = 4
+
+
+def overlap_worker(rank: int, world_size: int, job: Job) -> Timing:
+    """On every rank: an Engine per plan (overlapped, whole), stepped in turn; per-step times."""
+    from runtime.engine import Engine
+
+    torch.set_num_threads(job.threads)
+    model, inputs = build_model("mlp", seed=0, **OVERLAP_MODEL)
+    twin, _ = build_model("mlp", seed=0, **OVERLAP_MODEL)
+    engines = [
+        Engine(
+            m,
+            Plan.from_json(job.plans[k]),
+            lambda ps: torch.optim.Adam(ps, lr=LR),
+            example_inputs=inputs,
+        )
+        for m, k in ((model, "overlapped"), (twin, "whole"))
+    ]
+    return _alternate(*(functools.partial(e.step, inputs) for e in engines), job)
+
+
+def overlap_row(args: argparse.Namespace) -> str:
+    """The overlapped tp=2 row: its step time and the whole plan's, their ratio, the profile's
+    overlap efficiency."""
+    from costmodel.cluster import Cluster
+    from costmodel.profile_io import load_profile
+
+    model, inputs = build_model("mlp", device="meta", seed=0, **OVERLAP_MODEL)
+    plan = plan_graph(
+        capture_micro_batch(model, inputs, 1, name="mlp"), profile="cpu-gloo", devices=2,
+        memory_limit=None, global_batch=None, optimizer="adam", dtype="fp32",
+        strategy="megatron:tp=2,pp=1,dp=1,mb=1", time_limit_s=60,
+    ).to_json()  # fmt: skip
+    overlapped = {**plan, "nodes": dict(plan["nodes"])}
+    head = f"linear_{OVERLAP_MODEL['layers'] + 1}"
+    for name, node in plan["nodes"].items():  # the hidden layers' row-parallel linears
+        if node["op"] == "aten.linear.default" and node["outputs"] == ["P"] and name != head:
+            overlapped["nodes"][name] = {**node, "overlap_chunks": OVERLAP_CHUNKS}
+    job = Job({}, {"overlapped": overlapped, "whole": plan}, Reference.EAGER, _threads(2),
+              args.warmup, args.steps, None)  # fmt: skip
+    timing = _fold(run_workers(overlap_worker, 2, (job,), timeout_s=WORKER_TIMEOUT_S))
+    ours, whole = statistics.median(timing.ours_s), statistics.median(timing.torch_s)
+    efficiency = Cluster(load_profile("cpu-gloo"), nodes=1).overlap_efficiency
+    return (
+        f"tp=2 overlapped (mlp {OVERLAP_MODEL}, {OVERLAP_CHUNKS} chunks): {ours * 1e3:.1f} ms vs "
+        f"the same plan whole {whole * 1e3:.1f} ms, ratio {statistics.median(_ratios(timing)):.3f}; "
+        f"cpu-gloo overlap efficiency {efficiency:.3f}"
+    )
+
+
+def _fold(per_rank: list[Timing]) -> Timing:
+    return Timing(
+        _slowest([r.ours_s for r in per_rank]), _slowest([r.torch_s for r in per_rank]),
+        per_rank[0].ours_losses, per_rank[0].torch_losses,
+    )  # fmt: skip
+
+
+def _ratios(timing: Timing) -> list[float]:
+    return [a / b for a, b in zip(timing.ours_s, timing.torch_s, strict=True)]
 
 
 if __name__ == "__main__":

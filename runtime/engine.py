@@ -204,6 +204,8 @@ class Engine:
             recomputed=recomputed_nodes(self.plan, graph),
             gathering=gather_setup(graph, signatures, self.boxer, meshes, policy, self._timeout),
             param_grad_dtype=self.precision.reduce_dtype if self.weights.mixed else None,
+            regathered={n: frozenset(node.regathered) for n, node in self.plan.nodes.items()},
+            overlapped={n: node.overlap_chunks for n, node in self.plan.nodes.items()},
         )  # fmt: skip
 
     def _build_grad_sync(

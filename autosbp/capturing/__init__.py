@@ -9,6 +9,7 @@ Lives here, one module per responsibility:
   independent of the capture device (devices, copies, in-place writes, no_grad regions);
 - `failures`: export failures as one-paragraph errors naming the user's code;
 - `flops`: op families, flop and transcendental counts by formula;
+- `fused_norms`: an RMSNorm written in eager ops as torch's one rms_norm op, and its kernel;
 - `blocks`: which nodes belong to repeated block k (transformer layer k);
 - `batches`: cutting a batch into micro-batches (shared with the runtime);
 - `rebatch`: the graph at any batch size from two captures;

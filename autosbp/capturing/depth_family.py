@@ -33,7 +33,7 @@ __all__ = ["DepthFamily", "NotRepeatedError", "check_same", "same"]
 Location = tuple[int, int | None, int]  # (segment, block or None, position)
 Slot = tuple[int, str, int]  # (segment, kind, position)
 Ref = tuple[str, int, int, int, int]  # (how, segment, block, position, output index)
-_META_KEYS = ("tied", "block_container", "buffer_mutations", "absorbed")
+_META_KEYS = ("tied", "block_container", "buffer_mutations", "absorbed", "fused_norms")
 
 
 class NotRepeatedError(Exception):

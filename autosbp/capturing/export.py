@@ -59,7 +59,8 @@ from autosbp.capturing.blocks import assign_blocks
 from autosbp.capturing.builder import GraphBuilder, tensors_of
 from autosbp.capturing.ctc import padded_ctc
 from autosbp.capturing.failures import explain_export_failure, torch_report_held_back
-from autosbp.capturing.graph import STRIDE_FREE, InputRef, OpGraph, Role, run_device
+from autosbp.capturing.fused_norms import fuse_norms
+from autosbp.capturing.graph import InputRef, OpGraph, Role, kernel_of, run_device
 from autosbp.capturing.interchangeable import order_interchangeable_runs
 from autosbp.capturing.repeats import capture_by_repeats
 from autosbp.capturing.training_ifs import (
@@ -115,8 +116,10 @@ def _capture_whole(model: nn.Module, args: tuple[torch.Tensor, ...], name: str) 
     program = _export(model, args, name, absorbed)
     _check_loss(program, name)
     check_assumptions(absorbed, model, args, name)
+    fused = fuse_norms(program)
     opgraph = _build_opgraph(program, model, name)
     opgraph.meta["absorbed"] = absorbed.lines()
+    opgraph.meta["fused_norms"] = fused
     return opgraph
 
 
@@ -364,7 +367,8 @@ def run_graph(
     constants, and a capture on meta holds no values for them); other lifted constants come
     from the capture. `device` is the graph's
     `RUN_DEVICE`, where factory ops (arange, zeros ...) create tensors (default: the first
-    input's device, else the CPU). Views run as `STRIDE_FREE` says.
+    input's device, else the CPU). Each op runs as `graph.kernel_of` says (views as reshape,
+    rms_norm with the fused kernel's saves).
     """
     first = next(iter(inputs), None)
     device = torch.device(device or (first.device if first is not None else "cpu"))
@@ -383,8 +387,7 @@ def run_graph(
             args = run_device(_resolve(node.args, tensors), device)
             kwargs = run_device(_resolve(node.kwargs, tensors), device)
             assert node.target is not None, f"{name}: a compute node without a target"
-            kernel = STRIDE_FREE.get(node.target, node.target)
-            values[name] = tensors_of(kernel(*args, **kwargs))
+            values[name] = tensors_of(kernel_of(node.target)(*args, **kwargs))
     raise CaptureError(f"Graph of `{opgraph.model_name}` has no output node.")
 
 

@@ -24,6 +24,8 @@ from typing import Any
 import networkx as nx
 import torch
 
+from autosbp.capturing.fused_norms import rms_norm as fused_rms_norm
+
 
 class Role(enum.Enum):
     PARAMETER = "parameter"
@@ -124,6 +126,16 @@ STRIDE_FREE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.view.default: torch.ops.aten.reshape.default,
     torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default,
 }
+
+
+def kernel_of(target: Callable[..., Any]) -> Callable[..., Any]:
+    """What a compute node of `target` runs as, wherever a graph is interpreted (the reference
+    interpreter, the runtime's kernels, the probe of what autograd keeps): the op itself, but
+    views as `STRIDE_FREE` says and `rms_norm` as `fused_norms.rms_norm` (torch's op, keeping
+    for backward what its fused kernel keeps on every device)."""
+    if target is torch.ops.aten.rms_norm.default:
+        return fused_rms_norm
+    return STRIDE_FREE.get(target, target)
 
 
 def run_device(value: Any, device: torch.device) -> Any:

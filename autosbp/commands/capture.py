@@ -1,7 +1,7 @@
 """`autosbp capture MODEL`: capture a model and print a summary of its operator graph.
 
 Lives here: the command's arguments and the summary (nodes, parameters, flops, op families,
-repeated blocks, ops without an SBP rule), and how every command names a model
+repeated blocks, ops without an SBP rule, what capture absorbed and which eager norms it fused), and how every command names a model
 (`add_model_arguments`, `load_from_args`: capture and plan build it on the meta device, since
 they read shapes only). Lives elsewhere: loading models (`zoo`), capture
 (`capture`), op families (`flops`). Those import torch, so they load in `run`, not at import:
@@ -108,6 +108,8 @@ def print_summary(opgraph: OpGraph, console: Console) -> None:
     console.print(f"ops without an SBP rule (all-B fallback): {unknown}")
     for line in opgraph.meta.get("absorbed", ()):
         console.print(f"absorbed: {printable(line)}", soft_wrap=True)
+    for line in opgraph.meta.get("fused_norms", ()):
+        console.print(f"norm: {printable(line)}", soft_wrap=True)
 
 
 def _family_table(compute: list[OpNode]) -> Table:

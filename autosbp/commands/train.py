@@ -59,7 +59,8 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "--plan",
         default="auto",
         help="a plan JSON file, or a strategy planned now: auto (the search), dp, fsdp, "
-        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C] (default: auto)",
+        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C][,sp=1][,overlap=0|1|K] (see autosbp plan "
+        "--help) (default: auto)",
     )
     parser.add_argument(
         "--profile",

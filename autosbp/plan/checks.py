@@ -24,7 +24,14 @@ With the model's graph (of one micro-batch, as the plan was made):
   order: a value sent back to an earlier stage would wait forever);
 - every parameter's entry matches its node: layout, stage, shape;
 - the global batch is what the runtime trains: micro-batches x the graph's batch;
-- a recomputed node is a compute node inside a repeated block that writes no input.
+- a recomputed node is a compute node inside a repeated block that writes no input;
+- an input re-gathered in backward is an activation reaching a node that is not recomputed
+  through a conversion that exchanges data, under a backward that runs once (1f1b);
+- an op run in chunks beside its output's reduction (`overlap_chunks` k) is a matmul-like
+  compute op, k >= 2, whose one output one reader on its stage reads once through one
+  all-reduce or reduce-scatter (`tp_overlap.reduce_step`), cut along a dim (`tp_overlap.
+  chunk_plan`) that reduction does not split, recomputed exactly when its reader is (what the
+  runtime runs and the planner prices: `planner.timing.tp_overlap`).
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ def plan_problems(plan: Plan, graph: OpGraph | None = None) -> list[str]:
     if graph is not None:
         problems += [*_coverage(plan, graph), *_data_flow(plan, graph), *_params(plan, graph)]
         problems += [*_blocks(plan, graph), *_batch(plan, graph), *_recomputation(plan, graph)]
+        problems += [*_regathers(plan, graph), *_overlaps(plan, graph)]
     return problems
 
 
@@ -398,3 +406,108 @@ def _recomputation(plan: Plan, graph: OpGraph) -> list[str]:
         f"nodes {_names(wrong)} are marked recomputed, but only compute nodes inside a repeated "
         "block that write into none of their inputs can be"
     ]
+
+
+def _regathers(plan: Plan, graph: OpGraph) -> list[str]:
+    """An input a node re-gathers in backward (`NodePlan.regathered`) is an activation an op
+    made, reaching a node that is not recomputed through a conversion that exchanges data,
+    under a schedule whose backward runs once (not zb1's split)."""
+    from autosbp.boxing import plan_boxing
+    from autosbp.boxing.params import has_collective
+    from autosbp.capturing.graph import Role
+    from autosbp.plan.recompute import recomputed_nodes
+    from autosbp.sbp import Mesh
+
+    stated = {n: node for n, node in plan.nodes.items() if node.regathered and n in graph.graph}
+    if not stated:
+        return []
+    if plan.schedule != "1f1b":
+        return [
+            f"nodes {_names(stated)} re-gather inputs in backward under the {plan.schedule} "
+            "schedule, whose backward split in two would gather them twice"
+        ]
+    again, mesh, wrong = recomputed_nodes(plan, graph), Mesh(plan.mesh_shape), []
+    for name, node in stated.items():
+        producers = graph.producers(name)
+        for index in node.regathered:
+            found = producers[index] if index < len(producers) else None
+            if found is None or name in again or graph.node(found[0]).role is not Role.COMPUTE:
+                wrong.append(f"{name} input {index}")
+                continue
+            have = parse_nd_sbp(plan.nodes[found[0]].outputs[found[1]])
+            want = parse_nd_sbp(node.inputs[index])
+            shape = graph.node(found[0]).outputs[found[1]].shape
+            if have == want or not has_collective(plan_boxing(have, want, shape, mesh)):
+                wrong.append(f"{name} input {index}")
+    if not wrong:
+        return []
+    return [
+        f"{_names(wrong)} are re-gathered in backward, but only an activation an op made, read "
+        "through a conversion that exchanges data by a node that is not recomputed, can be"
+    ]
+
+
+def _overlaps(plan: Plan, graph: OpGraph) -> list[str]:
+    """An op run in chunks beside its output's reduction (`NodePlan.overlap_chunks`): what the
+    runtime's overlapped instruction can run (`runtime.parallel.tp_overlap`), and the planner
+    states (`planner.timing.tp_overlap.overlap_cut`); one problem per node, its cause and fix."""
+    stated = {n: node for n, node in plan.nodes.items() if node.overlap_chunks}
+    stated = {n: node for n, node in stated.items() if n in graph.graph}
+    if not stated:
+        return []
+    from autosbp.plan.recompute import recomputed_nodes
+
+    again = recomputed_nodes(plan, graph)
+    out = []
+    for name, node in stated.items():
+        why = _overlap_problem(plan, graph, name, again)
+        if why:
+            out.append(
+                f"node {name} ({node.op}) runs in {node.overlap_chunks} chunks beside its "
+                f"output's reduction, but {why}; drop its overlap_chunks (it then runs whole)"
+            )
+    return out
+
+
+def _overlap_problem(plan: Plan, graph: OpGraph, name: str, again: frozenset[str]) -> str:
+    """Why node `name`'s `overlap_chunks` cannot run as stated ("" where it can)."""
+    from autosbp.boxing import plan_boxing
+    from autosbp.capturing.graph import Role
+    from autosbp.rules import NdSignature
+    from autosbp.rules.matmul import EINSUM
+    from autosbp.sbp import Mesh
+    from autosbp.tp_overlap import chunk_plan, fits, reduce_step
+
+    attrs, node, chunks = graph.node(name), plan.nodes[name], plan.nodes[name].overlap_chunks
+    if attrs.role is not Role.COMPUTE or attrs.op not in EINSUM or len(attrs.outputs) != 1:
+        return "only a matmul-like op (linear, matmul, bmm, einsum) of one output is cut so"
+    if chunks < 2:
+        return "it must run in at least 2 chunks to overlap anything"
+    uses = [(v, i) for v in graph.readers(name) for _, i in graph.uses(name, v)]
+    if len(uses) != 1:
+        return f"its output is read {len(uses)} times, not once (each read converts apart)"
+    reader, index = uses[0]
+    if plan.nodes[reader].stage != node.stage:
+        return f"its reader {reader} runs on stage {plan.nodes[reader].stage}, not {node.stage}"
+    if (name in again) != (reader in again):
+        return (
+            f"it is {'' if name in again else 'not '}recomputed and its reader {reader} is "
+            f"{'' if reader in again else 'not '}(backward would run its reduction again where "
+            "the plan's price does not, or not where it does)"
+        )
+    have, want = parse_nd_sbp(node.outputs[0]), parse_nd_sbp(plan.nodes[reader].inputs[index])
+    shape = attrs.outputs[0].shape
+    step = reduce_step(plan_boxing(have, want, shape, Mesh(plan.mesh_shape)))
+    if step is None:
+        return (
+            f"its output ({node.outputs[0]}) reaches {reader} ({plan.nodes[reader].inputs[index]}) "
+            "through no single all-reduce or reduce-scatter of partial sums"
+        )
+    inputs = tuple(map(parse_nd_sbp, node.inputs))
+    cut = chunk_plan(attrs, NdSignature(inputs, (have,)), plan.mesh_shape, chunks)
+    if cut is None:
+        local = list(local_shape(shape, have, plan.mesh_shape))
+        return f"no dim of its local output {local} has {chunks} or more entries to cut"
+    if not fits(cut, step):
+        return f"the reduce-scatter to {reader} splits dim {cut.dim}, the dim the chunks cut"
+    return ""

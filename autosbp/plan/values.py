@@ -60,6 +60,16 @@ class NodePlan:
     # name of a parameter or buffer ("blocks.0.attn.qkv.weight"); "" at the model's top level,
     # for an input, and in plans written before paths were recorded.
     path: str = ""
+    # The inputs (by position) the op keeps for backward as it read them through a conversion
+    # that exchanges data (an all-gather) and that backward converts again from the producer's
+    # piece instead of keeping the converted copy (`runtime.parallel.regather`: sequence
+    # parallelism's re-gather); empty where every kept copy is kept, and in plans written before.
+    regathered: tuple[int, ...] = ()
+    # Run in this many chunks, each chunk's share of the output's one reduction (an all-reduce
+    # or reduce-scatter of a row-parallel matmul's partial sums) started while the next chunk
+    # computes (`runtime.parallel.tp_overlap`: tensor-parallel communication hidden behind
+    # compute); 0: the op runs whole and its output is boxed in line, as in plans written before.
+    overlap_chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -404,6 +414,8 @@ class Plan:
                     n.get("recomputed", False),
                     tuple(n.get("exchanges", ())),
                     n.get("path", ""),
+                    tuple(n.get("regathered", ())),
+                    n.get("overlap_chunks", 0),
                 )
                 for name, n in data["nodes"].items()
             },
@@ -472,6 +484,8 @@ def _node_json(node: NodePlan) -> dict[str, Any]:
         **({"recomputed": True} if node.recomputed else {}),
         **({"exchanges": list(node.exchanges)} if node.exchanges else {}),
         **({"path": node.path} if node.path else {}),
+        **({"regathered": list(node.regathered)} if node.regathered else {}),
+        **({"overlap_chunks": node.overlap_chunks} if node.overlap_chunks else {}),
     }
 
 

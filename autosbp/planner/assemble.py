@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from autosbp.boxing import plan_boxing
+from autosbp.boxing.params import has_collective
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.overlap import GRAD_BUCKET_BYTES, PREFETCH_BLOCKS
 from autosbp.plan import (
@@ -53,6 +55,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
     mesh, split = solved.mesh, solved.split
     nodes: dict[str, NodePlan] = {}
     params: dict[str, ParamPlan] = {}
+    regathered = regathered_inputs(solved, solution)
     for name in graph.order:
         attrs = graph.node(name)
         sig = solved.choice_of(solution, name)
@@ -67,6 +70,10 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             recomputed=recomputed(graph, name, solved.recompute),
             exchanges=tuple(e.describe() for e in exchanges(attrs, sig, mesh.shape)),
             path=attrs.name or attrs.module_path,
+            regathered=regathered.get(name, ()),
+            overlap_chunks=solved.strategies[rep].chunks_of(solution.choice[rep])
+            if attrs.role is Role.COMPUTE
+            else 0,
         )
         if attrs.role is Role.PARAMETER:
             sbp = format_nd_sbp(sig.outputs[0])
@@ -185,6 +192,27 @@ def _reshards(solved: MeshProblem, solution: Solution, name: str, layout: NdSbp)
     return False
 
 
+def regathered_inputs(solved: MeshProblem, solution: Solution) -> dict[str, tuple[int, ...]]:
+    """Per op whose chosen candidate is a re-gathering twin (`timing.regather`), the input its
+    backward converts again: a twin takes only pairs where that input is kept and reaches it
+    through a conversion that exchanges data, by an op that is not recomputed."""
+    graph = solved.graph
+    assert graph is not None, "a solved problem keeps its graph"
+    rep, choice = solved.representative, solution.choice
+    found: dict[str, tuple[int, ...]] = {}
+    for v, _ in graph.nodes(Role.COMPUTE):
+        index = solved.strategies[rep[v]].regathered_input(choice[rep[v]])
+        if index is None:
+            continue
+        u, out = graph.producers(v)[index] or ("", 0)
+        have = solved.choice_of(solution, u).outputs[out]
+        want, shape = solved.choice_of(solution, v).inputs[index], graph.node(u).outputs[out].shape
+        assert has_collective(plan_boxing(have, want, shape, solved.mesh)), (v, index)
+        assert not recomputed(graph, v, solved.recompute), v
+        found[v] = (index,)
+    return found
+
+
 def solver_report(found: Found) -> SolverReport:
     """The search's proven status and gap over its whole space, and its effort."""
     effort = found.effort
@@ -263,7 +291,7 @@ def alternatives(
         out[v] = tuple(
             Alternative(
                 repr(found.candidates[i])
-                + (" reshard_after_forward" if found.regathers(i) else "")
+                + (_regather_label(solved, v) if found.regathers(i) else "")
                 + (f" states {format_nd_sbp(q)}" if (q := found.state_of(i)) else "")
                 + (" gradient too" if found.gradient_of(i) is not None else ""),
                 float(objective[i]) if np.isfinite(objective[i]) else None,
@@ -272,6 +300,14 @@ def alternatives(
             for i in order
         )
     return out
+
+
+def _regather_label(solved: MeshProblem, v: str) -> str:
+    """How `alternatives` names a re-gathering twin: FSDP's word for a parameter's, sequence
+    parallelism's for an op's."""
+    graph = solved.graph
+    parameter = graph is not None and graph.node(v).role is Role.PARAMETER
+    return " reshard_after_forward" if parameter else " re-gathered in backward"
 
 
 def _switched(costs: Costs, v: str, choice: dict[str, int]) -> np.ndarray:

@@ -55,7 +55,7 @@ EINSUM: dict[str, Einsum] = {
 def einsum_signatures(node: Node, einsum: Einsum) -> list[Signature]:
     slots = tensor_slots(node)
     operand_shapes = [arg_shape(node, name) for name in einsum.operands]
-    letters, out_letters = _letters(einsum, operand_shapes)
+    letters, out_letters = letters_of(einsum, operand_shapes)
     out_shape = out_shapes(node)[0]
     addend = einsum.addend if einsum.addend in slots else None
     addend_shape = arg_shape(node, addend) if addend else ()
@@ -91,7 +91,7 @@ def _free_sbp(letters: str, shape: Shape, letter: str, out_size: int) -> Sbp:
     return S(dim) if shape[dim] == out_size else B  # a size-1 batch dim broadcasts: B
 
 
-def _letters(einsum: Einsum, shapes: list[Shape]) -> tuple[list[str], str]:
+def letters_of(einsum: Einsum, shapes: list[Shape]) -> tuple[list[str], str]:
     """Concrete letters per operand and for the output (batch dims take letters from 'A')."""
     if not einsum.spec:
         return _matmul_letters(shapes)

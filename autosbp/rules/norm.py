@@ -2,7 +2,8 @@
 
 Lives here: the rules of ops that normalize with statistics computed over some dims. Lives
 elsewhere: the pieces of a hand-written RMSNorm (pow, mean, rsqrt, mul: `pointwise`,
-`reduction`), which compose from their own rules.
+`reduction`), which compose from their own rules where capture did not fuse them into one
+rms_norm (`capturing.fused_norms`, whose kernel rms_norm runs as).
 
 Rows, for one mesh dim:
   layer / rms norm   leading dim i (i < rank - len(normalized_shape)) split: x S(i), weight and
@@ -34,6 +35,7 @@ References: OneFlow layer_norm_op.cpp; torch/distributed/tensor/_ops/_math_ops.p
 
 from __future__ import annotations
 
+from autosbp.capturing.graph import kernel_of
 from autosbp.rules.core import (
     LocalOp,
     NdSignature,
@@ -45,6 +47,7 @@ from autosbp.rules.core import (
     bound_args,
     default_local_op,
     in_shapes,
+    local_op_with,
     make_signature,
     out_shapes,
 )
@@ -113,9 +116,17 @@ def group_norm_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Sh
     return default_local_op(node, {"num_groups": channels})
 
 
+def rms_norm_local(node: Node, sig: NdSignature, mesh_shape: Shape, coords: Shape) -> LocalOp:
+    """rms_norm runs as the graph runs it (`graph.kernel_of`: torch's op, keeping the fused
+    kernel's input, weight and rstd on every device); a row split changes no argument."""
+    assert node.target is not None
+    return local_op_with(node, kernel_of(node.target), {})
+
+
 def rules() -> dict[str, OpRule]:
     """This family's rows of the registry."""
     table = dict.fromkeys(LAYER_NORMS, OpRule(layer_norm_signatures))
+    table["aten.rms_norm.default"] = OpRule(layer_norm_signatures, rms_norm_local)
     table["aten.group_norm.default"] = OpRule(group_norm_signatures, group_norm_local)
     table.update(dict.fromkeys(BATCH_NORMS, OpRule(batch_norm_signatures)))
     return table

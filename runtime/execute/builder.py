@@ -10,7 +10,10 @@ communicates inside the op gets this rank's `runtime.execute.op_comm.GroupComm`)
 
 Invariants:
 - Each boxing is emitted right before its first consumer, and a producer output boxed to one
-  layout is boxed once, whatever the number of consumers that need that layout.
+  layout is boxed once, whatever the number of consumers that need that layout; except for an
+  input the plan re-gathers in backward (`NodePlan.regathered`), whose copy is its consumer's
+  own (`runtime.parallel.regather` registers it), as the planner prices it: one conversion per
+  edge, kept or re-gathered by its consumer alone.
 - An op that writes into a buffer input that was boxed for it writes into a copy of its own,
   boxed back and copied into the buffer right after the op. Boxing into any other in-place
   write (`autosbp.rules.pinned_inputs`) is refused: the planner never plans it.
@@ -29,9 +32,11 @@ from typing import Any
 import torch
 
 from autosbp.boxing.params import has_collective
+from autosbp.boxing.steps import BoxingStep
 from autosbp.capturing.graph import OpGraph, OpNode, Role, run_device
 from autosbp.errors import PlanError
 from autosbp.rules import (
+    LocalOp,
     MeanOverTargets,
     NdSignature,
     in_eval_mode,
@@ -42,9 +47,11 @@ from autosbp.rules import (
     pinned_inputs,
 )
 from autosbp.sbp import Mesh, NdSbp, format_nd_sbp
+from autosbp.tp_overlap import chunk_plan, fits, reduce_step
 from runtime.execute.instructions import (
     Boxer,
     Instruction,
+    TensorFn,
     Values,
     box_instruction,
     by_mode,
@@ -54,6 +61,8 @@ from runtime.execute.instructions import (
 )
 from runtime.execute.op_comm import GroupComm
 from runtime.parallel.gathers import ParamBox
+from runtime.parallel.regather import Regathers
+from runtime.parallel.tp_overlap import overlapped_instruction
 
 __all__ = ["ProgramBuilder", "last_uses"]
 
@@ -72,7 +81,8 @@ class ProgramBuilder:
     # A mixed recipe's gradient sum dtype for parameter boxings (None: the weights' own)
     param_grad_dtype: torch.dtype | None = None
     slots: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
-    boxed: dict[tuple[str, int, NdSbp], int] = dataclasses.field(default_factory=dict)
+    # (producer, output, layout, consumer: its own copy where it re-gathers it, else "")
+    boxed: dict[tuple[str, int, NdSbp, str], int] = dataclasses.field(default_factory=dict)
     steps: list[Instruction] = dataclasses.field(default_factory=list)
     reads: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     writes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
@@ -83,6 +93,13 @@ class ProgramBuilder:
     # count, and its target's size (the count when nothing is ignored)
     counts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     current: str = ""
+    # The inputs the plan re-gathers in backward, per consumer (`NodePlan.regathered`), and
+    # what registers their copies (`runtime.parallel.regather`; None where there are none)
+    regathered: Mapping[str, frozenset[int]] = dataclasses.field(default_factory=dict)
+    regathers: Regathers | None = None
+    # The ops the plan overlaps with the reduction of their output, and their chunks
+    # (`NodePlan.overlap_chunks`, `runtime.parallel.tp_overlap`)
+    overlapped: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def new_slot(self, value: Any = None) -> int:
         self.template.append(value)
@@ -108,7 +125,8 @@ class ProgramBuilder:
                 "would take the write away from the tensor read afterwards. The planner never "
                 "does this; the plan was edited or made by another autosbp version: make it again."
             )
-        key = (node, out, want)
+        again = index in self.regathered.get(consumer, ())
+        key = (node, out, want, consumer if again else "")  # a re-gathered copy is its own
         if key not in self.boxed:
             attrs = self.graph.node(node)
             meta = attrs.outputs[out]
@@ -116,6 +134,8 @@ class ProgramBuilder:
             box = self.boxer.chain(have, want, meta.shape, meta.dtype, grad_dtype=grad_dtype)
             src, dst = self.slots[(node, out)], self.new_slot()
             steps = self.boxer.steps(have, want, meta.shape, meta.dtype)
+            if again:
+                box = self._regathered(consumer, index, attrs, box, steps)
             if attrs.role is Role.PARAMETER and has_collective(steps):
                 block = self.graph.node(consumer).block
                 self.param_boxes.append(
@@ -124,6 +144,25 @@ class ProgramBuilder:
             self.emit(box_instruction(box, src, dst), (src,), (dst,))
             self.boxed[key] = dst
         return self.boxed[key]
+
+    def _regathered(
+        self,
+        consumer: str,
+        index: int,
+        producer: OpNode,
+        box: TensorFn,
+        steps: tuple[BoxingStep, ...],
+    ) -> TensorFn:
+        """`box`, its copy registered to be converted again in backward (refused where the plan
+        states a re-gather that has nothing to convert again: the planner never does)."""
+        if producer.role is not Role.COMPUTE or not has_collective(steps):
+            raise PlanError(
+                f"the plan re-gathers input {index} of node {consumer!r} in backward, but that "
+                "input is not an activation reached through a collective; the planner never "
+                "does this: the plan was edited or made by another autosbp version: make it again."
+            )
+        assert self.regathers is not None, "re-gathered inputs without their registry"
+        return self.regathers.boxing(box, steps)
 
     def emit(self, step: Instruction, reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
         self.owners.append(self.current)
@@ -151,6 +190,9 @@ class ProgramBuilder:
             args=run_device(op.args, self.device),
             kwargs=run_device(dict(op.kwargs), self.device),
         )
+        if name in self.overlapped:
+            self.emit_overlapped(name, attrs, op, ins, outs)
+            return
         run = compute_instruction(op, ins, outs)
         evaluated = in_eval_mode(attrs, op)
         if evaluated is not None:
@@ -161,6 +203,32 @@ class ProgramBuilder:
         mean = mean_over_targets(attrs)
         if mean is not None:
             self.count_kept(mean, ins, attrs.inputs[mean.target].numel)
+
+    def emit_overlapped(
+        self, name: str, attrs: OpNode, op: LocalOp, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> None:
+        """`name` in chunks with its output's one conversion overlapped (`runtime.parallel.
+        tp_overlap`): the converted copy is the boxing its reader finds (refused where the plan
+        states an overlap the runtime cannot run: the planner never does)."""
+        readers = [(v, i) for v in self.graph.readers(name) for _, i in self.graph.uses(name, v)]
+        chunks = self.overlapped[name]
+        want = self.signatures[readers[0][0]].inputs[readers[0][1]] if len(readers) == 1 else None
+        meta = attrs.outputs[0]
+        have = self.layout(name, 0)
+        step = None if want is None else reduce_step(self.boxer.steps(have, want, meta.shape))
+        cut = chunk_plan(attrs, self.signatures[name], self.mesh.shape, chunks)
+        if step is None or cut is None or not fits(cut, step) or self.comm is None:
+            raise PlanError(
+                f"the plan overlaps node {name!r} ({attrs.op}) with its output's reduction in "
+                f"{chunks} chunks, but that output is not one matmul's partial sums read once "
+                "through one all-reduce or reduce-scatter, cut along a dim it does not split; the "
+                "planner never does this: the plan was edited or made by another autosbp "
+                "version: make it again."
+            )
+        assert want is not None, "a reduction without its layout"
+        dst = self.new_slot()
+        self.emit(overlapped_instruction(op, cut, step, self.comm, ins, dst), ins, (*outs, dst))
+        self.boxed[(name, 0, want, "")] = dst
 
     def count_kept(self, mean: MeanOverTargets, ins: tuple[int, ...], size: int) -> None:
         """The kept targets of a mean cross-entropy's micro-batch into a slot of their own (its

@@ -45,6 +45,7 @@ from runtime.execute.groups import ProcessGroups
 __all__ = [
     "Boxer",
     "Instruction",
+    "TensorFn",
     "Values",
     "box_instruction",
     "by_mode",

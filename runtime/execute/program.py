@@ -44,6 +44,7 @@ from runtime.execute.op_comm import GroupComm
 from runtime.execute.recompute_runs import checkpointed, recompute_runs
 from runtime.parallel.gathers import plan_gathers
 from runtime.parallel.prefetch import GatherSchedule, GatherSetup
+from runtime.parallel.regather import Regathers
 
 __all__ = ["InputLoader", "Pieces", "Program", "Value", "build_program"]
 
@@ -107,6 +108,7 @@ class Program:
     imports: tuple[int, ...] = ()
     exports: tuple[int, ...] = ()
     gathers: GatherSchedule | None = None  # parameter gathers run ahead (runtime.parallel.prefetch)
+    regathers: Regathers | None = None  # activations re-gathered in backward (parallel.regather)
     op_comm: GroupComm | None = None  # collectives inside ops: spans go to its `span_hook`
     # Per mean cross-entropy over class indices: the slot of its kept-target count and its
     # target's size (`ProgramBuilder.count_kept`)
@@ -125,7 +127,8 @@ class Program:
         for slot, value in zip(self.imports, received, strict=True):
             values[slot] = value
         scope = self.gathers.forward(micro_batch) if self.gathers else contextlib.nullcontext()
-        with scope:
+        again = self.regathers.forward(self.gathers) if self.regathers else contextlib.nullcontext()
+        with scope, again:
             for step, frees in zip(self.steps, self.frees, strict=True):
                 step(values)
                 for slot in frees:
@@ -169,6 +172,8 @@ def build_program(
     recomputed: frozenset[str] = frozenset(),
     gathering: GatherSetup | None = None,
     param_grad_dtype: torch.dtype | None = None,
+    regathered: Mapping[str, frozenset[int]] | None = None,
+    overlapped: Mapping[str, int] | None = None,
 ) -> Program:
     """This rank's program for `stage` (every node when `stage_of` is None). `state` maps every
     parameter/buffer/constant name of the stage to this rank's local tensor in its plan layout.
@@ -177,13 +182,20 @@ def build_program(
     `recomputed` (the nodes the plan recomputes: `autosbp.plan.recomputed_nodes`) wraps each
     run of their steps in activation checkpointing. With `gathering`, parameter gathers run
     through a `GatherSchedule` (`runtime.parallel.prefetch`). `param_grad_dtype`: the dtype a
-    parameter boxing's backward sums its gradient in (a mixed recipe's reduce dtype)."""
+    parameter boxing's backward sums its gradient in (a mixed recipe's reduce dtype).
+    `regathered` (per node, `NodePlan.regathered`): the inputs whose copies backward converts
+    again instead of keeping (`runtime.parallel.regather`). `overlapped` (per node,
+    `NodePlan.overlap_chunks`): the ops run in chunks beside their output's reduction
+    (`runtime.parallel.tp_overlap`)."""
     device = next(iter(state.values())).device if state else torch.device("cpu")
     comm = GroupComm(boxer.mesh, coords, boxer.groups)
-    builder = ProgramBuilder(
-        graph, signatures, boxer.mesh, coords, boxer, device, comm, param_grad_dtype
-    )
     here = _stage_nodes(graph, stage_of, stage)
+    regathered = {n: i for n, i in (regathered or {}).items() if i and n in here}
+    builder = ProgramBuilder(
+        graph, signatures, boxer.mesh, coords, boxer, device, comm, param_grad_dtype,
+        regathered=regathered, regathers=Regathers(boxer.groups) if regathered else None,
+        overlapped={n: k for n, k in (overlapped or {}).items() if k > 1 and n in here},
+    )  # fmt: skip
     imports = [builder.slots.setdefault(value, builder.new_slot()) for value in received]
     inputs = _load_inputs(builder, here)
     loss = _emit_nodes(builder, here, state)
@@ -206,6 +218,7 @@ def build_program(
         imports=tuple(imports),
         exports=tuple(exports),
         gathers=gathers,
+        regathers=builder.regathers,
         op_comm=comm,
         counts=tuple(builder.counts),
     )

@@ -66,7 +66,7 @@ from runtime.execute.groups import ProcessGroups, build_groups
 from runtime.execute.instructions import Boxer
 from runtime.parallel.gathers import GatherPolicy, ParamGather
 
-__all__ = ["GatherCounts", "GatherSchedule", "GatherSetup", "gather_setup"]
+__all__ = ["GatherCounts", "GatherSchedule", "GatherSetup", "gather_setup", "unpack_saved"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +246,9 @@ def _unpack(packed: Any) -> Any:
     return packed.owner.unpack(packed) if isinstance(packed, _Handle) else packed
 
 
+unpack_saved = _unpack  # what `GatherSchedule.pack_saved` packed, as a saved tensor again
+
+
 class _GatheredParam(torch.autograd.Function):
     """A started gather's weight, differentiable w.r.t. the shard: backward is the dual chain
     (reduce-scatter), synchronous or deferred (`GatherSchedule.reduce`)."""
@@ -346,6 +349,14 @@ class GatherSchedule:
             current.end_forward()
         finally:
             self._current = None
+
+    def pack_saved(self, tensor: torch.Tensor) -> Any:
+        """What the current forward's hook packs for `tensor` (a handle where it lies in a
+        re-gathered weight, else the tensor): for hooks nested inside this schedule's
+        (`runtime.parallel.regather`), which replace its own while they are installed."""
+        if self._current is None or not self.regathers:
+            return tensor
+        return self._current.pack(tensor)
 
     def take(self, gather: ParamGather) -> torch.Tensor:
         assert self._current is not None, "a parameter gather outside GatherSchedule.forward"

@@ -31,7 +31,7 @@ def assert_same_graph(got: OpGraph, want: OpGraph) -> None:
     assert list(got.edges()) == list(want.edges())
     assert got.unknown_ops == want.unknown_ops and got.model_name == want.model_name
     assert set(got.meta) == {*want.meta, "capture_s", "repeated_from"}
-    for key in ("tied", "block_container", "buffer_mutations", "absorbed"):
+    for key in ("tied", "block_container", "buffer_mutations", "absorbed", "fused_norms"):
         assert got.meta[key] == want.meta[key], key
     constants = got.meta["constants"], want.meta["constants"]
     assert list(constants[0]) == list(constants[1])
@@ -74,6 +74,9 @@ def test_replicated_graph_is_the_whole_export(
     got = export.capture(model, inputs)
     assert got.meta["repeated_from"] == (3, 4, 5)
     assert len({a.block for _, a in got.nodes()} - {None}) == LAYERS
+    # Llama's eager norms fused in every export alike (`fused_norms`: lines whatever the depth)
+    fused = sum(a.op == "aten.rms_norm.default" for _, a in got.nodes())
+    assert fused == (2 * LAYERS + 1 if build is _hf_llama else 0)
     assert_same_graph(got, export._capture_whole(model, inputs, type(model).__name__))
 
 

@@ -543,10 +543,15 @@ def test_2d_mesh_problem_equals_brute_force(memory_fraction: float | None) -> No
             return True  # a scalar (the loss)
         return sig.inputs[0][0] == Split(0)
 
+    # without the ops' re-gathering and overlapped twins (`timing.regather`, `timing.
+    # tp_overlap`), which would grow the space past what brute force enumerates here
+    # (tests/planner/test_activation_regather.py and test_tp_overlap_price.py have their own)
+    priced = price_graph(graph, Mesh((2, 2)), a100_prices(), allow, regathers=False, tp_overlap=0)
+
     def problem(limit: float | None) -> Problem:
         return build_problem(
             graph, Mesh((2, 2)), a100_prices(), optimizer="adam", memory_limit_bytes=limit,
-            allow=allow,
+            allow=allow, priced=priced,
         ).problem  # fmt: skip
 
     limit = (

@@ -94,8 +94,14 @@ def test_edge_tables_shared_across_edges_and_micro_batches_equal_fresh_prices() 
                     there, back = (fresh[(*pair, meta)] for pair in pairs)
                     expected_forward[i, j] += there
                     expected_both[i, j] += there + back
-            np.testing.assert_allclose(forward, expected_forward, rtol=1e-12, err_msg=f"{u}->{v}")
-            np.testing.assert_allclose(both, expected_both, rtol=1e-12, err_msg=f"{u}->{v}")
+            # an overlapped twin's rows are its reduction beside its chunks (test_tp_overlap_price)
+            rows = [i for i in range(len(producer.candidates)) if not producer.chunks_of(i)]
+            np.testing.assert_allclose(
+                forward[rows], expected_forward[rows], rtol=1e-12, err_msg=f"{u}->{v}"
+            )
+            np.testing.assert_allclose(
+                both[rows], expected_both[rows], rtol=1e-12, err_msg=f"{u}->{v}"
+            )
             checked += 1
     assert checked > 50
 

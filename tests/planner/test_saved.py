@@ -23,12 +23,12 @@ import torch
 
 from autosbp.capturing.export import capture
 from autosbp.capturing.graph import (
-    STRIDE_FREE,
     InputRef,
     OpGraph,
     OpNode,
     Role,
     TensorMeta,
+    kernel_of,
     run_device,
 )
 from autosbp.planner.memory.autograd_probe import PROBE_DEVICE, Saved, requires_grad_of, saved_by
@@ -92,7 +92,7 @@ def saved_by_autograd(attrs: OpNode, inputs: list[torch.Tensor], flags: tuple[bo
         differentiable = t.is_floating_point() or t.is_complex()
         tensors.append(t.requires_grad_().clone() if flag and differentiable else t)
     stop = {t.grad_fn for t in tensors if t.grad_fn is not None}
-    kernel = STRIDE_FREE.get(attrs.target, attrs.target)
+    kernel = kernel_of(attrs.target)
     args = resolve_refs(run_device(attrs.args, PROBE_DEVICE), tensors)
     kwargs = {
         k: resolve_refs(v, tensors) for k, v in run_device(attrs.kwargs, PROBE_DEVICE).items()
@@ -157,8 +157,11 @@ PINNED = [
     # mean and rstd beside the input and affine parameters: 2 x 4 fp32 per row statistic
     ("layer_norm", ATEN.layer_norm.default, [(4, 8), (8,), (8,)], (True, True, True),
      {0, 1, 2}, set(), 2 * 4 * 4),
+    # the fused kernel's saves (`capturing.fused_norms`): input, weight and an fp32 rstd per
+    # row, where torch's CPU composite keeps the fp32 upcast and products too
+    ("rms_norm", ATEN.rms_norm.default, [(4, 8), (8,)], (True, True), {0, 1}, set(), 4 * 4),
 ]  # fmt: skip
-EXTRA_ARGS = {"softmax": (-1,), "layer_norm": ([8],)}
+EXTRA_ARGS = {"softmax": (-1,), "layer_norm": ([8],), "rms_norm": ([8],)}
 
 
 @pytest.mark.parametrize(

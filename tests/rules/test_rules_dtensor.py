@@ -22,7 +22,7 @@ SAMPLE = [
     "transpose", "gelu", "cat", "split", "amax", "ce-mean", "where", "select", "expand-size1",
     "gather", "cumsum", "where-scalar-other", "index-first", "hardswish", "to-dtype_layout",
     "ce-ignored", "min-other", "roll", "diff", "argmax", "type_as", "div-floor",
-    "group_norm-per-channel",
+    "group_norm-per-channel", "rms_norm",
 ]  # fmt: skip
 
 # Comm-free outputs whose placement differs by convention only: (case, our signature) -> reason.

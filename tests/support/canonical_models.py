@@ -150,7 +150,9 @@ class KeyedTables(nn.Module):
 
 class TypeAs(nn.Module):
     """Gemma's and Llama's RMSNorm tail, `output.type_as(x)`: once to x's own dtype (float32,
-    a no-op) and once to a float64 tensor's (a cast), then back."""
+    a no-op) and once to a float64 tensor's (a cast), then back. Its statistics are a sum over
+    the width divided by it, not `mean`: no rms_norm that capture would fuse
+    (`capturing.fused_norms`, whose backward rounds otherwise), so the casts stay."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -159,7 +161,7 @@ class TypeAs(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
-        normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
+        normed = (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) / HIDDEN + 1e-6)).type_as(x)
         wide = (normed * (1.0 + self.norm)).type_as(torch.zeros((), dtype=torch.float64))
         return F.mse_loss(wide.pow(2).sum(-1).type_as(y), y.sum(-1))
 

@@ -15,7 +15,7 @@ from typing import Any
 from autosbp.capturing.export import capture_micro_batch
 from autosbp.plan import Plan
 from autosbp.plan.values import DTYPES
-from autosbp.zoo import build_model
+from autosbp.zoo import load_model
 from launching.workers import run_workers
 from runtime import Engine
 from runtime.jobs import adam
@@ -23,7 +23,7 @@ from runtime.parallel.gathers import GatherPolicy
 from runtime.verify.peak_memory import engine_tensors, measure_peak_bytes
 
 Case = dict[str, Any]
-"""{"id": str, "model": zoo name, "model_kwargs": dict, "plan": Plan JSON,
+"""{"id": str, "model": zoo name or FILE.py:FUNCTION, "model_kwargs": dict, "plan": Plan JSON,
 "regather": bool | None (None: the plan's own policy), "depth": int}"""
 
 
@@ -51,7 +51,7 @@ def measure_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[st
 
 
 def _measure(case: Case, rank: int) -> dict[str, float]:
-    model, inputs = build_model(case["model"], seed=0, **case["model_kwargs"])
+    model, inputs = load_model(case["model"], {"seed": 0, **case["model_kwargs"]})
     plan = Plan.from_json(case["plan"])
     graph = capture_micro_batch(
         model, inputs, plan.micro_batches, name=case["model"], dtype=DTYPES[plan.dtype]
@@ -68,4 +68,8 @@ def _measure(case: Case, rank: int) -> dict[str, float]:
     engine.step(inputs)
     measured = measure_peak_bytes(lambda: engine.step(inputs), lambda: engine_tensors(engine))
     stage = next(s for s in plan.stages if rank in s.devices)
-    return {"measured_bytes": float(measured), "predicted_bytes": float(stage.peak_memory_bytes)}
+    again = sum(p.regathers.counts.regathered for p in engine.programs if p.regathers)
+    return {
+        "measured_bytes": float(measured), "predicted_bytes": float(stage.peak_memory_bytes),
+        "regathered": float(again),  # activations gathered again in backward, both steps
+    }  # fmt: skip

@@ -101,10 +101,15 @@ def gpt2(batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0) -> M
 
 def _llama_like(config_class: Any, model_class: Any, **extra: Any) -> Callable[..., ModelAndInputs]:
     def build(
-        batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0, layers: int = 2
+        batch: int = TEXT["batch"],
+        seq: int = TEXT["seq"],
+        seed: int = 0,
+        layers: int = 2,
+        hidden: int = 32,
     ) -> ModelAndInputs:
         config = config_class(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+            vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
             attention_dropout=0.0, **extra,
         )  # fmt: skip
@@ -114,11 +119,15 @@ def _llama_like(config_class: Any, model_class: Any, **extra: Any) -> Callable[.
 
 
 def llama(
-    batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0, layers: int = 2
+    batch: int = TEXT["batch"],
+    seq: int = TEXT["seq"],
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 32,
 ) -> ModelAndInputs:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _llama_like(LlamaConfig, LlamaForCausalLM)(batch, seq, seed, layers)
+    return _llama_like(LlamaConfig, LlamaForCausalLM)(batch, seq, seed, layers, hidden)
 
 
 def mistral(batch: int = TEXT["batch"], seq: int = TEXT["seq"], seed: int = 0) -> ModelAndInputs:

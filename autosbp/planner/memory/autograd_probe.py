@@ -10,7 +10,8 @@ elsewhere: what a graph keeps per micro-batch and layout (`memory`), the op's si
 How. Under a `FakeTensorMode` (no memory: GPT-3's shapes cost nothing) the op runs with each
 floating input a fresh tensor that requires grad exactly where the graph's value does, on the
 CPU (so SDPA takes the fused kernel that saves q, k, v, the output and the logsumexp, as
-FlashAttention does on GPUs; on the meta device it decomposes into the math path). Every tensor
+FlashAttention does on GPUs; on the meta device it decomposes into the math path), as the graph
+runs it (`graph.kernel_of`: rms_norm keeps the fused kernel's input, weight and rstd). Every tensor
 autograd packs is matched to the inputs and outputs by storage (a saved `weight.t()` is the
 weight); the rest are intermediates (a norm's mean and rstd, a dropout mask, cross-entropy's
 log-softmax), counted once per storage in `extra_bytes`. What autograd keeps depends on which
@@ -23,7 +24,7 @@ inputs and outputs; `known` is False).
 
 Measured on torch 2.13 CPU: linear keeps input and weight; gelu its input; add nothing;
 softmax its output; SDPA q, k, v, output and logsumexp; layer_norm input, weight, bias, mean
-and rstd; cross_entropy_loss the target and log-softmax (tests/planner/test_saved.py holds the probe to
+and rstd; rms_norm input, weight and rstd; cross_entropy_loss the target and log-softmax (tests/planner/test_saved.py holds the probe to
 each op's `grad_fn._saved_*` attributes on real tensors).
 """
 
@@ -38,12 +39,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 
 from autosbp.capturing.graph import (
-    STRIDE_FREE,
     InputRef,
     OpGraph,
     OpNode,
     Role,
     TensorMeta,
+    kernel_of,
     run_device,
 )
 
@@ -85,7 +86,7 @@ _CACHE: dict[tuple, Saved] = {}  # per op, arguments, input tensors and flags (s
 def _probe(attrs: OpNode, requires_grad: tuple[bool, ...]) -> Saved:
     metas: tuple[TensorMeta, ...] = tuple(attrs.inputs)
     assert attrs.target is not None, f"{attrs.op}: a compute node without a target"
-    kernel = STRIDE_FREE.get(attrs.target, attrs.target)
+    kernel = kernel_of(attrs.target)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             inputs = [_fake(meta, flag) for meta, flag in zip(metas, requires_grad, strict=True)]

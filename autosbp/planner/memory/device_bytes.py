@@ -180,8 +180,8 @@ def pair_bytes(
     `uses[n]`. Each distinct (layout, layout) pair is priced once."""
     matrix = np.zeros((len(producer_outputs), len(consumer_inputs)))
     for use, meta in zip(uses, metas, strict=True):
-        srcs, src_of = _distinct([outs[use.out_idx] for outs in producer_outputs])
-        dsts, dst_of = _distinct([ins[use.in_idx] for ins in consumer_inputs])
+        srcs, src_of = distinct_layouts([outs[use.out_idx] for outs in producer_outputs])
+        dsts, dst_of = distinct_layouts([ins[use.in_idx] for ins in consumer_inputs])
         table = _use_table(srcs, dsts, meta, mesh_shape, use.sole, use.converted)
         matrix += table[np.ix_(src_of, dst_of)]
     return matrix
@@ -214,7 +214,7 @@ def _views(srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
     return views
 
 
-def _distinct(layouts: Sequence[NdSbp]) -> tuple[list[NdSbp], np.ndarray]:
+def distinct_layouts(layouts: Sequence[NdSbp]) -> tuple[list[NdSbp], np.ndarray]:
     """The distinct layouts, and for each given one its index among them."""
     index: dict[NdSbp, int] = {}
     of = [index.setdefault(layout, len(index)) for layout in layouts]

@@ -1,7 +1,8 @@
 """What a graph keeps from forward to backward, per micro-batch, under a recomputation mode.
 
 Lives here: `Kept` (per representative node, the outputs it keeps in its own layout and the
-intermediates its backward keeps; per edge, the uses whose consumer keeps the value, which the
+intermediates its backward keeps, and the inputs it keeps as read that a re-gather could apply
+to; per edge, the uses whose consumer keeps the value, which the
 layouts then price as the producer's tensor or as a boxed copy) and `kept_for_backward`, which reads
 it off the graph with what autograd saves (`memory.autograd_probe`). Lives elsewhere: bytes per
 candidate and pair (`memory`), recomputation modes (`space.stages`), ties (`space.ties`).
@@ -79,6 +80,10 @@ class Kept:
     uses: Mapping[Hashable, tuple[KeptUse, ...]]  # per edge twin: uses kept until backward
     recomputed_uses: Mapping[Hashable, tuple[KeptUse, ...]]  # kept while their block recomputes
     regatherable: frozenset[str]  # parameters some consumer keeps (after any conversion)
+    # per representative consumer: the inputs it keeps as it reads them whose value an op made
+    # (floating): where such an input reaches it through a collective, backward may convert it
+    # again from the producer's tensor instead of keeping the copy (`timing.regather`)
+    regather_inputs: Mapping[str, frozenset[int]] = field(default_factory=dict)
     # per representative op: the share of its floating inputs whose gradient backward computes
     # (1 where every input requires grad; 0 under a frozen part, where backward runs nothing)
     backward_share: Mapping[str, float] = field(default_factory=dict)
@@ -264,8 +269,26 @@ def _merged(
         {r: frozenset(o) for r, o in outputs.items()}, extra,
         {r: frozenset(o) for r, o in remat.items()},
         {k: _uses(u) for k, u in uses.items()}, {k: _uses(u) for k, u in again_uses.items()},
-        frozenset(regatherable),
+        frozenset(regatherable), _regather_inputs(graph, rep, holders),
     )  # fmt: skip
+
+
+def _regather_inputs(
+    graph: OpGraph, rep: Mapping[str, str], holders: Holders
+) -> dict[str, frozenset[int]]:
+    """Per representative consumer, the inputs it keeps as read (a saved input, not a
+    checkpoint's) whose value a compute op made in a floating dtype (`Kept.regather_inputs`);
+    parameters re-gather as FSDP does (`regatherable`), model state and inputs are not made
+    by an op."""
+    found: dict[str, set[int]] = defaultdict(set)
+    for (u, o), held in holders.items():
+        attrs = graph.node(u)
+        if attrs.role is not Role.COMPUTE or not attrs.outputs[o].dtype.is_floating_point:
+            continue
+        for holder in held:
+            if holder is not _SELF and holder[3]:
+                found[rep[holder[0]]].add(holder[2])
+    return {r: frozenset(i) for r, i in found.items()}
 
 
 def _priced(

@@ -101,7 +101,9 @@ def build_problem(
     """
     split = split or split_stages(graph, 1)
     gathers = gathers_run_beside(virtual_stages, schedule == "zb1")
-    priced = priced or price_graph(graph, mesh, prices, allow, gathers=gathers)
+    priced = priced or price_graph(
+        graph, mesh, prices, allow, gathers=gathers, regathers=schedule != "zb1"
+    )
     tied = tied or tie_stages(tie_graph(graph, priced.representative), split)
     blocks = tuple(len(b) for b in split.blocks)
     kept = zb1_in_flight_counts(split.num_stages, micro_batches) if schedule == "zb1" else None

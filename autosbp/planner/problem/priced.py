@@ -25,6 +25,7 @@ from autosbp.capturing.graph import OpGraph, OpNode, Role
 from autosbp.planner.memory.device_bytes import candidate_bytes, pair_bytes
 from autosbp.planner.memory.kept import Kept, kept_for_backward
 from autosbp.planner.space.recomputation import recomputed
+from autosbp.planner.space.sequence_parallel import data_nodes, split_candidates
 from autosbp.planner.space.strategy import Allow
 from autosbp.planner.space.ties import tie_blocks, twin_key
 from autosbp.planner.timing.candidates import (
@@ -38,6 +39,7 @@ from autosbp.planner.timing.candidates import (
     without_dominated_kernels,
 )
 from autosbp.planner.timing.recipe import PLAIN, Recipe
+from autosbp.planner.timing.regather import regather_terms
 from autosbp.sbp import Broadcast, Mesh
 
 
@@ -45,12 +47,18 @@ from autosbp.sbp import Broadcast, Mesh
 class EdgeKept:
     """What an edge's kept uses (`memory.kept.Kept`) cost per pair of its endpoints' candidates, per
     micro-batch: the bytes they keep until backward (`memory.device_bytes.pair_bytes`), the forward
-    conversion of them (what a re-gather repeats) and the copies a recomputed consumer keeps
-    while its block recomputes."""
+    conversion of them (what a re-gather repeats), the copies a recomputed consumer keeps
+    while its block recomputes, and what a consumer that re-gathers them keeps and runs again."""
 
     bytes: np.ndarray
     forward_s: np.ndarray
     recomputed_bytes: np.ndarray
+    # where the consumer has twins that re-gather an input this edge carries
+    # (`timing.regather.regather_terms`): what each pair adds to the time (the conversion run
+    # again, inf where a twin may not take the pair) and keeps in place of `bytes` (None: no
+    # such twin, or the producer is a parameter, which re-gathers itself)
+    twin_s: np.ndarray | None = None
+    twin_bytes: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,10 @@ class Priced:
     # layout, or beside a schedule the runtime runs no gathers with:
     # `boxing.params.gathers_run_beside`), such pairs of a parameter's edges are forbidden
     gathers: bool = True
+    # Megatron's sequence parallelism (`space.strategy.Space.sequence_parallel`) on the mesh's
+    # last dim: an activation all-reduced there is forbidden, and a kept copy a twin could
+    # re-gather must be re-gathered (`timing.regather.regather_terms`)
+    sequence_parallel: bool = False
 
     matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict, repr=False, compare=False
@@ -150,8 +162,13 @@ class Priced:
         if found is None:
             uses, metas = key[2], key[3]
             su, sv = self.strategies[u], self.strategies[v]
-            collectives = self.gathers or self.graph.node(u).role is not Role.PARAMETER
-            found = edge_matrices(su, sv, uses, metas, self.pricer, collectives)
+            activation = self.graph.node(u).role is not Role.PARAMETER
+            scattered_on = (
+                len(self.mesh.shape) - 1 if self.sequence_parallel and activation else None
+            )
+            found = edge_matrices(
+                su, sv, uses, metas, self.pricer, self.gathers or activation, scattered_on
+            )
             self.matrices[key] = found
         return found
 
@@ -179,6 +196,15 @@ class Priced:
                 metas = [outputs[use.out_idx] for use in uses]
                 forward = edge_matrix(su, sv, pairs, metas, self.pricer, forward_only=True)
             found = EdgeKept(held(uses), forward, held(kept.recomputed_uses.get(twin, ())))
+            twins = sv.regather_input
+            if twins is not None and self.graph.node(u).role is not Role.PARAMETER:
+                terms = regather_terms(
+                    su.candidates, sv.candidates, twins, frozenset(i for _, i in twin[2]), uses,
+                    [outputs[use.out_idx] for use in uses], found.bytes, self.pricer,
+                    recomputed(self.graph, v, recompute), self.sequence_parallel,
+                )  # fmt: skip
+                if terms is not None:
+                    found = replace(found, twin_s=terms[0], twin_bytes=terms[1])
             self.edges_kept[(twin, recompute)] = found
         return found
 
@@ -195,6 +221,9 @@ def price_graph(
     zero: int | None = 0,
     gathers: bool = True,
     recipe: Recipe = PLAIN,
+    regathers: bool = True,
+    sequence_parallel: bool = False,
+    tp_overlap: int | None = None,
 ) -> Priced:
     """Candidates of every representative node (`space.ties.tie_blocks`, or `representative` where
     given); edges on first use. `pricer`: a boxing pricer of `mesh` to reuse (its chains serve
@@ -204,7 +233,11 @@ def price_graph(
     `graph` (with the same `representative`); `zero`: parameters' optimizer states split where
     they can be (1: ZeRO-1; 2: ZeRO-2, gradients too), never (0, the default), or the ILP's
     choice per parameter (None); `gathers`: may a parameter be gathered (`Priced.gathers`);
-    `recipe`: what the step runs around each parameter (`timing.recipe`)."""
+    `recipe`: what the step runs around each parameter (`timing.recipe`); `regathers`: may an
+    op re-gather its kept activations in backward (`timing.regather`; not beside zero bubble,
+    whose weight-gradient pass would gather them again); `sequence_parallel`: Megatron's
+    (`Priced.sequence_parallel`); `tp_overlap`: the chunks of the overlapped twins
+    (`space.strategy.Space.tp_overlap`: None the search's choice, K >= 2 forced, 0 none)."""
     pricer = pricer or BoxingPricer(prices, mesh)
     rep = representative or tie_blocks(graph)
     kept_memo = {} if kept_memo is None else kept_memo
@@ -213,7 +246,9 @@ def price_graph(
     ):  # which parameters some consumer keeps (`timing.candidates.node_strategies`)
         kept_memo["none"] = kept_for_backward(graph, rep, "none")
     regatherable = kept_memo["none"].regatherable
+    regather_inputs = kept_memo["none"].regather_inputs
     bucket_bytes = sync_bucket_bytes(graph)
+    data = data_nodes(graph) if sequence_parallel else frozenset()
     strategies: dict[str, NodeStrategies] = {}
     for name in dict.fromkeys(rep.values()):
         attrs = graph.node(name)
@@ -222,14 +257,37 @@ def price_graph(
         found = memo.get(key) if memo is not None and key is not None else None
         if found is None:
             share = kept_memo["none"].backward_share.get(name, 1.0)
-            found = node_strategies(graph, name, pricer, bucket_bytes, again, share, allow, recipe)
+            inputs = regather_inputs.get(name, frozenset()) if regathers else frozenset()
+            found = node_strategies(
+                graph, name, pricer, bucket_bytes, again, share, allow, recipe, inputs, tp_overlap
+            )
             if memo is not None and key is not None:
                 memo[key] = found
         allowed = _restricted(replace(found, name=name), graph, name, allow, zero)
+        if sequence_parallel:  # no replicated compute on tp between its regions
+            keep = split_candidates(graph, name, allowed.candidates, data)
+            allowed = allowed if len(keep) == len(allowed.candidates) else allowed.restricted(keep)
+        if tp_overlap:  # a hand plan's overlap: each candidate that has a twin runs as it
+            allowed = _overlapped_only(allowed)
         strategies[name] = without_dominated_kernels(allowed)
     for name in graph.order:  # a tied node is its representative's twin (same op, args, tensors)
         strategies[name] = strategies[rep[name]]
-    return Priced(mesh, rep, strategies, graph, pricer, kept_memo, gathers=gathers)
+    return Priced(
+        mesh, rep, strategies, graph, pricer, kept_memo, gathers=gathers,
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
+
+
+def _overlapped_only(found: NodeStrategies) -> NodeStrategies:
+    """`found` without the in-line copy of each candidate that has an overlapped twin
+    (`timing.tp_overlap`): the twin forced where it applies."""
+    twinned = {found.candidates[i] for i in range(len(found.candidates)) if found.chunks_of(i)}
+    keep = [
+        i
+        for i, sig in enumerate(found.candidates)
+        if found.chunks_of(i) or sig not in twinned or found.regathers(i)
+    ]
+    return found if len(keep) == len(found.candidates) else found.restricted(keep)
 
 
 def _zero_stage(found: NodeStrategies, i: int) -> int:
@@ -287,6 +345,9 @@ class MeshPrices:
     zero: int | None
     gathers: bool
     recipe: Recipe = PLAIN
+    regathers: bool = True  # may ops re-gather their kept activations (`price_graph`)
+    sequence_parallel: bool = False  # Megatron's (`Priced.sequence_parallel`)
+    tp_overlap: int | None = None  # the overlapped twins' chunks (`price_graph`)
     priced: dict[tuple[int, Mesh], Priced] = field(default_factory=dict)
     pricers: dict[Mesh, BoxingPricer] = field(default_factory=dict)
     parameters: dict[Hashable, NodeStrategies] = field(default_factory=dict)
@@ -306,6 +367,7 @@ class MeshPrices:
             pricer = self.pricers.setdefault(mesh, BoxingPricer(self.prices, mesh))
             self.priced[key] = price_graph(
                 graph, mesh, self.prices, self.allow, pricer, representative, self.parameters,
-                kept(), self.zero, self.gathers, self.recipe,
+                kept(), self.zero, self.gathers, self.recipe, self.regathers,
+                self.sequence_parallel, self.tp_overlap,
             )  # fmt: skip
         return self.priced[key]

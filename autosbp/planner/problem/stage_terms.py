@@ -9,7 +9,9 @@ objective made of the sums (`timing.objective`), the problem (`problem.build.bui
 
 Memory per stage (k = the micro-batches in flight, `memory.in_flight.in_flight`): model states once;
 what backward keeps (`memory.kept`) k times: outputs and intermediates on nodes, kept uses on edges
-(the producer's tensor or a converted copy, `memory.device_bytes.pair_bytes`). A parameter candidate
+(the producer's tensor or a converted copy, `memory.device_bytes.pair_bytes`; where an op's twin
+re-gathers an activation, the value as produced and the conversion again in backward:
+`timing.regather`). A parameter candidate
 that re-gathers keeps no copy across: its copies are alive only while their block runs, with the
 next PREFETCH_BLOCKS blocks' prefetched beside them ((1 + PREFETCH_BLOCKS) blocks' worth of copies
 at once), and its consumer's edge pays the forward conversion again per micro-batch in backward. A
@@ -135,8 +137,15 @@ class StageTerms:
             kept = priced.edge_kept(u, v, recompute)
             w = n * self.per_block(consumer, sv)
             regather = priced.strategies[rep[u]].regather
+            if graph.node(u).role is not Role.PARAMETER:
+                regather = None  # an op's twins re-gather what they read (`timing.regather`)
+            if kept.twin_s is not None:  # an op's twins re-gather, or may not take a pair
+                self.busy[sv].edge(key, n * kept.twin_s)
             if again:  # kept while its block recomputes, one block at a time
                 self.memory[sv].edge(key, w * kept.recomputed_bytes)
+                extra = np.zeros_like(both)
+            elif kept.twin_bytes is not None:
+                self.memory[sv].edge(key, n * self.in_flight[sv] * kept.twin_bytes)
                 extra = np.zeros_like(both)
             elif regather is not None and regather.any():
                 rows = regather[:, None]

@@ -152,7 +152,14 @@ class Evaluator:
     def __post_init__(self) -> None:
         space = self.request.space
         self.priced = MeshPrices(
-            self.request.prices, space.allow, space.zero, space.may_gather, self.request.recipe
+            self.request.prices,
+            space.allow,
+            space.zero,
+            space.may_gather,
+            self.request.recipe,
+            regathers=space.schedule != "zb1",
+            sequence_parallel=space.sequence_parallel,
+            tp_overlap=space.tp_overlap,
         )
         self.kept = KeptMemo(space.recompute)
 

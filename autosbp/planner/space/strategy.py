@@ -20,6 +20,7 @@ from autosbp.rules import NdSignature
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
 from autosbp.schedule import SCHEDULES
+from autosbp.tp_overlap import TP_OVERLAP_CHUNKS
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,14 @@ class Space:
     # may a parameter reach a consumer through a collective (FSDP's gather)? Not in a Megatron
     # layout, whose tensor parallelism computes on the stored pieces
     gathers: bool = True
+    # Megatron's sequence parallelism (`sp=1`) on the last mesh dim (tp): no activation is
+    # all-reduced there (partial sums are reduce-scattered into a split), and every kept copy a
+    # contraction reads gathered is re-gathered in backward (`timing.regather`)
+    sequence_parallel: bool = False
+    # tensor-parallel reductions overlapped with their matmul (`overlap=K`, `timing.tp_overlap`):
+    # None the search's choice per op; K >= 2 every op that can runs in K chunks (its in-line
+    # copy not offered); 0 none
+    tp_overlap: int | None = None
 
     @property
     def may_gather(self) -> bool:
@@ -83,7 +92,20 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     if strategy.startswith("megatron:"):
         strategy, schedule = _schedule(strategy)
         strategy, vp = _virtual_stages(strategy)
-        tp, pp, dp, mb, ep, cp, zero = _megatron_degrees(strategy)
+        strategy, overlap = _overlap(strategy)
+        tp, pp, dp, mb, ep, cp, zero, sp = _megatron_degrees(strategy)
+        if overlap and tp == 1:
+            raise PlanError(
+                f"{strategy!r}: overlap hides tensor-parallel reductions behind their matmul; "
+                "with tp=1 there are none. Drop overlap, or use tp=T with T > 1."
+            )
+        if sp and (tp == 1 or schedule == "zb1"):
+            raise PlanError(
+                f"{strategy!r}: sp=1 (sequence parallelism) splits the activations between "
+                "tensor-parallel regions on the tp mesh dim and re-gathers them in backward: it "
+                "needs tp=T with T > 1 and schedule 1f1b (zb1's backward, split in two, would "
+                "gather them twice)."
+            )
         if cp > 1:
             if ep > 1:
                 raise PlanError(f"{strategy!r}: cp and ep together are not supported; drop one.")
@@ -96,10 +118,13 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
             space = replace(space, stage_counts=(pp * vp,), virtual_stages=vp)
         if schedule == "zb1":
             space = replace(space, recompute=_without_recompute(strategy, modes))
-        return replace(space, zero=zero, schedule=schedule, gathers=False)
+        return replace(
+            space, zero=zero, schedule=schedule, gathers=False, sequence_parallel=bool(sp),
+            tp_overlap=overlap,
+        )  # fmt: skip
     raise PlanError(
-        f"unknown strategy {strategy!r}; use auto, dp, fsdp or "
-        "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C[,ring=1]][,zero=1|2][,vp=V][,schedule=zb1]."
+        f"unknown strategy {strategy!r}; use auto, dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M]"
+        "[,ep=E][,cp=C[,ring=1]][,zero=1|2][,sp=1][,overlap=0|1|K][,vp=V][,schedule=zb1]."
     )
 
 
@@ -178,6 +203,26 @@ def _virtual_stages(strategy: str) -> tuple[str, int]:
     return "megatron:" + ",".join(kept), int(given[0])
 
 
+def _overlap(strategy: str) -> tuple[str, int | None]:
+    """`strategy` without its `overlap=K`, and the chunks it forces (`Space.tp_overlap`): None
+    where absent (the search's choice), 0 for overlap=0 (none), TP_OVERLAP_CHUNKS for
+    overlap=1, K for K >= 2."""
+    items = strategy.removeprefix("megatron:").split(",")
+    kept = [item for item in items if not item.startswith("overlap=")]
+    given = [item.removeprefix("overlap=") for item in items if item.startswith("overlap=")]
+    if not given:
+        return strategy, None
+    if len(given) > 1 or not given[0].isdigit():
+        raise PlanError(
+            f"{strategy!r}: overlap must be given once, a whole number: overlap=1 runs every "
+            "row-parallel matmul that can in chunks beside its all-reduce or reduce-scatter "
+            f"({TP_OVERLAP_CHUNKS} chunks), overlap=K in K chunks (K >= 2), overlap=0 never; "
+            "e.g. megatron:tp=2,pp=1,dp=1,overlap=1."
+        )
+    chunks = int(given[0])
+    return "megatron:" + ",".join(kept), TP_OVERLAP_CHUNKS if chunks == 1 else chunks
+
+
 def _schedule(strategy: str) -> tuple[str, str]:
     """`strategy` without its `schedule=S` (1f1b where absent), and S, one the runtime runs
     on plain stages or chunks as asked (`zero_bubble.check_schedule`)."""
@@ -211,10 +256,10 @@ def _without_recompute(strategy: str, modes: tuple[str, ...]) -> tuple[str, ...]
     return ("none",)
 
 
-def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, int, int]:
-    """(tp, pp, dp, mb, ep, cp, zero) of `megatron:tp=T,pp=P,dp=D,mb=M,ep=E,cp=C,zero=Z` (each
-    optional: 1, mb searched, zero 0)."""
-    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4, ep=E, cp=C and zero=1|2 optional)"
+def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, int, int, int]:
+    """(tp, pp, dp, mb, ep, cp, zero, sp) of `megatron:tp=T,pp=P,dp=D,mb=M,ep=E,cp=C,zero=Z,sp=S`
+    (each optional: 1, mb searched, zero 0, sp 0)."""
+    example = "write it like megatron:tp=2,pp=2,dp=1 (mb=4, ep=E, cp=C, zero=1|2 and sp=1 optional)"
     try:
         fields = {
             k: int(v)
@@ -222,11 +267,17 @@ def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, in
         }
     except ValueError:
         raise PlanError(f"cannot read {strategy!r}; {example}.") from None
-    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb", "ep", "cp", "zero", "ring"})
+    unknown = sorted(set(fields) - {"tp", "dp", "pp", "mb", "ep", "cp", "zero", "ring", "sp"})
     if unknown:
         raise PlanError(f"{strategy!r} has unknown degree(s) {unknown}; {example}.")
     zero = fields.pop("zero", 0)
     ring = fields.pop("ring", 0)
+    sp = fields.pop("sp", 0)
+    if sp not in (0, 1):
+        raise PlanError(
+            f"{strategy!r}: sp={sp} is not known; sp=1 is Megatron's sequence parallelism, sp=0 "
+            "(the default) keeps the activations between tensor-parallel regions whole."
+        )
     if ring not in (0, 1) or (ring and fields.get("cp", 1) == 1):
         raise PlanError(f"{strategy!r}: ring=1 (ring attention) needs cp=C with C > 1; {example}.")
     if zero not in (0, 1, 2):
@@ -238,7 +289,7 @@ def _megatron_degrees(strategy: str) -> tuple[int, int, int, int | None, int, in
     if any(v < 1 for v in fields.values()):
         raise PlanError(f"{strategy!r}: degrees must be positive; {example}.")
     degrees = fields.get("tp", 1), fields.get("pp", 1), fields.get("dp", 1)
-    return *degrees, fields.get("mb"), fields.get("ep", 1), fields.get("cp", 1), zero
+    return *degrees, fields.get("mb"), fields.get("ep", 1), fields.get("cp", 1), zero, sp
 
 
 def _expert_parallel_space(

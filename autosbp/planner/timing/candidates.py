@@ -37,6 +37,9 @@ Model (every constant states where it comes from):
   per micro-batch in flight, `memory`) or re-gathered (freed after forward and converted again
   before backward: the forward conversion once more per micro-batch, priced by the builder on
   the edge, `problem.stage_terms`); `NodeStrategies.regather` says which candidate is which.
+- a contraction that keeps an activation it may read gathered has each such candidate once more
+  per input, re-gathering it in backward instead of keeping the copy (sequence parallelism's,
+  `timing.regather`: the twins' pairs priced on the edge); `NodeStrategies.regather_input`.
 - a parameter in layout p pays, once per step, the gradient sync dual(p) -> p (P -> B
   all-reduce where the parameter is replicated: data parallel's all-reduce; nothing where it is
   split: FSDP's reduce-scatter is already the backward of its all-gather), as its share of a
@@ -57,7 +60,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -70,8 +73,11 @@ from autosbp.planner.timing.finite_check import gradient_check_s
 from autosbp.planner.timing.op_exchanges import exchange_cost
 from autosbp.planner.timing.param_candidates import parameter_prices, with_zero_states
 from autosbp.planner.timing.recipe import PLAIN, Recipe
+from autosbp.planner.timing.regather import regather_twins
+from autosbp.planner.timing.tp_overlap import overlap_cut, overlapped_forward_s, twin_may_pay
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs, work_fraction
-from autosbp.sbp import Broadcast, NdSbp, local_shape
+from autosbp.sbp import Broadcast, NdSbp, Partial, local_shape
+from autosbp.tp_overlap import ChunkPlan
 
 __all__ = [
     "BACKWARD_FACTOR", "BoxingPricer", "NodeStrategies", "Prices", "edge_matrices",
@@ -104,6 +110,12 @@ class NodeStrategies:
     # states'; None: the parameter's own), and what each micro-batch's backward adds for it
     gradient: tuple[NdSbp | None, ...] | None = None
     scatter_s: np.ndarray | None = None
+    # compute ops only: per candidate, the input its backward gathers again instead of keeping
+    # the gathered copy (`timing.regather`), -1 for a candidate that keeps every copy
+    regather_input: np.ndarray | None = None
+    # compute ops only: per candidate, the cut it runs in beside its output's reduction
+    # (`timing.tp_overlap`), None for a candidate that runs whole
+    overlap_cuts: tuple[ChunkPlan | None, ...] | None = None
 
     def restricted(self, keep: Sequence[int]) -> NodeStrategies:
         """Only the candidates at `keep`."""
@@ -117,7 +129,8 @@ class NodeStrategies:
         return NodeStrategies(
             self.name, candidates, self.compute_s[keep], pick(self.sync_s),
             pick(self.accumulate_s), self.pinned, pick(self.regather), pick(self.forward_s),
-            pick(self.held_bytes), state, grad, pick(self.scatter_s),
+            pick(self.held_bytes), state, grad, pick(self.scatter_s), pick(self.regather_input),
+            None if self.overlap_cuts is None else tuple(self.overlap_cuts[i] for i in keep),
         )  # fmt: skip
 
     def per_micro_batch_s(self, micro_batches: int) -> np.ndarray:
@@ -149,9 +162,23 @@ class NodeStrategies:
         return self.gradient[index] if self.gradient is not None else None
 
     def regathers(self, index: int) -> bool:
-        """Does candidate `index` free its converted copies after forward (FSDP's
-        reshard_after_forward)?"""
+        """Does candidate `index` free its converted copies after forward (a parameter: FSDP's
+        reshard_after_forward; an op: the kept activation it read gathered, converted again in
+        its backward: `regathered_input`)?"""
+        if self.regather_input is not None:
+            return bool(self.regather_input[index] >= 0)
         return self.regather is not None and bool(self.regather[index])
+
+    def chunks_of(self, index: int) -> int:
+        """The chunks candidate `index` runs in beside its output's reduction (0: whole)."""
+        cut = None if self.overlap_cuts is None else self.overlap_cuts[index]
+        return 0 if cut is None else cut.chunks
+
+    def regathered_input(self, index: int) -> int | None:
+        """The input candidate `index` of an op gathers again in backward (None: it keeps)."""
+        if self.regather_input is None or self.regather_input[index] < 0:
+            return None
+        return int(self.regather_input[index])
 
 
 def sync_bucket_bytes(graph: OpGraph) -> int:
@@ -172,6 +199,8 @@ def node_strategies(
     backward_share: float = 1.0,
     allow: Callable[[OpGraph, str, NdSignature], bool] | None = None,
     recipe: Recipe = PLAIN,
+    regather_inputs: frozenset[int] = frozenset(),
+    overlap: int | None = None,
 ) -> NodeStrategies:
     """Candidates of node `name`: per micro-batch compute time, or per step for parameters (their
     gradient sync priced inside buckets of `bucket_bytes`: `sync_bucket_bytes`). `regatherable` (a
@@ -182,7 +211,11 @@ def node_strategies(
     sig)`: of a node that is not a parameter, the candidates to price (the others are dropped
     unpriced; each candidate is priced alone); a parameter's are all priced
     (`problem.priced._restricted`). `recipe`: what the step runs around a parameter
-    (`timing.recipe`)."""
+    (`timing.recipe`). `regather_inputs` (an op's kept activations, `memory.kept.Kept.
+    regather_inputs`): each candidate that may read one of them gathered comes once more per
+    such input, re-gathering it in backward instead of keeping its copy (`timing.regather`).
+    `overlap`: the chunks of an op's overlapped twins (`timing.tp_overlap.overlap_cut`: None
+    the search's, K a hand plan's, 0 none)."""
     attrs = graph.node(name)
     mesh_shape = pricer.mesh.shape
     candidates = tuple(_candidates(attrs, mesh_shape))
@@ -200,10 +233,57 @@ def node_strategies(
         forward.append(fwd + comm.forward_s)
         backward.append(bwd + comm.backward_s)
         held.append(comm.held_bytes)
-    return NodeStrategies(
+    found = NodeStrategies(
         name, candidates, np.array(forward) + np.array(backward), pinned=pinned_inputs(graph, name),
         forward_s=np.array(forward), held_bytes=np.array(held) if any(held) else None,
     )  # fmt: skip
+    twins = regather_twins(attrs, candidates, regather_inputs, mesh_shape)
+    if twins:
+        again = found.restricted([*range(len(candidates)), *(j for j, _ in twins)])
+        inputs = np.array([-1] * len(candidates) + [i for _, i in twins], dtype=int)
+        found = replace(again, regather_input=inputs)
+    return _with_overlap_twins(graph, name, found, roofline, backward_share, pricer, overlap)
+
+
+def _with_overlap_twins(
+    graph: OpGraph,
+    name: str,
+    found: NodeStrategies,
+    roofline: _Roofline,
+    backward_share: float,
+    pricer: BoxingPricer,
+    chunks: int | None,
+) -> NodeStrategies:
+    """`found` with each candidate that may run beside its output's reduction once more, run in
+    `chunks` chunks (`timing.tp_overlap`: its compute chunked here, its edge in `edge_matrices`)."""
+    twins: list[tuple[int, ChunkPlan]] = []
+    priced: list[float] = []
+    assert found.forward_s is not None or not found.candidates, "compute ops state their forward"
+    for i, sig in enumerate(found.candidates):
+        cut = None if found.regathers(i) else overlap_cut(graph, name, sig, pricer.mesh.shape,
+                                                          pricer.prices, chunks)  # fmt: skip
+        if cut is None:
+            continue
+        fwd = roofline.chunked_forward_s(sig, cut)
+        extra = fwd * (1 + BACKWARD_FACTOR * backward_share) - float(found.compute_s[i])
+        meta = graph.node(name).outputs[0]
+        if chunks or twin_may_pay(sig.outputs[0], meta, cut, fwd, extra, pricer.mesh,
+                                  pricer.prices):  # fmt: skip
+            twins.append((i, cut))
+            priced.append(fwd)
+    if not twins:
+        return found
+    n = len(found.candidates)
+    again = found.restricted([*range(n), *(i for i, _ in twins)])
+    forward = np.array(priced)
+    backward = BACKWARD_FACTOR * forward * backward_share
+    assert again.forward_s is not None, "compute ops state their forward"
+    return replace(
+        again,
+        compute_s=np.concatenate([found.compute_s, forward + backward]),
+        forward_s=np.concatenate([again.forward_s[:n], forward]),
+        overlap_cuts=(None,) * n + tuple(cut for _, cut in twins),
+    )
 
 
 def without_dominated_kernels(found: NodeStrategies) -> NodeStrategies:
@@ -221,6 +301,8 @@ def without_dominated_kernels(found: NodeStrategies) -> NodeStrategies:
         if not any(
             j != i
             and (other.inputs, other.outputs) == (sig.inputs, sig.outputs)
+            and found.regathered_input(j) == found.regathered_input(i)  # twins: edges differ
+            and found.chunks_of(j) == found.chunks_of(i)
             and bool(np.all(cost[j] <= cost[i]))
             and (bool(np.any(cost[j] < cost[i])) or j < i)
             for j, other in enumerate(found.candidates)
@@ -309,6 +391,23 @@ class _Roofline:
         special = attrs.transcendentals * share
         return self.prices.op_time_s(attrs.flops * share, local_bytes, self.dtype, special)
 
+    def chunked_forward_s(self, sig: NdSignature, cut: ChunkPlan) -> float:
+        """The forward of `sig` run in the chunks of `cut` (`timing.tp_overlap`): per chunk, the
+        share of the work over the chunks, the sliced tensors' bytes over the chunks and the
+        others' whole (each chunk reads them again); the chunks' times summed."""
+        attrs, k = self.attrs, cut.chunks
+        sliced = (*(d is not None for d in cut.input_dims), *(True for _ in attrs.outputs))
+        layouts = (*sig.inputs, *sig.outputs)
+        share, chunk_bytes = 1.0, 0.0
+        for (shape, numel, itemsize), nd, cut_here in zip(self.sizes, layouts, sliced, strict=True):
+            local = math.prod(local_shape(shape, nd, self.mesh_shape))
+            if numel:
+                share = min(share, local / numel)
+            chunk_bytes += local * itemsize / (k if cut_here else 1)
+        share *= work_fraction(attrs, sig, self.mesh_shape, self.skip) / k
+        special = attrs.transcendentals * share
+        return k * self.prices.op_time_s(attrs.flops * share, chunk_bytes, self.dtype, special)
+
 
 def _forward_s(
     attrs: OpNode, sig: NdSignature, mesh_shape: tuple[int, ...], prices: Prices
@@ -351,11 +450,14 @@ def edge_matrices(
     metas: Sequence[TensorMeta],
     pricer: BoxingPricer,
     collectives: bool = True,
+    scattered_on: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`edge_matrix` forward and backward, and forward alone, from one pass over the uses
     (each summed use by use as `edge_matrix` sums it); without `collectives`, a pair whose
     forward conversion exchanges data is forbidden (a parameter's gather where the runtime
-    runs none: `problem.priced.Priced.gathers`)."""
+    runs none: `problem.priced.Priced.gathers`); with `scattered_on` (a mesh dim: sequence
+    parallelism's tp), a pair that all-reduces there (P to B) a tensor some dim of which that
+    mesh dim divides is forbidden: its partial sums are reduce-scattered into a split instead."""
     both = np.zeros((len(producer.candidates), len(consumer.candidates)))
     forward_only = np.zeros_like(both)
     for (out_idx, in_idx), meta in zip(uses, metas, strict=True):
@@ -374,10 +476,53 @@ def edge_matrices(
             ids = tuple(map(pricer.layout_id, srcs)), tuple(map(pricer.layout_id, dsts))
             exchanged = pricer.collectives(*ids, meta)
             tables = [np.where(exchanged, np.inf, table) for table in tables]
+        if scattered_on is not None:
+            reduced = _all_reduced(srcs, dsts, meta, scattered_on, pricer.mesh.shape)
+            tables = [np.where(reduced, np.inf, table) for table in tables]
         pick = np.ix_(src_of, dst_of)
-        both += tables[0][pick]
-        forward_only += tables[1][pick]
+        both_use, forward_use = tables[0][pick], tables[1][pick]
+        for i, cut in enumerate(producer.overlap_cuts or ()):
+            if cut is not None:  # an overlapped twin: its forward reduction runs beside its chunks
+                row = _overlapped_row(producer, i, cut, dsts, meta, pricer)[dst_of]
+                forward_use[i] = np.where(np.isinf(forward_use[i]), np.inf, row)
+                both_use[i] = forward_use[i] + backward[src_of[i]][dst_of]
+        both += both_use
+        forward_only += forward_use
     return both, forward_only
+
+
+def _overlapped_row(
+    producer: NodeStrategies,
+    i: int,
+    cut: ChunkPlan,
+    dsts: Sequence[NdSbp],
+    meta: TensorMeta,
+    pricer: BoxingPricer,
+) -> np.ndarray:
+    """Per distinct consumer layout, the forward time of overlapped twin `i`'s output reduction
+    run beside its chunks (`timing.tp_overlap`)."""
+    sig = producer.candidates[i]
+    assert producer.forward_s is not None, "compute ops state their forward"
+    return overlapped_forward_s(
+        sig.outputs[0], dsts, meta, cut, float(producer.forward_s[i]), pricer.mesh, pricer.prices
+    )
+
+
+def _all_reduced(
+    srcs: Sequence[NdSbp],
+    dsts: Sequence[NdSbp],
+    meta: TensorMeta,
+    mesh_dim: int,
+    mesh_shape: tuple[int, ...],
+) -> np.ndarray:
+    """[i, j]: does srcs[i] -> dsts[j] take partial sums whole (P to B) on `mesh_dim`, where a
+    dim of the tensor divides by its size (so a reduce-scatter into a split could take them)?"""
+    size = mesh_shape[mesh_dim]
+    if size == 1 or not any(n % size == 0 and n >= size for n in meta.shape):
+        return np.zeros((len(srcs), len(dsts)), dtype=bool)
+    partial = np.array([isinstance(src[mesh_dim], Partial) for src in srcs], dtype=bool)
+    whole = np.array([isinstance(dst[mesh_dim], Broadcast) for dst in dsts], dtype=bool)
+    return np.logical_and.outer(partial, whole)
 
 
 def _same_as(srcs: Sequence[NdSbp], dsts: Sequence[NdSbp]) -> np.ndarray:

@@ -5,7 +5,7 @@ Lives here: `report_progress` (a rank says it made progress and what it does now
 unit of work such as a training step, up to `DONE_VALUES` numbers about it that the parent may
 show: the step, its loss, its time), the shared `ProgressTable` those reports go to, `RankLog` (the anonymous file a rank's faulthandler dumps
 go to), `Failure` (how a rank failed, as the parent reports it) and `worker`, the entry point
-of a spawned rank. Lives elsewhere: the parent's side, watching and stopping the ranks
+of a spawned rank, with `pickled_call` (how the parent hands it its function and arguments). Lives elsewhere: the parent's side, watching and stopping the ranks
 (`launching.workers`); what the ranks compute (the caller's function).
 
 Invariants:
@@ -29,13 +29,14 @@ import ctypes
 import datetime
 import faulthandler
 import os
+import pickle
 import signal
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.reduction import ForkingPickler
@@ -160,28 +161,38 @@ class ParentDeath:
         return _die_with_parent, (self.parent_pid,)
 
 
+def pickled_call(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
+    """`fn` and its arguments as one rank's `worker` takes them: pickled here, in the parent, and
+    unpickled in the rank after it has started. Inside the Process's own pickle they would be
+    unpickled while the parent still writes it (their modules import torch: seconds a rank),
+    so the ranks would start one after another; as bytes, the parent's write ends as soon as the
+    rank reads them. One pickle per rank: a tensor shared by file descriptor is handed over once."""
+    return bytes(ForkingPickler.dumps((fn, tuple(args))))
+
+
 def worker(
     parent_pid: int,
     rank: int,
     log_fd: int,
-    fn: Callable[..., Any],
+    call: bytes,
     nproc: int,
     store_port: int,
     backend: str,
     timeout_s: float,
-    args: tuple[Any, ...],
     env: dict[str, str],
     results: Any,
     progress: ProgressTable,
 ) -> None:
     """A spawned rank, already bound to die with its parent (`ParentDeath`): join the world,
-    call `fn(rank, nproc, *args)`, report its result (or its failure) to `results`."""
+    call `fn(rank, nproc, *args)` (`call`, from `pickled_call`), report its result (or its
+    failure) to `results`."""
     global _reporter
     faulthandler.enable(log_fd, all_threads=False)  # a native crash leaves its stack here
     faulthandler.register(STACK_SIGNAL, log_fd, all_threads=True)  # the parent asks on a stall
     _reporter = (progress, rank)
     try:
         os.environ.update(env)
+        fn, args = pickle.loads(call)
         import torch
         import torch.distributed as dist
 

@@ -113,14 +113,17 @@ def run_workers(
     store, port = _loopback_store(nproc, collective_s)
     worker_env = {**_loopback_gloo_env(), **(env or {})}
     pg_backend = process_group_backend(backend)
-    static = (fn, nproc, port, pg_backend, collective_s, tuple(args), worker_env, results, progress)
+    static = (nproc, port, pg_backend, collective_s, worker_env, results, progress)
     procs: list[Any] = []
     try:
         for rank in range(nproc):  # ParentDeath first: see launching.rank
             death = rank_side.ParentDeath(os.getpid())
+            call = rank_side.pickled_call(fn, args)
             procs.append(
                 ctx.Process(
-                    target=rank_side.worker, args=(death, rank, logs[rank], *static), daemon=True
+                    target=rank_side.worker,
+                    args=(death, rank, logs[rank], call, *static),
+                    daemon=True,
                 )
             )
             procs[-1].start()

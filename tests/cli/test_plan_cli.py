@@ -116,3 +116,22 @@ def test_a_flag_changed_alone_changes_the_plan_as_it_says(
     base = baseline(tmp)
     given = flags(base) if callable(flags) else flags
     check(base, plan_with(tmp, *given))
+
+
+@pytest.mark.slow
+def test_the_command_plans_what_the_api_plans(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The baseline command's model through `auto_parallelize` (meta, fp32, the same profile and
+    # devices): the same search, so the same plan and prediction.
+    from autosbp.planner.api import auto_parallelize
+    from autosbp.zoo import build_model
+
+    base = baseline(tmp_path_factory.getbasetemp())
+    model, inputs = build_model(
+        "gpt", layers=2, hidden=512, heads=8, vocab=512, seq=128, batch=8, device="meta"
+    )
+    api = auto_parallelize(model, inputs, profile="dgx-a100", devices=4, dtype="fp32")
+    assert api.fingerprint == base.fingerprint and api.predicted == base.predicted
+    assert (api.mesh_shape, api.micro_batches, api.recompute) == (
+        base.mesh_shape, base.micro_batches, base.recompute,
+    )  # fmt: skip
+    assert api.stages == base.stages and api.nodes == base.nodes

@@ -395,32 +395,29 @@ def test_gpt3_on_1024_a100s_beats_every_hand_plan_of_the_grid(gpt3) -> None:
 
 
 @pytest.mark.slow
-def test_gpt3_cli_plans_equal_the_api_plans(gpt3, tmp_path: Path) -> None:
-    # The command of the issue, as a new user types it, plans what bench/plan_speed.py's API
-    # path plans: the same model (bf16, the global batch captured, the meta device), the same
-    # search, the same plans and predictions; auto and the Megatron-LM hand plan.
+def test_gpt3_cli_prices_megatron_as_the_api_does(gpt3, tmp_path: Path) -> None:
+    # The issue's command, as a new user types it, with Megatron-LM's plan: the model it plans
+    # is bench/plan_speed.py's (bf16, the global batch captured, the meta device) and the plan
+    # and prediction are the API path's. (That the command's auto plan is the API's is held at
+    # a small GPT by tests/cli/test_plan_cli.py: searched again here it took 43 s of a loaded
+    # suite.)
     from autosbp.cli import main
 
-    bench, graphs, auto = gpt3
+    bench, graphs, _ = gpt3
     model_args = "layers=96,hidden=12288,heads=96,vocab=51200,seq=2048,batch=1536"
     command = ["plan", "gpt", "--model-args", model_args, "--devices", "1024"]
     command += ["--profile", "dgx-a100", "--dtype", "bf16", "--global-batch", "1536"]
-    command += ["--time-limit-s", str(bench.COMMON["time_limit_s"])]  # a loaded host: no race
     hand, _ = gpt3_megatron()
-    for k, (strategy, expected) in enumerate(
-        (("auto", auto), (hand, bench.plan_megatron({192: graphs[192]}, hand)))
-    ):
-        out = tmp_path / f"plan{k}.json"  # `plan` replaces another strategy's plan only if forced
-        extra = [] if strategy == "auto" else ["--strategy", strategy, "--recompute", "full"]
-        assert main([*command, *extra, "--out", str(out)]) == 0
-        got = load_plan(out)
-        assert got.fingerprint == expected.fingerprint
-        assert got.predicted == expected.predicted, strategy
-        assert (got.mesh_shape, got.micro_batches, got.recompute) == (
-            expected.mesh_shape, expected.micro_batches, expected.recompute,
-        )  # fmt: skip
-        assert got.stages == expected.stages and got.nodes == expected.nodes
-        assert (got.dtype, got.global_batch) == ("bf16", 1536)
+    out = tmp_path / "megatron.json"
+    assert main([*command, "--strategy", hand, "--recompute", "full", "--out", str(out)]) == 0
+    got, expected = load_plan(out), bench.plan_megatron({192: graphs[192]}, hand)
+    assert got.fingerprint == expected.fingerprint
+    assert got.predicted == expected.predicted
+    assert (got.mesh_shape, got.micro_batches, got.recompute) == (
+        expected.mesh_shape, expected.micro_batches, expected.recompute,
+    )  # fmt: skip
+    assert got.stages == expected.stages and got.nodes == expected.nodes
+    assert (got.dtype, got.global_batch) == ("bf16", 1536)
 
 
 def hand_strategies(devices: int) -> list[str]:

@@ -161,20 +161,29 @@ class ParentDeath:
         return _die_with_parent, (self.parent_pid,)
 
 
-def pickled_call(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
+def pickled_call(
+    fn: Callable[..., Any], args: Sequence[Any]
+) -> bytes | tuple[Callable[..., Any], tuple[Any, ...]]:
     """`fn` and its arguments as one rank's `worker` takes them: pickled here, in the parent, and
     unpickled in the rank after it has started. Inside the Process's own pickle they would be
     unpickled while the parent still writes it (their modules import torch: seconds a rank),
     so the ranks would start one after another; as bytes, the parent's write ends as soon as the
-    rank reads them. One pickle per rank: a tensor shared by file descriptor is handed over once."""
-    return bytes(ForkingPickler.dumps((fn, tuple(args))))
+    rank reads them. One pickle per rank: a tensor shared by file descriptor is handed over once.
+    Arguments that only the spawn itself can hand over (a queue, a pipe, a lock: "through
+    inheritance") go in the Process's own pickle, as they are."""
+    try:
+        return bytes(ForkingPickler.dumps((fn, tuple(args))))
+    except RuntimeError as exc:  # multiprocessing's assert_spawning
+        if "inheritance" not in str(exc):
+            raise
+        return fn, tuple(args)
 
 
 def worker(
     parent_pid: int,
     rank: int,
     log_fd: int,
-    call: bytes,
+    call: bytes | tuple[Callable[..., Any], tuple[Any, ...]],
     nproc: int,
     store_port: int,
     backend: str,
@@ -192,7 +201,7 @@ def worker(
     _reporter = (progress, rank)
     try:
         os.environ.update(env)
-        fn, args = pickle.loads(call)
+        fn, args = pickle.loads(call) if isinstance(call, bytes) else call
         import torch
         import torch.distributed as dist
 

@@ -255,7 +255,7 @@ def _alternate(ours: Callable[[], float], theirs: Callable[[], float], job: Job)
 
 # ------------------------------------------------------------------------------ driver
 def _plans(
-    models: dict[str, tuple[str, dict[str, Any]]], comparison: Comparison
+    models: dict[str, tuple[str, dict[str, Any]]], comparison: Comparison, profile: str
 ) -> dict[str, dict[str, Any]]:
     plans = {}
     for name, (zoo_name, kwargs) in models.items():
@@ -264,7 +264,7 @@ def _plans(
             model, inputs, comparison.micro_batches, name=zoo_name, dtype=DTYPES[comparison.dtype]
         )
         plan = plan_graph(
-            graph, profile="cpu-gloo", devices=comparison.processes, memory_limit=None,
+            graph, profile=profile, devices=comparison.processes, memory_limit=None,
             global_batch=None, optimizer="adam", dtype=comparison.dtype,
             strategy=comparison.strategy, time_limit_s=60,
             micro_batches=comparison.micro_batches,
@@ -281,7 +281,7 @@ def run_row(
     stage)."""
     processes = comparison.processes
     job = Job(
-        models, _plans(models, comparison), comparison.reference, _threads(processes),
+        models, _plans(models, comparison, args.profile), comparison.reference, _threads(processes),
         args.warmup, args.steps,
         (args.regather, args.prefetch) if args.regather or args.prefetch is not None else None,
     )  # fmt: skip
@@ -377,6 +377,13 @@ def main(argv: list[str] | None = None) -> int:
         "--regather", action="store_true", help="ours: free every gathered weight after forward"
     )
     parser.add_argument("--prefetch", type=int, help="ours: gathers this many blocks ahead")
+    parser.add_argument(
+        "--profile", default="cpu-gloo",
+        help="the profile our plans are made with (default: cpu-gloo, the shipped one; "
+        "`machine`: this machine's, measured on first use). The bf16 rows need one whose bf16 "
+        "rate is this machine's: cpu-gloo's (1.7 GFLOP/s, measured on a CPU without bf16 "
+        "units) makes `dp` split the sequence instead of the batch",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.regather and args.prefetch is None:
         args.prefetch = 0

@@ -31,6 +31,7 @@ from autosbp.plan import (
     save_plan,
     summary_table,
 )
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES
 from terminal.progress import activity
 from terminal.text import printable
 
@@ -84,8 +85,9 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recompute",
         default="auto",
-        choices=("auto", "none", "selective", "full"),
-        help="activation recomputation (default: auto, the fastest that fits)",
+        choices=("auto", *RECOMPUTE_MODES),
+        help="activation recomputation: none, selective (attention cores), mlp (MLP "
+        "activations), full (every block) (default: auto, the fastest that fits)",
     )
     parser.add_argument(
         "--micro-batches",

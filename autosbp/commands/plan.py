@@ -31,7 +31,7 @@ from autosbp.plan import (
     save_plan,
     summary_table,
 )
-from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.recomputation import partial_blocks
 from terminal.progress import activity
 from terminal.text import printable
 
@@ -85,9 +85,10 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recompute",
         default="auto",
-        choices=("auto", *RECOMPUTE_MODES),
+        type=_recompute_mode,
         help="activation recomputation: none, selective (attention cores), mlp (MLP "
-        "activations), full (every block) (default: auto, the fastest that fits)",
+        "activations), full (every block), full:K (the first K blocks of each stage) "
+        "(default: auto, the fastest that fits: full:K among them where none does not fit)",
     )
     parser.add_argument(
         "--micro-batches",
@@ -120,6 +121,16 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes the search runs in (default: every core; a space of fewer than 64 "
         "configurations is searched in one)",
     )
+
+
+def _recompute_mode(text: str) -> str:
+    """`--recompute`: auto, a mode of `RECOMPUTE_MODES`, or full:K."""
+    if text != "auto":
+        try:
+            partial_blocks(text)
+        except PlanError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:

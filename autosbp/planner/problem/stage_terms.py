@@ -72,17 +72,25 @@ class StageTerms:
             return 1.0
         return 1.0 / self.blocks[s]
 
-    def add_nodes(self, tied, priced, optimizer: str, micro_batches: int, recompute: str) -> None:
-        for (r, s, read_outside), n in tied.nodes.items():
+    def add_nodes(
+        self, tied, priced, optimizer: str, micro_batches: int, recompute: str, modes=None
+    ) -> None:
+        """Every node's time and memory. `modes` (`space.ties.ModeTies`, under `full:K`): the
+        counts split by the mode each copy runs (its own, its readers'), else every copy's is
+        `recompute`."""
+        entries = (
+            ((r, s, outside, recompute, recompute), n) for (r, s, outside), n in tied.nodes.items()
+        )
+        for (r, s, read_outside, own, readers), n in modes.nodes.items() if modes else entries:
             attrs, found = priced.graph.node(r), priced.strategies[r]
             k = self.in_flight[s]
-            self.kinds[s][("node", r, read_outside)] += n
+            self.kinds[s][("node", r, read_outside, own, readers)] += n
             if attrs.role is Role.PARAMETER:
                 self._add_parameter(r, s, n, found, micro_batches)
                 self.param_bytes[s] += n * attrs.outputs[0].nbytes
             elif attrs.role is Role.COMPUTE:
                 fwd = found.forward_part_s()
-                again = fwd if recomputed(priced.graph, r, recompute) else 0.0
+                again = fwd if recomputed(priced.graph, r, own) else 0.0
                 self.busy[s].node(r, n * (found.compute_s + again))
                 self.forward[s].node(r, n * fwd)
                 if attrs.block is not None and self.identical:
@@ -90,11 +98,12 @@ class StageTerms:
                     self.compute_forward[s].node(r, w * fwd)
                     self.compute_backward[s].node(r, w * (found.compute_s - fwd + again))
             if attrs.role is Role.COMPUTE:
-                self.memory[s].node(r, n * k * priced.kept_bytes(r, optimizer, recompute))
-                if recomputed(priced.graph, r, recompute):  # one run rematerialized at a time
-                    self.memory[s].transient(r, priced.rematerialized_bytes(r, recompute))
+                held = priced.kept_bytes(r, optimizer, own, readers)
+                self.memory[s].node(r, n * k * held)
+                if recomputed(priced.graph, r, own):  # one run rematerialized at a time
+                    self.memory[s].transient(r, priced.rematerialized_bytes(r, own))
             else:
-                held = n * priced.kept_bytes(r, optimizer, recompute)
+                held = n * priced.kept_bytes(r, optimizer, own)
                 self.memory[s].node(r, held)
                 self.update_memory[s].node(r, held)
                 if attrs.role is Role.PARAMETER:
@@ -123,19 +132,23 @@ class StageTerms:
             if held:
                 held[0].node(next(iter(held[0].nodes)), reduce_s)
 
-    def add_edges(self, tied, priced, recompute: str, p2p: P2P) -> None:
+    def add_edges(self, tied, priced, recompute: str, p2p: P2P, modes=None) -> None:
         """Boxing on every edge (time, and the copies kept for backward), and each tensor sent
-        to a later stage (time and memory)."""
+        to a later stage (time and memory); `modes` as `add_nodes` (an edge's is its
+        consumer's)."""
         rep, graph = priced.representative, priced.graph
-        for ((u, v), sv), n in tied.edges.items():
-            self.kinds[sv][("edge", u, v)] += n
+        entries = ((((u, v), sv, recompute), n) for ((u, v), sv), n in tied.edges.items())
+        for ((u, v), sv, mode), n in modes.edges.items() if modes else entries:
+            self.kinds[sv][("edge", u, v, mode)] += n
             key, consumer = (rep[u], rep[v]), graph.node(rep[v])
             both, fwd_only = priced.edge_prices(u, v)
-            again = recomputed(priced.graph, rep[v], recompute)  # tied nodes are recomputed alike
+            again = recomputed(priced.graph, rep[v], mode)  # tied nodes are recomputed alike
             self.busy[sv].edge(key, n * (both + fwd_only) if again else n * both)
             self.forward[sv].edge(key, n * fwd_only)
-            kept = priced.edge_kept(u, v, recompute)
+            kept = priced.edge_kept(u, v, mode)
             w = n * self.per_block(consumer, sv)
+            if again and modes and self.identical:  # one block's worth of the recomputed ones
+                w = n / modes.recomputing[sv]
             regather = priced.strategies[rep[u]].regather
             if graph.node(u).role is not Role.PARAMETER:
                 regather = None  # an op's twins re-gather what they read (`timing.regather`)

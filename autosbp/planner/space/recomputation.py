@@ -26,7 +26,7 @@ recomputing stage also holds, one run at a time, what the run's ops save while i
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpGraph, OpNode, Role
@@ -42,8 +42,73 @@ _CORE_FAMILIES = frozenset({"elementwise", "view", "copy", "factory", "dropout",
 
 
 def recomputed(graph: OpGraph, name: str, mode: str) -> bool:
-    """Is node `name`'s output recomputed in backward (not kept) under `mode`?"""
+    """Is node `name`'s output recomputed in backward (not kept) under `mode` (one of
+    `RECOMPUTE_MODES`: the same for every block)?"""
     return name in recompute_runs(graph, mode)
+
+
+PARTIAL = "full:"  # `full:K`: the first K blocks of each stage under full, the rest under none
+
+
+def partial_blocks(mode: str) -> int | None:
+    """K of `full:K` (Megatron-LM's --recompute-num-layers K: of each stage's blocks, the first
+    K recomputed whole, the rest kept), None for a mode of `RECOMPUTE_MODES`; PlanError for
+    any other name."""
+    if mode in RECOMPUTE_MODES:
+        return None
+    count = mode.removeprefix(PARTIAL)
+    if mode.startswith(PARTIAL) and count.isdigit() and int(count) >= 1:
+        return int(count)
+    raise PlanError(
+        f"recompute {mode!r} is not known; use one of {', '.join(RECOMPUTE_MODES)}, or "
+        f"{PARTIAL}K (K >= 1: the first K blocks of each stage recomputed whole)."
+    )
+
+
+def base_modes(modes: Sequence[str]) -> tuple[str, ...]:
+    """The modes of `RECOMPUTE_MODES` that `modes` run their blocks under (`full:K`: full and
+    none), in order, once each."""
+    found = (
+        m for mode in modes for m in ((mode,) if partial_blocks(mode) is None else ("full", "none"))
+    )
+    return tuple(dict.fromkeys(found))
+
+
+def bounding_mode(mode: str) -> str:
+    """The mode of `RECOMPUTE_MODES` whose time bounds (`bounds`) hold for `mode`: itself, or
+    none for `full:K` (a plan of none's times with some blocks recomputed takes longer)."""
+    return mode if partial_blocks(mode) is None else "none"
+
+
+def partial_mode(count: int) -> str:
+    """The name of `full:K` for K = `count`."""
+    assert count >= 1, count
+    return f"{PARTIAL}{count}"
+
+
+def block_modes(mode: str, stage_blocks: Sequence[Sequence[int]]) -> dict[int, str]:
+    """Per repeated block, the mode of `RECOMPUTE_MODES` its copy runs under `mode` with these
+    blocks per stage (`space.stages.StageSplit.blocks`): `mode` itself for every block, or, for
+    `full:K`, full for the first K blocks of each stage and none for the rest."""
+    count = partial_blocks(mode)
+    return {
+        b: mode if count is None else ("full" if i < count else "none")
+        for blocks in stage_blocks
+        for i, b in enumerate(blocks)
+    }
+
+
+def recomputed_nodes(
+    graph: OpGraph, mode: str, stage_blocks: Sequence[Sequence[int]]
+) -> frozenset[str]:
+    """Every node `mode` recomputes with these blocks per stage (`block_modes`)."""
+    count = partial_blocks(mode)
+    if count is None:
+        return frozenset(recompute_runs(graph, mode))
+    modes = block_modes(mode, stage_blocks)
+    return frozenset(
+        n for n in recompute_runs(graph, "full") if modes.get(graph.node(n).block) == "full"
+    )
 
 
 _RUNS: dict[int, tuple[weakref.ref, dict[str, Mapping[str, int]]]] = {}  # per live graph

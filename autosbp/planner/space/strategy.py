@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from autosbp.boxing.params import gathers_run_beside
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
-from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES, partial_blocks
 from autosbp.rules import NdSignature
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
@@ -71,12 +71,9 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     modes: tuple[str, ...]
     if recompute == "auto":
         modes = RECOMPUTE_MODES
-    elif recompute in RECOMPUTE_MODES:
-        modes = (recompute,)
     else:
-        raise PlanError(
-            f"recompute {recompute!r} is not known; use auto, {', '.join(RECOMPUTE_MODES)}."
-        )
+        partial_blocks(recompute)  # a known mode, or `full:K`; else PlanError
+        modes = (recompute,)
     if strategy == "auto" or strategy.startswith("auto:"):
         auto_options(
             strategy

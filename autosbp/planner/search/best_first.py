@@ -26,7 +26,7 @@ from autosbp.planner.search.evaluator import Evaluator, Found, SearchEffort
 from autosbp.planner.space.configs import (
     Config,
 )
-from autosbp.planner.space.recomputation import recompute_runs
+from autosbp.planner.space.recomputation import partial_blocks, partial_mode, recompute_runs
 from autosbp.schedule import check_interleaving
 
 # A configuration whose LP bound is below this share of the best plan so far dives to its LP
@@ -282,6 +282,7 @@ class BestFirst:
         dives; kept as solved when the LP relaxation is integral; dropped if nothing fits."""
         found = self.ev.lp_bound(config, self.time_left(), self.cutoff())
         if found is None:
+            self.offer_partial(config, bound)
             return
         lp, mp, solution = found
         if solution is not None:  # solved by its LP
@@ -292,6 +293,24 @@ class BestFirst:
             self.push(max(bound, lp), LP, config, mp)
             if self.seeding:
                 self.seed_lps.append((max(bound, lp), next(self.order), config, mp))
+
+    def offer_partial(self, config: Config, bound: float) -> None:
+        """Where nothing fits under none (or under `full:K`), and the space has none and full,
+        `full:K` of the least K that may fit (`Evaluator.least_partial`; K + 1 after `full:K`),
+        at `bound`: none's bounds hold for it (`space.recomputation.bounding_mode`), and it
+        goes on to its LP bound. So partial recomputation costs the search nothing where none
+        fits, and one configuration (rarely more) where none does not (docs/planner.md,
+        "Partial recomputation")."""
+        modes = self.ev.request.space.recompute
+        if "none" not in modes or "full" not in modes or self.ev.request.memory_limit_bytes is None:
+            return
+        count = partial_blocks(config.recompute)
+        if config.recompute != "none" and count is None:
+            return
+        least = self.ev.least_partial(config, 1 if count is None else count + 1)
+        if least is not None:
+            self.configurations += 1
+            self.push(bound, FOREST, replace(config, recompute=partial_mode(least)), None)
 
     def solve(
         self, config: Config, bound: float, mp: MeshProblem, cap_s: float | None = None

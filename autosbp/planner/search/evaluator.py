@@ -42,6 +42,7 @@ from autosbp.planner.space.recomputation import (
     block_modes,
     bounding_mode,
     partial_blocks,
+    partial_mode,
 )
 from autosbp.planner.space.stages import StageSplit, split_stages
 from autosbp.planner.space.strategy import Space
@@ -378,6 +379,23 @@ class Evaluator:
             virtual_stages=r.space.virtual_stages,
             schedule=r.space.schedule, modes=self.modes_of(config),
         )  # fmt: skip
+
+    def least_partial(self, config: Config, least: int) -> int | None:
+        """The least K >= `least` for which `full:K` of `config` may fit: no stage overflows
+        with each node at its fewest bytes (`Refusals.overflows`; memory falls as K grows, so a
+        bisection), below the most blocks of a stage (there, it is full); None if none may."""
+        split = self.stages[(config.count, config.num_stages)].split
+        low, high = least, max(len(blocks) for blocks in split.blocks) - 1
+        limit = self.request.memory_limit_bytes
+        found = None
+        while low <= high:
+            middle = (low + high) // 2
+            mp = self.build(replace(config, recompute=partial_mode(middle)), limit)
+            if self.refusals.overflows(mp):
+                low = middle + 1
+            else:
+                found, high = middle, middle - 1
+        return found
 
     def modes_of(self, config: Config) -> ModeTies | None:
         """Under `full:K`, the counts of `config`'s copies by mode (cached); else None."""

@@ -81,6 +81,7 @@ class StageTerms:
         entries = (
             ((r, s, outside, recompute, recompute), n) for (r, s, outside), n in tied.nodes.items()
         )
+        freed = self._freed_nodes(modes, priced, optimizer) if modes else {}
         for (r, s, read_outside, own, readers), n in modes.nodes.items() if modes else entries:
             attrs, found = priced.graph.node(r), priced.strategies[r]
             k = self.in_flight[s]
@@ -101,7 +102,10 @@ class StageTerms:
                 held = priced.kept_bytes(r, optimizer, own, readers)
                 self.memory[s].node(r, n * k * held)
                 if recomputed(priced.graph, r, own):  # one run rematerialized at a time
-                    self.memory[s].transient(r, priced.rematerialized_bytes(r, own))
+                    again = priced.rematerialized_bytes(r, own)
+                    if (r, s) in freed:  # less what the blocks kept whole have freed by then
+                        again = np.maximum(again - freed[(r, s)], 0.0)
+                    self.memory[s].transient(r, again)
             else:
                 held = n * priced.kept_bytes(r, optimizer, own)
                 self.memory[s].node(r, held)
@@ -111,6 +115,19 @@ class StageTerms:
                     states = found.state or (None,) * len(found.candidates)
                     staging = gather_staging_bytes(meta, found.candidates, states, mesh_shape)
                     self.staging[s].node(r, n * staging)
+
+    @staticmethod
+    def _freed_nodes(modes, priced, optimizer: str) -> dict[tuple[str, int], np.ndarray]:
+        """Under `full:K`, per representative compute node and stage, what its copies in the
+        blocks kept whole (run under none) keep of one micro-batch: by the time a stage
+        recomputes one of its first K blocks for a micro-batch, backward has passed that
+        micro-batch's later blocks, kept whole, and freed it (the module docstring)."""
+        freed: dict[tuple[str, int], np.ndarray] = {}
+        for (r, s, _, own, readers), n in modes.nodes.items():
+            if own == "none" and priced.graph.node(r).role is Role.COMPUTE:
+                held = n * priced.kept_bytes(r, optimizer, own, readers)
+                freed[(r, s)] = freed[(r, s)] + held if (r, s) in freed else held
+        return freed
 
     def _add_parameter(
         self, r: str, s: int, n: int, found: NodeStrategies, micro_batches: int
@@ -138,6 +155,13 @@ class StageTerms:
         consumer's)."""
         rep, graph = priced.representative, priced.graph
         entries = ((((u, v), sv, recompute), n) for ((u, v), sv), n in tied.edges.items())
+        freed_edges: dict[tuple[tuple[str, str], int], np.ndarray] = {}
+        for ((u, v), sv, mode), n in modes.edges.items() if modes else ():
+            kept = priced.edge_kept(u, v, mode)
+            plain = kept.twin_bytes is None and priced.strategies[rep[u]].regather is None
+            if mode == "none" and plain:  # as `_freed_nodes`: one micro-batch's copies
+                key = ((rep[u], rep[v]), sv)
+                freed_edges[key] = freed_edges.get(key, 0.0) + n * kept.bytes
         for ((u, v), sv, mode), n in modes.edges.items() if modes else entries:
             self.kinds[sv][("edge", u, v, mode)] += n
             key, consumer = (rep[u], rep[v]), graph.node(rep[v])
@@ -155,7 +179,10 @@ class StageTerms:
             if kept.twin_s is not None:  # an op's twins re-gather, or may not take a pair
                 self.busy[sv].edge(key, n * kept.twin_s)
             if again:  # kept while its block recomputes, one block at a time
-                self.memory[sv].edge(key, w * kept.recomputed_bytes)
+                held = w * kept.recomputed_bytes
+                if modes and (key, sv) in freed_edges:  # less what blocks kept whole freed
+                    held = np.maximum(held - freed_edges[(key, sv)], 0.0)
+                self.memory[sv].edge(key, held)
                 extra = np.zeros_like(both)
             elif kept.twin_bytes is not None:
                 self.memory[sv].edge(key, n * self.in_flight[sv] * kept.twin_bytes)

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError, PlanError
 from autosbp.planner.ilp.solving import SolverTimeoutError
 from autosbp.planner.problem.build import MeshProblem
@@ -26,7 +25,7 @@ from autosbp.planner.search.evaluator import Evaluator, Found, SearchEffort
 from autosbp.planner.space.configs import (
     Config,
 )
-from autosbp.planner.space.recomputation import partial_blocks, partial_mode, recompute_runs
+from autosbp.planner.space.recomputation import distinct_modes, partial_blocks, partial_mode
 from autosbp.schedule import check_interleaving
 
 # A configuration whose LP bound is below this share of the best plan so far dives to its LP
@@ -227,9 +226,7 @@ class BestFirst:
                 stages = ev.stages_of(count, num_stages) if ours else None
                 if stages is None:
                     continue
-                for mode in space.recompute:
-                    if _same_as_none(mode, space.recompute, stages.graph):
-                        continue
+                for mode in distinct_modes(stages.graph, space.recompute):
                     floor = ev.floor_bound(stages, Config(num_stages, ours[0], count, mode))
                     for mesh in ours:
                         self.configurations += 1
@@ -353,12 +350,6 @@ class BestFirst:
         if not self.has_plan():
             return max(self.deadline - time.perf_counter(), self.time_limit_s, FIRST_PLAN_S)
         return max(self.deadline - time.perf_counter(), 1e-3)
-
-
-def _same_as_none(mode: str, modes: tuple[str, ...], graph: OpGraph) -> bool:
-    """Is `mode` a recomputation that recomputes nothing here (selective beside a fused
-    attention kernel), while `none` is in the space too? Its plans are none's: left out."""
-    return mode != "none" and "none" in modes and not recompute_runs(graph, mode)
 
 
 def _faster(a: Found, b: Found) -> bool:

@@ -47,6 +47,20 @@ def recomputed(graph: OpGraph, name: str, mode: str) -> bool:
     return name in recompute_runs(graph, mode)
 
 
+def distinct_modes(graph: OpGraph, modes: Sequence[str] = RECOMPUTE_MODES) -> tuple[str, ...]:
+    """`modes` less those of `RECOMPUTE_MODES` that recompute nothing in `graph` (selective
+    beside a fused attention kernel, mlp beside a one-op activation) while none is among them:
+    their plans are none's (the search leaves them out)."""
+    return tuple(
+        m
+        for m in modes
+        if m == "none"
+        or "none" not in modes
+        or m not in RECOMPUTE_MODES
+        or recompute_runs(graph, m)
+    )
+
+
 PARTIAL = "full:"  # `full:K`: the first K blocks of each stage under full, the rest under none
 
 

@@ -294,8 +294,8 @@ class BestFirst:
     def offer_partial(self, config: Config, bound: float) -> None:
         """Where nothing fits under none (or under `full:K`), and the space has none and full,
         `full:K` of the least K that may fit (`Evaluator.least_partial`; K + 1 after `full:K`),
-        at `bound`: none's bounds hold for it (`space.recomputation.bounding_mode`), and it
-        goes on to its LP bound. So partial recomputation costs the search nothing where none
+        unless the bounds (1) and (1b) of the least K it could take already reach the cutoff
+        (a larger K only adds recomputed forwards): at those bounds, on to its LP bound. So partial recomputation costs the search nothing where none
         fits, and one configuration (rarely more) where none does not (docs/planner.md,
         "Partial recomputation")."""
         modes = self.ev.request.space.recompute
@@ -304,10 +304,22 @@ class BestFirst:
         count = partial_blocks(config.recompute)
         if config.recompute != "none" and count is None:
             return
-        least = self.ev.least_partial(config, 1 if count is None else count + 1)
-        if least is not None:
+        least = 1 if count is None else count + 1
+        trial = replace(config, recompute=partial_mode(least))  # no K above it runs faster
+        floor = max(bound, self.ev.node_bound(trial) or math.inf)
+        if floor < self.cutoff() and self.has_plan():
+            floor = max(floor, self.ev.forest_bound(trial))
+        if floor >= self.cutoff():
+            self.retired_bound = min(self.retired_bound, floor)
+            return
+        found = self.ev.least_partial(config, least)
+        if found is not None:
             self.configurations += 1
-            self.push(bound, FOREST, replace(config, recompute=partial_mode(least)), None)
+            offered = replace(config, recompute=partial_mode(found))
+            if found != least:  # its own bounds, at least the least K's
+                floor = max(floor, self.ev.node_bound(offered) or math.inf)
+                floor = max(floor, self.ev.forest_bound(offered)) if self.has_plan() else floor
+            self.push(floor, FOREST, offered, None)
 
     def solve(
         self, config: Config, bound: float, mp: MeshProblem, cap_s: float | None = None

@@ -40,7 +40,6 @@ from autosbp.planner.space.configs import Config, LinkOf, divisors, mesh_shapes,
 from autosbp.planner.space.recomputation import (
     RECOMPUTE_MODES,
     block_modes,
-    bounding_mode,
     partial_blocks,
     partial_mode,
 )
@@ -257,7 +256,7 @@ class Evaluator:
         """Bound (0)."""
         return step_bound(
             stages.graph, stages.copies, config.num_stages, stages.floors, config.count,
-            bounding_mode(config.recompute), drain=self.drains,
+            config.recompute, drain=self.drains, again=self._again(config),
         )  # fmt: skip
 
     def node_bound(self, config: Config) -> float | None:
@@ -270,16 +269,16 @@ class Evaluator:
         times = {r: unhidden_s(priced.strategies[r]) for _, r in stages.copies}
         return step_bound(
             stages.graph, stages.copies, config.num_stages, times, config.count,
-            bounding_mode(config.recompute), drain=self.drains,
+            config.recompute, drain=self.drains, again=self._again(config),
         )  # fmt: skip
 
     def forest_bound(self, config: Config) -> float:
         """Bound (1b): (1) with each stage's boxing, along a spanning forest of its edges."""
         stages, priced = self.stages[(config.count, config.num_stages)], self.priced_of(config)
         return forest_bound(
-            stages.tied, priced, config.num_stages, config.count,
-            bounding_mode(config.recompute), self.request.prices.overlap_efficiency,
-            drain=self.drains,
+            stages.tied, priced, config.num_stages, config.count, config.recompute,
+            self.request.prices.overlap_efficiency, drain=self.drains,
+            modes=self.modes_of(config),
         )  # fmt: skip
 
     @property
@@ -380,10 +379,23 @@ class Evaluator:
             schedule=r.space.schedule, modes=self.modes_of(config),
         )  # fmt: skip
 
+    def _again(self, config: Config) -> Counter[tuple[int, str]] | None:
+        """Under `full:K`, per (stage, representative) its copies that recompute (the bounds'
+        `again`); else None."""
+        modes = self.modes_of(config)
+        if modes is None:
+            return None
+        again: Counter[tuple[int, str]] = Counter()
+        for (r, s, _, own, _), n in modes.nodes.items():
+            if own == "full":
+                again[(s, r)] += n
+        return again
+
     def least_partial(self, config: Config, least: int) -> int | None:
         """The least K >= `least` for which `full:K` of `config` may fit: no stage overflows
-        with each node at its fewest bytes (`Refusals.overflows`; memory falls as K grows, so a
-        bisection), below the most blocks of a stage (there, it is full); None if none may."""
+        with each node and each edge at its fewest bytes (`Refusals.overflows`, then
+        `MemoryConstraint.least_bytes`; memory falls as K grows, so a bisection), below the
+        most blocks of a stage (there, it is full); None if none may."""
         split = self.stages[(config.count, config.num_stages)].split
         low, high = least, max(len(blocks) for blocks in split.blocks) - 1
         limit = self.request.memory_limit_bytes
@@ -391,7 +403,9 @@ class Evaluator:
         while low <= high:
             middle = (low + high) // 2
             mp = self.build(replace(config, recompute=partial_mode(middle)), limit)
-            if self.refusals.overflows(mp):
+            if self.refusals.overflows(mp) or any(  # nodes, then nodes and edges, at their least
+                c.least_bytes() > c.limit_bytes for c in mp.problem.memory
+            ):
                 low = middle + 1
             else:
                 found, high = middle, middle - 1

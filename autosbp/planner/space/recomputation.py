@@ -88,12 +88,6 @@ def base_modes(modes: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def bounding_mode(mode: str) -> str:
-    """The mode of `RECOMPUTE_MODES` whose time bounds (`bounds`) hold for `mode`: itself, or
-    none for `full:K` (a plan of none's times with some blocks recomputed takes longer)."""
-    return mode if partial_blocks(mode) is None else "none"
-
-
 def partial_mode(count: int) -> str:
     """The name of `full:K` for K = `count`."""
     assert count >= 1, count

@@ -155,7 +155,7 @@ class StageTerms:
         consumer's)."""
         rep, graph = priced.representative, priced.graph
         entries = ((((u, v), sv, recompute), n) for ((u, v), sv), n in tied.edges.items())
-        freed_edges: dict[tuple[tuple[str, str], int], np.ndarray] = {}
+        freed_edges: dict[tuple, np.ndarray] = {}  # ((rep u, rep v), stage) -> bytes per pair
         for ((u, v), sv, mode), n in modes.edges.items() if modes else ():
             kept = priced.edge_kept(u, v, mode)
             plain = kept.twin_bytes is None and priced.strategies[rep[u]].regather is None

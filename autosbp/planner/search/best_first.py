@@ -313,8 +313,7 @@ class BestFirst:
             self.retired_bound = min(self.retired_bound, floor)
             return
         found = self.ev.least_partial(config, least)
-        if found is not None:
-            self.configurations += 1
+        if found is not None:  # not counted in `configurations` (the space's, every process's)
             offered = replace(config, recompute=partial_mode(found))
             if found != least:  # its own bounds, at least the least K's
                 floor = max(floor, self.ev.node_bound(offered) or math.inf)

@@ -114,9 +114,8 @@ def recomputed_nodes(
     if count is None:
         return frozenset(recompute_runs(graph, mode))
     modes = block_modes(mode, stage_blocks)
-    return frozenset(
-        n for n in recompute_runs(graph, "full") if modes.get(graph.node(n).block) == "full"
-    )
+    blocks = {n: graph.node(n).block for n in recompute_runs(graph, "full")}
+    return frozenset(n for n, b in blocks.items() if b is not None and modes.get(b) == "full")
 
 
 _RUNS: dict[int, tuple[weakref.ref, dict[str, Mapping[str, int]]]] = {}  # per live graph

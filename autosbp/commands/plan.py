@@ -73,14 +73,15 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         "default 1: plain 1F1B; auto:zb1 searches the zero-bubble schedule too; both: "
         "auto:max_vp=2,zb1), dp, fsdp or "
         "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C][,sp=1][,overlap=0|1|K][,vp=V]"
-        "[,schedule=zb1] "
+        "[,schedule=zb1][,recompute=MODE] "
         "(M micro-batches; E: expert-parallel degree, experts split over E of the D "
         "data-parallel devices; C: context-parallel degree, the sequence split in attention; V: "
         "model chunks per pipeline stage, interleaved 1F1B, M a multiple of P; sp=1: sequence "
         "parallelism; overlap=1: every row-parallel matmul that can runs in chunks beside its "
         "all-reduce or reduce-scatter, overlap=K in K chunks, overlap=0 never, absent: the "
         "search's choice; schedule=zb1: "
-        "zero bubble, ZB-H1, the backward split into input and weight gradients) (default: auto)",
+        "zero bubble, ZB-H1, the backward split into input and weight gradients; recompute=MODE: "
+        "as --recompute) (default: auto)",
     )
     parser.add_argument(
         "--recompute",

@@ -145,3 +145,14 @@ def test_the_checks_refuse_a_plan_whose_nodes_contradict_its_partial_mode() -> N
     assert any("full:2" in p and "marked otherwise" in p for p in problems), problems
     with pytest.raises(PlanError, match="full:K"):
         strategy_space(PIPELINE, "full:0")
+
+
+def test_a_hand_plan_names_its_partial_mode() -> None:
+    # `megatron:...,recompute=full:1` is `--recompute full:1`; both at odds are refused.
+    named = strategy_space(f"{PIPELINE},recompute=full:1")
+    assert named.recompute == strategy_space(PIPELINE, "full:1").recompute == ("full:1",)
+    assert strategy_space(f"{PIPELINE},recompute=mlp", "mlp").recompute == ("mlp",)
+    with pytest.raises(PlanError, match="give one of them"):
+        strategy_space(f"{PIPELINE},recompute=full:1", "none")
+    with pytest.raises(PlanError, match="full:K"):
+        strategy_space(f"{PIPELINE},recompute=full:x")

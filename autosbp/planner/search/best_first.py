@@ -295,9 +295,9 @@ class BestFirst:
         """Where nothing fits under none (or under `full:K`), and the space has none and full,
         `full:K` of the least K that may fit (`Evaluator.least_partial`; K + 1 after `full:K`),
         unless the bounds (1) and (1b) of the least K it could take already reach the cutoff
-        (a larger K only adds recomputed forwards): at those bounds, on to its LP bound. So partial recomputation costs the search nothing where none
-        fits, and one configuration (rarely more) where none does not (docs/planner.md,
-        "Partial recomputation")."""
+        (a larger K only adds recomputed forwards): at those bounds, on to its LP bound. So
+        partial recomputation costs the search nothing where none fits, and one configuration
+        (rarely more) where none does not (docs/planner.md, "Partial recomputation")."""
         modes = self.ev.request.space.recompute
         if "none" not in modes or "full" not in modes or self.ev.request.memory_limit_bytes is None:
             return

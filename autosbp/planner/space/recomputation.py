@@ -18,9 +18,16 @@ the run reads (the gate projection's output, the MLP's input) so that its interm
 dropped: SwiGLU's silu and up-projection outputs (the down projection keeps the gate product,
 its own input, whatever the mode). An activation of one op (torch's `F.gelu`) drops nothing
 and is not a run. A fused attention kernel (`scaled_dot_product_attention`) keeps no
-scores: there is nothing to drop, and selective recomputes nothing. An op that writes into an input is never recomputed (its write would run
-twice). So what full keeps is a subset of selective's and mlp's, and theirs of none's; a
-recomputing stage also holds, one run at a time, what the run's ops save while it recomputes.
+scores: there is nothing to drop, and selective recomputes nothing. An op that writes into an
+input is never recomputed (its write would run twice). So what full keeps is a subset of
+selective's and mlp's, and theirs of none's; a recomputing stage also holds, one run at a time,
+what the run's ops save while it recomputes.
+
+Partial recomputation `full:K` (Megatron-LM's --recompute-num-layers; `partial_blocks`,
+`block_modes`, `recomputed_nodes`): of each stage's blocks the first K run under full, the rest
+under none, so which nodes it recomputes depends on the stage split; the planner prices each
+copy by its block's mode (`space.ties.tie_modes`), and the search offers it where none does not
+fit (`search.best_first.BestFirst.offer_partial`).
 """
 
 from __future__ import annotations

@@ -157,8 +157,9 @@ class StageTerms:
         entries = ((((u, v), sv, recompute), n) for ((u, v), sv), n in tied.edges.items())
         freed_edges: dict[tuple, np.ndarray] = {}  # ((rep u, rep v), stage) -> bytes per pair
         for ((u, v), sv, mode), n in modes.edges.items() if modes else ():
-            kept = priced.edge_kept(u, v, mode)
-            plain = kept.twin_bytes is None and priced.strategies[rep[u]].regather is None
+            kept, regather = priced.edge_kept(u, v, mode), priced.strategies[rep[u]].regather
+            gathers = graph.node(u).role is Role.PARAMETER and regather is not None
+            plain = kept.twin_bytes is None and not (gathers and regather.any())
             if mode == "none" and plain:  # as `_freed_nodes`: one micro-batch's copies
                 key = ((rep[u], rep[v]), sv)
                 freed_edges[key] = freed_edges.get(key, 0.0) + n * kept.bytes

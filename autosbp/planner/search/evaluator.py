@@ -42,6 +42,7 @@ from autosbp.planner.space.recomputation import (
     block_modes,
     partial_blocks,
     partial_mode,
+    recomputed,
 )
 from autosbp.planner.space.stages import StageSplit, split_stages
 from autosbp.planner.space.strategy import Space
@@ -386,8 +387,9 @@ class Evaluator:
         if modes is None:
             return None
         again: Counter[tuple[int, str]] = Counter()
+        graph = self.stages[(config.count, config.num_stages)].graph
         for (r, s, _, own, _), n in modes.nodes.items():
-            if own == "full":
+            if own == "full" and recomputed(graph, r, "full"):  # not an op writing its input
                 again[(s, r)] += n
         return again
 

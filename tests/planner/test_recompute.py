@@ -2,10 +2,12 @@
 
 Selective (Korthikanti et al. 2022, section 5) recomputes the attention core alone (from the
 product of queries and keys to the product with the values); with a fused attention kernel
-there is nothing to drop and it prices as none; full recomputes every op of a block. So, for
-every choice of signatures, a stage's memory under full <= under selective <= under none: the
-oracle here is that order, checked at the solved choice of every mode, for every zoo model
-and every hand plan (the solutions of each mode, each priced under all three). The runtime
+there is nothing to drop and it prices as none; mlp recomputes each MLP's activation (nothing
+beside a one-op GELU); full recomputes every op of a block. So, for every choice of
+signatures, a stage's memory under full <= under selective, mlp <= under none: the oracle here
+is that order, checked at the solved choice of every mode that recomputes something
+(`distinct_modes`), for every zoo model and every hand plan (each priced under all four). The
+runtime
 checkpoints exactly the runs the planner prices (`runtime.execute.program._recompute_runs`).
 """
 

@@ -7,8 +7,8 @@ beside a one-op GELU); full recomputes every op of a block. So, for every choice
 signatures, a stage's memory under full <= under selective, mlp <= under none: the oracle here
 is that order, checked at the solved choice of every mode that recomputes something
 (`distinct_modes`), for every zoo model and every hand plan (each priced under all four). The
-runtime
-checkpoints exactly the runs the planner prices (`runtime.execute.program._recompute_runs`).
+runtime checkpoints exactly the runs the planner prices
+(`runtime.execute.program._recompute_runs`).
 """
 
 from __future__ import annotations

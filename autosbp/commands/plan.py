@@ -31,6 +31,7 @@ from autosbp.plan import (
     save_plan,
     summary_table,
 )
+from autosbp.planner.space.recomputation import partial_blocks
 from terminal.progress import activity
 from terminal.text import printable
 
@@ -72,20 +73,23 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         "default 1: plain 1F1B; auto:zb1 searches the zero-bubble schedule too; both: "
         "auto:max_vp=2,zb1), dp, fsdp or "
         "megatron:tp=T,pp=P,dp=D[,mb=M][,ep=E][,cp=C][,sp=1][,overlap=0|1|K][,vp=V]"
-        "[,schedule=zb1] "
+        "[,schedule=zb1][,recompute=MODE] "
         "(M micro-batches; E: expert-parallel degree, experts split over E of the D "
         "data-parallel devices; C: context-parallel degree, the sequence split in attention; V: "
         "model chunks per pipeline stage, interleaved 1F1B, M a multiple of P; sp=1: sequence "
         "parallelism; overlap=1: every row-parallel matmul that can runs in chunks beside its "
         "all-reduce or reduce-scatter, overlap=K in K chunks, overlap=0 never, absent: the "
         "search's choice; schedule=zb1: "
-        "zero bubble, ZB-H1, the backward split into input and weight gradients) (default: auto)",
+        "zero bubble, ZB-H1, the backward split into input and weight gradients; recompute=MODE: "
+        "as --recompute) (default: auto)",
     )
     parser.add_argument(
         "--recompute",
         default="auto",
-        choices=("auto", "none", "selective", "full"),
-        help="activation recomputation (default: auto, the fastest that fits)",
+        type=_recompute_mode,
+        help="activation recomputation: none, selective (attention cores), mlp (MLP "
+        "activations), full (every block), full:K (the first K blocks of each stage) "
+        "(default: auto, the fastest that fits: full:K among them where none does not fit)",
     )
     parser.add_argument(
         "--micro-batches",
@@ -118,6 +122,16 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes the search runs in (default: every core; a space of fewer than 64 "
         "configurations is searched in one)",
     )
+
+
+def _recompute_mode(text: str) -> str:
+    """`--recompute`: auto, a mode of `RECOMPUTE_MODES`, or full:K."""
+    if text != "auto":
+        try:
+            partial_blocks(text)
+        except PlanError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,8 @@ With the model's graph (of one micro-batch, as the plan was made):
   order: a value sent back to an earlier stage would wait forever);
 - every parameter's entry matches its node: layout, stage, shape;
 - the global batch is what the runtime trains: micro-batches x the graph's batch;
-- a recomputed node is a compute node inside a repeated block that writes no input;
+- a recomputed node is a compute node inside a repeated block that writes no input; under
+  `full:K`, exactly the nodes full recomputes of each stage's first K blocks are;
 - an input re-gathered in backward is an activation reaching a node that is not recomputed
   through a conversion that exchanges data, under a backward that runs once (1f1b);
 - an op run in chunks beside its output's reduction (`overlap_chunks` k) is a matmul-like
@@ -77,7 +78,7 @@ def plan_problems(plan: Plan, graph: OpGraph | None = None) -> list[str]:
     if graph is not None:
         problems += [*_coverage(plan, graph), *_data_flow(plan, graph), *_params(plan, graph)]
         problems += [*_blocks(plan, graph), *_batch(plan, graph), *_recomputation(plan, graph)]
-        problems += [*_regathers(plan, graph), *_overlaps(plan, graph)]
+        problems += [*_regathers(plan, graph), *_overlaps(plan, graph), *_partial(plan, graph)]
     return problems
 
 
@@ -405,6 +406,39 @@ def _recomputation(plan: Plan, graph: OpGraph) -> list[str]:
     return [
         f"nodes {_names(wrong)} are marked recomputed, but only compute nodes inside a repeated "
         "block that write into none of their inputs can be"
+    ]
+
+
+def _partial(plan: Plan, graph: OpGraph) -> list[str]:
+    """Under `full:K` (the first K blocks of each stage recomputed whole, the rest kept: what the
+    planner priced, `planner.space.recomputation.block_modes`), a recomputed node lies in one of
+    its stage's first K blocks, and a block with a recomputed node has each of its nodes that
+    full recomputes (a compute node writing no input) recomputed."""
+    from autosbp.capturing.graph import Role
+    from autosbp.rules import mutated_inputs
+
+    if not plan.recompute.startswith("full:"):
+        return []
+    count = int(plan.recompute.removeprefix("full:"))  # the schema's pattern: K >= 1
+    blocks: dict[int, set[int]] = defaultdict(set)
+    runnable: dict[int, list[str]] = defaultdict(list)  # per block, what full would recompute
+    for name, attrs in graph.nodes(Role.COMPUTE):
+        if attrs.block is not None and name in plan.nodes:
+            blocks[plan.nodes[name].stage].add(attrs.block)
+            if not mutated_inputs(attrs):
+                runnable[attrs.block].append(name)
+    first = {b for found in blocks.values() for b in sorted(found)[:count]}
+    wrong = [
+        name
+        for b, names in runnable.items()
+        for name in names
+        if plan.nodes[name].recomputed != (b in first)
+    ]
+    if not wrong:
+        return []
+    return [
+        f"the plan recomputes {plan.recompute} (the first {count} blocks of each stage whole, "
+        f"the rest kept), but nodes {_names(wrong)} are marked otherwise"
     ]
 
 

@@ -98,7 +98,8 @@ def auto_parallelize(
     profile's device memory minus a 10% reserve. The search chooses pipeline stages, the mesh
     of each stage, one signature per op, the micro-batch count (unless `micro_batches` is
     given: every count that divides the batch) and the recomputation (`recompute`: auto,
-    none, selective or full), best-first by proven bounds over the whole space within
+    none, selective, mlp, full, or full:K: the first K blocks of each stage; auto offers full:K
+    where nothing fits under none), best-first by proven bounds over the whole space within
     `time_limit_s` (`search`); `strategy` restricts it to a hand plan (dp, fsdp,
     megatron:tp=T,pp=P,dp=D[,mb=M]) priced by the same model. `compare`: also price the usual
     hand plans (`space.strategy.hand_strategies`) into `Plan.hand_plans`. When the time limit stops

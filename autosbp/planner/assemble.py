@@ -31,7 +31,7 @@ from autosbp.planner.ilp.formulation import Costs, Solution
 from autosbp.planner.memory.device_bytes import is_view_conversion
 from autosbp.planner.problem.build import MeshProblem
 from autosbp.planner.search.entry import Found
-from autosbp.planner.space.recomputation import recomputed
+from autosbp.planner.space.recomputation import recomputed_nodes
 from autosbp.rules import exchanges
 from autosbp.sbp import Broadcast, NdSbp, format_nd_sbp, parse_nd_sbp
 
@@ -56,6 +56,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
     nodes: dict[str, NodePlan] = {}
     params: dict[str, ParamPlan] = {}
     regathered = regathered_inputs(solved, solution)
+    recomputing = recomputed_nodes(graph, solved.recompute, split.blocks)
     for name in graph.order:
         attrs = graph.node(name)
         sig = solved.choice_of(solution, name)
@@ -67,7 +68,7 @@ def assemble_plan(found: Found, ctx: PlanContext) -> Plan:
             tuple(format_nd_sbp(nd) for nd in sig.outputs),
             stage,
             tied_to="" if rep == name else rep,
-            recomputed=recomputed(graph, name, solved.recompute),
+            recomputed=name in recomputing,
             exchanges=tuple(e.describe() for e in exchanges(attrs, sig, mesh.shape)),
             path=attrs.name or attrs.module_path,
             regathered=regathered.get(name, ()),
@@ -199,16 +200,16 @@ def regathered_inputs(solved: MeshProblem, solution: Solution) -> dict[str, tupl
     graph = solved.graph
     assert graph is not None, "a solved problem keeps its graph"
     rep, choice = solved.representative, solution.choice
+    again = recomputed_nodes(graph, solved.recompute, solved.split.blocks)
     found: dict[str, tuple[int, ...]] = {}
     for v, _ in graph.nodes(Role.COMPUTE):
         index = solved.strategies[rep[v]].regathered_input(choice[rep[v]])
-        if index is None:
+        if index is None or v in again:  # a recomputed copy converts again in its run
             continue
         u, out = graph.producers(v)[index] or ("", 0)
         have = solved.choice_of(solution, u).outputs[out]
         want, shape = solved.choice_of(solution, v).inputs[index], graph.node(u).outputs[out].shape
         assert has_collective(plan_boxing(have, want, shape, solved.mesh)), (v, index)
-        assert not recomputed(graph, v, solved.recompute), v
         found[v] = (index,)
     return found
 

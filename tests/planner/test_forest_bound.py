@@ -22,7 +22,7 @@ from autosbp.planner.problem.build import build_problem
 from autosbp.planner.problem.priced import price_graph
 from autosbp.planner.problem.solve import solve_mesh
 from autosbp.planner.search.entry import mesh_shapes
-from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.recomputation import distinct_modes
 from autosbp.planner.space.stages import split_stages
 from autosbp.planner.space.strategy import strategy_space
 from autosbp.planner.space.ties import tie_graph, tie_stages
@@ -80,7 +80,8 @@ def configurations(schedule: str, v: int):
     """(graph, count, pipeline stages, mesh, mode) of a 4-layer GPT on DEVICES: every stage
     count the schedule takes (v x stages <= the 4 blocks), micro-batch count and mesh."""
     graphs = graphs_of("gpt")
-    modes = ("none",) if schedule == "zb1" else RECOMPUTE_MODES
+    # the modes that recompute something here (`distinct_modes`: the search offers no other)
+    modes = ("none",) if schedule == "zb1" else distinct_modes(next(iter(graphs.values())))
     stage_counts = {("1f1b", 1): (1, 2, 4), ("1f1b", 2): (2,), ("zb1", 1): (2, 4)}
     for pipeline in stage_counts[(schedule, v)]:
         meshes = mesh_shapes(

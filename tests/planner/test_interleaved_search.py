@@ -20,7 +20,7 @@ from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
 from autosbp.planner.search.entry import mesh_shapes, search
 from autosbp.planner.search.evaluator import Found
 from autosbp.planner.search.schedules import best_of, search_spaces
-from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.recomputation import distinct_modes
 from autosbp.planner.space.stages import split_stages
 from autosbp.planner.space.strategy import Space, strategy_space
 from autosbp.planner.timing.predict import predict
@@ -149,7 +149,7 @@ def enumerate_with_v(seed: int) -> float:
             if v > 1 and count % pipeline:
                 continue
             for mesh in meshes:
-                for mode in RECOMPUTE_MODES:
+                for mode in distinct_modes(graphs[count]):  # as the search offers them
                     mp = build_problem(
                         graphs[count], mesh, prices, optimizer="adam", memory_limit_bytes=None,
                         micro_batches=count, split=split_stages(graphs[count], pipeline * v),

@@ -30,7 +30,7 @@ from autosbp.planner.problem.build import MeshProblem, build_problem
 from autosbp.planner.problem.priced import price_graph
 from autosbp.planner.problem.solve import MIP_GAP, solve_mesh
 from autosbp.planner.search.entry import divisors, mesh_shapes, search
-from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.recomputation import distinct_modes
 from autosbp.planner.space.stages import split_stages
 from autosbp.planner.space.strategy import strategy_space
 from autosbp.planner.space.ties import tie_graph, tie_stages
@@ -133,7 +133,7 @@ def enumerate_space(
         for count in (c for c in graphs if stages == 1 or c >= stages):
             graph = graphs[count]
             for mesh in meshes:
-                for mode in RECOMPUTE_MODES:
+                for mode in distinct_modes(graph):  # as the search offers them
                     mp = build_problem(
                         graph, mesh, prices, optimizer="adam", memory_limit_bytes=limit,
                         micro_batches=count, split=split_stages(graph, stages), recompute=mode,
@@ -248,7 +248,7 @@ def test_the_objective_never_exceeds_the_simulated_step(stages: int, seed: int) 
     graphs, prices = graphs_of("gpt"), RandomPrices.draw(10 + seed)
     graph, rng = graphs[4], np.random.default_rng(seed)
     mesh = mesh_shapes(DEVICES // stages, lambda shape, d: link_of((stages, *shape), d + 1))[0]
-    for mode in RECOMPUTE_MODES:
+    for mode in distinct_modes(graph):
         mp = build_problem(
             graph, mesh, prices, optimizer="adam", memory_limit_bytes=None, micro_batches=4,
             split=split_stages(graph, stages), recompute=mode, stage_link="inter_node",

@@ -26,7 +26,7 @@ from autosbp.capturing.graph import Role
 from autosbp.planner.bounds.nodes import path_bound
 from autosbp.planner.problem.priced import Priced
 from autosbp.planner.space.recomputation import recomputed
-from autosbp.planner.space.ties import TiedStages
+from autosbp.planner.space.ties import ModeTies, TiedStages
 
 __all__ = ["forest_bound", "forest_min"]
 
@@ -139,22 +139,29 @@ def forest_bound(
     overlap: float,
     *,
     drain: bool = True,
+    modes: ModeTies | None = None,
 ) -> float:
     """Bound (1b) of a configuration (docs/planner.md, "Bounds and search"): the graph cut into
     `num_stages` stages as `tied` counts it, priced on the stage mesh (`problem.priced`), the
-    profile's `overlap`; `drain`: False under zero bubble (`bounds.nodes.path_bound`). Stages of
-    equal counts share one computation."""
+    profile's `overlap`; `drain`: False under zero bubble (`bounds.nodes.path_bound`); `modes`:
+    under `full:K`, the copies by mode. Stages of equal counts share one computation."""
     items: list[list[tuple]] = [[] for _ in range(num_stages)]
-    for (r, s, _), n in tied.nodes.items():
-        items[s].append(("node", r, n))
-    for ((u, v), s), n in tied.edges.items():
-        items[s].append(("edge", u, v, n))
+    if modes is None:
+        for (r, s, _), n in tied.nodes.items():
+            items[s].append(("node", r, n, recompute))
+        for ((u, v), s), n in tied.edges.items():
+            items[s].append(("edge", u, v, n, recompute))
+    else:  # `full:K`: each copy under its block's mode (`space.ties.tie_modes`)
+        for (r, s, _, own, _), n in modes.nodes.items():
+            items[s].append(("node", r, n, own))
+        for ((u, v), s, own), n in modes.edges.items():
+            items[s].append(("edge", u, v, n, own))
     known: dict[frozenset, tuple[float, ...]] = {}
     busy, first, steady = [], [], []
     for s in range(num_stages):
         key = frozenset(items[s])
         if key not in known:
-            sums = _stage_sums(items[s], priced, recompute, overlap, micro_batches)
+            sums = _stage_sums(items[s], priced, overlap, micro_batches)
             known[key] = tuple(part.least(priced) for part in sums)
         busy.append(known[key][0])
         first.append(known[key][1])
@@ -163,7 +170,7 @@ def forest_bound(
 
 
 def _stage_sums(
-    items: list[tuple], priced: Priced, recompute: str, overlap: float, micro_batches: int
+    items: list[tuple], priced: Priced, overlap: float, micro_batches: int
 ) -> tuple[_Sums, _Sums, _Sums, _Sums]:
     """One stage's sums of one micro-batch's busy time and forward, and of its micro-batches with
     its update (docs/planner.md, "Bounds and search": parameters' edges into blocks at 1 - overlap
@@ -173,7 +180,7 @@ def _stage_sums(
     busy, forward, update, hidden = _Sums(), _Sums(), _Sums(), _Sums()
     for item in items:
         if item[0] == "node":
-            _, r, n = item
+            _, r, n, recompute = item
             found, role = priced.strategies[r], graph.node(r).role
             if role is Role.COMPUTE:
                 fwd = found.forward_part_s()
@@ -185,7 +192,7 @@ def _stage_sums(
                 hidden.node(r, n * overlap * found.sync_s)
                 busy.node(r, n * found.per_micro_batch_s(micro_batches))
             continue
-        _, u, v, n = item
+        _, u, v, n, recompute = item
         both, fwd_only = priced.edge_prices(u, v)
         weight = float(n)
         if graph.node(u).role is Role.PARAMETER and graph.node(rep[v]).block is not None:

@@ -62,6 +62,7 @@ def step_bound(
     recompute: str,
     *,
     drain: bool = True,
+    again: Mapping[tuple[int, str], int] | None = None,
 ) -> float:
     """A step time no plan with these stages, micro-batch count and recomputation can beat,
     from per-node times alone (`times` per representative node: per candidate, or one floor;
@@ -69,7 +70,8 @@ def step_bound(
     and no transfers: the largest over stages k of the path bounds P(0, k) (the fill to k, its
     micro-batches, the drain back to stage 0) and P(k, k) with k's update (the fill to k, its
     micro-batches, its update; a parameter's `times` may leave out the sync, which backward
-    may hide, `unhidden_s`); `path_bound` of those sums."""
+    may hide, `unhidden_s`); `path_bound` of those sums. `again`: under `full:K`, per (stage,
+    representative) the copies that recompute (`recompute` is then not read)."""
     busy = [0.0] * num_stages
     first = [0.0] * num_stages  # forward of one micro-batch
     update = [0.0] * num_stages
@@ -82,7 +84,10 @@ def step_bound(
             update[s] += least
         elif attrs.role is Role.COMPUTE:
             forward = least / (1.0 + BACKWARD_FACTOR)
-            busy[s] += least + (forward if recomputed(graph, name, recompute) else 0.0)
+            if again is not None:  # `full:K`: the copies that rerun their forward
+                busy[s] += least + forward * again.get((s, name), 0) / n
+            else:
+                busy[s] += least + (forward if recomputed(graph, name, recompute) else 0.0)
             first[s] += forward
     steady = [micro_batches * b + u for b, u in zip(busy, update, strict=True)]
     return path_bound(busy, first, steady, micro_batches, drain=drain)

@@ -146,6 +146,10 @@ def _linprog(lp: LinearProgram, time_limit_s: float, objective_bound: float | No
     return result.x, float(result.fun), result.lower.marginals + result.upper.marginals
 
 
+# A memory row's bound less this (of the limit: 53 bytes at 53 MB): the solvers' feasibility
+# tolerances (HiGHS's and CBC's primal 1e-7 of a scaled row) let a choice through a byte or so
+# above the limit, which the plan's peak then shows (a full:1 plan 1 byte over, assumed).
+MEMORY_SLACK = 1e-6
 FIXING_TOLERANCE = 1e-7  # relative; HiGHS's optima and duals are good to ~1e-9 of the costs
 
 
@@ -229,7 +233,7 @@ class LinearProgram:
                 first, i, j = self.y_at[edge]
                 entries = (np.full(len(i), len(bounds)), first + np.arange(len(i)))
                 self._ub.append((*entries, per_byte * np.asarray(matrix, dtype=float)[i, j]))
-            bounds.append((mem.limit_bytes - mem.constant_bytes) * per_byte)
+            bounds.append((mem.limit_bytes - mem.constant_bytes) * per_byte - MEMORY_SLACK)
         self._y_cols = {e: first + np.arange(len(i)) for e, (first, i, _) in self.y_at.items()}
         # Max terms: part + sum_inner c z_inner - z <= 0 for every part; z costs the weight.
         # Part rows are in seconds (scaled below with the costs); z entries are not.

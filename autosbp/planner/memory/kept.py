@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpGraph, OpNode, Role
 from autosbp.planner.memory.autograd_probe import requires_grad_of, saved_by
-from autosbp.planner.space.recomputation import recompute_runs
+from autosbp.planner.space.recomputation import base_modes, recompute_runs
 from autosbp.planner.space.ties import twin_key
 
 __all__ = ["Kept", "KeptMemo", "KeptUse", "kept_for_backward"]
@@ -346,7 +346,7 @@ class KeptMemo:
             if flags is None:
                 flags = self.flags[structure] = requires_grad_of(graph)
             memo = self.by_count[count] = {}
-            for mode in dict.fromkeys(("none", *self.modes)):
+            for mode in dict.fromkeys(("none", *base_modes(self.modes))):
                 like = self.structural.get((structure, mode))
                 memo[mode] = kept_for_backward(graph, representative, mode, like=like, flags=flags)
                 self.structural.setdefault((structure, mode), memo[mode])

@@ -27,9 +27,10 @@ from autosbp.planner.ilp.formulation import MemoryConstraint, Problem, Solution
 from autosbp.planner.memory.in_flight import interleaved_in_flight
 from autosbp.planner.problem.priced import Priced, price_graph
 from autosbp.planner.problem.stage_terms import P2P, StageTerms
+from autosbp.planner.space.recomputation import block_modes, partial_blocks
 from autosbp.planner.space.stages import StageSplit, split_stages
 from autosbp.planner.space.strategy import Allow
-from autosbp.planner.space.ties import TiedStages, tie_graph, tie_stages
+from autosbp.planner.space.ties import ModeTies, TiedStages, tie_graph, tie_modes, tie_stages
 from autosbp.planner.timing.candidates import NodeStrategies, Prices
 from autosbp.planner.timing.finite_check import check_step_s
 from autosbp.planner.timing.objective import StageCosts, objective_terms
@@ -81,6 +82,7 @@ def build_problem(
     tied: TiedStages | None = None,
     virtual_stages: int = 1,
     schedule: str = "1f1b",
+    modes: ModeTies | None = None,
 ) -> MeshProblem:
     """The ILP of `graph` (one micro-batch) with `split`'s stages, each on a mesh like `mesh`.
 
@@ -105,6 +107,9 @@ def build_problem(
         graph, mesh, prices, allow, gathers=gathers, regathers=schedule != "zb1"
     )
     tied = tied or tie_stages(tie_graph(graph, priced.representative), split)
+    if partial_blocks(recompute) is not None and modes is None:  # `full:K`: modes per block
+        per_block = block_modes(recompute, split.blocks)
+        modes = tie_modes(tie_graph(graph, priced.representative), split, per_block)
     blocks = tuple(len(b) for b in split.blocks)
     kept = zb1_in_flight_counts(split.num_stages, micro_batches) if schedule == "zb1" else None
     if virtual_stages > 1:
@@ -112,7 +117,7 @@ def build_problem(
             split.num_stages // virtual_stages, virtual_stages, micro_batches
         )
     terms = StageTerms(blocks, priced.blocks_identical(), kept)
-    terms.add_nodes(tied, priced, optimizer, micro_batches, recompute)
+    terms.add_nodes(tied, priced, optimizer, micro_batches, recompute, modes)
     devices_stages = split.num_stages // virtual_stages
     terms.add_check(check_step_s(prices, mesh, devices_stages, stage_link), devices_stages)
     keys = list(dict.fromkeys(priced.representative.values()))
@@ -122,7 +127,7 @@ def build_problem(
     # then says nothing fits, and the no-fit message reads the node bytes).
     overflows = memory_limit_bytes is not None and terms.least_bytes(sizes) > memory_limit_bytes
     if not overflows:
-        terms.add_edges(tied, priced, recompute, P2P(prices, mesh, stage_link))
+        terms.add_edges(tied, priced, recompute, P2P(prices, mesh, stage_link), modes)
     stage_costs = terms.stage_costs(sizes, prices.overlap_efficiency, memory_limit_bytes)
     node_costs, edge_costs, max_terms = objective_terms(
         stage_costs, keys, micro_batches, virtual_stages, schedule

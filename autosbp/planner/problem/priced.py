@@ -110,15 +110,21 @@ class Priced:
             )
         return self.kept_memo[recompute]
 
-    def kept_bytes(self, name: str, optimizer: str, recompute: str) -> np.ndarray:
+    def kept_bytes(
+        self, name: str, optimizer: str, recompute: str, readers: str | None = None
+    ) -> np.ndarray:
         """Per candidate, the bytes node `name` (a representative) keeps on a device with one
-        micro-batch in flight: model states, or what its backward keeps (`memory.kept`)."""
-        key = (name, optimizer, recompute)
+        micro-batch in flight: model states, or what its backward keeps (`memory.kept`). Its
+        outputs as `readers` keep them where its consumers run under another mode (a block's
+        output read by the next block, `space.ties.tie_modes`): their saves or their run's
+        checkpoint decide what stays of it."""
+        key = (name, optimizer, recompute, readers or recompute)
         if key not in self.saved:
             kept = self.kept(recompute)
             again = recomputed(self.graph, name, recompute)  # extras held while it reruns
             extra = 0 if again else kept.extra_bytes.get(name, 0)
-            self.saved[key] = self._bytes(name, optimizer, kept.outputs_of(name), extra, not again)
+            outputs = self.kept(readers or recompute).outputs_of(name)
+            self.saved[key] = self._bytes(name, optimizer, outputs, extra, not again)
         return self.saved[key]
 
     def rematerialized_bytes(self, name: str, recompute: str) -> np.ndarray:

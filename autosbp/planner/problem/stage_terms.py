@@ -72,17 +72,26 @@ class StageTerms:
             return 1.0
         return 1.0 / self.blocks[s]
 
-    def add_nodes(self, tied, priced, optimizer: str, micro_batches: int, recompute: str) -> None:
-        for (r, s, read_outside), n in tied.nodes.items():
+    def add_nodes(
+        self, tied, priced, optimizer: str, micro_batches: int, recompute: str, modes=None
+    ) -> None:
+        """Every node's time and memory. `modes` (`space.ties.ModeTies`, under `full:K`): the
+        counts split by the mode each copy runs (its own, its readers'), else every copy's is
+        `recompute`."""
+        entries = (
+            ((r, s, outside, recompute, recompute), n) for (r, s, outside), n in tied.nodes.items()
+        )
+        freed = self._freed_nodes(modes, priced, optimizer) if modes else {}
+        for (r, s, read_outside, own, readers), n in modes.nodes.items() if modes else entries:
             attrs, found = priced.graph.node(r), priced.strategies[r]
             k = self.in_flight[s]
-            self.kinds[s][("node", r, read_outside)] += n
+            self.kinds[s][("node", r, read_outside, own, readers)] += n
             if attrs.role is Role.PARAMETER:
                 self._add_parameter(r, s, n, found, micro_batches)
                 self.param_bytes[s] += n * attrs.outputs[0].nbytes
             elif attrs.role is Role.COMPUTE:
                 fwd = found.forward_part_s()
-                again = fwd if recomputed(priced.graph, r, recompute) else 0.0
+                again = fwd if recomputed(priced.graph, r, own) else 0.0
                 self.busy[s].node(r, n * (found.compute_s + again))
                 self.forward[s].node(r, n * fwd)
                 if attrs.block is not None and self.identical:
@@ -90,11 +99,15 @@ class StageTerms:
                     self.compute_forward[s].node(r, w * fwd)
                     self.compute_backward[s].node(r, w * (found.compute_s - fwd + again))
             if attrs.role is Role.COMPUTE:
-                self.memory[s].node(r, n * k * priced.kept_bytes(r, optimizer, recompute))
-                if recomputed(priced.graph, r, recompute):  # one run rematerialized at a time
-                    self.memory[s].transient(r, priced.rematerialized_bytes(r, recompute))
+                held = priced.kept_bytes(r, optimizer, own, readers)
+                self.memory[s].node(r, n * k * held)
+                if recomputed(priced.graph, r, own):  # one run rematerialized at a time
+                    again = priced.rematerialized_bytes(r, own)
+                    if (r, s) in freed:  # less what the blocks kept whole have freed by then
+                        again = np.maximum(again - freed[(r, s)], 0.0)
+                    self.memory[s].transient(r, again)
             else:
-                held = n * priced.kept_bytes(r, optimizer, recompute)
+                held = n * priced.kept_bytes(r, optimizer, own)
                 self.memory[s].node(r, held)
                 self.update_memory[s].node(r, held)
                 if attrs.role is Role.PARAMETER:
@@ -102,6 +115,19 @@ class StageTerms:
                     states = found.state or (None,) * len(found.candidates)
                     staging = gather_staging_bytes(meta, found.candidates, states, mesh_shape)
                     self.staging[s].node(r, n * staging)
+
+    @staticmethod
+    def _freed_nodes(modes, priced, optimizer: str) -> dict[tuple[str, int], np.ndarray]:
+        """Under `full:K`, per representative compute node and stage, what its copies in the
+        blocks kept whole (run under none) keep of one micro-batch: by the time a stage
+        recomputes one of its first K blocks for a micro-batch, backward has passed that
+        micro-batch's later blocks, kept whole, and freed it (the module docstring)."""
+        freed: dict[tuple[str, int], np.ndarray] = {}
+        for (r, s, _, own, readers), n in modes.nodes.items():
+            if own == "none" and priced.graph.node(r).role is Role.COMPUTE:
+                held = n * priced.kept_bytes(r, optimizer, own, readers)
+                freed[(r, s)] = freed[(r, s)] + held if (r, s) in freed else held
+        return freed
 
     def _add_parameter(
         self, r: str, s: int, n: int, found: NodeStrategies, micro_batches: int
@@ -123,26 +149,41 @@ class StageTerms:
             if held:
                 held[0].node(next(iter(held[0].nodes)), reduce_s)
 
-    def add_edges(self, tied, priced, recompute: str, p2p: P2P) -> None:
+    def add_edges(self, tied, priced, recompute: str, p2p: P2P, modes=None) -> None:
         """Boxing on every edge (time, and the copies kept for backward), and each tensor sent
-        to a later stage (time and memory)."""
+        to a later stage (time and memory); `modes` as `add_nodes` (an edge's is its
+        consumer's)."""
         rep, graph = priced.representative, priced.graph
-        for ((u, v), sv), n in tied.edges.items():
-            self.kinds[sv][("edge", u, v)] += n
+        entries = ((((u, v), sv, recompute), n) for ((u, v), sv), n in tied.edges.items())
+        freed_edges: dict[tuple, np.ndarray] = {}  # ((rep u, rep v), stage) -> bytes per pair
+        for ((u, v), sv, mode), n in modes.edges.items() if modes else ():
+            kept, regather = priced.edge_kept(u, v, mode), priced.strategies[rep[u]].regather
+            gathers = graph.node(u).role is Role.PARAMETER and regather is not None
+            plain = kept.twin_bytes is None and not (gathers and regather.any())
+            if mode == "none" and plain:  # as `_freed_nodes`: one micro-batch's copies
+                key = ((rep[u], rep[v]), sv)
+                freed_edges[key] = freed_edges.get(key, 0.0) + n * kept.bytes
+        for ((u, v), sv, mode), n in modes.edges.items() if modes else entries:
+            self.kinds[sv][("edge", u, v, mode)] += n
             key, consumer = (rep[u], rep[v]), graph.node(rep[v])
             both, fwd_only = priced.edge_prices(u, v)
-            again = recomputed(priced.graph, rep[v], recompute)  # tied nodes are recomputed alike
+            again = recomputed(priced.graph, rep[v], mode)  # tied nodes are recomputed alike
             self.busy[sv].edge(key, n * (both + fwd_only) if again else n * both)
             self.forward[sv].edge(key, n * fwd_only)
-            kept = priced.edge_kept(u, v, recompute)
+            kept = priced.edge_kept(u, v, mode)
             w = n * self.per_block(consumer, sv)
+            if again and modes and self.identical:  # one block's worth of the recomputed ones
+                w = n / modes.recomputing[sv]
             regather = priced.strategies[rep[u]].regather
             if graph.node(u).role is not Role.PARAMETER:
                 regather = None  # an op's twins re-gather what they read (`timing.regather`)
             if kept.twin_s is not None:  # an op's twins re-gather, or may not take a pair
                 self.busy[sv].edge(key, n * kept.twin_s)
             if again:  # kept while its block recomputes, one block at a time
-                self.memory[sv].edge(key, w * kept.recomputed_bytes)
+                held = w * kept.recomputed_bytes
+                if modes and (key, sv) in freed_edges:  # less what blocks kept whole freed
+                    held = np.maximum(held - freed_edges[(key, sv)], 0.0)
+                self.memory[sv].edge(key, held)
                 extra = np.zeros_like(both)
             elif kept.twin_bytes is not None:
                 self.memory[sv].edge(key, n * self.in_flight[sv] * kept.twin_bytes)

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from autosbp.capturing.graph import OpGraph
 from autosbp.errors import NoFitError, PlanError
 from autosbp.planner.ilp.solving import SolverTimeoutError
 from autosbp.planner.problem.build import MeshProblem
@@ -26,7 +25,7 @@ from autosbp.planner.search.evaluator import Evaluator, Found, SearchEffort
 from autosbp.planner.space.configs import (
     Config,
 )
-from autosbp.planner.space.recomputation import recompute_runs
+from autosbp.planner.space.recomputation import distinct_modes, partial_blocks, partial_mode
 from autosbp.schedule import check_interleaving
 
 # A configuration whose LP bound is below this share of the best plan so far dives to its LP
@@ -227,9 +226,7 @@ class BestFirst:
                 stages = ev.stages_of(count, num_stages) if ours else None
                 if stages is None:
                     continue
-                for mode in space.recompute:
-                    if _same_as_none(mode, space.recompute, stages.graph):
-                        continue
+                for mode in distinct_modes(stages.graph, space.recompute):
                     floor = ev.floor_bound(stages, Config(num_stages, ours[0], count, mode))
                     for mesh in ours:
                         self.configurations += 1
@@ -282,6 +279,7 @@ class BestFirst:
         dives; kept as solved when the LP relaxation is integral; dropped if nothing fits."""
         found = self.ev.lp_bound(config, self.time_left(), self.cutoff())
         if found is None:
+            self.offer_partial(config, bound)
             return
         lp, mp, solution = found
         if solution is not None:  # solved by its LP
@@ -292,6 +290,35 @@ class BestFirst:
             self.push(max(bound, lp), LP, config, mp)
             if self.seeding:
                 self.seed_lps.append((max(bound, lp), next(self.order), config, mp))
+
+    def offer_partial(self, config: Config, bound: float) -> None:
+        """Where nothing fits under none (or under `full:K`), and the space has none and full,
+        `full:K` of the least K that may fit (`Evaluator.least_partial`; K + 1 after `full:K`),
+        unless the bounds (1) and (1b) of the least K it could take already reach the cutoff
+        (a larger K only adds recomputed forwards): at those bounds, on to its LP bound. So
+        partial recomputation costs the search nothing where none fits, and one configuration
+        (rarely more) where none does not (docs/planner.md, "Partial recomputation")."""
+        modes = self.ev.request.space.recompute
+        if "none" not in modes or "full" not in modes or self.ev.request.memory_limit_bytes is None:
+            return
+        count = partial_blocks(config.recompute)
+        if config.recompute != "none" and count is None:
+            return
+        least = 1 if count is None else count + 1
+        trial = replace(config, recompute=partial_mode(least))  # no K above it runs faster
+        floor = max(bound, self.ev.node_bound(trial) or math.inf)
+        if floor < self.cutoff() and self.has_plan():
+            floor = max(floor, self.ev.forest_bound(trial))
+        if floor >= self.cutoff():
+            self.retired_bound = min(self.retired_bound, floor)
+            return
+        found = self.ev.least_partial(config, least)
+        if found is not None:  # not counted in `configurations` (the space's, every process's)
+            offered = replace(config, recompute=partial_mode(found))
+            if found != least:  # its own bounds, at least the least K's
+                floor = max(floor, self.ev.node_bound(offered) or math.inf)
+                floor = max(floor, self.ev.forest_bound(offered)) if self.has_plan() else floor
+            self.push(floor, FOREST, offered, None)
 
     def solve(
         self, config: Config, bound: float, mp: MeshProblem, cap_s: float | None = None
@@ -334,12 +361,6 @@ class BestFirst:
         if not self.has_plan():
             return max(self.deadline - time.perf_counter(), self.time_limit_s, FIRST_PLAN_S)
         return max(self.deadline - time.perf_counter(), 1e-3)
-
-
-def _same_as_none(mode: str, modes: tuple[str, ...], graph: OpGraph) -> bool:
-    """Is `mode` a recomputation that recomputes nothing here (selective beside a fused
-    attention kernel), while `none` is in the space too? Its plans are none's: left out."""
-    return mode != "none" and "none" in modes and not recompute_runs(graph, mode)
 
 
 def _faster(a: Found, b: Found) -> bool:

@@ -37,10 +37,23 @@ from autosbp.planner.problem.priced import MeshPrices, Priced
 from autosbp.planner.problem.solve import solve_mesh
 from autosbp.planner.search.nofit import Refusals
 from autosbp.planner.space.configs import Config, LinkOf, divisors, mesh_shapes, structure
-from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.recomputation import (
+    RECOMPUTE_MODES,
+    block_modes,
+    partial_blocks,
+    partial_mode,
+    recomputed,
+)
 from autosbp.planner.space.stages import StageSplit, split_stages
 from autosbp.planner.space.strategy import Space
-from autosbp.planner.space.ties import TiedGraph, TiedStages, tie_graph, tie_stages
+from autosbp.planner.space.ties import (
+    ModeTies,
+    TiedGraph,
+    TiedStages,
+    tie_graph,
+    tie_modes,
+    tie_stages,
+)
 from autosbp.planner.timing.candidates import Prices
 from autosbp.planner.timing.predict import Prediction, predict
 from autosbp.planner.timing.recipe import PLAIN, Recipe
@@ -146,6 +159,8 @@ class Evaluator:
     shared_plans: dict[tuple[int, Mesh, int], tuple[MeshProblem, Solution]] = field(
         default_factory=dict
     )  # where bound (2a) is a plan
+    # per (count, stage count, `full:K` mode): its copies' counts by mode (`space.ties.tie_modes`)
+    mode_ties: dict[tuple[int, int, str], ModeTies] = field(default_factory=dict)
     bounded: int = 0
     solved: int = 0
 
@@ -242,7 +257,7 @@ class Evaluator:
         """Bound (0)."""
         return step_bound(
             stages.graph, stages.copies, config.num_stages, stages.floors, config.count,
-            config.recompute, drain=self.drains,
+            config.recompute, drain=self.drains, again=self._again(config),
         )  # fmt: skip
 
     def node_bound(self, config: Config) -> float | None:
@@ -254,8 +269,8 @@ class Evaluator:
             return None
         times = {r: unhidden_s(priced.strategies[r]) for _, r in stages.copies}
         return step_bound(
-            stages.graph, stages.copies, config.num_stages, times, config.count, config.recompute,
-            drain=self.drains,
+            stages.graph, stages.copies, config.num_stages, times, config.count,
+            config.recompute, drain=self.drains, again=self._again(config),
         )  # fmt: skip
 
     def forest_bound(self, config: Config) -> float:
@@ -264,6 +279,7 @@ class Evaluator:
         return forest_bound(
             stages.tied, priced, config.num_stages, config.count, config.recompute,
             self.request.prices.overlap_efficiency, drain=self.drains,
+            modes=self.modes_of(config),
         )  # fmt: skip
 
     @property
@@ -361,8 +377,52 @@ class Evaluator:
             stage_link=r.link_of((config.num_stages, config.mesh.size), 0),
             priced=self.priced_of(config), tied=stages.tied,
             virtual_stages=r.space.virtual_stages,
-            schedule=r.space.schedule,
+            schedule=r.space.schedule, modes=self.modes_of(config),
         )  # fmt: skip
+
+    def _again(self, config: Config) -> Counter[tuple[int, str]] | None:
+        """Under `full:K`, per (stage, representative) its copies that recompute (the bounds'
+        `again`); else None."""
+        modes = self.modes_of(config)
+        if modes is None:
+            return None
+        again: Counter[tuple[int, str]] = Counter()
+        graph = self.stages[(config.count, config.num_stages)].graph
+        for (r, s, _, own, _), n in modes.nodes.items():
+            if own == "full" and recomputed(graph, r, "full"):  # not an op writing its input
+                again[(s, r)] += n
+        return again
+
+    def least_partial(self, config: Config, least: int) -> int | None:
+        """The least K >= `least` for which `full:K` of `config` may fit: no stage overflows
+        with each node and each edge at its fewest bytes (`Refusals.overflows`, then
+        `MemoryConstraint.least_bytes`; memory falls as K grows, so a bisection), below the
+        most blocks of a stage (there, it is full); None if none may."""
+        split = self.stages[(config.count, config.num_stages)].split
+        low, high = least, max(len(blocks) for blocks in split.blocks) - 1
+        limit = self.request.memory_limit_bytes
+        found = None
+        while low <= high:
+            middle = (low + high) // 2
+            mp = self.build(replace(config, recompute=partial_mode(middle)), limit)
+            if self.refusals.overflows(mp) or any(  # nodes, then nodes and edges, at their least
+                c.least_bytes() > c.limit_bytes for c in mp.problem.memory
+            ):
+                low = middle + 1
+            else:
+                found, high = middle, middle - 1
+        return found
+
+    def modes_of(self, config: Config) -> ModeTies | None:
+        """Under `full:K`, the counts of `config`'s copies by mode (cached); else None."""
+        if partial_blocks(config.recompute) is None:
+            return None
+        key = (config.count, config.num_stages, config.recompute)
+        if key not in self.mode_ties:
+            split = self.stages[(config.count, config.num_stages)].split
+            per_block = block_modes(config.recompute, split.blocks)
+            self.mode_ties[key] = tie_modes(self.ties[config.count], split, per_block)
+        return self.mode_ties[key]
 
     def found(self, mp: MeshProblem, solution: Solution) -> Found:
         """`solution` priced as its schedule runs (`timing.predict.predict`, `predict_zb1`)."""

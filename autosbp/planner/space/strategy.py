@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from autosbp.boxing.params import gathers_run_beside
 from autosbp.capturing.graph import OpGraph, Role
 from autosbp.errors import PlanError
-from autosbp.planner.space.recomputation import RECOMPUTE_MODES
+from autosbp.planner.space.recomputation import RECOMPUTE_MODES, partial_blocks
 from autosbp.rules import NdSignature
 from autosbp.rules.context import seq_mesh_dims
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Split
@@ -71,12 +71,9 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     modes: tuple[str, ...]
     if recompute == "auto":
         modes = RECOMPUTE_MODES
-    elif recompute in RECOMPUTE_MODES:
-        modes = (recompute,)
     else:
-        raise PlanError(
-            f"recompute {recompute!r} is not known; use auto, {', '.join(RECOMPUTE_MODES)}."
-        )
+        partial_blocks(recompute)  # a known mode, or `full:K`; else PlanError
+        modes = (recompute,)
     if strategy == "auto" or strategy.startswith("auto:"):
         auto_options(
             strategy
@@ -90,6 +87,14 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
     if strategy == "fsdp":
         return Space((1,), modes, allow=_fully_sharded(), mesh_ok=lambda m: m.ndim == 1)
     if strategy.startswith("megatron:"):
+        given, (strategy, named) = strategy, _recompute(strategy)
+        if named is not None:  # `recompute=MODE` in the hand plan: its mode
+            if recompute not in ("auto", named):
+                raise PlanError(
+                    f"{given!r} names recompute={named}, but recompute {recompute!r} is asked "
+                    "too (--recompute); give one of them."
+                )
+            modes = (named,)
         strategy, schedule = _schedule(strategy)
         strategy, vp = _virtual_stages(strategy)
         strategy, overlap = _overlap(strategy)
@@ -124,7 +129,8 @@ def strategy_space(strategy: str, recompute: str = "auto", max_stages: int | Non
         )  # fmt: skip
     raise PlanError(
         f"unknown strategy {strategy!r}; use auto, dp, fsdp or megatron:tp=T,pp=P,dp=D[,mb=M]"
-        "[,ep=E][,cp=C[,ring=1]][,zero=1|2][,sp=1][,overlap=0|1|K][,vp=V][,schedule=zb1]."
+        "[,ep=E][,cp=C[,ring=1]][,zero=1|2][,sp=1][,overlap=0|1|K][,vp=V][,schedule=zb1]"
+        "[,recompute=MODE]."
     )
 
 
@@ -221,6 +227,23 @@ def _overlap(strategy: str) -> tuple[str, int | None]:
         )
     chunks = int(given[0])
     return "megatron:" + ",".join(kept), TP_OVERLAP_CHUNKS if chunks == 1 else chunks
+
+
+def _recompute(strategy: str) -> tuple[str, str | None]:
+    """`strategy` without its `recompute=MODE` (a mode of `RECOMPUTE_MODES`, or full:K: the
+    first K blocks of each stage), and MODE (None where absent)."""
+    items = strategy.removeprefix("megatron:").split(",")
+    kept = [item for item in items if not item.startswith("recompute=")]
+    given = [item.removeprefix("recompute=") for item in items if item.startswith("recompute=")]
+    if not given:
+        return strategy, None
+    if len(given) > 1:
+        raise PlanError(
+            f"{strategy!r}: recompute must be given once (e.g. megatron:tp=1,pp=2,dp=1,"
+            "recompute=full:2)."
+        )
+    partial_blocks(given[0])  # a known mode, or full:K; else PlanError
+    return "megatron:" + ",".join(kept), given[0]
 
 
 def _schedule(strategy: str) -> tuple[str, str]:

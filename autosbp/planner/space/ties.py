@@ -98,6 +98,41 @@ def tie_stages(tied: TiedGraph, split: StageSplit) -> TiedStages:
     return TiedStages(rep, nodes, edges, tuple(sends))
 
 
+@dataclass(frozen=True)
+class ModeTies:
+    """`TiedStages`' counts split by the recomputation each copy runs under a mode that differs
+    per block (`space.recomputation.block_modes`, `full:K`): per node copy its own block's mode
+    (its time, what its own backward saves, whether it reruns) and its readers' (what is kept of
+    its outputs: its consumers' saves, or their run's checkpoint), per edge its consumer's."""
+
+    nodes: Counter[tuple[str, int, bool, str, str]]  # (rep, stage, read outside, own, readers)
+    edges: Counter[tuple[tuple[str, str], int, str]]  # (an edge for its twins, stage, consumer's)
+    recomputing: tuple[int, ...]  # per stage, its blocks that run under full
+
+
+def tie_modes(tied: TiedGraph, split: StageSplit, modes: Mapping[int, str]) -> ModeTies:
+    """`tie_stages`' counts of `split` by mode, `modes` the mode of each block; a node outside
+    the blocks runs under none, and its readers' mode is that of the first block reading it."""
+    graph, rep, stage_of = tied.graph, tied.representative, split.stage_of
+
+    def own(name: str) -> str:
+        block = graph.node(name).block
+        return "none" if block is None else modes[block]
+
+    def readers(name: str) -> str:
+        if not tied.read_outside[name]:
+            return own(name)
+        blocks = (graph.node(v).block for v in graph.graph.successors(name))
+        return next((modes[b] for b in blocks if b is not None), own(name))
+
+    nodes = Counter(
+        (rep[n], stage_of[n], tied.read_outside[n], own(n), readers(n)) for n in graph.order
+    )
+    edges = Counter((member, stage_of[v], own(v)) for (_, v), member in tied.member.items())
+    recomputing = tuple(sum(modes[b] == "full" for b in blocks) for blocks in split.blocks)
+    return ModeTies(nodes, edges, recomputing)
+
+
 def twin_key(graph: OpGraph, rep: Mapping[str, str], u: str, v: str) -> tuple:
     """Equal for edges that boxing prices alike: between the same representatives, with the
     same uses (output index -> input index) of the same tensors."""

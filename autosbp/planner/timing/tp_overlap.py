@@ -140,7 +140,9 @@ def _beside(graph: OpGraph, name: str, reader: str) -> bool:
     recomputed run with the op runs its chunks and reduction again in backward, priced as the
     twin's forward on the node and the reduction's exposed forward on the edge,
     `problem.stage_terms`; a reader recomputed alone would convert again what the runtime does
-    not, an op recomputed alone its reduction unpriced)?"""
+    not, an op recomputed alone its reduction unpriced)? `full:K` runs each block under full or
+    none (`space.recomputation.block_modes`), so two ops of one block alike under both are
+    alike under it."""
     block = graph.node(name).block
     if graph.node(reader).block != block or (block is None and _has_blocks(graph)):
         return False

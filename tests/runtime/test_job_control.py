@@ -56,14 +56,14 @@ REPORT_EVERY_S = 0.1
 
 
 def reporting_worker(rank: int, world_size: int, seconds: float, stuck_rank: int) -> int:
-    """All-reduce and report every REPORT_EVERY_S for `seconds`; then `stuck_rank` (if a rank)
-    sleeps without reporting while the others wait in the next all-reduce."""
-    x, rounds = torch.ones(1), 0
-    begin = time.monotonic()
-    while time.monotonic() - begin < seconds:
+    """All-reduce and report every REPORT_EVERY_S for about `seconds` (a round count every rank
+    agrees on: a deadline read on each rank's clock let a late rank run one all-reduce more than
+    its peer, which had finished); then `stuck_rank` (if a rank) sleeps without reporting while
+    the others wait in the next all-reduce."""
+    x, rounds = torch.ones(1), round(seconds / REPORT_EVERY_S)
+    for done in range(1, rounds + 1):
         dist.all_reduce(x)
-        rounds += 1
-        report_progress(f"round {rounds}")
+        report_progress(f"round {done}")
         time.sleep(REPORT_EVERY_S)
     if rank == stuck_rank:
         time.sleep(10 * STALL_S)  # stuck in its own code: no report, no collective

@@ -101,8 +101,9 @@ def worlds() -> Callable[[int], dict[str, list[dict[str, float]]]]:
 # one: attention and MLP tensor-parallel, where it was replicated attention. Its peak is
 # over-predicted: 0.888 on both ranks in a steady step (681,044 of 767,362 bytes), 0.97-0.98 on
 # a rank where a 73,728-byte transient lands beside the peak. An open finding (what the
-# planner prices of this plan that a step never holds at once), not noise.
-OPEN = {(2, "gpt-wide", "auto"): "gpt-wide's tensor-parallel auto plan on 2 ranks: over-predicted"}
+# planner prices of this plan that a step never holds at once), not noise. Held to its band
+# (a ratio below it, or above 1 + TOLERANCE, fails), where a non-strict xfail passed either way.
+OVER_PREDICTED = {(2, "gpt-wide", "auto"): 0.85}
 # fsdp of mlp-wide on 4 ranks in bf16 measured 1.139 on every rank (309,810 of 272,008 bytes):
 # under the mixed recipe a gathered weight's gradient is summed in fp32, a full-size fp32 copy
 # of the bf16 gradient beside it while the reduce-scatter runs (FSDP2's reduce_dtype cast does
@@ -117,9 +118,7 @@ STRICT_OPEN = {
 @pytest.mark.parametrize(
     ("world_size", "model", "strategy"),
     [
-        pytest.param(*c, marks=pytest.mark.xfail(reason=OPEN[c], strict=False))
-        if c in OPEN
-        else pytest.param(*c, marks=pytest.mark.xfail(reason=STRICT_OPEN[c], strict=True))
+        pytest.param(*c, marks=pytest.mark.xfail(reason=STRICT_OPEN[c], strict=True))
         if c in STRICT_OPEN
         else c
         for c in CASES
@@ -131,7 +130,8 @@ def test_measured_peak_is_the_predicted_peak(
 ) -> None:
     per_rank = worlds(world_size)[_case_id(world_size, model, strategy)]
     ratios = [r["measured_bytes"] / r["predicted_bytes"] for r in per_rank]
-    assert all(abs(ratio - 1) <= TOLERANCE for ratio in ratios), (
+    lowest = OVER_PREDICTED.get((world_size, model, strategy), 1 - TOLERANCE)
+    assert all(lowest <= ratio <= 1 + TOLERANCE for ratio in ratios), (
         f"measured / predicted peak per rank: {[f'{x:.3f}' for x in ratios]} "
         f"(measured {[int(r['measured_bytes']) for r in per_rank]} bytes, "
         f"predicted {int(per_rank[0]['predicted_bytes'])})"

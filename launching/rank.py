@@ -1,11 +1,12 @@
 """Inside one rank started by `launching.workers.run_workers`: die with the parent, join the
 world, report progress, hand back the result or the failure.
 
-Lives here: `report_progress` (a rank says it made progress and what it does now, and, after a
-unit of work such as a training step, up to `DONE_VALUES` numbers about it that the parent may
-show: the step, its loss, its time), the shared `ProgressTable` those reports go to, `RankLog` (the anonymous file a rank's faulthandler dumps
-go to), `Failure` (how a rank failed, as the parent reports it) and `worker`, the entry point
-of a spawned rank, with `pickled_call` (how the parent hands it its function and arguments). Lives elsewhere: the parent's side, watching and stopping the ranks
+Lives here: `report_progress` (a rank says it made progress and what it does now, and, after a unit
+of work such as a training step, up to `DONE_VALUES` numbers about it that the parent may show: the
+step, its loss, its time), the shared `ProgressTable` those reports go to, `RankLog` (the anonymous
+file a rank's faulthandler dumps go to), `Failure` (how a rank failed, as the parent reports it)
+and `worker`, the entry point of a spawned rank, with `pickled_call` (how the parent hands it its
+function and arguments). Lives elsewhere: the parent's side, watching and stopping the ranks
 (`launching.workers`); what the ranks compute (the caller's function).
 
 Invariants:

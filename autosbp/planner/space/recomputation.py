@@ -159,9 +159,7 @@ def _mlp_activations(graph: OpGraph) -> set[str]:
     position = {n: i for i, n in enumerate(graph.order)}
     found: set[str] = set()
     for name, attrs in graph.nodes(Role.COMPUTE):
-        if attrs.block is None or op_family(attrs.op) != "matmul":
-            continue
-        if not any(p and _of_parameter(graph, p[0]) for p in graph.producers(name)):
+        if attrs.block is None or not _projection(graph, name):
             continue
         for p in graph.producers(name):
             if p is None or _of_parameter(graph, p[0]):
@@ -194,9 +192,7 @@ def _activation_chain(graph: OpGraph, start: str, block: int) -> set[str] | None
             continue
         attrs = graph.node(n)
         if attrs.role is Role.COMPUTE and op_family(attrs.op) == "matmul":
-            if attrs.block != block or not any(
-                p and _of_parameter(graph, p[0]) for p in graph.producers(n)
-            ):
+            if attrs.block != block or not _projection(graph, n):
                 return None
             continue  # an up or gate projection: the run's input
         if attrs.role is not Role.COMPUTE:
@@ -222,14 +218,6 @@ def _drops(graph: OpGraph, chain: set[str]) -> bool:
 
 def _block_ops(graph: OpGraph) -> set[str]:
     return {n for n, a in graph.nodes(Role.COMPUTE) if a.block is not None and not _writes(a)}
-
-
-_CHOSEN = {
-    "none": lambda graph: set(),
-    "selective": lambda graph: _attention_cores(graph),
-    "mlp": lambda graph: _mlp_activations(graph),
-    "full": lambda graph: _block_ops(graph),
-}
 
 
 def _writes(attrs: OpNode) -> bool:
@@ -295,12 +283,19 @@ def _product(graph: OpGraph, start: str, *, up: bool) -> str | None:
             seen.add(n)
             family = op_family(attrs.op)
             if family == "matmul":
-                if any(_of_parameter(graph, p[0]) for p in graph.producers(n) if p):
+                if _projection(graph, n):
                     return None
                 found.add(n)
             elif family in _CORE_FAMILIES:
                 frontier.append(n)
     return found.pop() if len(found) == 1 else None
+
+
+def _projection(graph: OpGraph, name: str) -> bool:
+    """Is node `name` a projection: a matmul with a parameter (or a view of one) as an operand?"""
+    return op_family(graph.node(name).op) == "matmul" and any(
+        p and _of_parameter(graph, p[0]) for p in graph.producers(name)
+    )
 
 
 def _of_parameter(graph: OpGraph, name: str) -> bool:
@@ -315,3 +310,12 @@ def _of_parameter(graph: OpGraph, name: str) -> bool:
         if not found or found[0] is None:
             return False
         name = found[0][0]
+
+
+# The nodes each mode recomputes, before they are cut into runs (`recompute_runs`).
+_CHOSEN = {
+    "none": lambda graph: set(),
+    "selective": _attention_cores,
+    "mlp": _mlp_activations,
+    "full": _block_ops,
+}

@@ -193,12 +193,18 @@ def hand_strategies(devices: int, devices_per_node: int, blocks: int) -> list[st
     return ["dp", "fsdp", *megatron]
 
 
+def _take(strategy: str, key: str) -> tuple[str, list[str]]:
+    """`strategy` (megatron:...) without its `key=VALUE` items, and their values in order."""
+    items = strategy.removeprefix("megatron:").split(",")
+    given = [item.removeprefix(f"{key}=") for item in items if item.startswith(f"{key}=")]
+    kept = [item for item in items if not item.startswith(f"{key}=")]
+    return "megatron:" + ",".join(kept), given
+
+
 def _virtual_stages(strategy: str) -> tuple[str, int]:
     """`strategy` without its `vp=V` (model chunks per stage, Megatron's
     virtual_pipeline_model_parallel_size; 1 where absent), and V."""
-    items = strategy.removeprefix("megatron:").split(",")
-    kept = [item for item in items if not item.startswith("vp=")]
-    given = [item.removeprefix("vp=") for item in items if item.startswith("vp=")]
+    rest, given = _take(strategy, "vp")
     if not given:
         return strategy, 1
     if len(given) > 1 or not given[0].isdigit() or int(given[0]) < 1:
@@ -206,16 +212,14 @@ def _virtual_stages(strategy: str) -> tuple[str, int]:
             f"{strategy!r}: vp must be given once, a positive integer (the model chunks each "
             "pipeline stage holds, e.g. megatron:tp=1,pp=2,dp=1,vp=2)."
         )
-    return "megatron:" + ",".join(kept), int(given[0])
+    return rest, int(given[0])
 
 
 def _overlap(strategy: str) -> tuple[str, int | None]:
     """`strategy` without its `overlap=K`, and the chunks it forces (`Space.tp_overlap`): None
     where absent (the search's choice), 0 for overlap=0 (none), TP_OVERLAP_CHUNKS for
     overlap=1, K for K >= 2."""
-    items = strategy.removeprefix("megatron:").split(",")
-    kept = [item for item in items if not item.startswith("overlap=")]
-    given = [item.removeprefix("overlap=") for item in items if item.startswith("overlap=")]
+    rest, given = _take(strategy, "overlap")
     if not given:
         return strategy, None
     if len(given) > 1 or not given[0].isdigit():
@@ -226,15 +230,13 @@ def _overlap(strategy: str) -> tuple[str, int | None]:
             "e.g. megatron:tp=2,pp=1,dp=1,overlap=1."
         )
     chunks = int(given[0])
-    return "megatron:" + ",".join(kept), TP_OVERLAP_CHUNKS if chunks == 1 else chunks
+    return rest, TP_OVERLAP_CHUNKS if chunks == 1 else chunks
 
 
 def _recompute(strategy: str) -> tuple[str, str | None]:
     """`strategy` without its `recompute=MODE` (a mode of `RECOMPUTE_MODES`, or full:K: the
     first K blocks of each stage), and MODE (None where absent)."""
-    items = strategy.removeprefix("megatron:").split(",")
-    kept = [item for item in items if not item.startswith("recompute=")]
-    given = [item.removeprefix("recompute=") for item in items if item.startswith("recompute=")]
+    rest, given = _take(strategy, "recompute")
     if not given:
         return strategy, None
     if len(given) > 1:
@@ -243,15 +245,13 @@ def _recompute(strategy: str) -> tuple[str, str | None]:
             "recompute=full:2)."
         )
     partial_blocks(given[0])  # a known mode, or full:K; else PlanError
-    return "megatron:" + ",".join(kept), given[0]
+    return rest, given[0]
 
 
 def _schedule(strategy: str) -> tuple[str, str]:
     """`strategy` without its `schedule=S` (1f1b where absent), and S, one the runtime runs
     on plain stages or chunks as asked (`zero_bubble.check_schedule`)."""
-    items = strategy.removeprefix("megatron:").split(",")
-    kept = [item for item in items if not item.startswith("schedule=")]
-    given = [item.removeprefix("schedule=") for item in items if item.startswith("schedule=")]
+    rest, given = _take(strategy, "schedule")
     if not given:
         return strategy, "1f1b"
     if len(given) > 1 or given[0] not in SCHEDULES:
@@ -259,12 +259,12 @@ def _schedule(strategy: str) -> tuple[str, str]:
             f"{strategy!r}: schedule must be given once, one of {', '.join(SCHEDULES)} (zb1: "
             "the zero-bubble ZB-H1, e.g. megatron:tp=1,pp=2,dp=1,schedule=zb1)."
         )
-    if given[0] == "zb1" and any(item.startswith("vp=") and item != "vp=1" for item in kept):
+    if given[0] == "zb1" and any(v != "1" for v in _take(strategy, "vp")[1]):
         raise PlanError(
             f"{strategy!r}: schedule=zb1 runs plain stages (ZB-H1), not interleaved chunks; "
             "drop vp=V or schedule=zb1."
         )
-    return "megatron:" + ",".join(kept), given[0]
+    return rest, given[0]
 
 
 def _without_recompute(strategy: str, modes: tuple[str, ...]) -> tuple[str, ...]:

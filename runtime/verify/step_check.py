@@ -159,10 +159,15 @@ class Reference:
         gradients: State,
         after: State,
         weights: Sequence[float] | None = None,
+        *,
+        clip: float | None = None,
+        lr: float | None = None,
     ) -> StepCheck:
         """Compare the plan's step `step` (its weights `before`, loss, synced `gradients`, and
         state `after`) with one device at the same weights, its micro-batches weighed as the
-        plan weighed them (`weights`: by their kept targets; None: 1/m each)."""
+        plan weighed them (`weights`: by their kept targets; None: 1/m each), its gradients
+        clipped to the global norm `clip` as the job clips them, its update at the job's
+        learning rate of the step (`lr`: its schedule's; None: the optimizer's own)."""
         exact = self._exact(before, inputs, weights)
         cast = _in_dtype(before, self.compute), _inputs_in(inputs, self.compute)
         m = self.micro_batches
@@ -170,6 +175,9 @@ class Reference:
             evaluate(self.fp32, *nudged(*cast, seed=step * NUDGED + k), m, weights)
             for k in range(NUDGED)
         ]
+        if clip is not None:  # one device's clipping (torch's clip_grad_norm_) of each
+            for evaluation in (exact, *samples):
+                _clip(evaluation.gradients, clip)
         noise = _noise(exact, samples)
         excluded = [
             name
@@ -194,7 +202,7 @@ class Reference:
             for n, b in exact.buffers.items()
         ]
         if self.optimizer is not None:
-            rows += self._updates(self.optimizer, before, gradients, after)
+            rows += self._updates(self.optimizer, before, gradients, after, lr)
         rows += [_elementwise(n, after[n], before[n], before[n]) for n in self.frozen]
         notes = Notes(
             tuple(excluded), self.dropout, tuple(sorted(self.fallback.ops)), self.frozen,
@@ -221,10 +229,18 @@ class Reference:
             ) from error
 
     def _updates(
-        self, optimizer: torch.optim.Optimizer, before: State, gradients: State, after: State
+        self,
+        optimizer: torch.optim.Optimizer,
+        before: State,
+        gradients: State,
+        after: State,
+        lr: float | None,
     ) -> list[Deviation]:
-        """The job's optimizer on whole tensors from the plan's weights and gradients, against
-        the plan's updated weights (header, 2.)."""
+        """The job's optimizer on whole tensors from the plan's weights and gradients, at the
+        step's learning rate, against the plan's updated weights (header, 2.)."""
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
         with torch.no_grad():
             for name, w in self.weights.items():
                 w.copy_(before[name])
@@ -270,7 +286,11 @@ class StepChecker:
         if self.reference is None or skipped:  # fp16's loss scale overflowed: no update made
             return None
         weights = self.engine.loss_weights
-        return self.reference.check(step, inputs, before, loss, gradients, after, weights)
+        lr = self.engine.optimizer.param_groups[0]["lr"]  # the job's schedule sets every group's
+        return self.reference.check(
+            step, inputs, before, loss, gradients, after, weights,
+            clip=self.engine.clip_grad_norm, lr=lr,
+        )  # fmt: skip
 
 
 def _deviation(
@@ -298,6 +318,16 @@ def _deviation(
     if scale is not None and float((plan - scale * exact).norm()) > bound:
         scale = None  # no single factor explains the difference
     return Deviation(kind, name, tuple(exact.shape), error, bound, size, scale)
+
+
+def _clip(gradients: dict[str, torch.Tensor], max_norm: float) -> None:
+    """Scale `gradients` in place as the job clips them (`runtime.parallel.grad_norm`, torch's
+    `clip_grad_norm_`): by max_norm / (norm + 1e-6) where that is below 1."""
+    norm = float(torch.stack([g.double().norm() for g in gradients.values()]).norm())
+    factor = max_norm / (norm + 1e-6)
+    if factor < 1.0:
+        for g in gradients.values():
+            g.mul_(factor)
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

@@ -186,6 +186,34 @@ def test_a_wrong_buffer_of_any_dtype_fails(name: str, tamper: BufferTamper) -> N
     assert f"buffer of {name}" in verdict.text, verdict.text
 
 
+def test_a_clipped_step_at_the_schedules_rate_is_checked_as_the_job_ran_it() -> None:
+    """The job clips its gradients to a global norm and steps at its schedule's rate (a warmup
+    step's lr / 4 here): told both, the check passes; not told, it reads the clipped gradients
+    as a wrong backward and the step as a wrong update (as `autosbp train --check
+    --clip-grad-norm 1 --warmup-steps 2` did until 2026-12-07)."""
+    model, inputs = check_models.attention()
+    clip: list[float] = []
+
+    def clipped(gradients: dict[str, torch.Tensor]) -> None:
+        norm = float(torch.stack([g.norm() for g in gradients.values()]).norm())
+        clip.append(0.5 * norm)  # a limit the step's norm passes: clipped by half
+        for g in gradients.values():
+            g.mul_(clip[0] / (norm + 1e-6))
+
+    plan = copy.deepcopy(model)
+    optimizer = adam(list(plan.parameters()), LR)
+    for group in optimizer.param_groups:
+        group["lr"] = LR / 4
+    step = _emulated_step(plan, optimizer, inputs, 2, clipped)
+    told = Reference(model, lambda ps: adam(ps, LR), 1, inputs)
+    verdict = judge([told.check(0, inputs, *step, clip=clip[0], lr=LR / 4)])
+    assert verdict.passed, verdict.text
+    for told_only, wrong in (({}, "gradient of"), ({"clip": clip[0]}, "update of")):
+        reference = Reference(model, lambda ps: adam(ps, LR), 1, inputs)
+        verdict = judge([reference.check(0, inputs, *step, **told_only)])
+        assert not verdict.passed and wrong in verdict.text, verdict.text
+
+
 def test_a_wrong_loss_is_a_wrong_forward() -> None:
     model, inputs = check_models.attention()
     reference = Reference(model, lambda ps: adam(ps, LR), 1, inputs)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from autosbp.capturing.graph import Role
+from autosbp.capturing.graph import OpNode, Role
 from autosbp.errors import ExecutionError, PlanError
 from autosbp.layout import assemble_tensor, shard_tensor
 from autosbp.sbp import B, Mesh, NdSbp, local_shape, parse_nd_sbp
@@ -107,7 +107,7 @@ def _check_state(engine: Engine, manifest: Manifest, path: Path, micro_batch_siz
     """The checkpoint holds exactly the model's parameters and buffers (every stage's), each
     with its shape and dtype."""
     want = {
-        attrs.name: (tuple(attrs.outputs[0].shape), dtype_name(attrs.outputs[0].dtype))
+        attrs.name: (tuple(attrs.outputs[0].shape), dtype_name(_held(engine, role, attrs)))
         for role in (Role.PARAMETER, Role.BUFFER)
         for _, attrs in engine.graph.nodes(role)
     }
@@ -135,6 +135,15 @@ def _check_state(engine: Engine, manifest: Manifest, path: Path, micro_batch_siz
         f"differ), but this engine's model `{engine.graph.model_name}` has {have}: it belongs "
         f"to another model{why}. Load a checkpoint of this model."
     )
+
+
+def _held(engine: Engine, role: Role, attrs: OpNode) -> torch.dtype:
+    """The dtype the engine holds and saves of a tensor the graph traced in its own: a floating
+    parameter's fp32 master under a mixed recipe (`Engine.shards`), else the traced dtype."""
+    dtype = attrs.outputs[0].dtype
+    if role is Role.PARAMETER and engine.precision.mixed and dtype.is_floating_point:
+        return torch.float32
+    return dtype
 
 
 def _read_local(

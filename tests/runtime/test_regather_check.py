@@ -129,6 +129,7 @@ def _world() -> tuple[dict[str, Any], dict[str, list[dict[str, float]]]]:
         {"id": i, "model": "gpt", "model_kwargs": WIDE, "plan": p, "regather": None, "depth": 0}
         for i, p in (
             ("regather", limited.to_json()), ("keep", _kept(limited)),
+            ("regather-again", limited.to_json()), ("keep-again", _kept(limited)),
             ("partial", partial.to_json()),
         )
     ]  # fmt: skip
@@ -185,7 +186,14 @@ def test_the_measured_peak_is_the_predicted_one_and_the_saving_is_seen() -> None
         predicted += next(
             a.memory_delta_bytes for a in plan.alternatives[name] if a.signature == base
         )
-    saved = [k["measured_bytes"] - r["measured_bytes"] for k, r in zip(kept, again, strict=True)]
+    # each side's steady peak, the lesser of two measured steps per rank: a buffer gloo's worker
+    # thread frees late lands beside one step's peak now and then (65,536 bytes more "saved" on
+    # one rank in 1 of 3 runs alone), a difference of two single steps doubles such noise
+    steady = [
+        [min(a["measured_bytes"], b["measured_bytes"]) for a, b in zip(*pair, strict=True)]
+        for pair in ((kept, figures["keep-again"]), (again, figures["regather-again"]))
+    ]
+    saved = [k - r for k, r in zip(*steady, strict=True)]
     assert predicted > 0 and all(0.5 * predicted <= s <= 1.1 * predicted for s in saved), (
         f"saved {saved} bytes per rank; the plan predicts {predicted}"
     )

@@ -283,7 +283,6 @@ class _Job:
             return {}  # the job was stopped before its first checkpoint
         report_progress(f"loading the checkpoint in {spec.checkpoint_dir}", grace_s=STARTUP_S)
         manifest = load_checkpoint(self.engine, spec.checkpoint_dir)
-        self.engine.weights.refresh()  # the compute copies of the loaded masters
         extra = dict(manifest.extra)
         self.first = manifest.step
         if "loss_scale" in extra and self.engine.loss_scale is not None:

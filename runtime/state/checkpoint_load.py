@@ -70,6 +70,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Manifest:
             engine.state[name].copy_(local)
         for name, piece in shards.items():  # ZeRO's fp32 shards: cut again from the weights
             engine.optimized[name].copy_(piece)
+    engine.weights.refresh()  # a mixed recipe's compute copies, cast from the loaded masters
     engine.optimizer.load_state_dict(optimizer_state)
     return manifest
 

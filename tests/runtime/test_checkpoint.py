@@ -103,12 +103,20 @@ MATRIX_PLANS = {
     "zero1": "megatron:tp=1,pp=1,dp=2,zero=1",
     "zero2": "megatron:tp=1,pp=1,dp=2,zero=2",
     "cp2": "megatron:tp=1,pp=1,dp=1,cp=2",
+    # the mixed recipe: fp32 masters saved from 2 micro-batches, loaded under 1 (whose traced
+    # graph's bf16 parameters are not the masters the engine holds)
+    "pp2-bf16": f"{PP2_MB2}/bf16",
+    "dp-bf16": "dp/bf16",
 }
 # (plan A, plan B): every plan saved and loaded at least once, and the issue's failing pairs.
 MATRIX_SLICE = [
     ("dp", "zero1"), ("dp", "zero2"), ("cp2", "zero1"), ("zero1", "vp2"), ("vp2", "tp2"),
-    ("tp2", "pp2"), ("pp2", "cp2"), ("zero2", "dp"),
+    ("tp2", "pp2"), ("pp2", "cp2"), ("zero2", "dp"), ("pp2-bf16", "dp-bf16"),
 ]  # fmt: skip
+# Two plans computing in bf16 round each op's result differently: a loss of theirs may differ
+# by a rounding on each side (2 x 2**-8 relative), an fp32 master by one update's rounding of
+# those (lr-scaled, far below); bounded together by 2**-6.
+BF16_REL_TOL = 2**-6
 # Optimizers with elementwise state (not Adam), saved under zero=1 and resumed under dp.
 RESUMED_OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
 ZERO1 = MATRIX_PLANS["zero1"].split("/")[0]
@@ -413,8 +421,9 @@ def _whole_tensors(directory: Path) -> dict[str, torch.Tensor]:
 class Resumed:
     """What a matrix pair shows: whether the checkpoint saved again under B right after the
     load holds exactly A's tensors; whether A's state after SAVED steps is B's bit for bit;
-    and how B's resumed losses and final state differ from B's uninterrupted run (largest
-    relative difference, and whether equal bit for bit)."""
+    how A's losses then B's resumed ones differ from B's uninterrupted run (largest relative
+    difference; whether B's resumed ones are equal bit for bit), and B's final state (the
+    same)."""
 
     converted_exactly: bool
     same_state: bool
@@ -441,7 +450,7 @@ def resumed(root: Path, results: dict[str, list[dict[str, Any]]], a: str, b: str
         converted_exactly=_same_tensors(saved, again),
         same_state=_same_tensors(saved, at_b),
         losses_rel=float(np.max(np.abs(got / want - 1))),
-        losses_equal=bool(np.array_equal(got, want)),
+        losses_equal=bool(np.array_equal(got[SAVED:], want[SAVED:])),
         state_rel=max(_rel(g, w) for g, w in states),
         state_equal=all(np.array_equal(g, w) for g, w in states),
     )
@@ -465,11 +474,12 @@ def test_a_resume_under_another_plan_continues_the_uninterrupted_run(
     # (1) The conversion is exact: saved again under B at once, the checkpoint is A's.
     assert found.converted_exactly
     # (2) B's steps continue B's uninterrupted run: bit for bit where A's state after SAVED
-    # steps is B's bit for bit (the checkpoints; their losses may agree where states do not).
+    # steps is B's bit for bit (the checkpoints; their losses may agree where states do not),
+    # A's losses before within the plans' rounding of B's.
+    tolerance = BF16_REL_TOL if MATRIX_PLANS[target].endswith("/bf16") else REL_TOL
+    assert found.losses_rel <= tolerance and found.state_rel <= tolerance, found
     if found.same_state:
         assert found.losses_equal and found.state_equal, found
-    else:
-        assert found.losses_rel <= REL_TOL and found.state_rel <= REL_TOL, found
 
 
 @pytest.mark.dist

@@ -29,6 +29,7 @@ from autosbp.capturing.export import capture_micro_batch
 from autosbp.capturing.graph import OpGraph
 from autosbp.errors import AutosbpError
 from autosbp.plan import Plan
+from autosbp.plan.values import DTYPES
 from autosbp.zoo import build_model
 from runtime.engine import Engine
 from runtime.state.checkpoint import load_checkpoint, save_checkpoint
@@ -52,15 +53,17 @@ OPTIMIZERS: dict[str, Any] = {
 def run_checkpoint_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
     """Per case: {"losses": [...], "step": int, "extra": ...} (plus {"state": {name: array}}
     on rank 0 when asked), or {"error": "ErrorClass: message"}."""
-    graphs: dict[tuple[str, str, int], OpGraph] = {}
+    graphs: dict[tuple[str, str, int, str], OpGraph] = {}
     plans: dict[int, Plan] = {}  # by id of the plan's JSON: cases share it (pickled once)
     results = []
     for case in cases:
         model, inputs = build_model(case["model"], seed=0, **case["model_kwargs"])
-        micro_batches = case["plan"]["micro_batches"]
-        key = (case["model"], repr(sorted(case["model_kwargs"].items())), micro_batches)
+        micro_batches, dtype = case["plan"]["micro_batches"], case["plan"]["dtype"]
+        key = (case["model"], repr(sorted(case["model_kwargs"].items())), micro_batches, dtype)
         if key not in graphs:  # the Engine runs one micro-batch: its graph is at that size
-            graphs[key] = capture_micro_batch(model, inputs, micro_batches, name=case["model"])
+            graphs[key] = capture_micro_batch(
+                model, inputs, micro_batches, name=case["model"], dtype=DTYPES[dtype]
+            )
         try:
             if id(case["plan"]) not in plans:
                 plans[id(case["plan"])] = Plan.from_json(case["plan"])

@@ -285,7 +285,8 @@ class _Job:
         manifest = load_checkpoint(self.engine, spec.checkpoint_dir)
         extra = dict(manifest.extra)
         self.first = manifest.step
-        if "loss_scale" in extra and self.engine.loss_scale is not None:
+        older = manifest.loss_scale is None and "loss_scale" in extra  # the trainer's own, once
+        if older and self.engine.loss_scale is not None:
             self.engine.loss_scale = LossScale.from_state(extra["loss_scale"])
         return extra
 
@@ -306,8 +307,6 @@ class _Job:
         }
         if self.loader is not None:
             extra["data"] = self.loader.state()
-        if self.engine.loss_scale is not None:
-            extra["loss_scale"] = self.engine.loss_scale.state()
         save_checkpoint(self.engine, spec.checkpoint_dir, step=done, extra=extra)
 
     def write_model(self) -> None:

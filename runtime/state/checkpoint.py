@@ -357,4 +357,5 @@ def _manifest(
         step=step,
         extra=extra,
         virtual_stages=plan.virtual_stages,
+        loss_scale=engine.loss_scale.state() if engine.loss_scale is not None else None,
     )

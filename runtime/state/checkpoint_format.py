@@ -14,8 +14,9 @@ Versions: 1 had one mesh (`plan.device_ids`) and no stages; 2 records the plan's
 stages, each tensor's stage, and the micro-batching (the graph fingerprint is that of one
 micro-batch), and resumed from Adam's `step` (`optimizer.step`); 3 (this one)
 stores the steps trained explicitly and the job's own state (`training.step`,
-`training.extra`), and the interleaved plans' chunks (`plan.virtual_stages`; `plan.stages`
-lists every virtual stage). Version 2 is read as version 3 with its `optimizer.step` as the
+`training.extra`, and fp16's dynamic loss scale, `training.loss_scale`, where the engine has
+one), and the interleaved plans' chunks (`plan.virtual_stages`; `plan.stages` lists every
+virtual stage). Version 2 is read as version 3 with its `optimizer.step` as the
 steps trained (what a version 2 job resumed from) and no extra state; version 1 and versions newer than this one are refused with their cause and a fix, not
 guessed at.
 """
@@ -101,6 +102,8 @@ class Manifest:
     step: int
     extra: dict[str, Any]
     virtual_stages: int = 1
+    # fp16's dynamic loss scale (`runtime.parallel.precision.LossScale.state`); None elsewhere
+    loss_scale: dict[str, float | int] | None = None
 
     def __post_init__(self) -> None:
         size = math.prod(self.mesh_shape)
@@ -135,7 +138,11 @@ class Manifest:
                 "micro_batches": self.micro_batches,
                 "global_batch": self.global_batch,
             },
-            "training": {"step": self.step, "extra": self.extra},
+            "training": {
+                "step": self.step,
+                "extra": self.extra,
+                **({"loss_scale": self.loss_scale} if self.loss_scale is not None else {}),
+            },
             "optimizer": {"kind": self.optimizer_kind, "param_groups": list(self.param_groups)},
             "files": [asdict(f) for f in self.files],
             "tensors": {key: asdict(entry) for key, entry in self.tensors.items()},
@@ -152,6 +159,7 @@ class Manifest:
                 f"version {' or '.join(map(str, READABLE))}"
             )
         plan, optimizer = data["plan"], data["optimizer"]
+        loss_scale = None
         if version == 2:
             step, extra = _count(optimizer["step"], "optimizer.step", least=0), {}
         else:
@@ -160,6 +168,9 @@ class Manifest:
             extra = training["extra"]
             if not isinstance(extra, dict):
                 raise TypeError(f"training.extra is a {type(extra).__name__}, not an object")
+            loss_scale = training.get("loss_scale")
+            if loss_scale is not None and not isinstance(loss_scale, dict):
+                raise TypeError(f"training.loss_scale is a {type(loss_scale).__name__}")
         return cls(
             model_name=str(data["model"]["name"]),
             fingerprint=str(data["model"]["fingerprint"]),
@@ -180,6 +191,7 @@ class Manifest:
             step=step,
             extra=extra,
             virtual_stages=_count(plan.get("virtual_stages", 1), "plan.virtual_stages", least=1),
+            loss_scale=loss_scale,
         )
 
 

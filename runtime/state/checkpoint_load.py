@@ -44,6 +44,7 @@ from autosbp.errors import ExecutionError, PlanError
 from autosbp.layout import assemble_tensor, shard_tensor
 from autosbp.sbp import B, Mesh, NdSbp, local_shape, parse_nd_sbp
 from runtime.engine import Engine
+from runtime.parallel.precision import LossScale
 from runtime.state.checkpoint_format import (
     Manifest,
     dtype_name,
@@ -72,6 +73,8 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Manifest:
             engine.optimized[name].copy_(piece)
     engine.weights.refresh()  # a mixed recipe's compute copies, cast from the loaded masters
     engine.optimizer.load_state_dict(optimizer_state)
+    if manifest.loss_scale is not None and engine.loss_scale is not None:  # fp16 on both sides
+        engine.loss_scale = LossScale.from_state(manifest.loss_scale)
     return manifest
 
 

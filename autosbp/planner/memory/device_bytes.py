@@ -4,7 +4,8 @@ Lives here: bytes per parameter element for each optimizer and dtype, and the by
 constraints sum: per node candidate (`candidate_bytes`: model states, user inputs and buffers, the
 outputs and intermediates a node keeps for backward) and per edge pair (`pair_bytes`: what a kept
 use holds once its value is converted to the consumer's layout, a table per use from each layout's
-bytes and a view mask cached per layout lists). Lives elsewhere: what is kept (`memory.kept`: read
+bytes and a view mask cached per layout lists; `wire_pair_bytes`: the gathered gradient a weight's
+reduce-scatter holds). Lives elsewhere: what is kept (`memory.kept`: read
 off the graph with autograd's own facts, `memory.autograd_probe`), time prices
 (`timing.candidates`), the constraints themselves (`ilp.formulation.MemoryConstraint`, summed per
 stage with the micro-batches in flight by `problem.stage_terms`).
@@ -26,7 +27,9 @@ autograd saves, as `memory.kept` derives it, where Korthikanti et al. 2022 secti
   local/global ratio of its tensors, as `timing.candidates` prices the work);
 - a kept use counts, on its edge, the converted copy where the conversion makes one (any
   collective, or a zero fill), and nothing where it is a view (a slice of B, or no conversion),
-  unless the use is its value's only holder: then the producer's own tensor is what it keeps.
+  unless the use is its value's only holder: then the producer's own tensor is what it keeps;
+- a parameter use that a collective gathers counts the gathered gradient its reduce-scatter
+  holds, in the dtype it is reduced in (`wire_pair_bytes`).
 All of it is per device: a device holds its local shard only.
 """
 
@@ -183,6 +186,38 @@ def pair_bytes(
         srcs, src_of = distinct_layouts([outs[use.out_idx] for outs in producer_outputs])
         dsts, dst_of = distinct_layouts([ins[use.in_idx] for ins in consumer_inputs])
         table = _use_table(srcs, dsts, meta, mesh_shape, use.sole, use.converted)
+        matrix += table[np.ix_(src_of, dst_of)]
+    return matrix
+
+
+def wire_pair_bytes(
+    producer_outputs: Sequence[Sequence[NdSbp]],
+    consumer_inputs: Sequence[Sequence[NdSbp]],
+    uses: Sequence[tuple[int, int]],
+    metas: Sequence[TensorMeta],
+    wires: Sequence[torch.dtype],
+    mesh_shape: tuple[int, ...],
+    *,
+    less_gradient: bool,
+) -> np.ndarray:
+    """Per pair (parameter candidate i, consumer candidate j), the gradient a gathered weight's
+    reduce-scatter holds: each use (out_idx, in_idx) of the parameter `metas[n]` that a
+    collective gathers (to a piece larger than the shard) has its gradient, the piece's size, sent in
+    `wires[n]` (`timing.recipe.Recipe.wire`: fp32 under a mixed recipe, a copy of the bf16
+    gradient; else the gradient itself) and held until the reduce-scatter is waited for, at the
+    next unit's (`runtime.parallel.prefetch.GatherSchedule.reduce`). `less_gradient`: the
+    parameter's own gradient (its piece, priced with its states) is made only then (a step of
+    one micro-batch; with more, it exists from the first): less its bytes, at least 0."""
+    matrix = np.zeros((len(producer_outputs), len(consumer_inputs)))
+    for (out_idx, in_idx), meta, wire in zip(uses, metas, wires, strict=True):
+        srcs, src_of = distinct_layouts([outs[out_idx] for outs in producer_outputs])
+        dsts, dst_of = distinct_layouts([ins[in_idx] for ins in consumer_inputs])
+        pieces = np.array([math.prod(local_shape(meta.shape, d, mesh_shape)) for d in dsts])
+        shards = np.array([math.prod(local_shape(meta.shape, p, mesh_shape)) for p in srcs])
+        made = shards * gradient_bytes(meta.dtype) if less_gradient else np.zeros(len(srcs))
+        held = np.maximum(pieces[None, :] * wire.itemsize - made[:, None], 0.0)
+        gathers = (pieces[None, :] > shards[:, None]) & ~_views(tuple(srcs), tuple(dsts))
+        table = np.where(gathers, held, 0.0)
         matrix += table[np.ix_(src_of, dst_of)]
     return matrix
 

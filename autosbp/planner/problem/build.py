@@ -127,7 +127,9 @@ def build_problem(
     # then says nothing fits, and the no-fit message reads the node bytes).
     overflows = memory_limit_bytes is not None and terms.least_bytes(sizes) > memory_limit_bytes
     if not overflows:
-        terms.add_edges(tied, priced, recompute, P2P(prices, mesh, stage_link), modes)
+        terms.add_edges(
+            tied, priced, recompute, micro_batches, P2P(prices, mesh, stage_link), modes
+        )
     stage_costs = terms.stage_costs(sizes, prices.overlap_efficiency, memory_limit_bytes)
     node_costs, edge_costs, max_terms = objective_terms(
         stage_costs, keys, micro_batches, virtual_stages, schedule
@@ -146,10 +148,13 @@ def build_problem(
 
 
 def gather_constraints(costs: StageCosts) -> tuple[MemoryConstraint, ...]:
-    """The stages' memory at their weight gathers, where some candidate gathers in a bucket
-    (elsewhere the stage's own constraint implies it: the same bytes, and activations)."""
-    return tuple(
+    """The stages' memory at their weight gathers, where some candidate gathers in a bucket, and
+    at their gathered weights' reduce-scatters, where some gradient outweighs its copy
+    (elsewhere the stage's own constraint implies each: the same bytes, and activations)."""
+    gathers = tuple(
         c
         for c, staged in zip(costs.update_memory, costs.staging, strict=True)
         if any(np.any(b) for b in staged.node_costs.values())
     )
+    reduces = tuple(c for c in costs.reduce_memory if c is not None)
+    return gathers + reduces

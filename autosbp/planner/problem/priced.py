@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autosbp.capturing.graph import OpGraph, OpNode, Role
-from autosbp.planner.memory.device_bytes import candidate_bytes, pair_bytes
+from autosbp.planner.memory.device_bytes import candidate_bytes, pair_bytes, wire_pair_bytes
 from autosbp.planner.memory.kept import Kept, kept_for_backward
 from autosbp.planner.space.recomputation import recomputed
 from autosbp.planner.space.sequence_parallel import data_nodes, split_candidates
@@ -82,6 +82,9 @@ class Priced:
     # last dim: an activation all-reduced there is forbidden, and a kept copy a twin could
     # re-gather must be re-gathered (`timing.regather.regather_terms`)
     sequence_parallel: bool = False
+    # what the step runs around each parameter (`timing.recipe`): the dtype a gathered
+    # weight's gradient is reduce-scattered in (`wire_bytes`)
+    recipe: Recipe = PLAIN
 
     matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict, repr=False, compare=False
@@ -90,6 +93,7 @@ class Priced:
         default_factory=dict, repr=False, compare=False
     )  # per (representative, optimizer, recomputation), filled on first use
     edges_kept: dict[tuple, EdgeKept] = field(default_factory=dict, repr=False, compare=False)
+    wires: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
     identical: list[bool] = field(default_factory=list, repr=False, compare=False)  # once
 
     def blocks_identical(self) -> bool:
@@ -176,6 +180,22 @@ class Priced:
                 su, sv, uses, metas, self.pricer, self.gathers or activation, scattered_on
             )
             self.matrices[key] = found
+        return found
+
+    def wire_bytes(self, u: str, v: str, less_gradient: bool) -> np.ndarray:
+        """Per pair of parameter edge (u, v), the gathered gradient its reduce-scatter holds
+        (`memory.device_bytes.wire_pair_bytes`); once for its twins."""
+        key = (twin_key(self.graph, self.representative, u, v), less_gradient)
+        found = self.wires.get(key)
+        if found is None:
+            uses, metas = key[0][2], key[0][3]
+            su, sv = self.strategies[u], self.strategies[v]
+            found = wire_pair_bytes(
+                [sig.outputs for sig in su.candidates], [sig.inputs for sig in sv.candidates],
+                uses, metas, [self.recipe.wire(m).dtype for m in metas], self.mesh.shape,
+                less_gradient=less_gradient,
+            )  # fmt: skip
+            self.wires[key] = found
         return found
 
     def edge_kept(self, u: str, v: str, recompute: str) -> EdgeKept:
@@ -280,7 +300,7 @@ def price_graph(
         strategies[name] = strategies[rep[name]]
     return Priced(
         mesh, rep, strategies, graph, pricer, kept_memo, gathers=gathers,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, recipe=recipe,
     )  # fmt: skip
 
 

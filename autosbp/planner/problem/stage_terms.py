@@ -18,6 +18,16 @@ at once), and its consumer's edge pays the forward conversion again per micro-ba
 recomputed block holds, one block at a time, what its ops save while recomputing. "One block's
 worth" sums the copies of a block's edges over the stage's blocks divided by their number, exact
 where the blocks are identical; where they are not, every block's (an upper bound).
+
+Two more moments per stage, each a constraint of its own: at the weight gather, after the step
+(what is held but activations, and the gather's buffer: `memory.gather_buffers`); and while a
+unit's gathered weights' gradients are reduce-scattered, held until the next unit's are
+(`runtime.parallel.prefetch.GatherSchedule.reduce`, FSDP2's order): what is held but activations
+and the parameters' gathered copies, where one unit's copies (one block's worth, and every copy
+outside blocks) are replaced by their gradients in the dtype they are reduced in
+(`memory.device_bytes.wire_pair_bytes`: fp32 under a mixed recipe, twice the bf16 copy it
+replaces), less the gradient each becomes in a step of one micro-batch. A constraint only where
+some gradient outweighs its copy; else the stage's own implies it.
 """
 
 from __future__ import annotations
@@ -58,6 +68,11 @@ class StageTerms:
         # At the weight gather, after the step: what is held but activations, and the
         # gather's buffer (`memory.gather_buffers.gather_staging_bytes`, at most one bucket's)
         self.update_memory, self.staging = [_Acc() for _ in blocks], [_Acc() for _ in blocks]
+        # At a gathered weight's reduce-scatter, after its unit's backward: what is held but
+        # activations, with the unit's copy replaced by its gradient (the module docstring);
+        # `wired`: where some gradient outweighs its copy (elsewhere `memory` implies it)
+        self.reducing = [_Acc(sparse=True) for _ in blocks]
+        self.wired = [False] * self.num_stages
         self.gather_forward, self.compute_forward, self.gather_backward, self.compute_backward = (
             [_Acc() for _ in blocks] for _ in range(4)
         )
@@ -149,7 +164,9 @@ class StageTerms:
             if held:
                 held[0].node(next(iter(held[0].nodes)), reduce_s)
 
-    def add_edges(self, tied, priced, recompute: str, p2p: P2P, modes=None) -> None:
+    def add_edges(
+        self, tied, priced, recompute: str, micro_batches: int, p2p: P2P, modes=None
+    ) -> None:
         """Boxing on every edge (time, and the copies kept for backward), and each tensor sent
         to a later stage (time and memory); `modes` as `add_nodes` (an edge's is its
         consumer's)."""
@@ -179,26 +196,29 @@ class StageTerms:
                 regather = None  # an op's twins re-gather what they read (`timing.regather`)
             if kept.twin_s is not None:  # an op's twins re-gather, or may not take a pair
                 self.busy[sv].edge(key, n * kept.twin_s)
+            extra = np.zeros_like(both)
             if again:  # kept while its block recomputes, one block at a time
                 held = w * kept.recomputed_bytes
                 if modes and (key, sv) in freed_edges:  # less what blocks kept whole freed
                     held = np.maximum(held - freed_edges[(key, sv)], 0.0)
-                self.memory[sv].edge(key, held)
-                extra = np.zeros_like(both)
             elif kept.twin_bytes is not None:
-                self.memory[sv].edge(key, n * self.in_flight[sv] * kept.twin_bytes)
-                extra = np.zeros_like(both)
+                held = n * self.in_flight[sv] * kept.twin_bytes
             elif regather is not None and regather.any():
                 rows = regather[:, None]
                 extra = np.where(rows, kept.forward_s, 0.0)  # converted again before backward
                 self.busy[sv].edge(key, n * extra)
                 k = self.in_flight[sv]
                 held = n * k * np.where(rows, 0.0, kept.bytes)
-                alive = w * (1 + PREFETCH_BLOCKS) * np.where(rows, kept.bytes, 0.0)
-                self.memory[sv].edge(key, held + alive)
+                held = held + w * (1 + PREFETCH_BLOCKS) * np.where(rows, kept.bytes, 0.0)
             else:
-                self.memory[sv].edge(key, n * self.in_flight[sv] * kept.bytes)
-                extra = np.zeros_like(both)
+                held = n * self.in_flight[sv] * kept.bytes
+            self.memory[sv].edge(key, held)
+            if graph.node(u).role is Role.PARAMETER and priced.gathers:  # a unit's gradients
+                unit = n * self.per_block(consumer, sv)
+                grad = priced.wire_bytes(u, v, less_gradient=micro_batches == 1)
+                wire = np.maximum(unit * (grad - kept.bytes), 0.0)
+                self.reducing[sv].edge(key, held + wire)
+                self.wired[sv] = self.wired[sv] or bool(wire.any())
             in_block = consumer.block is not None and self.identical
             if graph.node(u).role is Role.PARAMETER and in_block:
                 # a forbidden pair (a gather where none runs) is forbidden by `busy`, and hides
@@ -239,6 +259,10 @@ class StageTerms:
             costs(self.gather_backward), costs(self.compute_backward), slots,
             tuple(self._update_memory(s, sizes, limit) for s in range(self.num_stages)),
             costs(self.staging),
+            tuple(
+                self._reduce_memory(s, sizes, limit) if self.wired[s] else None
+                for s in range(self.num_stages)
+            ),
         )  # fmt: skip
 
     def _update_memory(self, s: int, sizes: dict[str, int], limit: float) -> MemoryConstraint:
@@ -257,6 +281,15 @@ class StageTerms:
             exact = {r: held[r] + staged[r] for r in sizes}
             return MemoryConstraint(exact, limit, name=name)
         return MemoryConstraint(held, limit, constant_bytes=float(GRAD_BUCKET_BYTES), name=name)
+
+    def _reduce_memory(self, s: int, sizes: dict[str, int], limit: float) -> MemoryConstraint:
+        """Stage s's bytes at a gathered weight's reduce-scatter (the module docstring): what is
+        held but activations, the parameters' copies, and one unit's gradients in place of
+        theirs."""
+        held = self.update_memory[s].memory_bytes(sizes)
+        return MemoryConstraint(
+            held, limit, name=f"stage {s} reduce", bytes_per_pair=self.reducing[s].edges
+        )
 
     def least_bytes(self, sizes: dict[str, int]) -> float:
         """The fewest bytes of the tightest stage, from its nodes alone."""

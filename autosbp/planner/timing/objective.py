@@ -54,6 +54,9 @@ class StageCosts:
     slots: tuple[int, ...] = ()
     update_memory: tuple[MemoryConstraint, ...] = ()  # at the weight gather: no activations
     staging: tuple[Costs, ...] = ()  # per candidate, its share of the weight gather's buffer
+    # at a unit's gathered gradients' reduce-scatter (`problem.stage_terms`): no activations;
+    # None where the stage's own constraint implies it
+    reduce_memory: tuple[MemoryConstraint | None, ...] = ()
 
     def hides(self, s: int) -> bool:
         """Does stage s hide parameter communication behind its blocks' compute?"""

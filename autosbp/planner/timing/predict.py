@@ -93,7 +93,9 @@ def predict(mp: Configured, solution: Solution) -> Prediction:
         for s in range(mp.split.num_stages)
     ]
     used = [
-        max(mem.used_bytes(choice), _update_bytes(costs, s, choice))
+        max(
+            mem.used_bytes(choice), _update_bytes(costs, s, choice), _reduce_bytes(costs, s, choice)
+        )
         for s, mem in enumerate(costs.memory)
     ]
     peaks = tuple(device(used, s) for s in range(mp.split.num_stages))
@@ -103,6 +105,13 @@ def predict(mp: Configured, solution: Solution) -> Prediction:
     return Prediction(
         max(ends), exposed_fwd, exposed_bwd, send, update, hidden, peaks, bubbles, gathers, sync
     )
+
+
+def _reduce_bytes(costs: StageCosts, s: int, choice: dict) -> float:
+    """Stage s's bytes at its gathered weights' reduce-scatters (`problem.stage_terms`; 0
+    without a constraint there)."""
+    found = costs.reduce_memory[s] if costs.reduce_memory else None
+    return found.used_bytes(choice) if found is not None else 0.0
 
 
 def _update_bytes(costs: StageCosts, s: int, choice: dict) -> float:

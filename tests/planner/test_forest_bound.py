@@ -2,13 +2,16 @@
 it with cycles; the bound, and the node bound (1), are at most the ILP objective and the
 predicted step of every configuration solved on its own, under 1F1B (with every recomputation
 mode), interleaved 1F1B (v = 2) and zero bubble, whose path bounds do not drain (the node
-bound's drain term once passed zb1's step).
+bound's drain term once passed zb1's step). `forest_least_bytes` (`bounds.memory_floor`) lies
+between each node's and edge's fewest bytes alone and brute force's fewest, equal to a stage's
+own brute force on a tree.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +19,9 @@ import pytest
 from autosbp.capturing.export import capture
 from autosbp.errors import NoFitError
 from autosbp.planner.bounds.forest import forest_bound, forest_min
+from autosbp.planner.bounds.memory_floor import forest_least_bytes
 from autosbp.planner.bounds.nodes import step_bound, unhidden_s
+from autosbp.planner.ilp.formulation import MemoryConstraint, Problem
 from autosbp.planner.ilp.solving import solve
 from autosbp.planner.problem.build import build_problem
 from autosbp.planner.problem.priced import price_graph
@@ -31,6 +36,7 @@ from autosbp.planner.timing.zero_bubble_price import predict_zb1, weight_shares
 from autosbp.sbp import Mesh
 from autosbp.schedule import check_interleaving
 from autosbp.zoo import build_model
+from tests.planner.test_ilp import assignments, memory_per_stage
 from tests.planner.test_planner import a100_prices
 from tests.planner.test_regather import GPT
 from tests.planner.test_search import DEVICES, PER_NODE, RandomPrices, graphs_of, link_of
@@ -167,3 +173,48 @@ def test_the_gathers_that_compute_hides_are_left_out() -> None:
     priced = price_graph(graph, mp.mesh, prices, allow)
     bound = forest_bound(tied, priced, 1, 1, "none", prices.overlap_efficiency)
     assert bound <= solution.objective * (1 + 1e-9)
+
+
+def fewest_bytes(problem: Problem, mem: MemoryConstraint, keys: set | None = None) -> float:
+    """Brute force: the fewest bytes of `mem` over the choices of `keys` (every node where
+    None) that `problem` allows among them (finite node costs, finite edge costs)."""
+    keys = set(problem.node_costs) if keys is None else keys
+    sub = Problem(
+        {v: c for v, c in problem.node_costs.items() if v in keys},
+        {e: m for e, m in problem.edge_costs.items() if e[0] in keys and e[1] in keys},
+    )
+    allowed = (c for c in assignments(sub) if math.isfinite(sub.objective(c)))
+    return min((mem.used_bytes(c) for c in allowed), default=math.inf)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("tree", [True, False], ids=["tree", "cycles"])
+def test_forest_least_bytes_lies_between_each_alone_and_every_choice(seed: int, tree: bool) -> None:
+    # Oracle: brute force over every choice the problem allows (finite costs), and over its
+    # stage's own nodes: the bound reads a stage alone, and is exact there on a tree.
+    problem = memory_per_stage(seed, 0.3)
+    if tree:  # the chain alone: each node's edge from the one before it
+        edges = {(u, v): m for (u, v), m in problem.edge_costs.items() if u == v - 1}
+        memory = tuple(
+            replace(m, bytes_per_pair={e: b for e, b in m.bytes_per_pair.items() if e in edges})
+            for m in problem.memory
+        )
+        problem = replace(problem, edge_costs=edges, memory=memory)
+    for mem in problem.memory:
+        least = forest_least_bytes(problem, mem)
+        own = set(mem.bytes_per_candidate) | {v for e in mem.bytes_per_pair for v in e}
+        assert mem.least_bytes() <= least * (1 + 1e-12)
+        assert least <= fewest_bytes(problem, mem) * (1 + 1e-12)
+        if tree:
+            assert least == pytest.approx(fewest_bytes(problem, mem, own), rel=1e-12)
+
+
+def test_forest_least_bytes_is_tighter_than_each_alone_on_some_problems() -> None:
+    # Guard for the test above: an edge's fewest bytes and its ends' are not one choice.
+    tighter = 0
+    for seed in range(6):
+        problem = memory_per_stage(seed, 0.3)
+        tighter += any(
+            forest_least_bytes(problem, m) > m.least_bytes() * (1 + 1e-9) for m in problem.memory
+        )
+    assert tighter > 0

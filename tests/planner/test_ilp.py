@@ -1,5 +1,6 @@
 """The strategy ILP equals brute-force enumeration on random small problems: with memory on
-node candidates and on edge pairs, with max terms, and with max terms nested in others."""
+node candidates and on edge pairs, with max terms, and with max terms nested in others. The
+least memory share (`least_memory_share`) fits exactly where the LP does, below brute force's."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ import pytest
 
 from autosbp.errors import PlanError
 from autosbp.planner.ilp.formulation import Costs, MaxTerm, MemoryConstraint, Problem
-from autosbp.planner.ilp.solvers import CutOff, Relaxed, fix_by_reduced_costs, relax
-from autosbp.planner.ilp.solving import brute_force, lower_bound, solve, solve_below
+from autosbp.planner.ilp.solvers import MEMORY_SLACK, CutOff, Relaxed, fix_by_reduced_costs, relax
+from autosbp.planner.ilp.solving import (
+    brute_force,
+    least_memory_share,
+    lower_bound,
+    solve,
+    solve_below,
+)
 
 
 def random_problem(
@@ -344,3 +351,73 @@ def test_columns_are_the_rows_in_csc_form(seed: int, stages: int) -> None:
     assert np.array_equal(indptr, expected.indptr)
     assert np.array_equal(indices, expected.indices)
     assert np.array_equal(data, expected.data)
+
+
+def memory_per_stage(seed: int, share: float) -> Problem:
+    """A random problem whose bytes are split into two stages' constraints (its first and
+    second half of nodes, an edge with its consumer), each limit at `share` of the way from
+    its fewest bytes to its most."""
+    problem = random_problem(seed, 6, 3, memory=True, forbid=0.2)
+    (mem,) = problem.memory
+    limits = []
+    for s in range(2):
+        per = {v: b for v, b in mem.bytes_per_candidate.items() if v * 2 // 6 == s}
+        pairs = {e: b for e, b in mem.bytes_per_pair.items() if e[1] * 2 // 6 == s}
+        lo = sum(b.min() for b in (*per.values(), *pairs.values()))
+        hi = sum(b.max() for b in (*per.values(), *pairs.values()))
+        limit = 7.0 + lo + share * (hi - lo)
+        limits.append(MemoryConstraint(per, limit, 7.0, f"stage {s}", pairs))
+    return replace(problem, memory=tuple(limits))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("share", [0.02, 0.1, 0.3])
+def test_the_least_memory_share_fits_exactly_where_the_lp_does(seed: int, share: float) -> None:
+    # Oracles: the LP relaxation's own feasibility, and brute force over every choice (the
+    # share of a relaxation is at most the least share of the fullest stage of any choice).
+    problem = memory_per_stage(seed, share)
+    least = least_memory_share(problem)
+    assert least is not None
+    try:
+        relax(problem, 60.0)
+        fits = True
+    except PlanError:  # NoFitError: infeasible LP
+        fits = False
+    assert (least <= 1 - MEMORY_SLACK) == fits, least
+    allowed = [c for c in assignments(problem) if math.isfinite(problem.objective(c))]
+    if not allowed:  # forbidden pairs leave no choice at all
+        assert least == math.inf
+        return
+    fullest = min(max(m.used_bytes(c) / m.limit_bytes for m in problem.memory) for c in allowed)
+    assert least <= fullest * (1 + 1e-9)
+
+
+def test_a_cutoff_hides_an_lp_that_does_not_fit() -> None:
+    # Why `least_memory_share` exists: with a cutoff, HiGHS's dual simplex passes the
+    # objective bound before it proves that no fractional choice fits (a CutOff, read as
+    # 'nothing below the cutoff'), where the share says it does not fit.
+    hidden = 0
+    for seed in range(6):
+        problem = memory_per_stage(seed, 0.02)
+        share = least_memory_share(problem)
+        assert share is not None
+        try:
+            cut = relax(problem, 60.0, 1e-6)
+        except PlanError:  # HiGHS proved it infeasible first
+            continue
+        hidden += share > 1 and isinstance(cut, CutOff)
+    assert hidden > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_least_memory_share_of_a_tree_is_brute_forces(seed: int) -> None:
+    # On a chain with one constraint the LP relaxation is integral: the share is the least
+    # over every choice, its constant bytes included.
+    problem = random_problem(seed, 6, 3, memory=True, forbid=0.2)
+    edges = {(u, v): m for (u, v), m in problem.edge_costs.items() if u == v - 1}
+    (mem,) = problem.memory
+    pairs = {e: b for e, b in mem.bytes_per_pair.items() if e in edges}
+    problem = Problem(problem.node_costs, edges, (replace(mem, bytes_per_pair=pairs),))
+    allowed = [c for c in assignments(problem) if math.isfinite(problem.objective(c))]
+    fewest = min((problem.memory[0].used_bytes(c) for c in allowed), default=math.inf)
+    assert least_memory_share(problem) == pytest.approx(fewest / mem.limit_bytes, rel=1e-7)

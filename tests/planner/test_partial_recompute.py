@@ -6,14 +6,19 @@ Oracles: the modes' own order at one choice of signatures (what a partial mode k
 strictly between none's and full's where its blocks differ, and so does its time); the runs a
 SwiGLU MLP's activation makes, read off the graph by hand; the search's choice under a memory
 limit that none cannot meet and full:1 can (faster than full); the plan's checks against a plan
-whose recomputed nodes contradict its mode. The runtime's side (--check, measured peaks):
-tests/runtime/test_regather_check.py.
+whose recomputed nodes contradict its mode; the least K that fits, as brute force over K by
+hand plans finds it, where each node and edge at its fewest bytes alone would let a smaller K
+through; the search for that K on the LP's memory share against a scan over K. The runtime's
+side (--check, measured peaks): tests/runtime/test_regather_check.py.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,7 @@ from autosbp.planner.api import ClusterPrices, auto_parallelize
 from autosbp.planner.problem.build import MeshProblem, build_problem
 from autosbp.planner.problem.priced import price_graph
 from autosbp.planner.problem.solve import solve_mesh
+from autosbp.planner.search.evaluator import AIMED, FITS, Evaluator, _least_fitting
 from autosbp.planner.space.configs import mesh_shapes
 from autosbp.planner.space.recomputation import distinct_modes, recompute_runs
 from autosbp.planner.space.stages import split_stages
@@ -156,3 +162,79 @@ def test_a_hand_plan_names_its_partial_mode() -> None:
         strategy_space(f"{PIPELINE},recompute=full:1", "none")
     with pytest.raises(PlanError, match="full:K"):
         strategy_space(f"{PIPELINE},recompute=full:x")
+
+
+DEEP = {**WIDE, "layers": 8}  # 4 blocks a stage: full:1 .. full:3 between none and full
+TENSOR_PIPELINE = "megatron:tp=2,pp=2,dp=1,mb=2"  # 2 devices a stage: layouts to choose
+DEEP_LIMIT = 1_600_000  # none, full:1 and full:2 do not fit; full:3 does, faster than full
+
+
+def _deep_plan(recompute: str, limit: int = DEEP_LIMIT) -> Plan | None:
+    """The DEEP GPT's plan under TENSOR_PIPELINE on 4 devices, None where nothing fits."""
+    module, inputs = build_model("gpt", **DEEP)
+    try:
+        return auto_parallelize(
+            module, inputs, devices=4, strategy=TENSOR_PIPELINE, time_limit_s=60,
+            recompute=recompute, profile="dgx-a100", memory_limit=limit,
+        )  # fmt: skip
+    except PlanError:  # NoFitError
+        return None
+
+
+@functools.cache
+def _by_hand() -> dict[str, Plan]:
+    """Oracle: each mode planned by hand at DEEP_LIMIT, where it fits."""
+    modes = ("none", "full:1", "full:2", "full:3", "full")
+    return {m: plan for m in modes if (plan := _deep_plan(m)) is not None}
+
+
+def _each_alone(self: Evaluator, mp: MeshProblem) -> bool:
+    """The bytes bound before `bounds.memory_floor`: each node and each edge at its fewest."""
+    return self.refusals.overflows(mp) or any(
+        c.least_bytes() > c.limit_bytes for c in mp.problem.memory
+    )
+
+
+def _no_lp(self: Evaluator, config: object, time_left_s: float) -> float:
+    raise AssertionError(f"{config}: the forest bound alone tells which K may fit")
+
+
+@pytest.mark.parametrize("bound", ["forest", "each alone"])
+def test_the_search_takes_the_least_k_that_fits_as_brute_force_over_k_does(
+    bound: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each node and edge at its fewest bytes alone lets full:2 through, which does not fit:
+    # the bound on a stage's nodes with a spanning forest of its edges does not
+    # (`bounds.memory_floor`); where the bytes bound is loosened to each alone again, full:2's
+    # LP reads as cut off (`full` is solved first) and its least memory share finds full:3.
+    by_hand = _by_hand()
+    assert [m for m in by_hand if m != "full"] == ["full:3"], by_hand
+    if bound == "each alone":
+        monkeypatch.setattr(Evaluator, "overflows", _each_alone)
+    else:
+        monkeypatch.setattr(Evaluator, "memory_share", _no_lp)
+    found = _deep_plan("auto")
+    assert found is not None and found.recompute == "full:3", found and found.recompute
+    assert found.predicted.step_time_s == pytest.approx(by_hand["full:3"].predicted.step_time_s)
+    assert found.predicted.step_time_s < by_hand["full"].predicted.step_time_s
+    assert found.predicted.peak_memory_bytes <= DEEP_LIMIT
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_least_fitting_k_is_the_linear_scans(seed: int) -> None:
+    # Oracle: a scan over every K. Shares fall with K, unevenly; `fall` is a guess.
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(1, 60))
+    shares = np.cumsum(-rng.uniform(0, 0.2, count)) + rng.uniform(1, 3)
+    probes: list[int] = []
+
+    def share(k: int) -> float:
+        probes.append(k)
+        return float(shares[k - 1])
+
+    known = (0, math.inf) if seed % 2 else (0, float(shares[0]) + 0.1)
+    expected = next((k for k in range(1, count + 1) if shares[k - 1] <= FITS), None)
+    got = _least_fitting(1, count, share, float(rng.uniform(0.01, 0.3)), known)
+    assert got == expected, (got, expected, probes)
+    assert len(set(probes)) == len(probes), probes
+    assert len(probes) <= AIMED + math.ceil(math.log2(count + 1)) + 1, probes

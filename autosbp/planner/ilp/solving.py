@@ -13,7 +13,8 @@ fixes the columns whose reduced costs show they cannot beat it, before the MIP o
 nodes, and the fixing keeps about a fifth of the columns.
 
 Lives here: `solve`, `solve_below` (which gives up as soon as a bound shows nothing beats a cutoff: a search skips
-hopeless problems) and `lower_bound` (a search orders problems by it), `brute_force` (the
+hopeless problems) and `lower_bound` (a search orders problems by it), `least_memory_share`
+(how far the LP relaxation is from fitting, where a cutoff would hide it), `brute_force` (the
 oracle for tests). Lives elsewhere: the formulation and its values (`ilp.formulation`: `Problem`, plain numbers:
 costs in seconds, memory in bytes), the problem as sparse matrices and the solvers run on them
 (`ilp.solvers`: the LP relaxation by HiGHS through scipy, the MIP by OR-Tools, CBC by default),
@@ -35,7 +36,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from autosbp.errors import NoFitError, PlanError
-from autosbp.planner.ilp.formulation import Key, MaxTerm, Problem, Solution
+from autosbp.planner.ilp.formulation import Costs, Key, MaxTerm, Problem, Solution
 from autosbp.planner.ilp.solvers import (
     CutOff,
     Relaxed,
@@ -85,6 +86,37 @@ def bound_or_solve(
         return relaxed.bound_s, None
     choice = _choice(relaxed.values)
     return relaxed.bound_s, Solution(choice, problem.objective(choice), "optimal", 0.0, 0.0)
+
+
+def least_memory_share(problem: Problem, *, time_limit_s: float = 60.0) -> float | None:
+    """The least, over fractional choices of `problem`, of its fullest memory constraint's
+    share of its limit (its bytes over its limit): at most 1 - `MEMORY_SLACK` exactly where the
+    LP relaxation fits. No time objective: HiGHS minimizes the share alone, so a cutoff cannot
+    hide an LP that does not fit as it does in `bound_or_solve` (the dual simplex reaches the
+    objective bound before it proves the primal infeasible); and the share says how far from
+    fitting it is (`search.evaluator.Evaluator.least_partial` aims its next K by it). None if
+    HiGHS runs out of time; inf if no choice is allowed."""
+    free = {v: np.where(np.isfinite(c), 0.0, math.inf) for v, c in problem.node_costs.items()}
+    edges = {e: np.where(np.isfinite(m), 0.0, math.inf) for e, m in problem.edge_costs.items()}
+    parts = []
+    for mem in problem.memory:
+        per_byte = 1.0 / max(abs(mem.limit_bytes), 1.0)
+        nodes = {
+            v: np.asarray(b, dtype=float) * per_byte for v, b in mem.bytes_per_candidate.items()
+        }
+        pairs = {e: np.asarray(b, dtype=float) * per_byte for e, b in mem.bytes_per_pair.items()}
+        anchor = next(iter(nodes or problem.node_costs))  # a node whose x sums to 1
+        constant = mem.constant_bytes * per_byte  # on every candidate of one node: paid once
+        nodes[anchor] = nodes.get(anchor, np.zeros(len(free[anchor]))) + constant
+        parts.append(Costs(nodes, pairs))
+    if not parts:
+        return 0.0
+    try:
+        relaxed = relax(Problem(free, edges, (), (MaxTerm(1.0, parts),)), time_limit_s)
+    except NoFitError:  # no choice is allowed at all
+        return math.inf
+    assert not isinstance(relaxed, CutOff), "no cutoff was given"
+    return None if relaxed is None else relaxed.bound_s
 
 
 def solve_below(

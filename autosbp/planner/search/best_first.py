@@ -276,8 +276,12 @@ class BestFirst:
 
     def bound_by_lp(self, config: Config, bound: float) -> None:
         """Bound (2): back into the heap with the problem behind it, or on to its solve where it
-        dives; kept as solved when the LP relaxation is integral; dropped if nothing fits."""
-        found = self.ev.lp_bound(config, self.time_left(), self.cutoff())
+        dives; kept as solved when the LP relaxation is integral; dropped if nothing fits, and
+        then partial recomputation offered (`offer_partial`). Under `full:K`, an LP cut off at
+        the cutoff may be one that does not fit (HiGHS's dual simplex passes the objective
+        bound before it proves that): its memory share tells, and K + 1 on where it does not."""
+        cutoff = self.cutoff()
+        found = self.ev.lp_bound(config, self.time_left(), cutoff)
         if found is None:
             self.offer_partial(config, bound)
             return
@@ -290,14 +294,18 @@ class BestFirst:
             self.push(max(bound, lp), LP, config, mp)
             if self.seeding:
                 self.seed_lps.append((max(bound, lp), next(self.order), config, mp))
+        partial = partial_blocks(config.recompute) is not None
+        if partial and lp >= cutoff and not self.ev.fits(config, self.time_left()):
+            self.offer_partial(config, bound)  # the cutoff hid that its LP does not fit
 
     def offer_partial(self, config: Config, bound: float) -> None:
         """Where nothing fits under none (or under `full:K`), and the space has none and full,
-        `full:K` of the least K that may fit (`Evaluator.least_partial`; K + 1 after `full:K`),
-        unless the bounds (1) and (1b) of the least K it could take already reach the cutoff
-        (a larger K only adds recomputed forwards): at those bounds, on to its LP bound. So
-        partial recomputation costs the search nothing where none fits, and one configuration
-        (rarely more) where none does not (docs/planner.md, "Partial recomputation")."""
+        `full:K` of the least K that may fit (`Evaluator.least_partial`: by its bytes at their
+        fewest; after `full:K`, from K + 1 on its LP's memory share too), unless the bounds (1)
+        and (1b) of the least K it could take already reach the cutoff (a larger K only adds
+        recomputed forwards): at those bounds, on to its LP bound. So partial recomputation
+        costs the search nothing where none fits, and one configuration (rarely more) where
+        none does not (docs/planner.md, "Partial recomputation")."""
         modes = self.ev.request.space.recompute
         if "none" not in modes or "full" not in modes or self.ev.request.memory_limit_bytes is None:
             return
@@ -312,7 +320,8 @@ class BestFirst:
         if floor >= self.cutoff():
             self.retired_bound = min(self.retired_bound, floor)
             return
-        found = self.ev.least_partial(config, least)
+        probe_s = None if count is None else self.time_left()  # K failed: on the LP
+        found = self.ev.least_partial(config, least, probe_s)
         if found is not None:  # not counted in `configurations` (the space's, every process's)
             offered = replace(config, recompute=partial_mode(found))
             if found != least:  # its own bounds, at least the least K's

@@ -5,8 +5,8 @@ each micro-batch count and its ties, each count cut into each stage count with i
 shared bound (2a) per stage count, mesh and count; the prices per count and mesh,
 `problem.priced.MeshPrices`, and what backward keeps, `memory.kept.KeptMemo`, each with its
 own caches) and its steps: the floor (0), node (1), forest (1b), shared (2a) and LP (2) bounds
-of a configuration, its solve and its plan (docs/planner.md says why each is a bound). Lives
-elsewhere: the bounds' formulas (`bounds`), the order and stop rule (`search.best_first`), the
+of a configuration, which `full:K` may fit (`least_partial`), its solve and its plan
+(docs/planner.md says why each is a bound). Lives elsewhere: the bounds' formulas (`bounds`), the order and stop rule (`search.best_first`), the
 workers that run these steps in other processes (`search.processes`), the problem itself
 (`problem`).
 
@@ -18,6 +18,7 @@ mesh) shares its candidates, boxing matrices and kept bytes (`problem.priced.Pri
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Mapping
@@ -29,8 +30,11 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.errors import MicroBatchError, PlanError
 from autosbp.planner.bounds.forest import forest_bound
 from autosbp.planner.bounds.lp import bound_mesh
+from autosbp.planner.bounds.memory_floor import forest_least_bytes
 from autosbp.planner.bounds.nodes import compute_floors, step_bound, unhidden_s
 from autosbp.planner.ilp.formulation import Solution
+from autosbp.planner.ilp.solvers import MEMORY_SLACK
+from autosbp.planner.ilp.solving import least_memory_share
 from autosbp.planner.memory.kept import Kept, KeptMemo
 from autosbp.planner.problem.build import MeshProblem, build_problem, gather_constraints
 from autosbp.planner.problem.priced import MeshPrices, Priced
@@ -161,6 +165,7 @@ class Evaluator:
     )  # where bound (2a) is a plan
     # per (count, stage count, `full:K` mode): its copies' counts by mode (`space.ties.tie_modes`)
     mode_ties: dict[tuple[int, int, str], ModeTies] = field(default_factory=dict)
+    shares_of_limit: dict[Config, float] = field(default_factory=dict)  # `memory_share`
     bounded: int = 0
     solved: int = 0
 
@@ -393,25 +398,63 @@ class Evaluator:
                 again[(s, r)] += n
         return again
 
-    def least_partial(self, config: Config, least: int) -> int | None:
-        """The least K >= `least` for which `full:K` of `config` may fit: no stage overflows
-        with each node and each edge at its fewest bytes (`Refusals.overflows`, then
-        `MemoryConstraint.least_bytes`; memory falls as K grows, so a bisection), below the
-        most blocks of a stage (there, it is full); None if none may."""
+    def least_partial(self, config: Config, least: int, probe_s: float | None = None) -> int | None:
+        """The least K >= `least` for which `full:K` of `config` may fit, below the most blocks
+        of a stage (there, it is full); None if none may. Memory falls as K grows: first a
+        bisection on its bytes at their fewest (`overflows`; no LP). Given `probe_s` (after
+        `full:K` for K = `least` - 1 did not fit at its LP; the time each LP may take), then
+        the least K from there that fits at its LP relaxation (`memory_share`), each share
+        aiming the next K (`_least_fitting`: first by the forest bound's fall per K, then by
+        the shares'): at most AIMED + log2(blocks) LPs, 3 on GPT-3's stage of 96 blocks."""
         split = self.stages[(config.count, config.num_stages)].split
-        low, high = least, max(len(blocks) for blocks in split.blocks) - 1
+        high = max(len(blocks) for blocks in split.blocks) - 1
         limit = self.request.memory_limit_bytes
-        found = None
-        while low <= high:
-            middle = (low + high) // 2
-            mp = self.build(replace(config, recompute=partial_mode(middle)), limit)
-            if self.refusals.overflows(mp) or any(  # nodes, then nodes and edges, at their least
-                c.least_bytes() > c.limit_bytes for c in mp.problem.memory
-            ):
-                low = middle + 1
-            else:
-                found, high = middle, middle - 1
-        return found
+
+        def partial(count: int) -> Config:
+            return replace(config, recompute=partial_mode(count))
+
+        floor = _least_passing(
+            least, high, lambda k: not self.overflows(self.build(partial(k), limit))
+        )
+        if probe_s is None or floor is None:
+            return floor
+        fall = (self.forest_share(partial(floor)) - self.forest_share(partial(high))) / max(
+            high - floor, 1
+        )
+        known = (least - 1, self.shares_of_limit.get(partial(least - 1), math.inf))  # K failed
+        return _least_fitting(
+            floor, high, lambda k: self.memory_share(partial(k), probe_s), fall, known
+        )
+
+    def overflows(self, mp: MeshProblem) -> bool:
+        """Does some stage of `mp` overflow at its fewest bytes: each node alone
+        (`Refusals.overflows`, which remembers the closest problem), then its nodes with a
+        spanning forest of its edges (`bounds.memory_floor.forest_least_bytes`)?"""
+        return self.refusals.overflows(mp) or any(
+            forest_least_bytes(mp.problem, c) > c.limit_bytes for c in mp.problem.memory
+        )
+
+    def forest_share(self, config: Config) -> float:
+        """The fullest stage's forest bound (`bounds.memory_floor`) over its limit."""
+        mp = self.build(config, self.request.memory_limit_bytes)
+        return max(
+            (forest_least_bytes(mp.problem, c) / c.limit_bytes for c in mp.problem.memory),
+            default=0.0,
+        )
+
+    def memory_share(self, config: Config, time_left_s: float) -> float:
+        """The least share of its limit that the fullest stage of `config` takes at the LP
+        relaxation (`ilp.solving.least_memory_share`; cached): at most FITS where it fits;
+        0 where the LP ran out of time (it may fit: its LP bound decides)."""
+        if config not in self.shares_of_limit:
+            mp = self.build(config, self.request.memory_limit_bytes)
+            share = least_memory_share(mp.problem, time_limit_s=time_left_s)
+            self.shares_of_limit[config] = 0.0 if share is None else share
+        return self.shares_of_limit[config]
+
+    def fits(self, config: Config, time_left_s: float) -> bool:
+        """Does `config` fit at its LP relaxation (`memory_share`)?"""
+        return self.memory_share(config, time_left_s) <= FITS
 
     def modes_of(self, config: Config) -> ModeTies | None:
         """Under `full:K`, the counts of `config`'s copies by mode (cached); else None."""
@@ -449,6 +492,54 @@ class Evaluator:
             return self.found(mp, solution)
         assert mp.graph is not None, "the search builds its problems with their graph"
         return Found(mp, solution, known, mp.graph)
+
+
+def _least_passing(low: int, high: int, passes: Callable[[int], bool]) -> int | None:
+    """The least K in `low` .. `high` that `passes` (every K above it passes too), or None."""
+    found = None
+    while low <= high:
+        middle = (low + high) // 2
+        if passes(middle):
+            found, high = middle, middle - 1
+        else:
+            low = middle + 1
+    return found
+
+
+FITS = 1 - MEMORY_SLACK  # the most share of its limit a memory row of the LP may take
+AIMED = 3  # Ks aimed by the fall of the shares before halving (GPT-3 175B's stage of 96 blocks
+# on 1024 A100s, after full:44 did not fit at 1.09: full:50, 49 and 48, measured)
+
+
+def _least_fitting(
+    low: int, high: int, share: Callable[[int], float], fall: float, known: tuple[int, float]
+) -> int | None:
+    """The least K in `low` .. `high` whose `share` is at most FITS, or None. Shares fall as K
+    grows: by about `fall` per K at first, then as the last two fell. `known`: a K below `low`
+    and its share (inf where unknown: then `low` first). The first AIMED Ks go where a line at
+    that fall crosses FITS, within what is known so far; the rest halve what is left."""
+    below, above = low - 1, high + 1
+    k, value = known
+    for probe in itertools.count():
+        if below + 1 >= above:
+            break
+        if probe == 0 and not math.isfinite(value):
+            aim = below + 1  # nothing to aim by: the least K its bytes allow
+        elif fall > 0 and probe < AIMED and math.isfinite(value):
+            step = (value - FITS) / fall
+            aim = k + math.ceil(step) if value > FITS else k - int(-step)
+        else:
+            aim = (below + above) // 2
+        last_k, last_value = k, value
+        k = min(max(aim, below + 1), above - 1)
+        value = share(k)
+        if value <= FITS:
+            above = k
+        else:
+            below = k
+        if math.isfinite(value) and math.isfinite(last_value) and last_value != value:
+            fall = (last_value - value) / (k - last_k)
+    return above if above <= high else None
 
 
 def _describe(mp: MeshProblem) -> str:

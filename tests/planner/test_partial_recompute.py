@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -238,3 +239,20 @@ def test_the_least_fitting_k_is_the_linear_scans(seed: int) -> None:
     assert got == expected, (got, expected, probes)
     assert len(set(probes)) == len(probes), probes
     assert len(probes) <= AIMED + math.ceil(math.log2(count + 1)) + 1, probes
+
+
+def test_a_k_that_does_not_fit_is_refused_for_its_memory() -> None:
+    # Each node at its fewest bytes, full:2 fits DEEP_LIMIT; no choice does (`_by_hand`): the
+    # error says so with what its LP proves a plan needs (it said "no consistent choice of
+    # signatures, though the memory fits", which sent users after their batch size).
+    module, inputs = build_model("gpt", **DEEP)
+    with pytest.raises(PlanError) as raised:
+        auto_parallelize(
+            module, inputs, devices=4, strategy=TENSOR_PIPELINE, time_limit_s=60,
+            recompute="full:2", profile="dgx-a100", memory_limit=DEEP_LIMIT,
+        )  # fmt: skip
+    found = re.search(
+        r"recompute full:2\) needs at least ([\d.]+) MiB per device", str(raised.value)
+    )
+    assert str(raised.value).startswith("no plan fits in 1.53 MiB per device"), raised.value
+    assert found and float(found[1]) * 2**20 > DEEP_LIMIT, raised.value

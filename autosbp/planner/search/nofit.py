@@ -16,6 +16,8 @@ import numpy as np
 
 from autosbp.capturing.graph import OpGraph
 from autosbp.plan import format_bytes
+from autosbp.planner.ilp.solvers import MEMORY_SLACK
+from autosbp.planner.ilp.solving import least_memory_share
 from autosbp.planner.problem.build import MeshProblem
 
 
@@ -62,6 +64,11 @@ class Refusals:
             return "; ".join(self.refused)
         stuck = ", ".join(f"{label} (shape {shape})" for label, shape in self.stuck.items())
         mp = self.least
+        if limit is not None and mp is not None and self.least_bytes <= limit:
+            # the floor fits; the closest configuration's LP says whether memory still binds
+            share = least_memory_share(mp.problem, time_limit_s=30.0)
+            if share is not None and math.isfinite(share) and share > 1 - MEMORY_SLACK:
+                return _memory_message(mp, limit, chunks, share * limit, "every")
         if limit is None or mp is None or self.least_bytes <= limit:  # memory is not the cause
             return (
                 "no plan exists for this model on these devices: "
@@ -86,7 +93,16 @@ NO_GATHERS = (
 )
 
 
-def _memory_message(mp: MeshProblem, limit: float, chunks: int) -> str:
+def _memory_message(
+    mp: MeshProblem,
+    limit: float,
+    chunks: int,
+    need_bytes: float | None = None,
+    which: str = "even the most sharded",
+) -> str:
+    """Nothing fits `limit` (per chunk): `need_bytes` (default the tightest stage's floor, each
+    node at its fewest bytes; else what the LP proves) is the least `which` plan of `mp`'s
+    configuration needs."""
     tightest = max(mp.problem.memory, key=_floor_bytes)
     per_node = {v: float(np.min(b)) for v, b in tightest.bytes_per_candidate.items() if len(b)}
     top = sorted(per_node.items(), key=lambda kv: -kv[1])[:5]
@@ -97,7 +113,7 @@ def _memory_message(mp: MeshProblem, limit: float, chunks: int) -> str:
         for v, b in top
         if b > 0
     )
-    need = format_bytes(_floor_bytes(tightest))
+    need = format_bytes(_floor_bytes(tightest) if need_bytes is None else need_bytes)
     if chunks == 1:
         budget, stages, needs = f"{format_bytes(limit)} per device", "stage(s)", "per device"
     else:  # interleaved: each of a device's chunks has 1/chunks of its memory
@@ -107,7 +123,7 @@ def _memory_message(mp: MeshProblem, limit: float, chunks: int) -> str:
         )
         stages, needs = f"virtual stage(s), {chunks} per device", "for one chunk"
     return (
-        f"no plan fits in {budget}: even the most sharded plan (mesh "
+        f"no plan fits in {budget}: {which} plan (mesh "
         f"{'x'.join(map(str, mp.mesh.shape))}, {mp.split.num_stages} {stages}, "
         f"{mp.micro_batches} micro-batch(es), recompute {mp.recompute}) needs at least "
         f"{need} {needs} ({tightest.name}). The biggest consumers there: {consumers}. Raise "

@@ -74,6 +74,34 @@ def test_solve_equals_brute_force(seed: int, n: int, k: int, memory: bool, forbi
     assert got.objective == pytest.approx(expected.objective, rel=1e-7, abs=1e-7)
 
 
+def _enumerated(problem: Problem) -> tuple[float, dict]:
+    """The best assignment found one at a time, in `itertools.product`'s order, by the scalar
+    `Problem.feasible` and `objective` (`brute_force`'s definition, without its arrays)."""
+    keys = list(problem.node_costs)
+    best: tuple[float, dict] = (math.inf, {})
+    for combo in itertools.product(*(range(len(problem.node_costs[k])) for k in keys)):
+        choice = dict(zip(keys, combo, strict=True))
+        if problem.feasible(choice) and problem.objective(choice) < best[0]:
+            best = (problem.objective(choice), choice)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_brute_force_is_the_enumeration_of_every_assignment(seed: int) -> None:
+    # chunks of 7 assignments: the best may lie in any chunk, ties across chunks keep the first
+    problem = with_stages(
+        random_problem(seed, 6, 3, memory=True, forbid=0.2), seed, 3, 2, nested=seed % 2 == 1
+    )
+    objective, choice = _enumerated(problem)
+    if not choice:
+        with pytest.raises(PlanError):
+            brute_force(problem, chunk=7)
+        return
+    got = brute_force(problem, chunk=7)
+    assert (got.objective, got.choice) == (objective, choice)
+    assert brute_force(problem).choice == choice
+
+
 def with_stages(
     problem: Problem, seed: int, stages: int, micro_batches: int, nested: bool = False
 ) -> Problem:

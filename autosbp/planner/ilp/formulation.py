@@ -34,7 +34,7 @@ Reference: docs/planner.md ("The ILP"); autoparallel optimize_sharding.py; Alpa 
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 
 Key = Any  # a node's name (str) in the planner; any hashable value in tests
+# node -> its candidate: an int (one assignment), or an int array (many, priced at once)
+Choice = Mapping[Key, Any]
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,8 @@ class MemoryConstraint:
     name: str = "memory"
     bytes_per_pair: Mapping[tuple[Key, Key], np.ndarray] = field(default_factory=dict)
 
-    def used_bytes(self, choice: Mapping[Key, int]) -> float:
-        """The bytes one assignment keeps."""
+    def used_bytes(self, choice: Choice) -> Any:
+        """The bytes one assignment keeps (of each assignment, given arrays: `Costs.value`)."""
         return self.constant_bytes + Costs(self.bytes_per_candidate, self.bytes_per_pair).value(
             choice
         )
@@ -76,10 +78,12 @@ class Costs:
     node_costs: Mapping[Key, np.ndarray]
     edge_costs: Mapping[tuple[Key, Key], np.ndarray] = field(default_factory=dict)
 
-    def value(self, choice: Mapping[Key, int]) -> float:
-        total = sum(float(c[choice[v]]) for v, c in self.node_costs.items())
-        total += sum(float(m[choice[u], choice[v]]) for (u, v), m in self.edge_costs.items())
-        return total
+    def value(self, choice: Choice) -> Any:
+        """One assignment's cost (a float); given an array of candidates per node (one entry per
+        assignment), each assignment's cost (an array; `ilp.solving.brute_force`)."""
+        total = sum(c[choice[v]] for v, c in self.node_costs.items())
+        total += sum(m[choice[u], choice[v]] for (u, v), m in self.edge_costs.items())
+        return total if isinstance(total, np.ndarray) else float(total)
 
 
 @dataclass(frozen=True)
@@ -120,33 +124,34 @@ class Problem:
             for p in range(len(term.parts)):
                 assert all(0 <= inner < t for inner in term.inner_of(p)), "inner terms come first"
 
-    def objective(self, choice: Mapping[Key, int]) -> float:
+    def objective(self, choice: Choice) -> Any:
+        """One assignment's objective (of each, given arrays: `Costs.value`)."""
         total = Costs(self.node_costs, self.edge_costs).value(choice)
         for term, value in zip(self.max_terms, self.term_values(choice), strict=True):
             total += term.weight * value
         return total
 
-    def term_values(self, choice: Mapping[Key, int]) -> list[float]:
+    def term_values(self, choice: Choice) -> list[Any]:
         """Each max term's value (its largest part, inner terms included), in order."""
-        values: list[float] = []
+        values: list[Any] = []
         for term in self.max_terms:
-            values.append(max(self.part_values(term, choice, values)))
-        return values
+            values.append(functools.reduce(np.maximum, self.part_values(term, choice, values)))
+        return [v if isinstance(v, np.ndarray) else float(v) for v in values]
 
     @staticmethod
-    def part_values(
-        term: MaxTerm, choice: Mapping[Key, int], earlier: Sequence[float]
-    ) -> list[float]:
+    def part_values(term: MaxTerm, choice: Choice, earlier: Sequence[Any]) -> list[Any]:
         """Each part of `term` at `choice`, given the values of the terms before it."""
         return [
             part.value(choice) + sum(c * earlier[t] for t, c in term.inner_of(p).items())
             for p, part in enumerate(term.parts)
         ]
 
-    def feasible(self, choice: Mapping[Key, int], tol: float = 1e-6) -> bool:
-        if not math.isfinite(self.objective(choice)):
-            return False
-        return all(mem.used_bytes(choice) <= mem.limit_bytes * (1 + tol) for mem in self.memory)
+    def feasible(self, choice: Choice, tol: float = 1e-6) -> Any:
+        """Whether one assignment is allowed and fits (of each, given arrays: a bool array)."""
+        ok = np.isfinite(self.objective(choice))
+        for mem in self.memory:
+            ok = ok & (mem.used_bytes(choice) <= mem.limit_bytes * (1 + tol))
+        return ok if isinstance(ok, np.ndarray) else bool(ok)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ Reference: docs/planner.md ("The ILP").
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -333,19 +332,27 @@ def _choice(values: Values) -> dict[Key, int]:
     return {v: int(np.argmax(xs)) for v, xs in values.items()}
 
 
-def brute_force(problem: Problem) -> Solution:
-    """Enumerate every assignment (small problems only): the oracle for `solve`."""
+def brute_force(problem: Problem, chunk: int = 1 << 16) -> Solution:
+    """Enumerate every assignment (small problems only): the oracle for `solve`. Priced
+    `chunk` assignments at a time (`Problem.objective` on arrays), in `itertools.product`'s
+    order over the nodes' candidates: the first of the best wins."""
     start = time.perf_counter()
     keys = list(problem.node_costs)
     sizes = [len(problem.node_costs[k]) for k in keys]
-    assert math.prod(sizes) <= 2_000_000, f"brute force over {math.prod(sizes)} assignments"
-    best: tuple[float, dict[Key, int]] | None = None
-    for combo in itertools.product(*(range(s) for s in sizes)):
-        choice = dict(zip(keys, combo, strict=True))
-        if problem.feasible(choice):
-            value = problem.objective(choice)
-            if best is None or value < best[0]:
-                best = (value, choice)
+    total = math.prod(sizes)
+    assert total <= 2_000_000, f"brute force over {total} assignments"
+    best: tuple[float, int] | None = None  # (objective, the assignment's place in the order)
+    for first in range(0, total, chunk):
+        places = np.arange(first, min(first + chunk, total))
+        candidates = np.unravel_index(places, sizes) if keys else ()
+        choice = dict(zip(keys, candidates, strict=True))
+        value = problem.objective(choice) + np.zeros(len(places))  # an array when no node
+        value[~(problem.feasible(choice) & np.ones(len(places), bool))] = math.inf
+        i = int(np.argmin(value))
+        if math.isfinite(value[i]) and (best is None or value[i] < best[0]):
+            best = (float(value[i]), first + i)
     if best is None:
         raise NoFitError("no strategy assignment satisfies the constraints (brute force).")
-    return Solution(best[1], best[0], "optimal", 0.0, time.perf_counter() - start)
+    chosen = np.unravel_index(best[1], sizes) if keys else ()
+    choice = {k: int(c) for k, c in zip(keys, chosen, strict=True)}
+    return Solution(choice, best[0], "optimal", 0.0, time.perf_counter() - start)

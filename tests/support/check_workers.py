@@ -37,6 +37,7 @@ from runtime.parallel.sharded_update import ShardedUpdate
 from runtime.parallel.weight_gather import GatherBucket
 from runtime.trainer import train_worker
 from runtime.verify.verdict import StepCheck
+from tests.support.shared_captures import shares_captures
 
 SCALE = 1 + 1e-3  # grad-scale's factor: the smallest error the issue asks the check to catch
 
@@ -144,6 +145,7 @@ FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
 }
 
 
+@shares_captures
 def run_checked(
     rank: int, world_size: int, cases: list[tuple[str, TrainSpec, str]]
 ) -> dict[str, list[StepCheck]]:

@@ -33,6 +33,7 @@ from autosbp.plan.values import DTYPES
 from autosbp.zoo import build_model
 from runtime.engine import Engine
 from runtime.state.checkpoint import load_checkpoint, save_checkpoint
+from tests.support.shared_captures import shares_captures
 
 Case = dict[str, Any]
 """{"id": str, "model": zoo name, "model_kwargs": dict, "plan": Plan JSON, "optimizer": a key of
@@ -50,6 +51,7 @@ OPTIMIZERS: dict[str, Any] = {
 }
 
 
+@shares_captures
 def run_checkpoint_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
     """Per case: {"losses": [...], "step": int, "extra": ...} (plus {"state": {name: array}}
     on rank 0 when asked), or {"error": "ErrorClass: message"}."""

@@ -13,6 +13,7 @@ from autosbp import distribute
 from autosbp.plan import Plan
 from runtime.verify.step_check import Reference
 from runtime.verify.verdict import judge
+from tests.support.shared_captures import shares_captures
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 8  # tiny; every dim divides 2 devices
 STEPS = 2
@@ -45,6 +46,7 @@ def build() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.randn(BATCH, IN), torch.randn(BATCH, OUT))
 
 
+@shares_captures
 def distribute_worker(
     rank: int, world: int, cases: list[tuple[dict, str]]
 ) -> tuple[list[list[tuple[bool, float, str]]], bool]:

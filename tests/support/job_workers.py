@@ -29,10 +29,12 @@ from autosbp.plan import Plan
 from autosbp.zoo import load_model
 from runtime.engine import Engine
 from runtime.optim import OptimizerRecipe
+from tests.support.shared_captures import shares_captures
 
 LR = 1e-2
 
 
+@shares_captures
 def run_job_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[Any]:
     return [_KINDS[case["kind"]](case) for case in cases]
 

@@ -21,6 +21,7 @@ from runtime import Engine
 from runtime.jobs import adam
 from runtime.parallel.gathers import GatherPolicy
 from runtime.verify.peak_memory import engine_tensors, measure_peak_bytes
+from tests.support.shared_captures import shares_captures
 
 Case = dict[str, Any]
 """{"id": str, "model": zoo name or FILE.py:FUNCTION, "model_kwargs": dict, "plan": Plan JSON,
@@ -45,6 +46,7 @@ def assert_predicted_peak(case: Case, processes: int) -> None:
     )
 
 
+@shares_captures
 def measure_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, float]]:
     """Per case: {"measured_bytes", "predicted_bytes"} of this rank."""
     return [_measure(case, rank) for case in cases]

@@ -26,6 +26,7 @@ from runtime.optim import OptimizerRecipe
 from runtime.parallel import grad_sync, prefetch, sharded_update
 from runtime.verify.one_device import disable_dropout
 from runtime.verify.step_check import StepChecker
+from tests.support.shared_captures import shares_captures
 
 STEPS = 2  # steps compared with one device (fp16's skipped ones do not count)
 MAX_STEPS = 24  # fp16's scale starts at 2^16 and halves per overflow: at most 16 skipped
@@ -79,6 +80,7 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@shares_captures
 def run_precision_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[Any]:
     """Per case: (rank 0's step checks, the dtypes this rank saw)."""
     out = []

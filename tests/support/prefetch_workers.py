@@ -24,6 +24,7 @@ from autosbp.zoo import build_model
 from runtime import Engine
 from runtime.parallel.gathers import GatherPolicy
 from runtime.verify.step_check import StepChecker
+from tests.support.shared_captures import shares_captures
 
 Case = dict[str, Any]
 """{"id": str, "model": zoo name, "model_kwargs": dict, "plan": Plan JSON, "steps": int,
@@ -31,6 +32,7 @@ Case = dict[str, Any]
 re-gather; the engine reads them)}"""
 
 
+@shares_captures
 def run_gather_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
     """Per case: {"losses": [...], "counts": GatherCounts as a dict or None, "units": how many,
     "spans": the last step's timeline as (kind, micro-batch, start s, end s)} on every rank,

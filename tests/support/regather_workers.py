@@ -14,8 +14,10 @@ from typing import Any
 from runtime.jobs import TrainSpec
 from tests.support.check_workers import run_checked
 from tests.support.memory_workers import measure_cases
+from tests.support.shared_captures import shares_captures
 
 
+@shares_captures
 def check_and_measure(
     rank: int,
     world_size: int,

@@ -26,12 +26,14 @@ from autosbp.plan import Plan
 from autosbp.zoo import build_model
 from runtime import Engine
 from runtime.verify.step_check import StepChecker
+from tests.support.shared_captures import shares_captures
 
 Case = dict[str, Any]
 """{"id": str, "model": zoo name, "model_kwargs": dict, "plan": Plan JSON, "steps": int,
 "lr": float} (Adam's learning rate)"""
 
 
+@shares_captures
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
     """Per case: {"losses": [...]} on every rank, plus {"state": {name: array}, "checks": [one
     StepCheck per step]} on rank 0, or {"error": "ErrorClass: message"} when the Engine refuses

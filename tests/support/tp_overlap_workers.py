@@ -19,8 +19,10 @@ from autosbp.timeline import Recorder
 from autosbp.zoo import build_model
 from runtime import Engine
 from runtime.verify.step_check import StepChecker
+from tests.support.shared_captures import shares_captures
 
 
+@shares_captures
 def train_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Per case id: {"checks": rank 0's step checks (None elsewhere), "losses": each step's
     loss, "spans": the span kinds of the last step on this rank, counted}."""

@@ -139,16 +139,29 @@ def auto_parallelize(
             c for c in _micro_batch_counts(inputs) if (batch // c) % space.data_parallel == 0
         ) or (1,)
     graphs: dict[int, OpGraph] = {}
+    # the counts whose micro-batch does not capture, and why: every search of the request (each
+    # hand plan's, with compare) asks for every count, and a capture fails alike each time
+    refused: dict[int, str] = {}
+    together = [True]  # may every count capture at once (none has failed it yet)?
 
     def graph_for(count: int) -> OpGraph:
+        if count in refused:
+            raise MicroBatchError(refused[count])
         if count not in graphs:  # every count at once: two exports, the rest rebatched
             if progress:
                 progress(f"capturing micro-batches of {', '.join(map(str, counts))}")
             with capturing_in(DTYPES[dtype]):  # the model itself is not cast
-                try:
-                    graphs.update(micro_batch_graphs(model, inputs, counts, name=name))
-                except MicroBatchError:  # one size does not capture: each alone, the others do
-                    graphs.update(micro_batch_graphs(model, inputs, (count,), name=name))
+                if together[0]:
+                    try:
+                        graphs.update(micro_batch_graphs(model, inputs, counts, name=name))
+                    except MicroBatchError:
+                        together[0] = False
+                if count not in graphs:  # one size does not capture: each alone, the others do
+                    try:
+                        graphs.update(micro_batch_graphs(model, inputs, (count,), name=name))
+                    except MicroBatchError as exc:
+                        refused[count] = str(exc)
+                        raise
         return graphs[count]
 
     return _plan(

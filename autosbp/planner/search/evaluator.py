@@ -3,9 +3,9 @@
 Lives here: `Evaluator` (a search's request and what its configurations share: the graph of
 each micro-batch count, each count cut into each stage count with its floors, the shared bound
 (2a) per stage count, mesh and count; the prices per count and mesh, `problem.priced.
-MeshPrices`, with its own caches) and its steps: the floor (0), node (1), forest (1b), shared (2a) and LP (2) bounds
-of a configuration, which `full:K` may fit (`least_partial`), its solve and its plan
-(docs/planner.md says why each is a bound). Lives elsewhere: the bounds' formulas
+MeshPrices`, with its own caches) and its steps: the floor (0), node (1), forest (1b), shared
+(2a) and LP (2) bounds of a configuration, which `full:K` may fit (`least_partial`), its solve
+and its plan (docs/planner.md says why each is a bound). Lives elsewhere: the bounds' formulas
 (`bounds`), the order and stop rule (`search.best_first`), the workers that run these steps in
 other processes (`search.processes`), the problem itself (`problem`), what every search of a
 request shares (`search.graph_memo.GraphMemo`: each graph's ties and structure, its cuts into

@@ -61,7 +61,7 @@ from autosbp.capturing.rebatch import micro_batch_graphs  # noqa: E402
 from autosbp.errors import PlanError  # noqa: E402
 from autosbp.plan import Plan  # noqa: E402
 from autosbp.planner.api import plan_graphs  # noqa: E402
-from autosbp.planner.search.entry import divisors  # noqa: E402
+from autosbp.planner.search.entry import GraphMemo, divisors  # noqa: E402
 from autosbp.zoo import GPT3_175B, gpt3_175b, gpt3_megatron  # noqa: E402
 from bench.frontier import (  # noqa: E402
     ANYTIME,
@@ -111,9 +111,12 @@ def plan_auto(graphs: dict[int, OpGraph]) -> Plan:
     return plan_graphs(graphs, **COMMON, strategy="auto")
 
 
-def plan_megatron(graphs: dict[int, OpGraph], hand: str, recompute: str = "full") -> Plan:
-    """A hand plan priced by the same model: its micro-batch count searched unless it names one."""
-    return plan_graphs(graphs, **COMMON, strategy=hand, recompute=recompute)
+def plan_megatron(
+    graphs: dict[int, OpGraph], hand: str, recompute: str = "full", memo: GraphMemo | None = None
+) -> Plan:
+    """A hand plan priced by the same model: its micro-batch count searched unless it names one.
+    `memo`: what earlier plans of these graphs computed of them (`search.graph_memo`)."""
+    return plan_graphs(graphs, **COMMON, strategy=hand, recompute=recompute, memo=memo)
 
 
 def search(depth: Depth) -> None:
@@ -125,15 +128,18 @@ def search(depth: Depth) -> None:
 
 
 def hand_grid(graphs: dict[int, OpGraph]) -> list[tuple[str, str, Plan | None, str]]:
-    """Every hand plan of the grid (strategy, recomputation, its plan or None, why not)."""
+    """Every hand plan of the grid (strategy, recomputation, its plan or None, why not); their
+    searches share what depends only on the graphs (`search.graph_memo.GraphMemo`), as the
+    searches of one `--compare` do."""
     rows: list[tuple[str, str, Plan | None, str]] = []
+    memo = GraphMemo()
     for tp in GRID_TP:
         for pp in GRID_PP:
             strategy = f"megatron:tp={tp},pp={pp},dp={DEVICES // (tp * pp)}"
             for recompute in GRID_RECOMPUTE:
                 try:
                     rows.append(
-                        (strategy, recompute, plan_megatron(graphs, strategy, recompute), "")
+                        (strategy, recompute, plan_megatron(graphs, strategy, recompute, memo), "")
                     )
                 except PlanError as exc:
                     rows.append((strategy, recompute, None, str(exc).split(". ")[0][:60]))

@@ -25,7 +25,14 @@ from autosbp.capturing.graph import OpGraph
 from autosbp.errors import MicroBatchError, PlanError
 from autosbp.plan import HandPlan, Plan
 from autosbp.planner.assemble import DTYPE_NAMES, PlanContext, assemble_plan
-from autosbp.planner.search.entry import Found, GraphFor, TimeLimitWarning, divisors, search
+from autosbp.planner.search.entry import (
+    Found,
+    GraphFor,
+    GraphMemo,
+    TimeLimitWarning,
+    divisors,
+    search,
+)
 from autosbp.planner.search.schedules import best_of, search_spaces
 from autosbp.planner.space.strategy import Space, hand_strategies, strategy_space
 from autosbp.planner.timing.recipe import Recipe
@@ -37,10 +44,18 @@ MEMORY_RESERVE_FRACTION = 0.1
 
 
 class ClusterPrices:
-    """The planner's `Prices` over a costmodel cluster (dtype names translated)."""
+    """The planner's `Prices` over a costmodel cluster (dtype names translated); equal where
+    the clusters are (their profile and node count), so that the searches of equal clusters
+    share boxing prices (`search.graph_memo.GraphMemo.pricers_of`)."""
 
     def __init__(self, cluster: Any) -> None:
         self.cluster = cluster
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ClusterPrices) and self.cluster == other.cluster
+
+    def __hash__(self) -> int:
+        return hash(self.cluster)
 
     def op_time_s(
         self, flops: float, nbytes: float, dtype: torch.dtype, transcendentals: float = 0.0
@@ -124,16 +139,29 @@ def auto_parallelize(
             c for c in _micro_batch_counts(inputs) if (batch // c) % space.data_parallel == 0
         ) or (1,)
     graphs: dict[int, OpGraph] = {}
+    # the counts whose micro-batch does not capture, and why: every search of the request (each
+    # hand plan's, with compare) asks for every count, and a capture fails alike each time
+    refused: dict[int, str] = {}
+    together = [True]  # may every count capture at once (none has failed it yet)?
 
     def graph_for(count: int) -> OpGraph:
+        if count in refused:
+            raise MicroBatchError(refused[count])
         if count not in graphs:  # every count at once: two exports, the rest rebatched
             if progress:
                 progress(f"capturing micro-batches of {', '.join(map(str, counts))}")
             with capturing_in(DTYPES[dtype]):  # the model itself is not cast
-                try:
-                    graphs.update(micro_batch_graphs(model, inputs, counts, name=name))
-                except MicroBatchError:  # one size does not capture: each alone, the others do
-                    graphs.update(micro_batch_graphs(model, inputs, (count,), name=name))
+                if together[0]:
+                    try:
+                        graphs.update(micro_batch_graphs(model, inputs, counts, name=name))
+                    except MicroBatchError:
+                        together[0] = False
+                if count not in graphs:  # one size does not capture: each alone, the others do
+                    try:
+                        graphs.update(micro_batch_graphs(model, inputs, (count,), name=name))
+                    except MicroBatchError as exc:
+                        refused[count] = str(exc)
+                        raise
         return graphs[count]
 
     return _plan(
@@ -263,9 +291,12 @@ def plan_graphs(
     progress: Callable[[str], None] | None = None,
     compare: bool = False,
     jobs: int | None = None,
+    memo: GraphMemo | None = None,
 ) -> Plan:
     """`auto_parallelize` on already captured graphs: micro-batch count -> the graph of one
-    micro-batch (`rebatch.micro_batch_graphs`); the search tries these counts."""
+    micro-batch (`rebatch.micro_batch_graphs`); the search tries these counts. `memo`: what
+    earlier plans of these graphs computed of them (`search.graph_memo.GraphMemo`; a caller
+    that plans one model under many strategies passes one; None: a fresh one)."""
     counts = tuple(sorted(graphs))
     if not counts:
         raise PlanError("no graph to plan; capture the model first (rebatch.micro_batch_graphs).")
@@ -280,7 +311,7 @@ def plan_graphs(
         graphs.__getitem__, counts, profile=profile, devices=devices,
         memory_limit=memory_limit, global_batch=batch, optimizer=optimizer, dtype=dtype,
         strategy=strategy, recompute=recompute, time_limit_s=time_limit_s, progress=progress,
-        compare=compare, jobs=jobs,
+        compare=compare, jobs=jobs, memo=memo,
     )  # fmt: skip
 
 
@@ -302,7 +333,10 @@ def _plan(
     jobs: int | None = None,
     reduce_dtype: str = "fp32",
     clips_gradients: bool = False,
+    memo: GraphMemo | None = None,
 ) -> Plan:
+    """The searches of one request (the plan, then with `compare` each usual hand plan), which
+    share what depends only on the graphs (`memo`, `search.graph_memo.GraphMemo`)."""
     from costmodel import Cluster, load_profile
 
     _check_request(devices, optimizer, dtype)
@@ -318,6 +352,8 @@ def _plan(
     )
     first = graph_for(counts[0])
     blocks = len({a.block for _, a in first.nodes() if a.block is not None})
+    prices = ClusterPrices(cluster)
+    memo = memo if memo is not None else GraphMemo()
 
     def link_of(shape: tuple[int, ...], mesh_dim: int) -> str:
         return cluster.link_class_for_mesh_dim(shape, mesh_dim).value
@@ -326,10 +362,10 @@ def _plan(
         if space.micro_batches is None:  # the strategy names no count (mb=M): search them
             space = dataclasses.replace(space, micro_batches=counts)
         return search(
-            graph_for, global_batch, devices, ClusterPrices(cluster), link_of, space,
+            graph_for, global_batch, devices, prices, link_of, space,
             optimizer=optimizer, memory_limit_bytes=limit, time_limit_s=time_left_s,
             devices_per_node=per_node, progress=progress, jobs=jobs,
-            recipe=Recipe(DTYPES[reduce_dtype], clips_gradients),
+            recipe=Recipe(DTYPES[reduce_dtype], clips_gradients), memo=memo,
         )  # fmt: skip
 
     def found_for(chosen: str) -> Found:

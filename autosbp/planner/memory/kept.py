@@ -326,37 +326,46 @@ def _uses(pairs: Mapping[tuple[int, int], tuple[bool, bool]]) -> tuple[KeptUse, 
 
 @dataclass
 class KeptMemo:
-    """What backward keeps in the graph of each micro-batch count under each mode, as a search
-    shares it: every mesh of a count shares its `Kept`; counts whose graphs have one structure
-    (rebatched graphs, `space.configs.structure`) share which values are kept and which require
-    grad (`kept_for_backward`'s `like` and `flags`), each count its own bytes. `none` is always
-    kept (the backward shares and the parameters some consumer keeps are read from it)."""
+    """What backward keeps in each graph under each mode, shared by every mesh of a graph and
+    every search of a plan request (`search.graph_memo.GraphMemo`); graphs of one structure
+    (rebatched micro-batch graphs, `space.configs.structure`) share which values are kept and
+    which require grad (`kept_for_backward`'s `like` and `flags`), each graph its own bytes.
+    `none` is always kept (the backward shares and the parameters some consumer keeps are read
+    from it). Graphs are keyed by identity, held beside their `Kept` so the id stays their own."""
 
-    modes: tuple[str, ...]  # the space's recomputation modes
-    by_count: dict[int, dict[str, Kept]] = field(default_factory=dict)
+    by_graph: dict[int, tuple[OpGraph, dict[str, Kept]]] = field(default_factory=dict)
     structural: dict[tuple[Hashable, str], Kept] = field(default_factory=dict)  # (structure, mode)
     flags: dict[Hashable, dict] = field(default_factory=dict)  # per structure: requires grad
 
     def of(
-        self, count: int, graph: OpGraph, structure: Hashable, representative: Mapping[str, str]
+        self,
+        graph: OpGraph,
+        structure: Hashable,
+        representative: Mapping[str, str],
+        modes: tuple[str, ...],
     ) -> dict[str, Kept]:
-        """What backward keeps in `graph` (of `count` micro-batches) under each mode."""
-        if count not in self.by_count:
+        """What backward keeps in `graph` under `none` and each of `modes` (a space's: each as
+        `space.recomputation.base_modes` reads it), and under any mode asked for before."""
+        found = self.by_graph.get(id(graph))
+        if found is None:
+            found = self.by_graph[id(graph)] = (graph, {})
+        memo = found[1]
+        wanted = [m for m in dict.fromkeys(("none", *base_modes(modes))) if m not in memo]
+        if wanted:
             flags = self.flags.get(structure)
             if flags is None:
                 flags = self.flags[structure] = requires_grad_of(graph)
-            memo = self.by_count[count] = {}
-            for mode in dict.fromkeys(("none", *base_modes(self.modes))):
+            for mode in wanted:
                 like = self.structural.get((structure, mode))
                 memo[mode] = kept_for_backward(graph, representative, mode, like=like, flags=flags)
                 self.structural.setdefault((structure, mode), memo[mode])
-        return self.by_count[count]
+        return memo
 
     def backward_share(
-        self, count: int, graph: OpGraph, structure: Hashable, representative: Mapping[str, str]
+        self, graph: OpGraph, structure: Hashable, representative: Mapping[str, str]
     ) -> Mapping[str, float]:
-        """`Kept.backward_share`, its structure's: from its first count (it is structural, and
-        what the other counts keep is only read once one of their configurations gets its node
-        bound)."""
+        """`Kept.backward_share`, its structure's: from the first graph of it asked (it is
+        structural, and what the other graphs keep is only read once one of their
+        configurations gets its node bound)."""
         known = self.structural.get((structure, "none"))
-        return (known or self.of(count, graph, structure, representative)["none"]).backward_share
+        return (known or self.of(graph, structure, representative, ())["none"]).backward_share

@@ -362,9 +362,11 @@ def _restricted(
 @dataclass
 class MeshPrices:
     """The prices a search shares across its configurations: one `Priced` per (micro-batch
-    count, stage mesh), shared by every stage count and recomputation mode; one boxing pricer
-    per stage mesh, shared by every count (its chains serve every micro-batch size); the
-    parameters' candidates, shared by every count and mesh (`price_graph`'s memo)."""
+    count, stage mesh), shared by every stage count and recomputation mode; the parameters'
+    candidates, shared by every count and mesh (`price_graph`'s memo); one boxing pricer per
+    stage mesh, shared by every count (its chains serve every micro-batch size): `pricers`,
+    which depend on the prices and mesh alone, may be given to share them wider (every search
+    of a plan request: `search.graph_memo.GraphMemo`)."""
 
     prices: Prices
     allow: Allow | None
@@ -390,7 +392,9 @@ class MeshPrices:
         keeps in it, asked for on first use."""
         key = (count, mesh)
         if key not in self.priced:
-            pricer = self.pricers.setdefault(mesh, BoxingPricer(self.prices, mesh))
+            pricer = self.pricers.get(mesh)
+            if pricer is None:
+                pricer = self.pricers[mesh] = BoxingPricer(self.prices, mesh)
             self.priced[key] = price_graph(
                 graph, mesh, self.prices, self.allow, pricer, representative, self.parameters,
                 kept(), self.zero, self.gathers, self.recipe, self.regathers,

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from autosbp.planner.search.best_first import BestFirst
 from autosbp.planner.search.evaluator import Evaluator, Found, GraphFor, Request, SearchEffort
+from autosbp.planner.search.graph_memo import GraphMemo
 from autosbp.planner.search.processes import search_in_processes
 from autosbp.planner.space.configs import (
     Config,
@@ -37,8 +38,8 @@ from autosbp.planner.timing.candidates import Prices
 from autosbp.planner.timing.recipe import PLAIN, Recipe
 
 __all__ = [
-    "Config", "Found", "GraphFor", "LinkOf", "SearchEffort", "TimeLimitWarning", "divisors",
-    "mesh_shapes", "powers_of_two_dividing", "search",
+    "Config", "Found", "GraphFor", "GraphMemo", "LinkOf", "SearchEffort", "TimeLimitWarning",
+    "divisors", "mesh_shapes", "powers_of_two_dividing", "search",
 ]  # fmt: skip
 
 
@@ -72,16 +73,18 @@ def search(
     progress: Callable[[str], None] | None = None,
     jobs: int | None = 1,
     recipe: Recipe = PLAIN,
+    memo: GraphMemo | None = None,
 ) -> Found:
     """The fastest plan (by `predict`) over the configurations of `space` (docs/planner.md,
-    "The space"), within MIP_GAP of the best of the whole space unless `time_limit_s` (the whole
-    search's) runs out first; its `effort` says which. `jobs`: processes to search in (None:
-    every core; `search.processes`). NoFitError if no configuration has a plan.
+        "The space"), within MIP_GAP of the best of the whole space unless `time_limit_s` (the whole
+        search's) runs out first; its `effort` says which. `jobs`: processes to search in (None:
+        every core; `search.processes`). `memo`: what the other searches of its request computed of
+    the graphs (`search.graph_memo`; None: a fresh one). NoFitError if no configuration has a plan.
 
-    Interleaved (`space.virtual_stages` v > 1), each device runs v virtual stages: the search
-    cuts v x P stages over v x `devices` (each virtual stage its own mesh of devices / P) and
-    gives each chunk 1/v of a device's memory (its chunks' peaks add up to the device's:
-    `timing.predict.predict`)."""
+        Interleaved (`space.virtual_stages` v > 1), each device runs v virtual stages: the search
+        cuts v x P stages over v x `devices` (each virtual stage its own mesh of devices / P) and
+        gives each chunk 1/v of a device's memory (its chunks' peaks add up to the device's:
+        `timing.predict.predict`)."""
     v = space.virtual_stages
     if v > 1:
         devices *= v
@@ -91,10 +94,11 @@ def search(
         graph_for, batch, devices, prices, link_of, space, optimizer, memory_limit_bytes,
         devices_per_node, progress, recipe,
     )  # fmt: skip
+    memo = memo if memo is not None else GraphMemo()
     start = time.perf_counter()
     if jobs != 1:
-        found = search_in_processes(request, time_limit_s, jobs, start)
+        found = search_in_processes(request, time_limit_s, jobs, start, memo)
         if found is not None:
             return found
-    state = BestFirst(Evaluator(request), start + time_limit_s, time_limit_s, start=start)
+    state = BestFirst(Evaluator(request, memo), start + time_limit_s, time_limit_s, start=start)
     return state.outcome().found(start, state)

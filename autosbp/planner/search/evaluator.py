@@ -1,19 +1,22 @@
 """One configuration's bounds and solve, with what configurations share cached.
 
 Lives here: `Evaluator` (a search's request and what its configurations share: the graph of
-each micro-batch count and its ties, each count cut into each stage count with its floors, the
-shared bound (2a) per stage count, mesh and count; the prices per count and mesh,
-`problem.priced.MeshPrices`, and what backward keeps, `memory.kept.KeptMemo`, each with its
-own caches) and its steps: the floor (0), node (1), forest (1b), shared (2a) and LP (2) bounds
-of a configuration, which `full:K` may fit (`least_partial`), its solve and its plan
-(docs/planner.md says why each is a bound). Lives elsewhere: the bounds' formulas (`bounds`), the order and stop rule (`search.best_first`), the
-workers that run these steps in other processes (`search.processes`), the problem itself
-(`problem`).
+each micro-batch count, each count cut into each stage count with its floors, the shared bound
+(2a) per stage count, mesh and count; the prices per count and mesh, `problem.priced.
+MeshPrices`, with its own caches) and its steps: the floor (0), node (1), forest (1b), shared
+(2a) and LP (2) bounds of a configuration, which `full:K` may fit (`least_partial`), its solve
+and its plan (docs/planner.md says why each is a bound). Lives elsewhere: the bounds' formulas
+(`bounds`), the order and stop rule (`search.best_first`), the workers that run these steps in
+other processes (`search.processes`), the problem itself (`problem`), what every search of a
+request shares (`search.graph_memo.GraphMemo`: each graph's ties and structure, its cuts into
+stages, what backward keeps, the boxing pricers per mesh).
 
-Shared work: counts whose graphs have one structure (rebatched graphs) share the cut into
-stages and its counts, and which values backward keeps; every mesh of a count shares what
-backward keeps; every count shares the parameters' candidates; every problem of one (count,
-mesh) shares its candidates, boxing matrices and kept bytes (`problem.priced.Priced`).
+Shared work: every search of a request shares the graph-only work (`GraphMemo`: counts whose
+graphs have one structure, rebatched graphs, share the cut into stages and its counts, and
+which values backward keeps; every mesh of a count shares what backward keeps; every count
+shares the boxing pricer of a mesh); within a search, every count shares the parameters'
+candidates; every problem of one (count, mesh) shares its candidates, boxing matrices and kept
+bytes (`problem.priced.Priced`).
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ from autosbp.planner.bounds.nodes import compute_floors, step_bound, unhidden_s
 from autosbp.planner.ilp.formulation import Solution
 from autosbp.planner.ilp.solvers import MEMORY_SLACK
 from autosbp.planner.ilp.solving import least_memory_share
-from autosbp.planner.memory.kept import Kept, KeptMemo
+from autosbp.planner.memory.kept import Kept
 from autosbp.planner.problem.build import MeshProblem, build_problem, gather_constraints
 from autosbp.planner.problem.priced import MeshPrices, Priced
 from autosbp.planner.problem.solve import solve_mesh
+from autosbp.planner.search.graph_memo import GraphFacts, GraphMemo
 from autosbp.planner.search.nofit import Refusals
-from autosbp.planner.space.configs import Config, LinkOf, divisors, mesh_shapes, structure
+from autosbp.planner.space.configs import Config, LinkOf, divisors, mesh_shapes
 from autosbp.planner.space.recomputation import (
     RECOMPUTE_MODES,
     block_modes,
@@ -48,16 +52,9 @@ from autosbp.planner.space.recomputation import (
     partial_mode,
     recomputed,
 )
-from autosbp.planner.space.stages import StageSplit, split_stages
+from autosbp.planner.space.stages import StageSplit
 from autosbp.planner.space.strategy import Space
-from autosbp.planner.space.ties import (
-    ModeTies,
-    TiedGraph,
-    TiedStages,
-    tie_graph,
-    tie_modes,
-    tie_stages,
-)
+from autosbp.planner.space.ties import ModeTies, TiedStages, tie_modes
 from autosbp.planner.timing.candidates import Prices
 from autosbp.planner.timing.predict import Prediction, predict
 from autosbp.planner.timing.recipe import PLAIN, Recipe
@@ -144,20 +141,17 @@ class Found:
 
 @dataclass
 class Evaluator:
-    """A search's request and caches (the module docstring); `refusals` says what it could not
-    use, `bounded` and `solved` count its LP bounds and solves."""
+    """A search's request and caches (the module docstring); `memo`: what it shares with the
+    other searches of its request (a fresh one where none is given); `refusals` says what it
+    could not use, `bounded` and `solved` count its LP bounds and solves."""
 
     request: Request
+    memo: GraphMemo = field(default_factory=GraphMemo)
     refusals: Refusals = field(default_factory=Refusals)
     graphs: dict[int, OpGraph | None] = field(default_factory=dict)  # None: refused
-    ties: dict[int, TiedGraph] = field(default_factory=dict)
+    facts: dict[int, GraphFacts] = field(default_factory=dict)  # per count: ties, structure
     stages: dict[tuple[int, int], Stages] = field(default_factory=dict)
-    structures: dict[int, Hashable] = field(
-        default_factory=dict
-    )  # per count (`space.configs.structure`)
-    cuts: dict[tuple[Hashable, int], tuple[StageSplit, TiedStages]] = field(default_factory=dict)
     priced: MeshPrices = field(init=False)  # per (count, mesh), shared across them
-    kept: KeptMemo = field(init=False)  # what backward keeps, per count and mode
     shares: dict[int, dict[str, float]] = field(default_factory=dict)  # zb1: per graph id
     shared: dict[tuple[int, Mesh, int], float] = field(default_factory=dict)  # bound (2a)
     shared_plans: dict[tuple[int, Mesh, int], tuple[MeshProblem, Solution]] = field(
@@ -180,8 +174,8 @@ class Evaluator:
             regathers=space.schedule != "zb1",
             sequence_parallel=space.sequence_parallel,
             tp_overlap=space.tp_overlap,
+            pricers=self.memo.pricers_of(self.request.prices),
         )
-        self.kept = KeptMemo(space.recompute)
 
     # ---- the space ---------------------------------------------------------------------------
     def counts(self) -> list[int]:
@@ -226,15 +220,11 @@ class Evaluator:
             graph = self.graph_of(count)
             if graph is None:
                 return None
-            shape = (self.structures[count], num_stages)
-            if shape not in self.cuts:
-                try:
-                    split = split_stages(graph, num_stages)
-                except PlanError as exc:
-                    self.refusals.refuse(str(exc))
-                    return None
-                self.cuts[shape] = (split, tie_stages(self.ties[count], split))
-            split, tied = self.cuts[shape]
+            try:
+                split, tied = self.memo.cut(graph, num_stages)
+            except PlanError as exc:
+                self.refusals.refuse(str(exc))
+                return None
             copies = tied.copies()
             representatives: Collection[str] = {r for _, r in copies}
             floors = compute_floors(
@@ -253,8 +243,7 @@ class Evaluator:
                 graph = None
             self.graphs[count] = graph
             if graph is not None:
-                tied = self.ties[count] = tie_graph(graph)
-                self.structures[count] = structure(tied)
+                self.facts[count] = self.memo.facts(graph)
         return self.graphs[count]
 
     # ---- bounds ------------------------------------------------------------------------------
@@ -358,17 +347,16 @@ class Evaluator:
 
     def backward_share(self, count: int) -> Mapping[str, float]:
         """`Kept.backward_share` of the graph of `count` (`memory.kept.KeptMemo`)."""
-        return self.kept.backward_share(count, *self._kept_key(count))
+        return self.memo.kept.backward_share(*self._kept_key(count))
 
     def kept_of(self, count: int) -> dict[str, Kept]:
         """What backward keeps in the graph of `count` under each mode of the space
-        (`memory.kept.KeptMemo`)."""
-        return self.kept.of(count, *self._kept_key(count))
+        (`memory.kept.KeptMemo`, shared by the request's searches)."""
+        return self.memo.kept.of(*self._kept_key(count), self.request.space.recompute)
 
     def _kept_key(self, count: int) -> tuple[OpGraph, Hashable, dict[str, str]]:
-        graph = self.graphs[count]
-        assert graph is not None
-        return graph, self.structures[count], self.ties[count].representative
+        facts = self.facts[count]
+        return facts.graph, facts.structure, facts.tied.representative
 
     def build(self, config: Config, memory_limit_bytes: float | None) -> MeshProblem:
         r = self.request
@@ -464,7 +452,7 @@ class Evaluator:
         if key not in self.mode_ties:
             split = self.stages[(config.count, config.num_stages)].split
             per_block = block_modes(config.recompute, split.blocks)
-            self.mode_ties[key] = tie_modes(self.ties[config.count], split, per_block)
+            self.mode_ties[key] = tie_modes(self.facts[config.count].tied, split, per_block)
         return self.mode_ties[key]
 
     def found(self, mp: MeshProblem, solution: Solution) -> Found:

@@ -11,8 +11,9 @@ each pair is priced once, by one process; the seeds (`BestFirst.seed_first`) are
 first, once, so every process starts with the seeds' plan as its cutoff; the cutoff is a shared
 double, only ever lowered; the gap is proven as in one process (docs/planner.md, "Over
 processes"). Processes are forked once the graphs are captured and tied (children inherit them:
-no pickling, no imports), each runs torch on one thread; the winner's plan is built again here
-from its configuration and choice.
+no pickling, no imports; so is the request's `search.graph_memo.GraphMemo`, whose entries
+a process adds stay its own), each runs torch on one thread; the winner's plan is built again
+here from its configuration and choice.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 from autosbp.errors import NoFitError, PlanError
 from autosbp.planner.search.best_first import BestFirst, Outcome
 from autosbp.planner.search.evaluator import Evaluator, Found, Request
+from autosbp.planner.search.graph_memo import GraphMemo
 from autosbp.planner.space.configs import Config
 
 MIN_CONFIGURATIONS = 64  # a default search smaller than this runs in one process (a fork costs)
@@ -59,11 +61,12 @@ class _Share:
 
 
 def search_in_processes(
-    request: Request, time_limit_s: float, jobs: int | None, start: float
+    request: Request, time_limit_s: float, jobs: int | None, start: float, memo: GraphMemo
 ) -> Found | None:
     """The search in `jobs` processes (None: every core, when the space has at least
-    MIN_CONFIGURATIONS configurations); None when it is better run in one (the caller does)."""
-    ev = Evaluator(replace(request, progress=None))
+    MIN_CONFIGURATIONS configurations); None when it is better run in one (the caller does).
+    `memo`: the request's (`search.graph_memo`), inherited by every process."""
+    ev = Evaluator(replace(request, progress=None), memo)
     counts = ev.counts()
     for count in counts:  # captured and tied here, inherited by every process
         ev.graph_of(count)

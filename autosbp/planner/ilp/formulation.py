@@ -81,7 +81,7 @@ class Costs:
     def value(self, choice: Choice) -> Any:
         """One assignment's cost (a float); given an array of candidates per node (one entry per
         assignment), each assignment's cost (an array; `ilp.solving.brute_force`)."""
-        total = sum(c[choice[v]] for v, c in self.node_costs.items())
+        total: Any = sum(c[choice[v]] for v, c in self.node_costs.items())
         total += sum(m[choice[u], choice[v]] for (u, v), m in self.edge_costs.items())
         return total if isinstance(total, np.ndarray) else float(total)
 

@@ -11,9 +11,10 @@ function and arguments). Lives elsewhere: the parent's side, watching and stoppi
 
 Invariants:
 - A rank dies with its parent, however the parent ends (SIGKILL included): Linux kills it the
-  moment the parent goes (`prctl(PR_SET_PDEATHSIG, SIGKILL)`, set before anything else; a
-  parent already gone by then is noticed by its pid); elsewhere a thread watching the parent's
-  pid ends it within `PARENT_POLL_S`. So that "before anything else" is milliseconds after the
+  moment the process that forked it goes (`prctl(PR_SET_PDEATHSIG, SIGKILL)`, set before
+  anything else: the parent, or the parent's forkserver, which Linux kills with the parent,
+  `launching.forkserver_guard`; a parent already gone by then is noticed by its pid);
+  elsewhere a thread watching both pids ends it within `PARENT_POLL_S`. So that "before anything else" is milliseconds after the
   spawn, the request is made while the rank's arguments are unpickled, by the first of them
   (`ParentDeath`), and this module (the target's) imports no torch at load.
 - The rank joins the world through the parent's store on 127.0.0.1 (a client; the parent is the
@@ -201,6 +202,7 @@ def worker(
     faulthandler.register(STACK_SIGNAL, log_fd, all_threads=True)  # the parent asks on a stall
     _reporter = (progress, rank)
     try:
+        os.environ.clear()  # the parent's at the call, not the forkserver's from its start
         os.environ.update(env)
         fn, args = pickle.loads(call) if isinstance(call, bytes) else call
         import torch
@@ -218,24 +220,44 @@ def worker(
 
 
 def _die_with_parent(parent_pid: int) -> int:
-    """End this process when the parent ends (see the module's invariants); the parent's pid."""
-    watched = False
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        watched = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    if os.getppid() != parent_pid:  # it ended before the request above took effect
+    """End this process when the parent ends (see the module's invariants); the parent's pid.
+    The process that forked this one is the parent, or the parent's forkserver, which ends
+    when the parent does (`launching.workers`): either way its end is the parent's."""
+    forker = os.getppid()
+    watched = killed_with_parent()
+    if not _alive(parent_pid) or os.getppid() != forker:  # gone before the request took effect
         os._exit(1)
     if not watched:
         threading.Thread(
-            target=_watch_parent, args=(parent_pid,), name="autosbp-parent-watch", daemon=True
-        ).start()
+            target=_watch_parent, args=(parent_pid, forker), name="autosbp-parent-watch",
+            daemon=True,
+        ).start()  # fmt: skip
     return parent_pid
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
+def killed_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when the thread that started it ends; whether it
+    could (not elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # there, and not ours to signal
+        return True
+    return True
+
+
+def _watch_parent(parent_pid: int, forker: int) -> None:
+    while os.getppid() == forker and _alive(parent_pid):
         time.sleep(PARENT_POLL_S)
-    os._exit(1)  # reparented: the parent is gone, and so must the rank be
+    os._exit(1)  # reparented, or the parent is gone: so must the rank be
 
 
 def _run_rank(

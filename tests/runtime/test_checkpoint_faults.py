@@ -61,10 +61,13 @@ CLI_STEPS, CLI_EVERY, KILLED_AT = 6, 2, 3  # rank 1 dies before step 3: the step
 CLI = "import sys; from autosbp.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
-def _cli_train(plan: Path, directory: Path, *extra: str) -> int:
-    argv = ["train", "mlp", "--nproc", "2", "--plan", str(plan), "--steps", str(CLI_STEPS),
+def _train_argv(plan: Path, directory: Path, *extra: str) -> list[str]:
+    return ["train", "mlp", "--nproc", "2", "--plan", str(plan), "--steps", str(CLI_STEPS),
             "--checkpoint-dir", str(directory), "--checkpoint-every", str(CLI_EVERY), *extra]  # fmt: skip
-    return main(argv)
+
+
+def _cli_train(plan: Path, directory: Path, *extra: str) -> int:
+    return main(_train_argv(plan, directory, *extra))
 
 
 def _saved_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -96,10 +99,12 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path,
     argv = ["train", "mlp", "--nproc", "2", "--plan", str(plan_path), "--steps", str(CLI_STEPS),
             "--checkpoint-dir", str(root / "whole"), "--checkpoint-every", "1"]  # fmt: skip
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    other = subprocess.Popen([sys.executable, "-c", CLI, *argv], cwd=REPO, **pipes)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
+    with pytest.MonkeyPatch.context() as patch:  # rank 1 steps slowly: the jobs overlap
+        patch.setenv(FAULT_ENV, "rank=1,step=0,kind=slow")  # (this one's ranks start at once)
+        other = subprocess.Popen([sys.executable, "-c", CLI, *argv], cwd=REPO, **pipes)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
     here = Job(os.getpid(), code, out.getvalue(), err.getvalue())
     other_out, other_err = other.communicate(timeout=240)
     return plan_path, root / "whole", [here, Job(other.pid, other.returncode, other_out, other_err)]
@@ -136,7 +141,6 @@ def test_of_two_jobs_on_one_folder_one_is_refused_up_front_and_the_other_saves_w
 def test_a_kill_during_a_publish_resumes_from_the_last_complete_checkpoint(
     uninterrupted: tuple[Path, Path, list[Job]],
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     at: int,
     midway: bool,
@@ -144,13 +148,17 @@ def test_a_kill_during_a_publish_resumes_from_the_last_complete_checkpoint(
 ) -> None:
     plan_path, whole, _ = uninterrupted
     broken = tmp_path / "ckpt"
-    with monkeypatch.context() as patch:
-        paths = [str(HOOK_DIR), os.environ.get("PYTHONPATH") or str(REPO)]
-        patch.setenv("PYTHONPATH", os.pathsep.join(paths))
-        patch.setenv("PUBLISH_KILL_DIR", str(broken))
-        patch.setenv("PUBLISH_KILL_AT", str(at))
-        patch.setenv("PUBLISH_KILL_MIDWAY", "1" if midway else "0")
-        assert _cli_train(plan_path, broken) == 2  # rank 0 was killed
+    hook = {  # a new interpreter runs it: the job's, hence its forkserver's and ranks'
+        "PYTHONPATH": os.pathsep.join([str(HOOK_DIR), os.environ.get("PYTHONPATH") or str(REPO)]),
+        "PUBLISH_KILL_DIR": str(broken),
+        "PUBLISH_KILL_AT": str(at),
+        "PUBLISH_KILL_MIDWAY": "1" if midway else "0",
+    }
+    killed = subprocess.run(
+        [sys.executable, "-c", CLI, *_train_argv(plan_path, broken)], cwd=REPO, env={**os.environ, **hook},
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert killed.returncode == 2, killed.stderr  # rank 0 was killed
     capsys.readouterr()
     assert _cli_train(plan_path, broken, "--resume") == 0
     out = capsys.readouterr().out

@@ -363,3 +363,31 @@ def test_a_model_seeded_from_urandom_trains_like_one_device(
     argv = ["train", model, "--nproc", "2", "--plan", "dp", "--steps", "3", "--check"]
     assert main(argv) == 0, capsys.readouterr().err
     assert "matches single-device training" in capsys.readouterr().out
+
+
+# ---- where a rank starts -----------------------------------------------------------------------
+SURROUNDINGS_ENV = "AUTOSBP_TEST_SURROUNDINGS"
+
+
+def _surroundings(rank: int, world_size: int) -> tuple[str | None, str | None, str, str]:
+    return (
+        os.environ.get(SURROUNDINGS_ENV), os.environ.get("AUTOSBP_DEFAULT_PROFILE"), os.getcwd(),
+        sys.path[0],
+    )  # fmt: skip
+
+
+@pytest.mark.dist
+def test_ranks_start_in_the_callers_environment_folder_and_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ranks fork from a forkserver that an earlier world started (with that moment's
+    environment, folder and path), yet see the caller's as they are at the call: a variable
+    set and one removed since (`launching.rank.worker`), another working folder and first
+    import path (multiprocessing's preparation)."""
+    run_workers(_surroundings, 2, timeout_s=60)  # the server runs from here on, if not before
+    monkeypatch.setenv(SURROUNDINGS_ENV, "set after the server started")
+    monkeypatch.delenv("AUTOSBP_DEFAULT_PROFILE")  # tests/conftest.py's, the server's too
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = run_workers(_surroundings, 2, timeout_s=60)
+    assert got == [("set after the server started", None, str(tmp_path), str(tmp_path))] * 2

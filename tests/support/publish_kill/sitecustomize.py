@@ -1,6 +1,7 @@
 """Kills this process at a chosen point of a checkpoint save (tests/runtime/test_checkpoint.py).
 
-Put on PYTHONPATH of a job's spawned ranks, Python runs it at start-up. With
+Put on PYTHONPATH of a job's process, Python runs it at start-up; the job's forkserver, a new
+interpreter with that environment, runs it too, and the ranks it forks inherit what it patched. With
 PUBLISH_KILL_DIR=DIR and PUBLISH_KILL_AT=K it counts the renames and removals a process makes of
 DIR, DIR.tmp and DIR.old (`os.replace`, `shutil.rmtree`: the steps of a checkpoint publish) and
 SIGKILLs itself just before the K-th (1-based); PUBLISH_KILL_MIDWAY=1 kills it instead halfway

@@ -10,6 +10,7 @@ the memory tests' own assertions (tests/runtime/test_memory.py).
 from __future__ import annotations
 
 import functools
+import statistics
 from typing import Any
 
 from autosbp.capturing.export import capture_micro_batch
@@ -68,10 +69,18 @@ def _measure(case: Case, rank: int) -> dict[str, float]:
     optimizer = functools.partial(adam, lr=1e-3)
     engine = Engine(model, plan, optimizer, example_inputs=inputs, graph=graph, gathers=policy)
     engine.step(inputs)
-    measured = measure_peak_bytes(lambda: engine.step(inputs), lambda: engine_tensors(engine))
-    stage = next(s for s in plan.stages if rank in s.devices)
+
+    def measure() -> int:
+        return measure_peak_bytes(lambda: engine.step(inputs), lambda: engine_tensors(engine))
+
+    first = measure()
     again = sum(p.regathers.counts.regathered for p in engine.programs if p.regathers)
+    # The median of three measures: a loaded machine moves gloo threads' allocations and frees
+    # in time. One measure in a full suite read 2-mlp-wide-fsdp's rank 0 at 0.889 of the
+    # prediction beside rank 1's 0.953 (alone: 3 of 3 runs within 10% on both ranks).
+    measured = statistics.median([first, measure(), measure()])
+    stage = next(s for s in plan.stages if rank in s.devices)
     return {
         "measured_bytes": float(measured), "predicted_bytes": float(stage.peak_memory_bytes),
-        "regathered": float(again),  # activations gathered again in backward, both steps
+        "regathered": float(again),  # gathered again in backward: the first 3 steps
     }  # fmt: skip

@@ -14,9 +14,10 @@ Invariants:
   moment the process that forked it goes (`prctl(PR_SET_PDEATHSIG, SIGKILL)`, set before
   anything else: the parent, or the parent's forkserver, which Linux kills with the parent,
   `launching.forkserver_guard`; a parent already gone by then is noticed by its pid);
-  elsewhere a thread watching both pids ends it within `PARENT_POLL_S`. So that "before anything else" is milliseconds after the
-  spawn, the request is made while the rank's arguments are unpickled, by the first of them
-  (`ParentDeath`), and this module (the target's) imports no torch at load.
+  elsewhere a thread watching both pids ends it within `PARENT_POLL_S`. So that "before
+  anything else" is milliseconds after the start, the request is made while the rank's
+  arguments are unpickled, by the first of them (`ParentDeath`), and this module (the
+  target's) imports no torch at load.
 - The rank joins the world through the parent's store on 127.0.0.1 (a client; the parent is the
   server) and never listens beyond loopback itself (gloo's sockets: see `launching.workers`).
 - Reports are cheap (a time and a short label written into shared memory, a few microseconds)
@@ -250,7 +251,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # there, and not ours to signal
-        return True
+        pass
     return True
 
 

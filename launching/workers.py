@@ -117,7 +117,8 @@ def run_workers(
     logs = [RankLog() for _ in range(nproc)]
     collective_s = timeout_s + COLLECTIVE_MARGIN_S
     store, port = _loopback_store(nproc, collective_s)
-    worker_env = {**os.environ, **_loopback_gloo_env(), **(env or {})}  # the whole: see below
+    # the whole environment: a rank forked from the forkserver has the server's, of its start
+    worker_env = {**os.environ, **_loopback_gloo_env(), **(env or {})}
     pg_backend = process_group_backend(backend)
     static = (nproc, port, pg_backend, collective_s, worker_env, results, progress)
     procs: list[Any] = []

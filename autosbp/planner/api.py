@@ -142,20 +142,21 @@ def auto_parallelize(
     # the counts whose micro-batch does not capture, and why: every search of the request (each
     # hand plan's, with compare) asks for every count, and a capture fails alike each time
     refused: dict[int, str] = {}
-    together = [True]  # may every count capture at once (none has failed it yet)?
+    together = True  # may every count capture at once (none has failed it yet)?
 
     def graph_for(count: int) -> OpGraph:
+        nonlocal together
         if count in refused:
             raise MicroBatchError(refused[count])
         if count not in graphs:  # every count at once: two exports, the rest rebatched
             if progress:
                 progress(f"capturing micro-batches of {', '.join(map(str, counts))}")
             with capturing_in(DTYPES[dtype]):  # the model itself is not cast
-                if together[0]:
+                if together:
                     try:
                         graphs.update(micro_batch_graphs(model, inputs, counts, name=name))
                     except MicroBatchError:
-                        together[0] = False
+                        together = False
                 if count not in graphs:  # one size does not capture: each alone, the others do
                     try:
                         graphs.update(micro_batch_graphs(model, inputs, (count,), name=name))

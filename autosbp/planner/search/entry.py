@@ -76,15 +76,16 @@ def search(
     memo: GraphMemo | None = None,
 ) -> Found:
     """The fastest plan (by `predict`) over the configurations of `space` (docs/planner.md,
-        "The space"), within MIP_GAP of the best of the whole space unless `time_limit_s` (the whole
-        search's) runs out first; its `effort` says which. `jobs`: processes to search in (None:
-        every core; `search.processes`). `memo`: what the other searches of its request computed of
-    the graphs (`search.graph_memo`; None: a fresh one). NoFitError if no configuration has a plan.
+    "The space"), within MIP_GAP of the best of the whole space unless `time_limit_s` (the whole
+    search's) runs out first; its `effort` says which. `jobs`: processes to search in (None:
+    every core; `search.processes`). `memo`: what the other searches of its request computed
+    of the graphs (`search.graph_memo`; None: a fresh one). NoFitError if no configuration has
+    a plan.
 
-        Interleaved (`space.virtual_stages` v > 1), each device runs v virtual stages: the search
-        cuts v x P stages over v x `devices` (each virtual stage its own mesh of devices / P) and
-        gives each chunk 1/v of a device's memory (its chunks' peaks add up to the device's:
-        `timing.predict.predict`)."""
+    Interleaved (`space.virtual_stages` v > 1), each device runs v virtual stages: the search
+    cuts v x P stages over v x `devices` (each virtual stage its own mesh of devices / P) and
+    gives each chunk 1/v of a device's memory (its chunks' peaks add up to the device's:
+    `timing.predict.predict`)."""
     v = space.virtual_stages
     if v > 1:
         devices *= v

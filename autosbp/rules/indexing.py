@@ -11,7 +11,9 @@ Rows, for one mesh dim:
                                   keeping the whole dim (start 0, step 1) may split it too;
                                   index_select's index is B (every device needs all of it)
   cat / stack                     every input S(i) -> S(i') for i != dim; all inputs P -> P
-                                  (a B input joined with P ones would be counted once per device)
+                                  (a B input joined with P ones would be counted once per device);
+                                  cat skips a legacy empty input (1-D of size 0, what a key/value
+                                  cache starts from): B in every signature, the others' rows
   split / split_with_sizes /      S(i) -> every output S(i') for i != dim; P -> all outputs P
   chunk / unbind
   pad                             unpadded dims split; P -> P only for constant padding with 0
@@ -64,6 +66,26 @@ def along_dim_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
     dim = _dim(node, rank)
     splits = [uniform(node, S(i)) for i in range(rank) if i != dim]
     return [all_broadcast(node), *splits, uniform(node, P)]
+
+
+def cat_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
+    """`along_dim_signatures`, but torch.cat skips a legacy empty input (shape (0,), as Hugging
+    Face's key/value cache starts from before its first `cat`): it joins nothing, so it is B (the
+    same nothing on every device) and the other inputs take the rows of a cat without it. Seen
+    whole, such an input would make the rank 1 and leave only B and P: every device would hold
+    the whole batch's keys."""
+    shapes = in_shapes(node)
+    legacy = [shape == (0,) for shape in shapes]
+    if not any(legacy) or all(legacy):
+        return along_dim_signatures(node, mesh_dim_size)
+    rank = len(out_shapes(node)[0])
+    dim = _dim(node, rank)
+
+    def beside_empty(sbp: Sbp) -> Signature:
+        return Signature(tuple(B if empty else sbp for empty in legacy), (sbp,))
+
+    splits = [beside_empty(S(i)) for i in range(rank) if i != dim]
+    return [all_broadcast(node), *splits, beside_empty(P)]
 
 
 def slice_signatures(node: Node, mesh_dim_size: int) -> list[Signature]:
@@ -168,7 +190,7 @@ def rules() -> dict[str, OpRule]:
     pad = OpRule(pad_signatures)
     return {
         "aten.slice.Tensor": OpRule(slice_signatures),
-        "aten.cat.default": along,
+        "aten.cat.default": OpRule(cat_signatures),
         "aten.split.Tensor": along,
         "aten.split_with_sizes.default": along,
         "aten.chunk.default": along,

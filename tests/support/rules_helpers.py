@@ -299,6 +299,7 @@ SHAPE = [
     C("slice-whole", aten.slice.Tensor, lambda: (f(4, 8), 0, 0, 2**63 - 1), expect=("(S(0) -> S(0))",)),
     C("select", aten.select.int, lambda: (f(4, 8, 4), 1, 2), expect=("(S(2) -> S(1))",)),
     C("cat", aten.cat.default, lambda: ([f(4, 8), f(4, 4)], 1), expect=("(S(0), S(0) -> S(0))", "(P, P -> P)")),
+    C("cat-cache", aten.cat.default, lambda: ([f(0), f(2, 4, 8)], -2), expect=("(B, S(0) -> S(0))", "(B, S(2) -> S(2))", "(B, P -> P)")),
     C("stack", aten.stack.default, lambda: ([f(4, 8), f(4, 8)], 1)),
     C("split", aten.split.Tensor, lambda: (f(4, 12), 4, 1)),
     C("split_with_sizes", aten.split_with_sizes.default, lambda: (f(8, 4), [4, 4], 0)),

@@ -247,15 +247,20 @@ INTERLEAVED: dict[str, int] = {
 # price Llama 3's overlapped sharding does not pay in full. Published TFLOP/s per GPU.
 LLAMA3_LAYOUTS = {"llama3-405b/8192": (8, 16, 430), "llama3-405b/16384": (8, 16, 400)}
 LLAMA3_ZERO = 1
+NO_MEMORY_LIMIT = 2**60  # bytes a device: `--unlimited`
 
 
-def published_strategy(name: str, tp: int, pp: int, devices: int, batch: int, zero: int) -> str:
+def published_strategy(
+    name: str, tp: int, pp: int, devices: int, batch: int, zero: int, vp: int | None = None
+) -> str:
     """The hand plan of a published layout: one sequence per micro-batch per data-parallel
-    rank (batch / dp micro-batches), the row's interleaving where `INTERLEAVED` states it."""
+    rank (batch / dp micro-batches), the row's interleaving where `INTERLEAVED` states it (or
+    `vp` chunks a stage where given: the assumption tried another way)."""
     dp = devices // (tp * pp)
     strategy = f"megatron:tp={tp},pp={pp},dp={dp},mb={batch // dp}"
     strategy += f",zero={zero}" if zero else ""
-    return strategy + (f",vp={INTERLEAVED[name]}" if name in INTERLEAVED else "")
+    vp = vp if vp is not None else INTERLEAVED.get(name)
+    return strategy + (f",vp={vp}" if vp and vp > 1 else "")
 
 
 def model_flops(case: Case, parameters: int) -> float:
@@ -272,10 +277,12 @@ def model_flops(case: Case, parameters: int) -> float:
     return tokens * (6 * parameters + 12 * layers * hidden * seq)
 
 
-def published_row(name: str) -> dict[str, Any]:
+def published_row(name: str, vp: int | None = None, unlimited: bool = False) -> dict[str, Any]:
     """One published layout priced by our model: the hand plan at the layout (full
     recomputation for Table 1; the search's choice of recomputation for Llama 3), its
-    predicted step and TFLOP/s per GPU beside the published TFLOP/s and the step it implies."""
+    predicted step and TFLOP/s per GPU beside the published TFLOP/s and the step it implies.
+    `vp`: chunks a stage instead of `INTERLEAVED`'s; `unlimited`: no memory limit and no
+    recomputation (what the layout would take where memory were no bound)."""
     from autosbp.capturing.rebatch import micro_batch_graphs
     from autosbp.planner.api import plan_graphs
 
@@ -285,7 +292,8 @@ def published_row(name: str) -> dict[str, Any]:
         (tp, pp), published, zero, recompute = TABLE1_LAYOUTS[row], TABLE1_TFLOPS[row], 0, "full"
     else:
         (tp, pp, published), zero, recompute = LLAMA3_LAYOUTS[name], LLAMA3_ZERO, "auto"
-    strategy = published_strategy(name.split("/")[0], tp, pp, case.devices, case.batch, zero)
+    strategy = published_strategy(name.split("/")[0], tp, pp, case.devices, case.batch, zero, vp)
+    recompute = "none" if unlimited else recompute
     model, inputs = build(case)
     parameters = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
@@ -293,7 +301,8 @@ def published_row(name: str) -> dict[str, Any]:
     graphs = micro_batch_graphs(model, inputs, (count,), name=name)
     capture_s = time.perf_counter() - start
     plan = plan_graphs(
-        graphs, profile=case.profile, devices=case.devices, memory_limit=None,
+        graphs, profile=case.profile, devices=case.devices,
+        memory_limit=NO_MEMORY_LIMIT if unlimited else None,
         global_batch=case.batch, optimizer="adam", dtype="bf16", strategy=strategy,
         time_limit_s=300, recompute=recompute,
     )  # fmt: skip
@@ -334,14 +343,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--published", action="store_true", help="the published layouts' table")
     parser.add_argument("--cases", nargs="*", help="names of CASES (default: every published)")
     parser.add_argument("--row", help="one row, as JSON (what --published runs per case)")
+    parser.add_argument("--vp", type=int, help="model chunks a stage (default: INTERLEAVED's)")
+    parser.add_argument(
+        "--unlimited", action="store_true", help="no memory limit and no recomputation"
+    )
     args = parser.parse_args(argv)
     if args.row:
-        print(json.dumps(published_row(args.row)))
+        print(json.dumps(published_row(args.row, args.vp, args.unlimited)))
         return 0
+    options = [*(["--vp", str(args.vp)] if args.vp else []), *(["--unlimited"] * args.unlimited)]
     names = args.cases or [n for n in CASES if n != "gpt3-175b/1024"]
     rows = []
     for name in names:
-        command = [sys.executable, str(Path(__file__).resolve()), "--row", name]
+        command = [sys.executable, str(Path(__file__).resolve()), "--row", name, *options]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
@@ -351,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"done {name}", file=sys.stderr, flush=True)
     print_published(rows)
     flags = f" --cases {' '.join(names)}" if args.cases else ""
+    flags += "".join(f" {option}" for option in options)
     print(f"regenerate: python bench/frontier.py --published{flags}")
     return 0
 

@@ -71,7 +71,7 @@ def test_one_node_and_128_nodes_of_dgx_a100() -> None:
     profile = load_profile("dgx-a100")
     one, many = Cluster(profile, nodes=1), Cluster(profile, nodes=128)
     assert (one.devices, many.devices) == (8, 1024)
-    assert one.memory_bytes == many.memory_bytes == 80 * GB
+    assert one.memory_bytes == many.memory_bytes == 81920 * 2**20  # 80 GiB, as it reports
     assert one.link_class_for_mesh_dim((1, 8), 1) is LinkClass.INTRA_NODE
     assert many.link_class_for_mesh_dim((128, 8), 1) is LinkClass.INTRA_NODE
     assert many.link_class_for_mesh_dim((128, 8), 0) is LinkClass.INTER_NODE

@@ -3,14 +3,24 @@ flight, and a plan priced as the interleaved schedule runs it (the simulation is
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 
 from autosbp.errors import PlanError
 from autosbp.planner.api import auto_parallelize
 from autosbp.planner.memory.in_flight import interleaved_in_flight
+from autosbp.planner.problem.build import build_problem
+from autosbp.planner.problem.solve import solve_mesh
+from autosbp.planner.space.stages import split_stages
 from autosbp.planner.space.strategy import strategy_space
+from autosbp.planner.timing.predict import predict
+from autosbp.sbp import Mesh
 from autosbp.schedule import simulate
 from autosbp.zoo import load_model
+from tests.planner.test_planner import a100_prices
+from tests.planner.test_search import graphs_of
 
 
 @pytest.mark.parametrize(
@@ -66,3 +76,36 @@ def test_an_interleaved_plan_is_priced_as_its_schedule_runs() -> None:
     # a chunk's stage entry holds its device's peak: both chunks' states and activations
     assert stages[0].peak_memory_bytes == stages[2].peak_memory_bytes
     assert plan.predicted.peak_memory_bytes == max(s.peak_memory_bytes for s in stages)
+
+
+def test_a_devices_chunks_share_its_memory() -> None:
+    """Interleaved, a device's v chunks share its memory: one constraint per device whose bytes
+    are its chunks' summed (each chunk at the device's peak), within the device's whole limit,
+    for any choice; at the optimum, the device's peak the plan reports. Each chunk within 1/v of
+    the device would refuse plans that fit: here device 0's chunks hold 3 and 2 micro-batches."""
+    graph = graphs_of("gpt")[4]
+    mesh = Mesh((2,), link_classes=("intra_node",))
+    limit = 10**12
+    mp = build_problem(
+        graph, mesh, a100_prices(), optimizer="adam", memory_limit_bytes=limit, micro_batches=4,
+        split=split_stages(graph, 4), recompute="none", stage_link="intra_node",
+        allow=strategy_space("auto").allow, virtual_stages=2,
+    )  # fmt: skip
+    assert interleaved_in_flight(2, 2, 4)[0::2] == (3, 2)
+    chunks = mp.stage_costs.memory
+    devices = [c for c in mp.problem.memory if c.name.startswith("device")]
+    assert len(devices) == 2 and all(c.limit_bytes == limit for c in mp.problem.memory)
+    rng = np.random.default_rng(0)
+    sizes = {k: len(b) for k, b in mp.problem.node_costs.items()}
+    choices = [{k: int(rng.integers(n)) for k, n in sizes.items()} for _ in range(20)]
+    solution = solve_mesh(mp, 60, math.inf)
+    assert solution is not None
+    for choice in [*choices, solution.choice]:
+        for d, device in enumerate(devices):
+            both = chunks[d].used_bytes(choice) + chunks[2 + d].used_bytes(choice)
+            assert device.used_bytes(choice) == pytest.approx(both)
+    peaks = predict(mp, solution).peak_bytes
+    assert [peaks[d] for d in range(2)] == pytest.approx(
+        [c.used_bytes(solution.choice) for c in devices]
+    )
+    assert chunks[0].used_bytes(solution.choice) > peaks[0] / 2  # the first chunk holds more

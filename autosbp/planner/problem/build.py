@@ -2,8 +2,8 @@
 recomputation): its objective and memory constraints over the candidates behind its indices.
 
 Lives here: `MeshProblem` (the ILP of one configuration with its candidates), `build_problem`
-(objective and memory, see its docstring) and `gather_constraints` (the stages' memory at their
-weight gathers). Lives elsewhere: the prices of a graph on a stage mesh that every
+(objective and memory, see its docstring) and `memory_constraints` (a device's memory: its
+stage's, or an interleaved device's chunks' together, and at its weight gathers). Lives elsewhere: the prices of a graph on a stage mesh that every
 configuration shares (`problem.priced`), the per-stage sums (`problem.stage_terms`), the
 objective made of them (`timing.objective`), its solve (`problem.solve`), its LP bound
 (`bounds.lp`), its prediction (`timing.predict`), prices (`timing`, `memory`), stages,
@@ -96,7 +96,8 @@ def build_problem(
     micro-batches in flight there (`problem.stage_terms`), on node candidates and on edge pairs (the
     converted copies kept, unless a parameter re-gathers them). Interleaved (`virtual_stages` v > 1:
     `split` holds v x P virtual stages), each virtual stage keeps the micro-batches its chunk holds
-    at its device's peak (`memory.in_flight.interleaved_in_flight`) and the objective adds to 1F1B's
+    at its device's peak (`memory.in_flight.interleaved_in_flight`), a device's chunks share its
+    `memory_limit_bytes` (`memory_constraints`), and the objective adds to 1F1B's
     path bounds over the virtual stages the device path bounds (`timing.objective`: each device's
     chunks' whole load, its chunk-0 fill and drain), a lower bound of `predict`'s interleaved
     schedule for every choice and equal to it on identical chunks.
@@ -125,7 +126,10 @@ def build_problem(
     # Where the nodes alone overflow a stage (each at its fewest bytes), no choice fits: the
     # edges are not priced (most configurations of a deep model end here; `lower_bound_of`
     # then says nothing fits, and the no-fit message reads the node bytes).
-    overflows = memory_limit_bytes is not None and terms.least_bytes(sizes) > memory_limit_bytes
+    overflows = (
+        memory_limit_bytes is not None
+        and terms.least_bytes(sizes, virtual_stages) > memory_limit_bytes
+    )
     if not overflows:
         terms.add_edges(
             tied, priced, recompute, micro_batches, P2P(prices, mesh, stage_link), modes
@@ -135,10 +139,7 @@ def build_problem(
         stage_costs, keys, micro_batches, virtual_stages, schedule
     )
     constraints = (
-        tuple(replace(c, name=f"{c.name} memory") for c in stage_costs.memory)
-        + gather_constraints(stage_costs)
-        if memory_limit_bytes is not None
-        else ()
+        memory_constraints(stage_costs, virtual_stages) if memory_limit_bytes is not None else ()
     )
     problem = Problem(node_costs, edge_costs, constraints, max_terms)
     return MeshProblem(
@@ -147,14 +148,54 @@ def build_problem(
     )  # fmt: skip
 
 
-def gather_constraints(costs: StageCosts) -> tuple[MemoryConstraint, ...]:
+def memory_constraints(costs: StageCosts, virtual_stages: int) -> tuple[MemoryConstraint, ...]:
+    """A configuration's memory constraints, each within the limit `costs` was built with (a
+    device's): each stage's memory, and where some candidate gathers weights or reduce-scatters
+    gathered ones, its bytes at that moment (`gather_constraints`). Interleaved (v > 1), the v
+    chunks of a device share its memory: one constraint per device, its chunks' bytes summed
+    (each chunk's at the device's peak: `memory.in_flight.interleaved_in_flight`), and at one
+    chunk's gather or reduce-scatter, that moment's bytes with the device's other chunks'."""
+    stages = [replace(c, name=f"{c.name} memory") for c in costs.memory]
+    gathers = gather_constraints(costs)
+    v = virtual_stages
+    if v == 1:
+        return (*stages, *(c for _, c in gathers))
+    p = len(stages) // v
+
+    def others(s: int) -> list[MemoryConstraint]:
+        return [stages[c * p + s % p] for c in range(v) if c * p + s % p != s]
+
+    devices = tuple(
+        summed([stages[c * p + d] for c in range(v)], f"device of stage {d} memory")
+        for d in range(p)
+    )
+    moments = tuple(summed([c, *others(s)], c.name) for s, c in gathers)
+    return devices + moments
+
+
+def summed(parts: list[MemoryConstraint], name: str) -> MemoryConstraint:
+    """One constraint holding `parts`' bytes together (their node arrays and edge matrices added
+    per key), within the first part's limit."""
+    nodes: dict = {}
+    pairs: dict = {}
+    for part in parts:
+        for key, b in part.bytes_per_candidate.items():
+            nodes[key] = nodes[key] + b if key in nodes else b
+        for key, b in part.bytes_per_pair.items():
+            pairs[key] = pairs[key] + b if key in pairs else b
+    constant = sum(part.constant_bytes for part in parts)
+    return MemoryConstraint(nodes, parts[0].limit_bytes, constant, name, pairs)
+
+
+def gather_constraints(costs: StageCosts) -> tuple[tuple[int, MemoryConstraint], ...]:
     """The stages' memory at their weight gathers, where some candidate gathers in a bucket, and
     at their gathered weights' reduce-scatters, where some gradient outweighs its copy
-    (elsewhere the stage's own constraint implies each: the same bytes, and activations)."""
+    (elsewhere the stage's own constraint implies each: the same bytes, and activations); each
+    with its stage."""
     gathers = tuple(
-        c
-        for c, staged in zip(costs.update_memory, costs.staging, strict=True)
+        (s, c)
+        for s, (c, staged) in enumerate(zip(costs.update_memory, costs.staging, strict=True))
         if any(np.any(b) for b in staged.node_costs.values())
     )
-    reduces = tuple(c for c in costs.reduce_memory if c is not None)
+    reduces = tuple((s, c) for s, c in enumerate(costs.reduce_memory) if c is not None)
     return gathers + reduces

@@ -291,13 +291,16 @@ class StageTerms:
             held, limit, name=f"stage {s} reduce", bytes_per_pair=self.reducing[s].edges
         )
 
-    def least_bytes(self, sizes: dict[str, int]) -> float:
-        """The fewest bytes of the tightest stage, from its nodes alone."""
+    def least_bytes(self, sizes: dict[str, int], virtual_stages: int = 1) -> float:
+        """The fewest bytes of the tightest device, from its nodes alone (interleaved, a
+        device's v chunks together: `build.memory_constraints`)."""
+        stages = [
+            sum(float(np.min(b)) for b in a.memory_bytes(sizes).values() if len(b))
+            for a in self.memory
+        ]
+        p = len(stages) // virtual_stages
         return max(
-            (
-                sum(float(np.min(b)) for b in a.memory_bytes(sizes).values() if len(b))
-                for a in self.memory
-            ),
+            (sum(stages[c * p + d] for c in range(virtual_stages)) for d in range(p)),
             default=0.0,
         )
 

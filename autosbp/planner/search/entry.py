@@ -83,13 +83,11 @@ def search(
     a plan.
 
     Interleaved (`space.virtual_stages` v > 1), each device runs v virtual stages: the search
-    cuts v x P stages over v x `devices` (each virtual stage its own mesh of devices / P) and
-    gives each chunk 1/v of a device's memory (its chunks' peaks add up to the device's:
-    `timing.predict.predict`)."""
+    cuts v x P stages over v x `devices` (each virtual stage its own mesh of devices / P), whose
+    chunks share a device's memory (`problem.build.memory_constraints`)."""
     v = space.virtual_stages
     if v > 1:
         devices *= v
-        memory_limit_bytes = memory_limit_bytes / v if memory_limit_bytes is not None else None
         link_of = _devices_link_of(link_of, v)
     request = Request(
         graph_for, batch, devices, prices, link_of, space, optimizer, memory_limit_bytes,

@@ -39,7 +39,7 @@ from autosbp.planner.ilp.formulation import Solution
 from autosbp.planner.ilp.solvers import MEMORY_SLACK
 from autosbp.planner.ilp.solving import least_memory_share
 from autosbp.planner.memory.kept import Kept
-from autosbp.planner.problem.build import MeshProblem, build_problem, gather_constraints
+from autosbp.planner.problem.build import MeshProblem, build_problem, memory_constraints
 from autosbp.planner.problem.priced import MeshPrices, Priced
 from autosbp.planner.problem.solve import solve_mesh
 from autosbp.planner.search.graph_memo import GraphFacts, GraphMemo
@@ -307,7 +307,7 @@ class Evaluator:
 
     def _fits(self, mp: MeshProblem, solution: Solution) -> bool:
         limit = self.request.memory_limit_bytes
-        memory = (*mp.stage_costs.memory, *gather_constraints(mp.stage_costs))
+        memory = memory_constraints(mp.stage_costs, mp.virtual_stages)
         return limit is None or all(c.used_bytes(solution.choice) <= limit for c in memory)
 
     def lp_bound(

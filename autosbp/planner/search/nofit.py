@@ -58,8 +58,8 @@ class Refusals:
         """Why nothing fits: the least memory any plan could need, and what takes it; without
         `gathers` (a space that forbids parameter gathers: `space.strategy.Space.may_gather`), that
         a weight some op cannot read in its stored layout may be the cause. `chunks`: model
-        chunks per device (interleaved, vp), whose search gives each chunk `limit`, 1/chunks
-        of the device's memory (`search`): the message states the device's, then the chunk's."""
+        chunks per device (interleaved, vp), which share its `limit` (`problem.build.
+        memory_constraints`): the message says so."""
         if not self.built and not self.stuck and self.refused:
             return "; ".join(self.refused)
         stuck = ", ".join(f"{label} (shape {shape})" for label, shape in self.stuck.items())
@@ -100,8 +100,8 @@ def _memory_message(
     need_bytes: float | None = None,
     which: str = "even the most sharded",
 ) -> str:
-    """Nothing fits `limit` (per chunk): `need_bytes` (default the tightest stage's floor, each
-    node at its fewest bytes; else what the LP proves) is the least `which` plan of `mp`'s
+    """Nothing fits `limit` (a device's): `need_bytes` (default the tightest device's floor,
+    each node at its fewest bytes; else what the LP proves) is the least `which` plan of `mp`'s
     configuration needs."""
     tightest = max(mp.problem.memory, key=_floor_bytes)
     per_node = {v: float(np.min(b)) for v, b in tightest.bytes_per_candidate.items() if len(b)}
@@ -114,19 +114,15 @@ def _memory_message(
         if b > 0
     )
     need = format_bytes(_floor_bytes(tightest) if need_bytes is None else need_bytes)
-    if chunks == 1:
-        budget, stages, needs = f"{format_bytes(limit)} per device", "stage(s)", "per device"
-    else:  # interleaved: each of a device's chunks has 1/chunks of its memory
-        budget = (
-            f"{format_bytes(limit * chunks)} per device ({format_bytes(limit)} for each of the "
-            f"{chunks} model chunks it interleaves, vp={chunks})"
-        )
-        stages, needs = f"virtual stage(s), {chunks} per device", "for one chunk"
+    budget, stages = f"{format_bytes(limit)} per device", "stage(s)"
+    if chunks > 1:  # interleaved: a device's chunks share its memory
+        budget += f" (the {chunks} model chunks it interleaves together, vp={chunks})"
+        stages = f"virtual stage(s), {chunks} per device"
     return (
         f"no plan fits in {budget}: {which} plan (mesh "
         f"{'x'.join(map(str, mp.mesh.shape))}, {mp.split.num_stages} {stages}, "
         f"{mp.micro_batches} micro-batch(es), recompute {mp.recompute}) needs at least "
-        f"{need} {needs} ({tightest.name}). The biggest consumers there: {consumers}. Raise "
+        f"{need} per device ({tightest.name}). The biggest consumers there: {consumers}. Raise "
         "--memory-gib, use more devices, a smaller batch, or an optimizer with fewer states "
         "(sgd)."
     )

@@ -4,7 +4,7 @@ of the searches of every one.
 
 Lives here: `search_spaces` (a strategy's spaces, one per v and one for zb1), `best_of` (the
 fastest of the per-space searches, with the gap proven over all of them). Lives elsewhere: one
-search (`search.entry`: at v > 1 it counts each device v times and gives each chunk 1 / v of
+search (`search.entry`: at v > 1 it counts each device v times, and a device's chunks share
 its memory), the rules of the interleaved schedule (`schedule.check_interleaving`), the bounds
 that prune interleaved configurations (`timing.objective`: the device path bounds), hand plans
 (`space.strategy`: `vp=V` there is one space).

@@ -17,8 +17,9 @@ along an output dim the collective does not split (a batch or sequence dim of th
 chunk of the output is the matmul of a slice of the inputs, and its collective may run while
 the next chunk computes. The sum commutes with the cut, so the result is the same tensor, up to
 the rounding of the smaller collectives' sums (none on gloo's fp32 sums in rank order).
-Only forward is cut: backward runs the conversion's dual (all-reduce, or all-gather) once, in
-line, and the chunks' matmul backwards one after another, as autograd reaches them.
+Backward mirrors it: the conversion's dual (all-reduce, or all-gather) runs on each chunk of the
+gradient, all started at once, each waited just before its chunk's matmul backward, so the
+next chunks' travel beside it.
 
 Invariants: a chunk plan slices only operands that hold the chunked letter at full size (a
 size-1 broadcast dim is read whole), and an addend (a linear's bias) where its right-aligned dim

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from autosbp.capturing.export import capture
@@ -21,7 +22,7 @@ from autosbp.plan import Plan
 from autosbp.planner.api import ClusterPrices, plan_graph
 from autosbp.planner.problem.priced import price_graph
 from autosbp.planner.space.strategy import strategy_space
-from autosbp.planner.timing.tp_overlap import overlap_cut
+from autosbp.planner.timing.tp_overlap import overlap_cut, overlapped_s
 from autosbp.rules import NdSignature
 from autosbp.sbp import Mesh, parse_nd_sbp
 from autosbp.tp_overlap import TP_OVERLAP_CHUNKS, chunk_plan
@@ -43,6 +44,16 @@ def _simulated_exposed_s(comm_s: float, compute_s: float, chunks: int) -> float:
     return end_s - compute_s
 
 
+def _simulated_backward_exposed_s(comm_s: float, compute_s: float, chunks: int) -> float:
+    """The dual's chunks all started at once, run one at a time (the i-th done at i comm / k);
+    chunk i's backward (compute / k) after its own collective and the chunk before: how long
+    the last ends after the compute would alone."""
+    end_s = 0.0
+    for i in range(1, chunks + 1):
+        end_s = max(end_s, i * comm_s / chunks) + compute_s / chunks
+    return end_s - compute_s
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_exposed_reduction_equals_an_event_simulation_of_the_chunks(seed: int) -> None:
     rng = random.Random(seed)
@@ -50,6 +61,39 @@ def test_exposed_reduction_equals_an_event_simulation_of_the_chunks(seed: int) -
         comm_s, compute_s, k = rng.uniform(0, 2), rng.uniform(0, 2), rng.randint(2, 8)
         exposed = comm_s - hidden_sync_s(comm_s, compute_s, k, overlap=1.0)
         assert exposed == pytest.approx(_simulated_exposed_s(comm_s, compute_s, k))
+        assert exposed == pytest.approx(_simulated_backward_exposed_s(comm_s, compute_s, k))
+
+
+def test_a_twins_edge_prices_its_reduction_and_the_dual_beside_the_chunks() -> None:
+    """On the twin's edge, forward the reduction and backward its dual (the all-gather of the
+    reduce-scatter's gradient, or the all-reduce's) each cost `overlapped_s` beside the twin's
+    forward and backward compute, where the same candidate run whole pays both in line."""
+    graph = capture(*build_model("gpt", device="meta", **WIDE))
+    mesh = Mesh((8,), link_classes=("intra_node",))
+    prices = ClusterPrices(Cluster(load_profile("dgx-a100"), nodes=1))
+    priced = price_graph(graph, mesh, prices, strategy_space(TP8).allow)
+    found = priced.strategies["linear_3"]  # the MLP's second linear, row-parallel
+    (reader,) = graph.readers("linear_3")
+    consumer = priced.strategies[reader]
+    both, forward = priced.edge_prices("linear_3", reader)
+    twins = [i for i, cut in enumerate(found.overlap_cuts or ()) if cut is not None]
+    assert twins, "at these sizes the search is offered the row-parallel linear overlapped"
+    meta = graph.node("linear_3").outputs[0]
+    checked = 0
+    for i in twins:
+        sig, cut = found.candidates[i], found.overlap_cuts[i]
+        whole = found.candidates.index(sig)  # the same candidate, run whole
+        fwd = float(found.forward_s[i])
+        bwd = float(found.compute_s[i]) - fwd
+        dsts = [c.inputs[0] for c in consumer.candidates]
+        ahead = overlapped_s(sig.outputs[0], dsts, meta, cut, fwd, mesh, prices)
+        behind = overlapped_s(sig.outputs[0], dsts, meta, cut, bwd, mesh, prices, backward=True)
+        for j in np.flatnonzero(np.isfinite(forward[i])):
+            assert forward[i, j] == pytest.approx(ahead[j])
+            assert both[i, j] == pytest.approx(ahead[j] + behind[j])
+            assert behind[j] < both[whole, j] - forward[whole, j]  # hidden in part
+            checked += 1
+    assert checked
 
 
 def _plan(

@@ -1,13 +1,15 @@
 """Tensor-parallel reductions overlapped with their matmul (issue 47 item 2) train like one
 device: `--check`'s comparison on 2 gloo processes of a tp=2 plan whose row-parallel matmuls
-run in chunks, each chunk's all-reduce started while the next computes, beside the same plan
+run in chunks, each chunk's all-reduce started while the next computes, and in backward each
+chunk's dual all-reduce waited just before the chunk's gradient matmuls, beside the same plan
 run whole, and under full recomputation (backward runs the chunks and their all-reduces
 again, as priced); the timeline shows the overlapped ops.
 
 Oracles: the step check's float64 single-device reference (runtime/verify/step_check.py), its
 verdict the assertion, for each plan; the overlapped plans' losses against the whole one's
 (equal within rounding); the timeline's "tp_overlap" spans (one per overlapped op and
-micro-batch, twice that recomputed), absent from the plan run whole. One 2-process world runs every case.
+micro-batch, twice that recomputed) and "tp_wait" spans (that many forward, and one per chunk
+in backward), absent from the plan run whole. One 2-process world runs every case.
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ def test_overlapped_reductions_train_like_one_device_and_like_the_plan_run_whole
     runs = len(marked) * plans["overlapped"].micro_batches
     for rank in per_rank:  # one span per overlapped op and micro-batch, and none without
         spans = rank["overlapped"]["spans"]
-        assert spans["tp_overlap"] == spans["tp_wait"] == runs
-        assert rank["whole"]["spans"]["tp_overlap"] == 0
+        assert spans["tp_overlap"] == runs
+        assert spans["tp_wait"] == runs + runs * CHUNKS  # forward's, and backward's per chunk
+        assert rank["whole"]["spans"]["tp_overlap"] == rank["whole"]["spans"]["tp_wait"] == 0
         # recomputed: run again in backward, chunks and all-reduces (priced so: timing.tp_overlap)
-        assert rank["recomputed"]["spans"]["tp_overlap"] == 2 * runs
+        again_spans = rank["recomputed"]["spans"]
+        assert again_spans["tp_overlap"] == 2 * runs
+        assert again_spans["tp_wait"] == 2 * runs + runs * CHUNKS

@@ -74,7 +74,7 @@ from autosbp.planner.timing.op_exchanges import exchange_cost
 from autosbp.planner.timing.param_candidates import parameter_prices, with_zero_states
 from autosbp.planner.timing.recipe import PLAIN, Recipe
 from autosbp.planner.timing.regather import regather_twins
-from autosbp.planner.timing.tp_overlap import overlap_cut, overlapped_forward_s, twin_may_pay
+from autosbp.planner.timing.tp_overlap import overlap_cut, overlapped_s, twin_may_pay
 from autosbp.rules import NdSignature, nd_signatures, pinned_inputs, work_fraction
 from autosbp.sbp import Broadcast, NdSbp, Partial, local_shape
 from autosbp.tp_overlap import ChunkPlan
@@ -265,9 +265,10 @@ def _with_overlap_twins(
         if cut is None:
             continue
         fwd = roofline.chunked_forward_s(sig, cut)
-        extra = fwd * (1 + BACKWARD_FACTOR * backward_share) - float(found.compute_s[i])
+        bwd = BACKWARD_FACTOR * fwd * backward_share
+        extra = fwd + bwd - float(found.compute_s[i])
         meta = graph.node(name).outputs[0]
-        if chunks or twin_may_pay(sig.outputs[0], meta, cut, fwd, extra, pricer.mesh,
+        if chunks or twin_may_pay(sig.outputs[0], meta, cut, (fwd, bwd), extra, pricer.mesh,
                                   pricer.prices):  # fmt: skip
             twins.append((i, cut))
             priced.append(fwd)
@@ -482,10 +483,11 @@ def edge_matrices(
         pick = np.ix_(src_of, dst_of)
         both_use, forward_use = tables[0][pick], tables[1][pick]
         for i, cut in enumerate(producer.overlap_cuts or ()):
-            if cut is not None:  # an overlapped twin: its forward reduction runs beside its chunks
+            if cut is not None:  # an overlapped twin: its reduction and dual beside its chunks
                 row = _overlapped_row(producer, i, cut, dsts, meta, pricer)[dst_of]
                 forward_use[i] = np.where(np.isinf(forward_use[i]), np.inf, row)
-                both_use[i] = forward_use[i] + backward[src_of[i]][dst_of]
+                dual = _overlapped_row(producer, i, cut, dsts, meta, pricer, backward=True)
+                both_use[i] = forward_use[i] + dual[dst_of]
         both += both_use
         forward_only += forward_use
     return both, forward_only
@@ -498,13 +500,17 @@ def _overlapped_row(
     dsts: Sequence[NdSbp],
     meta: TensorMeta,
     pricer: BoxingPricer,
+    backward: bool = False,
 ) -> np.ndarray:
-    """Per distinct consumer layout, the forward time of overlapped twin `i`'s output reduction
-    run beside its chunks (`timing.tp_overlap`)."""
+    """Per distinct consumer layout, the time of overlapped twin `i`'s output reduction run
+    beside its chunks, or with `backward` of the reduction's dual beside the chunks' backward
+    (`timing.tp_overlap`)."""
     sig = producer.candidates[i]
     assert producer.forward_s is not None, "compute ops state their forward"
-    return overlapped_forward_s(
-        sig.outputs[0], dsts, meta, cut, float(producer.forward_s[i]), pricer.mesh, pricer.prices
+    forward = float(producer.forward_s[i])
+    compute = float(producer.compute_s[i]) - forward if backward else forward
+    return overlapped_s(
+        sig.outputs[0], dsts, meta, cut, compute, pricer.mesh, pricer.prices, backward
     )
 
 

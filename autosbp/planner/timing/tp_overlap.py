@@ -1,9 +1,9 @@
 """The price of a tensor-parallel reduction hidden behind its matmul: chunked compute, exposed comm.
 
 Lives here: `overlap_cut` (the cut an op's overlapped twin runs, where it has one) and
-`overlapped_forward_s` (per consumer layout, the forward time of the producer output's
-reduction run chunk by chunk beside the twin's compute, as `runtime.parallel.tp_overlap` runs
-it). Lives elsewhere: what may be cut and how (`autosbp.tp_overlap`), the twins themselves and
+`overlapped_s` (per consumer layout, the time of the producer output's reduction, or in
+backward of its dual, run chunk by chunk beside the twin's compute, as
+`runtime.parallel.tp_overlap` runs it). Lives elsewhere: what may be cut and how (`autosbp.tp_overlap`), the twins themselves and
 their chunked compute (`timing.candidates`: `NodeStrategies.overlap_chunks`, `_Roofline.
 chunked_forward_s`), the edges that use these prices (`timing.candidates.edge_matrices`), the hidden share
 (`autosbp.overlap.hidden_sync_s`).
@@ -15,8 +15,10 @@ is computed. With k chunks of compute c / k ready at even intervals and their co
 = collective(bytes / k) each (k launches: t = k t_1 >= the whole one's time), run one at a time
 beside the chunks after them, the exposed forward time is t - a (1 - 1/k) min(t, c), a the
 profile's overlap efficiency: the gradient buckets' formula (`overlap.hidden_sync_s`), the same
-event argument. Backward runs the reduction's dual once, in line (priced as the edge's
-unoverlapped backward). A pair whose conversion is not one reduction the cut can carry (a raw
+event argument. Backward mirrors it: the dual's k collectives (all-reduce, or all-gather) start
+together, the first waited exposed, each next one beside the chunk backward before it (the
+twin's backward compute, BACKWARD_FACTOR x its forward): t' - a (1 - 1/k) min(t', c'), t' = k
+dual(bytes / k). A pair whose conversion is not one reduction the cut can carry (a raw
 read, a chain of steps, a reduce-scatter along the cut dim) is forbidden to the twin. Twins
 exist only for an op and reader of one repeated block (or of a graph without blocks),
 recomputed alike by every mode (so on one stage; where both are recomputed the checkpointed run runs the chunks and their reduction
@@ -36,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from autosbp.boxing import plan_boxing
-from autosbp.boxing.steps import BoxingStep
+from autosbp.boxing.steps import BoxingStep, dual_step
 from autosbp.capturing.graph import OpGraph, Role, TensorMeta
 from autosbp.errors import SbpError
 from autosbp.overlap import hidden_sync_s
@@ -47,7 +49,7 @@ from autosbp.rules.matmul import EINSUM
 from autosbp.sbp import Broadcast, Mesh, NdSbp, Partial, Split, check_nd_sbp
 from autosbp.tp_overlap import TP_OVERLAP_CHUNKS, ChunkPlan, chunk_plan, fits, reduce_step
 
-__all__ = ["overlap_cut", "overlapped_forward_s", "twin_may_pay"]
+__all__ = ["overlap_cut", "overlapped_s", "twin_may_pay"]
 
 
 def overlap_cut(
@@ -81,38 +83,45 @@ def twin_may_pay(
     src: NdSbp,
     meta: TensorMeta,
     cut: ChunkPlan,
-    compute_s: float,
+    compute_s: tuple[float, float],
     extra_s: float,
     mesh: Mesh,
     prices: Prices,
 ) -> bool:
     """Can the twin of a candidate whose output is `src` beat its in-line copy on some consumer
-    layout: does the most its reduction hides, beside `compute_s` (the twin's forward), exceed
-    `extra_s` (what its chunks cost over the op run whole, forward and backward)? The twin and
-    its copy differ only there and on the edge's forward, where a layout one reduction reaches
-    costs the whole collective in line and `overlapped_forward_s` beside the chunks (the other
-    layouts: forbidden to the twin); the in-line copy may also pay relabels the twin's price
-    leaves out, ignored here. So a twin this refuses never wins a pair: dropping it changes
-    no plan, and keeps the search's size where chunking cannot pay (small ops, where k launches
-    outweigh what is hidden)."""
+    layout: does the most its reduction and its dual hide, beside `compute_s` (the twin's
+    forward and backward), exceed `extra_s` (what its chunks cost over the op run whole, forward
+    and backward)? The twin and its copy differ only there and on the edge, where a layout one
+    reduction reaches costs the whole collective and its dual in line and `overlapped_s` beside
+    the chunks (the other layouts: forbidden to the twin); the in-line copy may also pay
+    relabels the twin's price leaves out, ignored here. So a twin this refuses never wins a
+    pair: dropping it changes no plan, and keeps the search's size where chunking cannot pay
+    (small ops, where k launches outweigh what is hidden)."""
     dim = next(d for d, x in enumerate(src) if isinstance(x, Partial))
     summed = [*src[:dim], Broadcast(), *src[dim + 1 :]]
     scattered = [(*src[:dim], Split(d), *src[dim + 1 :]) for d in range(len(meta.shape))]
     dsts = [tuple(summed)] + [
         dst for d, dst in enumerate(scattered) if d != cut.dim and _fits(dst, meta, mesh)
     ]
-    exposed = overlapped_forward_s(src, dsts, meta, cut, compute_s, mesh, prices)
-    for dst, shown in zip(dsts, exposed, strict=True):
+    forward = overlapped_s(src, dsts, meta, cut, compute_s[0], mesh, prices)
+    backward = overlapped_s(src, dsts, meta, cut, compute_s[1], mesh, prices, backward=True)
+    for dst, shown in zip(dsts, forward + backward, strict=True):
         if np.isinf(shown):
             continue
         step = _reduction(src, dst, tuple(meta.shape), mesh, meta.dtype)
-        assert step is not None and step.link_class is not None, "priced above"
-        whole = prices.collective_time_s(
-            step.kind.value, step.message_bytes, step.group_size, step.link_class
-        )
+        assert step is not None, "priced above"
+        whole = sum(_whole_s(s, prices) for s in (step, dual_step(step)))
         if whole - shown > extra_s:
             return True
     return False
+
+
+def _whole_s(step: BoxingStep, prices: Prices) -> float:
+    """One collective step run whole."""
+    assert step.link_class is not None, "a reduction and its dual run on one mesh dim"
+    return prices.collective_time_s(
+        step.kind.value, step.message_bytes, step.group_size, step.link_class
+    )
 
 
 @lru_cache(maxsize=16384)
@@ -164,7 +173,7 @@ def _has_blocks(graph: OpGraph) -> bool:
     return entry[1]
 
 
-def overlapped_forward_s(
+def overlapped_s(
     src: NdSbp,
     dsts: Sequence[NdSbp],
     meta: TensorMeta,
@@ -172,16 +181,19 @@ def overlapped_forward_s(
     compute_s: float,
     mesh: Mesh,
     prices: Prices,
+    backward: bool = False,
 ) -> np.ndarray:
-    """Per consumer layout in `dsts`, the exposed forward time of converting `src` chunk by
-    chunk beside `compute_s` (the twin's forward), inf where the cut cannot carry it."""
+    """Per consumer layout in `dsts`, the exposed time of converting `src` chunk by chunk beside
+    `compute_s` (the twin's forward), or with `backward` of the conversion's dual beside the
+    chunks' backward (`compute_s` then that); inf where the cut cannot carry it."""
     out = np.full(len(dsts), np.inf)
     for j, dst in enumerate(dsts):
         step = _reduction(src, dst, tuple(meta.shape), mesh, meta.dtype)
         if step is None or not fits(cut, step):
             continue
+        step = dual_step(step) if backward else step
         link = step.link_class
-        assert link is not None, "a reduction runs on one mesh dim"
+        assert link is not None, "a reduction and its dual run on one mesh dim"
         one = prices.collective_time_s(
             step.kind.value, step.message_bytes / cut.chunks, step.group_size, link
         )

@@ -509,7 +509,7 @@ CLI_CASES = [
     ),
     pytest.param(
         [*PLAN_MLP4, f"{VP},mb=2", "--memory-gib", "0.0001"],
-        ("no plan fits in 104.86 KiB per device (52.43 KiB for each of the 2 model chunks",),
+        ("no plan fits in 104.86 KiB per device (the 2 model chunks it interleaves together",),
         ("Raise --memory-gib",), id="plan-interleaved-no-fit-names-the-device-budget",
     ),
     *(

@@ -43,9 +43,11 @@ Rows, each with its target:
   (keys and values passed around the ring, each step beside the step's compute).
 - tp=2 overlapped (issue #47 item 2): our Engine under `megatron:tp=2,pp=1,dp=1` of a wide MLP
   whose row-parallel linears run in 4 chunks, each chunk's all-reduce started while the next
-  computes (`NodePlan.overlap_chunks`, set on every such linear), vs the same plan run whole,
-  stepped in turn; printed with the cpu-gloo profile's overlap efficiency beside it (what the
-  planner assumes such overlap hides). No torch peer: the comparison is the plan without overlap.
+  computes, and in backward each chunk's dual all-reduce travelling while the chunk before runs
+  its gradient matmuls (`NodePlan.overlap_chunks`, set on every such linear), vs the same plan
+  run whole, stepped in turn; printed with the cpu-gloo profile's overlap efficiency beside it
+  (what the planner assumes such overlap hides). No torch peer: the comparison is the plan
+  without overlap. `--overlap` runs this row alone.
 
 How it measures: both sides live in the same processes; after `warmup` steps of each, they take
 turns step by step, so each pair of steps meets the same machine load (the cores may be shared).
@@ -374,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--models", help="comma-separated names of MODELS (default: all)")
     parser.add_argument(
+        "--overlap", action="store_true", help="the overlapped tp=2 row only (issue #47 item 2)"
+    )
+    parser.add_argument(
         "--regather", action="store_true", help="ours: free every gathered weight after forward"
     )
     parser.add_argument("--prefetch", type=int, help="ours: gathers this many blocks ahead")
@@ -387,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.regather and args.prefetch is None:
         args.prefetch = 0
+    if args.overlap:
+        Console().print(overlap_row(args))
+        return 0
     models = QUICK_MODELS if args.quick else MODELS
     if args.models:
         models = {name: MODELS[name] for name in args.models.split(",")}

@@ -2,12 +2,13 @@
 recomputation): its objective and memory constraints over the candidates behind its indices.
 
 Lives here: `MeshProblem` (the ILP of one configuration with its candidates), `build_problem`
-(objective and memory, see its docstring) and `memory_constraints` (a device's memory: its
-stage's, or an interleaved device's chunks' together, and at its weight gathers). Lives elsewhere: the prices of a graph on a stage mesh that every
-configuration shares (`problem.priced`), the per-stage sums (`problem.stage_terms`), the
-objective made of them (`timing.objective`), its solve (`problem.solve`), its LP bound
-(`bounds.lp`), its prediction (`timing.predict`), prices (`timing`, `memory`), stages,
-recomputation and ties (`space`), the solver (`ilp`), the search over configurations (`search`).
+(objective and memory, see its docstring) and `memory_constraints` (a device's memory: its stage's,
+or an interleaved device's chunks' together, and at its weight gathers). Lives elsewhere: the
+prices of a graph on a stage mesh that every configuration shares (`problem.priced`), the per-stage
+sums (`problem.stage_terms`), the objective made of them (`timing.objective`), its solve
+(`problem.solve`), its LP bound (`bounds.lp`), its prediction (`timing.predict`), prices (`timing`,
+`memory`), stages, recomputation and ties (`space`), the solver (`ilp`), the search over
+configurations (`search`).
 
 Each configuration is solved exactly (to MIP_GAP). Within a stage, the objective has one
 overlap: the gradient sync runs while the last micro-batch's backward does

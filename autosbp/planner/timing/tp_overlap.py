@@ -1,29 +1,29 @@
 """The price of a tensor-parallel reduction hidden behind its matmul: chunked compute, exposed comm.
 
 Lives here: `overlap_cut` (the cut an op's overlapped twin runs, where it has one) and
-`overlapped_s` (per consumer layout, the time of the producer output's reduction, or in
-backward of its dual, run chunk by chunk beside the twin's compute, as
-`runtime.parallel.tp_overlap` runs it). Lives elsewhere: what may be cut and how (`autosbp.tp_overlap`), the twins themselves and
-their chunked compute (`timing.candidates`: `NodeStrategies.overlap_chunks`, `_Roofline.
-chunked_forward_s`), the edges that use these prices (`timing.candidates.edge_matrices`), the hidden share
-(`autosbp.overlap.hidden_sync_s`).
+`overlapped_s` (per consumer layout, the time of the producer output's reduction, or in backward of
+its dual, run chunk by chunk beside the twin's compute, as `runtime.parallel.tp_overlap` runs it).
+Lives elsewhere: what may be cut and how (`autosbp.tp_overlap`), the twins themselves and their
+chunked compute (`timing.candidates`: `NodeStrategies.overlap_chunks`, `_Roofline.
+chunked_forward_s`), the edges that use these prices (`timing.candidates.edge_matrices`), the
+hidden share (`autosbp.overlap.hidden_sync_s`).
 
-Model: a twin of a candidate whose output is partial sums on one mesh dim runs its op in k
-chunks (k smaller matmuls, forward and backward, priced by the same op model: each reads the
-unsliced operands again and pays its launch) and starts chunk i's reduction as soon as chunk i
-is computed. With k chunks of compute c / k ready at even intervals and their collectives t_1
-= collective(bytes / k) each (k launches: t = k t_1 >= the whole one's time), run one at a time
-beside the chunks after them, the exposed forward time is t - a (1 - 1/k) min(t, c), a the
-profile's overlap efficiency: the gradient buckets' formula (`overlap.hidden_sync_s`), the same
-event argument. Backward mirrors it: the dual's k collectives (all-reduce, or all-gather) start
-together, the first waited exposed, each next one beside the chunk backward before it (the
-twin's backward compute, BACKWARD_FACTOR x its forward): t' - a (1 - 1/k) min(t', c'), t' = k
-dual(bytes / k). A pair whose conversion is not one reduction the cut can carry (a raw
-read, a chain of steps, a reduce-scatter along the cut dim) is forbidden to the twin. Twins
-exist only for an op and reader of one repeated block (or of a graph without blocks),
-recomputed alike by every mode (so on one stage; where both are recomputed the checkpointed run runs the chunks and their reduction
-again, priced by the node's and the edge's recomputed forward as any op's). A profile
-without an overlap efficiency (0) gets no twins: every price stays what it was.
+Model: a twin of a candidate whose output is partial sums on one mesh dim runs its op in k chunks
+(k smaller matmuls, forward and backward, priced by the same op model: each reads the unsliced
+operands again and pays its launch) and starts chunk i's reduction as soon as chunk i is computed.
+With k chunks of compute c / k ready at even intervals and their collectives
+t_1 = collective(bytes / k) each (k launches: t = k t_1 >= the whole one's time), run one at a time
+beside the chunks after them, the exposed forward time is t - a (1 - 1/k) min(t, c), a the profile's overlap
+efficiency: the gradient buckets' formula (`overlap.hidden_sync_s`), the same event argument.
+Backward mirrors it: the dual's k collectives (all-reduce, or all-gather) start together, the first
+waited exposed, each next one beside the chunk backward before it (the twin's backward compute,
+BACKWARD_FACTOR x its forward): t' - a (1 - 1/k) min(t', c'), t' = k dual(bytes / k). A pair whose
+conversion is not one reduction the cut can carry (a raw read, a chain of steps, a reduce-scatter
+along the cut dim) is forbidden to the twin. Twins exist only for an op and reader of one repeated
+block (or of a graph without blocks), recomputed alike by every mode (so on one stage; where both
+are recomputed the checkpointed run runs the chunks and their reduction again, priced by the node's
+and the edge's recomputed forward as any op's). A profile without an overlap efficiency (0) gets no
+twins: every price stays what it was.
 Invariants: a twin's edge prices are a function of the candidate, the consumer layout and the
 prices alone; the cut priced is the one the runtime runs (`autosbp.tp_overlap.chunk_plan`).
 """

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from autosbp.capturing.rebatch import micro_batch_graphs
 from autosbp.errors import PlanError
 from autosbp.planner.api import auto_parallelize
 from autosbp.planner.memory.in_flight import interleaved_in_flight
@@ -18,9 +19,9 @@ from autosbp.planner.space.strategy import strategy_space
 from autosbp.planner.timing.predict import predict
 from autosbp.sbp import Mesh
 from autosbp.schedule import simulate
-from autosbp.zoo import load_model
+from autosbp.zoo import build_model, load_model
 from tests.planner.test_planner import a100_prices
-from tests.planner.test_search import graphs_of
+from tests.planner.test_search import MODELS
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,8 @@ def test_a_devices_chunks_share_its_memory() -> None:
     are its chunks' summed (each chunk at the device's peak), within the device's whole limit,
     for any choice; at the optimum, the device's peak the plan reports. Each chunk within 1/v of
     the device would refuse plans that fit: here device 0's chunks hold 3 and 2 micro-batches."""
-    graph = graphs_of("gpt")[4]
+    module, inputs = build_model("gpt", device="meta", **MODELS["gpt"])
+    graph = micro_batch_graphs(module, inputs, (4,))[4]
     mesh = Mesh((2,), link_classes=("intra_node",))
     limit = 10**12
     mp = build_problem(

@@ -80,7 +80,9 @@ STARTUP_S = 60.0
 # The watchdog polls every _POLL_S and takes up to _STACK_WAIT_S for the stacks; 5 s more lets
 # it speak before a collective that waits since the same moment times out, on a loaded machine.
 COLLECTIVE_MARGIN_S = 5.0
-_STACK_WAIT_S = 1.0  # for the stalled ranks' faulthandler dumps (they take milliseconds)
+# for the stalled ranks' faulthandler dumps, each whole (milliseconds alone; a loaded machine
+# wrote one rank's before the other's had its last frames)
+_STACK_WAIT_S = 3.0
 _NATIVE_CRASHES = frozenset(
     {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 )
@@ -314,11 +316,14 @@ class _Watch:
         for rank in ranks:
             os.kill(self.procs[rank].pid, rank_side.STACK_SIGNAL)
         deadline = time.monotonic() + _STACK_WAIT_S
-        while time.monotonic() < deadline and any(
-            len(self.logs[r].read()) == before[r] for r in ranks
-        ):
+
+        def dumped() -> dict[int, str]:  # a dump read half-written has no launcher frame yet
+            return {r: _main_thread(self.logs[r].read()[before[r] :]) for r in ranks}
+
+        stacks = dumped()
+        while time.monotonic() < deadline and not all(stacks.values()):
             time.sleep(_POLL_S)
-        stacks = {r: _main_thread(self.logs[r].read()[before[r] :]) for r in ranks}
+            stacks = dumped()
         return {r: s for r, s in stacks.items() if s}
 
 

@@ -110,13 +110,12 @@ class _Reduced(torch.autograd.Function):
         ctx: Any, reduced: list[torch.Tensor], dim: int, duals: _Duals, *outputs: torch.Tensor
     ) -> torch.Tensor:
         ctx.dim, ctx.duals = dim, duals
-        ctx.sizes = [y.shape[dim] for y in outputs]
         ctx.shapes = [y.shape for y in outputs]
         return reduced[0]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        ctx.duals.start(grad.split(ctx.sizes, dim=ctx.dim))
+        ctx.duals.start(grad.split([shape[ctx.dim] for shape in ctx.shapes], dim=ctx.dim))
         stand_in = grad.new_zeros(())
         return (None, None, None, *(stand_in.expand(shape) for shape in ctx.shapes))
 

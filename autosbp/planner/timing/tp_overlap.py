@@ -13,17 +13,17 @@ Model: a twin of a candidate whose output is partial sums on one mesh dim runs i
 operands again and pays its launch) and starts chunk i's reduction as soon as chunk i is computed.
 With k chunks of compute c / k ready at even intervals and their collectives
 t_1 = collective(bytes / k) each (k launches: t = k t_1 >= the whole one's time), run one at a time
-beside the chunks after them, the exposed forward time is t - a (1 - 1/k) min(t, c), a the profile's overlap
-efficiency: the gradient buckets' formula (`overlap.hidden_sync_s`), the same event argument.
-Backward mirrors it: the dual's k collectives (all-reduce, or all-gather) start together, the first
-waited exposed, each next one beside the chunk backward before it (the twin's backward compute,
-BACKWARD_FACTOR x its forward): t' - a (1 - 1/k) min(t', c'), t' = k dual(bytes / k). A pair whose
-conversion is not one reduction the cut can carry (a raw read, a chain of steps, a reduce-scatter
-along the cut dim) is forbidden to the twin. Twins exist only for an op and reader of one repeated
-block (or of a graph without blocks), recomputed alike by every mode (so on one stage; where both
-are recomputed the checkpointed run runs the chunks and their reduction again, priced by the node's
-and the edge's recomputed forward as any op's). A profile without an overlap efficiency (0) gets no
-twins: every price stays what it was.
+beside the chunks after them, the exposed forward time is t - a (1 - 1/k) min(t, c), a the
+profile's overlap efficiency: the gradient buckets' formula (`overlap.hidden_sync_s`), the same
+event argument. Backward mirrors it: the dual's k collectives (all-reduce, or all-gather) start
+together, the first waited exposed, each next one beside the chunk backward before it (the twin's
+backward compute, BACKWARD_FACTOR x its forward): t' - a (1 - 1/k) min(t', c'),
+t' = k dual(bytes / k). A pair whose conversion is not one reduction the cut can carry (a raw read,
+a chain of steps, a reduce-scatter along the cut dim) is forbidden to the twin. Twins exist only
+for an op and reader of one repeated block (or of a graph without blocks), recomputed alike by
+every mode (so on one stage; where both are recomputed the checkpointed run runs the chunks and
+their reduction again, priced by the node's and the edge's recomputed forward as any op's). A
+profile without an overlap efficiency (0) gets no twins: every price stays what it was.
 Invariants: a twin's edge prices are a function of the candidate, the consumer layout and the
 prices alone; the cut priced is the one the runtime runs (`autosbp.tp_overlap.chunk_plan`).
 """
@@ -61,8 +61,9 @@ def overlap_cut(
     chunks: int | None = None,
 ) -> ChunkPlan | None:
     """The cut of `sig`'s overlapped twin: where op `name` is matmul-like, its one output read
-    once by one op of its block, recomputed alike (`_beside`), partial sums on exactly one mesh dim of more than one device under `sig`,
-    and the profile hides some communication behind compute; else None (no twin). `chunks`:
+    once by one op of its block, recomputed alike (`_beside`), partial sums on exactly one mesh
+    dim of more than one device under `sig`, and the profile hides some communication behind
+    compute; else None (no twin). `chunks`:
     the search's (None: TP_OVERLAP_CHUNKS where the profile hides some), or a hand plan's
     (`megatron:...,overlap=K`: K chunks even where it hides none, 0 never)."""
     attrs = graph.node(name)

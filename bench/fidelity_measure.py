@@ -178,7 +178,7 @@ def case_worker(
         engine = Engine(
             model, plan, lambda ps: adam(ps, LR), example_inputs=inputs, recorder=recorder
         )
-        state_bytes = sum(t.nbytes for t in engine.state.values())
+        state_bytes = sum(t.untyped_storage().nbytes() for t in engine.state.values())
         tracking = job.track_memory and reset_peak_rss()
         start_rss = rss_bytes("VmRSS")
         dist.barrier()

@@ -165,8 +165,9 @@ class Engine:
             self.parameters, self.layouts, self._state_layouts, self.shapes, self.boxer,
             plan.grad_bucket_bytes,
             frozenset(n for n, p in plan.params.items() if p.gradient_sbp != p.sbp),
-            self.weights.register,
+            self.weights.register, self.weights.compute,
         )  # fmt: skip
+        self.weights.release(self.update.held_as_shards)  # their fp32 masters: the shards
         self.grad_sync = self._build_grad_sync(meshes, self.program.gathers)
         self._connect_precision()
         self.optimizer = (
@@ -273,8 +274,20 @@ class Engine:
 
     @property
     def parameters(self) -> dict[str, torch.Tensor]:
-        """Parameter name -> this rank's local shard (its stage's only), in graph order."""
+        """Parameter name -> this rank's local shard (its stage's only), in graph order. Under
+        a mixed recipe with the optimizer's states sharded, a parameter's fp32 master is its
+        shard, and the tensor here keeps no storage: `held_state` says where each value is."""
         return self.shards.parameters
+
+    @property
+    def held_state(self) -> dict[str, tuple[torch.Tensor, NdSbp]]:
+        """Parameter/buffer name -> this rank's tensor holding its value at full precision
+        and that tensor's layout: `state`'s, but a master held as its shard (`Weights.release`)
+        by the shard, in the optimizer's layout. What checkpoints save."""
+        held = {name: (local, self.layouts[name]) for name, local in self.shards.state.items()}
+        for name in self.weights.released:
+            held[name] = (self.optimized[name], self._state_layouts[name])
+        return held
 
     @property
     def optimized(self) -> dict[str, torch.Tensor]:
@@ -444,7 +457,7 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer assembled whole (tied names included). A collective: every
         rank must call it, and every rank gets the full tensors."""
-        return self.shards.full_state_dict(self.boxer)
+        return self.shards.full_state_dict(self.boxer, self.held_state)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient of the last step, synced and assembled whole (zeros where

@@ -11,18 +11,21 @@ reduce-scatter them (`runtime.parallel.prefetch`), the step that unscales, clips
 (`runtime.engine`).
 
 The recipe (FSDP2's `MixedPrecisionPolicy`, Megatron-Core's `main_grad`):
-- A parameter's master is an fp32 leaf in the parameter's layout: what the optimizer steps
-  (or, where the plan splits the optimizer's states, what its fp32 shard is cut from and
-  gathered back into: `runtime.parallel.sharded_update`), what checkpoints save and what
-  `Engine.full_state_dict` assembles.
+- A parameter's master is an fp32 leaf in the parameter's layout: what the optimizer steps,
+  what checkpoints save and what `Engine.full_state_dict` assembles. Where the plan splits
+  the optimizer's states (ZeRO-1/2), the master is the optimizer's fp32 shard instead, cut
+  from it at the start: the leaf in the parameter's layout keeps no storage (`release`), only
+  the fp32 gradient, and the shards gather into the compute copies
+  (`runtime.parallel.sharded_update`; Megatron-Core's distributed optimizer).
 - The ops read a compute copy: a leaf in the compute dtype (bf16, fp16) of the same layout,
-  written from the master after every update (`refresh`). Parameter gathers (FSDP) gather the
+  written from the master (or gathered from its shards) after every update (`refresh`). Parameter gathers (FSDP) gather the
   compute copies: in the compute dtype, as FSDP2 does.
 - Autograd accumulates a micro-batch's gradient of a compute copy in the compute dtype (within
   one backward: a weight read twice sums its two parts there); at the end of that backward the
   bridge adds it into the master's fp32 gradient and frees it. So the gradient is accumulated
   over micro-batches in fp32, and summed across devices in fp32 by the sync (or in the plan's
-  reduce dtype): what the planner prices, 2 + 4 + 4 bytes per element beside the optimizer's.
+  reduce dtype): what the planner prices, 2 + 4 + 4 bytes per element beside the optimizer's
+  (2 + 4 where the master is a shard).
 - fp32 plans have no copies: the compute weights are the masters themselves, and the hooks
   are autograd's own (`register_post_accumulate_grad_hook`).
 Reference: Micikevicius et al. 2018, "Mixed Precision Training" (fp32 master weights, loss
@@ -58,6 +61,7 @@ class Weights:
         self.compute: dict[str, torch.Tensor] = {}
         self._hooks: dict[torch.Tensor, list[Callable[[torch.Tensor], None]]] = {}
         self._master_of: dict[torch.Tensor, torch.Tensor] = {}
+        self.released: frozenset[str] = frozenset()  # masters held as their shards (`release`)
         # Where a master's gradient lives already, if anywhere (the gradient sync's bucket
         # view): the step's first gradient is cast straight into it, no tensor of its own.
         self.destination: Callable[[torch.Tensor], torch.Tensor | None] = lambda master: None
@@ -101,15 +105,28 @@ class Weights:
         for fn in self._hooks.get(master, ()):
             fn(master)
 
+    def release(self, names: Iterable[str]) -> None:
+        """The masters of `names`, held from now on only as the distributed optimizer's fp32
+        shards (which gather into the compute copies: `sharded_update`), keep no storage here:
+        each stays the leaf whose `grad` is the fp32 gradient the sync sums (FSDP's freed
+        unsharded parameter). Their values are read from the shards, and `refresh` skips them."""
+        names = frozenset(names)
+        for name in names:
+            master = self.masters[name]
+            assert self.compute[name] is not master, "an fp32 recipe's master is its weight"
+            master.untyped_storage().resize_(0)
+        self.released |= names
+
     def refresh(self, names: Iterable[str] | None = None) -> None:
         """After the masters changed (an update, a checkpoint loaded): every compute copy (of
-        `names`, default all) written from its master, cast down."""
+        `names`, default all) written from its master, cast down (but the `released`', which
+        their shards' gather writes)."""
         if not self.mixed:
             return
         with torch.no_grad():
             for name in self.masters if names is None else names:
                 copy = self.compute[name]
-                if copy is not self.masters[name]:
+                if copy is not self.masters[name] and name not in self.released:
                     copy.copy_(self.masters[name])
 
     def _bridge(self, copy: torch.Tensor) -> None:

@@ -33,6 +33,11 @@ Invariants:
   parameter per micro-batch, in autograd's order (the same on every rank of the stage: the same
   program); nothing hidden, as the planner prices them (`timing.param_candidates.parameter_prices`).
   After backward only the gather q -> p remains.
+- Under a mixed recipe (`runtime.parallel.precision`) the shard is the fp32 master: the
+  updated shards are gathered into the compute copies, in the compute dtype (half the bytes of
+  fp32), and the whole master in p keeps no storage (`Weights.release`), only its fp32
+  gradient, which the sync sums: 2 + 4 bytes per element of p beside the shard's, where an
+  unsharded mixed parameter holds 2 + 4 + 4 (Megatron-Core's distributed optimizer).
 - The shard is the weight's piece in q at the start (the conversion p -> q: a local slice
   where q only splits what p replicates), so the update is the one an unsharded optimizer makes
   on those elements: exact for elementwise optimizers (SGD, Adam, AdamW), as the Engine's.
@@ -66,10 +71,11 @@ __all__ = ["ShardedUpdate", "build_sharded_update"]
 class _Sharded:
     """One parameter's shard and the conversions between it and the parameter."""
 
-    param: torch.Tensor  # this rank's piece of the weight, in p
+    param: torch.Tensor  # this rank's piece of the parameter, in p: its gradient's holder
+    weight: torch.Tensor  # the piece the ops read: `param`, or a mixed recipe's compute copy
     shard: torch.Tensor  # the optimizer's tensor, in q
     to_shard: TensorFn  # dual(p) -> q: the gradient (may be a view of its input)
-    # q -> p: the updated shard written into `param`; returns the collectives still in flight.
+    # q -> p: the updated shard written into `weight`; returns the collectives still in flight.
     # None where a bucket of `weight_gather` writes it.
     to_param: Callable[[torch.Tensor], list[dist.Work]] | None
     in_backward: bool  # ZeRO-2: the gradient converted as backward makes it (`_scatter_now`)
@@ -98,6 +104,13 @@ class ShardedUpdate:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(self._sharded)
+
+    @property
+    def held_as_shards(self) -> frozenset[str]:
+        """The parameters whose weight the ops read is not the parameter (a mixed recipe's
+        compute copy): the gather writes the copy, so the fp32 master is needed only as the
+        shard (`precision.Weights.release`)."""
+        return frozenset(n for n, e in self._sharded.items() if e.weight is not e.param)
 
     @property
     def unsynced(self) -> frozenset[str]:
@@ -138,8 +151,8 @@ class ShardedUpdate:
                 entry.shard.grad = _as_grad(piece, entry.shard)
 
     def gather_weights(self) -> None:
-        """After the optimizer's step: the updated shards converted back into their
-        parameters, the buckets' (`weight_gather`) first (those gathered in place all started
+        """After the optimizer's step: the updated shards converted back into the weights
+        the ops read (in their dtype), the buckets' (`weight_gather`) first (those gathered in place all started
         at once, then the buffered ones bucket by bucket, in graph order), then every other in
         graph order, each conversion's collectives issued without waiting for the previous,
         all waited for before returning."""
@@ -203,10 +216,14 @@ def build_sharded_update(
     bucket_bytes: int,
     in_backward: frozenset[str] = frozenset(),
     register: Register = autograd_hook,
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> ShardedUpdate:
     """This rank's `ShardedUpdate` for its stage's `parameters` (name -> local piece in
     `layouts`), with their optimizer states in `state_layouts` (every stage's), the gradients
-    of `in_backward` in them too (ZeRO-2). A collective over the stage's ranks (the first
+    of `in_backward` in them too (ZeRO-2). `weights`: name -> the piece the ops read where it
+    is not the parameter (a mixed recipe's compute copy, `precision.Weights.compute`): the
+    updated shards are gathered into it, in its dtype (Megatron-Core's distributed optimizer:
+    bf16 parameters gathered from fp32 shards). A collective over the stage's ranks (the first
     shards are cut by conversion), in graph order."""
     sharded: dict[str, _Sharded] = {}
     bucketed: list[tuple[GatheredParam, dist.ProcessGroup]] = []
@@ -215,22 +232,23 @@ def build_sharded_update(
         if p == q:
             continue
         shape = shapes[name]
+        weight = param if weights is None else weights.get(name, param)
         with torch.no_grad():
             first = boxer.chain(p, q, shape, param.dtype)(param.detach())
         shard = first.to(torch.float32, copy=True).requires_grad_(True)
-        slots = _member_slots(param, p, q, shape, boxer)
+        slots = _member_slots(weight, p, q, shape, boxer)
         if slots is None:
-            to_shard, to_param = _conversions(param, p, q, shape, boxer)
+            to_shard, to_param = _conversions(param, weight, p, q, shape, boxer)
         else:
             to_shard, to_param = _scatter(param, p, q, shape, boxer), None
             group = boxer.groups.get(_members(boxer, p, q))
             at = dict(slots)
             ordered = tuple(at[m] for m in dist.get_process_group_ranks(group))
-            bucketed.append((GatheredParam(param, shard, ordered), group))
+            bucketed.append((GatheredParam(weight, shard, ordered), group))
         slot = _slot(p, q, shape, boxer.mesh, boxer.mesh.device_ids.index(dist.get_rank()))
         slice_synced = boxer.chain(p, q, shape, param.dtype) if slot is None else _view(slot)
         sharded[name] = _Sharded(
-            param, shard, to_shard, to_param, name in in_backward, slice_synced
+            param, weight, shard, to_shard, to_param, name in in_backward, slice_synced
         )
     layouts_stepped = {name: state_layouts[name] for name in parameters}
     return ShardedUpdate(sharded, layouts_stepped, gather_buckets(bucketed, bucket_bytes), register)
@@ -275,35 +293,40 @@ def _scatter(
 
 
 def _conversions(
-    param: torch.Tensor, p: NdSbp, q: NdSbp, shape: tuple[int, ...], boxer: Boxer
+    param: torch.Tensor,
+    weight: torch.Tensor,
+    p: NdSbp,
+    q: NdSbp,
+    shape: tuple[int, ...],
+    boxer: Boxer,
 ) -> tuple[TensorFn, Callable[[torch.Tensor], list[dist.Work]]]:
     """The gradient's conversion dual(p) -> q (`_scatter`) and, for a parameter no bucket of
-    `weight_gather` takes, the updated shard's q -> p into `param`: with NCCL an all-gather;
-    with gloo, whose all_gather_into_tensor allocates three buffers the size of the whole
-    tensor per call, the shard written into its slot of the zeroed parameter and the slots
-    summed by an in-place all-reduce (exact: each element is one rank's value plus zeros),
-    wherever the shard is a slot of the parameter's piece (`_slot`)."""
+    `weight_gather` takes, the updated shard's q -> p into `weight`, in its dtype: with NCCL
+    an all-gather; with gloo, whose all_gather_into_tensor allocates three buffers the size
+    of the whole tensor per call, the shard written into its slot of the zeroed weight and
+    the slots summed by an in-place all-reduce (exact: each element is one rank's value plus
+    zeros), wherever the shard is a slot of the parameter's piece (`_slot`)."""
     mesh = boxer.mesh
     slot = _slot(p, q, shape, mesh, mesh.device_ids.index(dist.get_rank()))
     to_shard = _scatter(param, p, q, shape, boxer)
     if dist.get_backend() != "gloo" or slot is None:
-        gather = boxer.chain(q, p, shape, torch.float32)
+        gather = boxer.chain(q, p, shape, weight.dtype)
 
         def copy_gathered(shard: torch.Tensor) -> list[dist.Work]:
-            param.copy_(gather(shard))
+            weight.copy_(gather(shard.to(weight.dtype)))
             return []
 
         return to_shard, copy_gathered
     where = slot
     slots = tuple(Partial() if a != b else a for a, b in zip(p, q, strict=True))
-    sum_slots = boxer.chain(slots, p, shape, param.dtype, donate=True)
+    sum_slots = boxer.chain(slots, p, shape, weight.dtype, donate=True)
 
     def write(shard: torch.Tensor) -> list[dist.Work]:
-        param.zero_()
-        param[where].copy_(shard)
-        out = sum_slots(param)
-        if out.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
-            param.copy_(out)
+        weight.zero_()
+        weight[where].copy_(shard)
+        out = sum_slots(weight)
+        if out.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():
+            weight.copy_(out)
         return []
 
     return to_shard, write

@@ -218,9 +218,9 @@ def _saved_tensors(
 ) -> dict[str, tuple[str, torch.Tensor, tuple[int, ...], NdSbp]]:
     """key -> (its parameter's or buffer's name, local tensor, global shape, layout) for the
     state and the optimizer's tensors of this rank's stage."""
-    out = {
-        f"state/{name}": (name, local, tuple(engine.shapes[name]), engine.layouts[name])
-        for name, local in engine.state.items()
+    out = {  # a master held as its ZeRO shard is saved from the shard
+        f"state/{name}": (name, local, tuple(engine.shapes[name]), layout)
+        for name, (local, layout) in engine.held_state.items()
     }
     replicated = (B,) * engine.mesh.ndim
     kind = type(engine.optimizer).__name__

@@ -66,9 +66,10 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike[str]) -> Manifest:
     manifest = agree("load_checkpoint", lambda: _checked_manifest(engine, path))
     loaded = agree("load_checkpoint", lambda: _read_local(engine, manifest, path))
     state, optimizer_state, shards = loaded
+    released = engine.weights.released  # masters held as their shards: their copies cast here
     with torch.no_grad():
         for name, local in state.items():
-            engine.state[name].copy_(local)
+            (engine.weights.compute[name] if name in released else engine.state[name]).copy_(local)
         for name, piece in shards.items():  # ZeRO's fp32 shards: cut again from the weights
             engine.optimized[name].copy_(piece)
     engine.weights.refresh()  # a mixed recipe's compute copies, cast from the loaded masters

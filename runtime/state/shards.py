@@ -55,10 +55,16 @@ class StageState:
     tied: dict[str, str]
     stage_roots: tuple[int, ...]
 
-    def full_state_dict(self, boxer: Boxer) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer assembled whole (tied names included). A collective."""
+    def full_state_dict(
+        self, boxer: Boxer, held: Mapping[str, tuple[torch.Tensor, NdSbp]] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer assembled whole (tied names included); `held`: name ->
+        the tensor holding its value and its layout where it is not the local piece
+        (`Engine.held_state`: a master held as its ZeRO shard). A collective."""
 
         def local_of(name: str) -> tuple[torch.Tensor, NdSbp] | None:
+            if held and name in held:
+                return held[name]
             local = self.state.get(name)
             return (local, self.layouts[name]) if local is not None else None
 

@@ -81,9 +81,10 @@ def test_bytes_are_zero_s_count(devices: int) -> None:
         OpNode(op="placeholder", role=Role.PARAMETER, outputs=(TensorMeta((64, 16), torch.bfloat16),), name="w"),
         sig, (devices,), optimizer="adam", state=parse_nd_sbp("S(0)"),
     )  # fmt: skip
-    # the mixed recipe (runtime.parallel.precision): the bf16 copy, the fp32 master and the fp32
-    # synced gradient in p; the shard's gradient a view of the fp32 one, its master and states
-    assert bf16 == (2 + 4 + 4) * n + (4 + 4 + 4) * n / devices
+    # the mixed recipe (runtime.parallel.precision): the bf16 copy and the fp32 synced gradient
+    # in p; the fp32 master is the shard (Megatron-Core's distributed optimizer), its gradient a
+    # view of the fp32 one, beside Adam's states
+    assert bf16 == (2 + 4) * n + (4 + 4 + 4) * n / devices
     not_slot = candidate_bytes(node, sig, (devices,), optimizer="adam", state=parse_nd_sbp("S(1)"))
     assert not_slot == 8 * n + (8 + 4 + 4) * n / devices  # S(1): a strided slot, copied
     # ZeRO-2: the gradient in the shard's layout only, fp32, beside the master copy

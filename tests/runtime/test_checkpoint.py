@@ -107,13 +107,16 @@ MATRIX_PLANS = {
     # graph's bf16 parameters are not the masters the engine holds)
     "pp2-bf16": f"{PP2_MB2}/bf16",
     "dp-bf16": "dp/bf16",
+    # fp32 masters held only as ZeRO-1's shards (runtime.parallel.precision.Weights.release):
+    # saved from the shards, loaded into them and into the bf16 copies
+    "zero1-bf16": "megatron:tp=1,pp=1,dp=2,zero=1/bf16",
     "dp-fp16": "dp/fp16",  # its dynamic loss scale resumed (steps skipped on overflow)
 }
 # (plan A, plan B): every plan saved and loaded at least once, and the issue's failing pairs.
 MATRIX_SLICE = [
     ("dp", "zero1"), ("dp", "zero2"), ("cp2", "zero1"), ("zero1", "vp2"), ("vp2", "tp2"),
     ("tp2", "pp2"), ("pp2", "cp2"), ("zero2", "dp"), ("pp2-bf16", "dp-bf16"),
-    ("dp-fp16", "dp-fp16"),
+    ("dp-bf16", "zero1-bf16"), ("zero1-bf16", "pp2-bf16"), ("dp-fp16", "dp-fp16"),
 ]  # fmt: skip
 # Two plans computing in bf16 round each op's result differently: a loss of theirs may differ
 # by a rounding on each side (2 x 2**-8 relative), an fp32 master by one update's rounding of

@@ -56,7 +56,7 @@ def parameter_bytes_per_element(dtype: torch.dtype, optimizer: str) -> int:
     """The value in `dtype`; below fp32 (the mixed recipe, `runtime.parallel.precision`) an
     fp32 master beside it and the gradient accumulated in fp32, else the gradient in `dtype`;
     the optimizer's states in fp32. Adam: 16 bytes in fp32, 18 in bf16 or fp16 (Megatron-Core's
-    18 without its distributed optimizer)."""
+    18 without its distributed optimizer; with it, states sharded: `candidate_bytes`)."""
     return value_bytes(dtype) + gradient_bytes(dtype) + 4 * OPTIMIZER_STATES[optimizer]
 
 
@@ -94,7 +94,10 @@ def candidate_bytes(
         if state is None:
             return float(local * parameter_bytes_per_element(meta.dtype, optimizer))
         shard = math.prod(local_shape(meta.shape, state, mesh_shape))
-        held = value_bytes(meta.dtype)  # ZeRO-2 holds no gradient in p across a step:
+        # The weight in p; the fp32 master is the shard (a mixed recipe's whole master keeps
+        # no storage: `runtime.parallel.precision.Weights.release`). ZeRO-2 holds no gradient
+        # in p across a step:
+        held = meta.dtype.itemsize
         held += gradient_bytes(meta.dtype) if gradient is None else 0
         shard_grad = (
             0 if _grad_is_slot(meta, signature.outputs[0], state, gradient, mesh_shape) else 4

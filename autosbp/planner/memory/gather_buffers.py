@@ -17,7 +17,6 @@ import numpy as np
 
 from autosbp.capturing.graph import TensorMeta
 from autosbp.overlap import GATHER_IN_PLACE_BYTES
-from autosbp.plan.values import master_dtype
 from autosbp.rules import NdSignature
 from autosbp.sbp import NdSbp, Split, local_shape
 
@@ -53,7 +52,7 @@ def shares_gather_bucket(
     if not gathers_in_bucket(layout, state_layout, meta.shape, mesh_shape):
         return False
     piece = math.prod(local_shape(meta.shape, layout, tuple(mesh_shape)))
-    return piece * master_dtype(meta.dtype).itemsize < GATHER_IN_PLACE_BYTES
+    return piece * meta.dtype.itemsize < GATHER_IN_PLACE_BYTES
 
 
 def gather_staging_bytes(
@@ -64,9 +63,9 @@ def gather_staging_bytes(
 ) -> np.ndarray:
     """Per candidate, what the parameter takes of a weight-gather bucket's buffer
     (`runtime.parallel.weight_gather`: its weight piece, every member's slot, in the weight's
-    master's dtype: fp32 under a mixed recipe) where `shares_gather_bucket`, else 0: held only
-    while the bucket gathers, after the optimizer's step."""
-    itemsize = master_dtype(meta.dtype).itemsize
+    dtype: the compute copy's under a mixed recipe) where `shares_gather_bucket`, else 0: held
+    only while the bucket gathers, after the optimizer's step."""
+    itemsize = meta.dtype.itemsize
     out = np.zeros(len(candidates))
     for i, (sig, q) in enumerate(zip(candidates, states, strict=True)):
         p = sig.outputs[0]

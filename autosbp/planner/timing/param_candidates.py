@@ -135,8 +135,9 @@ def parameter_prices(
     one collective per parameter as its gradient is made, nothing hidden), the adds on q's shard,
     after the step's backward the all-gather and the optimizer on q's. `recipe`: the gradient
     the syncs carry (fp32 under a mixed recipe, or its reduce dtype), what one accumulation
-    moves, and what the update adds (the compute copy's cast, clipping: `timing.recipe`). The
-    shards ZeRO gathers back are the fp32 masters'."""
+    moves, and what the update adds (the compute copy's cast, clipping: `timing.recipe`, on
+    the tensor the optimizer steps). ZeRO gathers the shards into the weights in the weights'
+    dtype (a mixed recipe's compute copies: its masters are the shards)."""
     found = ParameterPrices([], [], [], [])
     wire = recipe.wire(meta)
     master = TensorMeta(meta.shape, Recipe.gradient_dtype(meta.dtype))
@@ -144,12 +145,12 @@ def parameter_prices(
         p = sig.outputs[0]
         bucketed = sync_price(dual_nd_sbp(p), p, wire, bucket_bytes)
         found.sync_s.append(bucketed if g is None else 0.0)
-        extra = _update_extra_s(meta, p, prices, mesh_shape, recipe)
+        extra = _update_extra_s(meta, p if q is None else q, prices, mesh_shape, recipe)
         if q is None:
             found.update_s.append(optimizer_s(meta, p, prices, mesh_shape) + extra)
         else:
             bucketed_gather = shares_gather_bucket(meta, p, q, mesh_shape)
-            gather = sync_price(q, p, master, bucket_bytes if bucketed_gather else 1)
+            gather = sync_price(q, p, meta, bucket_bytes if bucketed_gather else 1)
             found.update_s.append(gather + optimizer_s(meta, q, prices, mesh_shape) + extra)
         scatter = sync_price(dual_nd_sbp(p), g, master, 1) if g is not None else 0.0
         found.scatter_s.append(scatter)

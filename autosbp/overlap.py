@@ -2,7 +2,8 @@
 backward, parameter conversions behind the blocks' compute.
 
 Lives here: the bucket, in-place gather and prefetch constants the plan states for the runtime, and
-the hidden times the planner prices (`hidden_gather_s`, `hidden_sync_s`, `sync_buckets`). Lives
+the hidden times the planner prices (`hidden_gather_s`, `hidden_sync_s`, `sync_buckets`,
+`hidden_regather_s`). Lives
 elsewhere: the actors and their firing rules (`schedule`), the ILP's linearization
 (`planner.timing.objective`).
 
@@ -16,12 +17,17 @@ Rules:
   blocks converts the parameters of the next PREFETCH_BLOCKS block(s) while it computes one, in
   forward (their gathers) and in backward (the re-gathers of the blocks before it and the
   reduce-scatters of the gradients of the blocks after it). Per micro-batch, each of its blocks
-  but one hides that much (`hidden_gather_s`); activations' boxing runs in line.
+  but one hides that much (`hidden_gather_s`); activations' boxing runs in line, but a linear's
+  activation re-gathered in backward, which travels beside its input-gradient matmul
+  (`hidden_regather_s`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
+
+import numpy as np
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MB), torch docs
 # A weight piece of at least this many bytes is gathered in place, in a collective of its
@@ -34,6 +40,27 @@ GATHER_IN_PLACE_BYTES = 4 * 2**20
 # Blocks whose parameters are converted ahead of the one computing: FSDP2's default (one
 # block, `fully_shard`'s implicit prefetching), which the plan states for the runtime.
 PREFETCH_BLOCKS = 1
+
+
+# Ops whose activation input, re-gathered in backward (sequence parallelism: `runtime.parallel.
+# regather`), is gathered beside their input-gradient matmul, which does not read it (Megatron-LM's
+# column-parallel linear under sequence parallelism): the gather starts as the op's backward
+# begins and is waited for just before the weight-gradient matmul (`hidden_regather_s`).
+REGATHERED_BESIDE_INPUT_GRADIENT = frozenset({"aten.linear.default"})
+
+
+def regathers_beside_input_gradient(op: str, index: int) -> bool:
+    """Is input `index` of `op`, re-gathered in backward, gathered beside the op's input-gradient
+    matmul? A linear's activation (input 0), not its weight."""
+    return op in REGATHERED_BESIDE_INPUT_GRADIENT and index == 0
+
+
+def hidden_regather_s(gather_s: np.ndarray, input_gradient_s: np.ndarray, overlap: float) -> Any:
+    """The part of an activation's re-gather (`gather_s`) that its consumer's input-gradient
+    matmul (`input_gradient_s`, started with it) hides: overlap x min(gather_s,
+    input_gradient_s), elementwise, `overlap` the profile's fraction of communication that
+    running beside compute hides (as `hidden_sync_s` with the whole gather in one piece)."""
+    return overlap * np.minimum(gather_s, input_gradient_s)
 
 
 def hidden_gather_s(comm_s: float, compute_s: float, slots: int, overlap: float) -> float:

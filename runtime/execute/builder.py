@@ -13,7 +13,8 @@ Invariants:
   layout is boxed once, whatever the number of consumers that need that layout; except for an
   input the plan re-gathers in backward (`NodePlan.regathered`), whose copy is its consumer's
   own (`runtime.parallel.regather` registers it), as the planner prices it: one conversion per
-  edge, kept or re-gathered by its consumer alone.
+  edge, kept or re-gathered by its consumer alone; a linear re-gathers its activation beside
+  its input-gradient matmul (`Regathers.beside_input_gradient`).
 - An op that writes into a buffer input that was boxed for it writes into a copy of its own,
   boxed back and copied into the buffer right after the op. Boxing into any other in-place
   write (`autosbp.rules.pinned_inputs`) is refused: the planner never plans it.
@@ -35,6 +36,7 @@ from autosbp.boxing.params import has_collective
 from autosbp.boxing.steps import BoxingStep
 from autosbp.capturing.graph import OpGraph, OpNode, Role, run_device
 from autosbp.errors import PlanError
+from autosbp.overlap import regathers_beside_input_gradient
 from autosbp.rules import (
     LocalOp,
     MeanOverTargets,
@@ -193,6 +195,9 @@ class ProgramBuilder:
         if name in self.overlapped:
             self.emit_overlapped(name, attrs, op, ins, outs)
             return
+        if any(regathers_beside_input_gradient(attrs.op, i) for i in self.regathered.get(name, ())):
+            assert self.regathers is not None, "re-gathered inputs without their registry"
+            op = self.regathers.beside_input_gradient(op)
         run = compute_instruction(op, ins, outs)
         evaluated = in_eval_mode(attrs, op)
         if evaluated is not None:

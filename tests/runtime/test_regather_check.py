@@ -176,6 +176,9 @@ def test_the_measured_peak_is_the_predicted_one_and_the_saving_is_seen() -> None
     )
     regathered = sum(1 for node in plan.nodes.values() if node.regathered)
     assert [r["regathered"] for r in again] == [MEASURED_STEPS * regathered] * 2  # per micro-batch
+    # every one a linear's activation, gathered beside its input-gradient matmul (as priced:
+    # `autosbp.overlap.hidden_regather_s`)
+    assert [r["beside"] for r in again] == [r["regathered"] for r in again]
     assert [r["regathered"] for r in kept] == [0, 0]
     # what keeping the copies costs, from the plan's own alternatives (each tied op's twin
     # switched back to its base: every copy of its block), against the measured difference

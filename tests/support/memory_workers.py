@@ -74,7 +74,8 @@ def _measure(case: Case, rank: int) -> dict[str, float]:
         return measure_peak_bytes(lambda: engine.step(inputs), lambda: engine_tensors(engine))
 
     first = measure()
-    again = sum(p.regathers.counts.regathered for p in engine.programs if p.regathers)
+    counts = [p.regathers.counts for p in engine.programs if p.regathers]
+    again, beside = sum(c.regathered for c in counts), sum(c.beside for c in counts)
     # The median of three measures: a loaded machine moves gloo threads' allocations and frees
     # in time. One measure in a full suite read 2-mlp-wide-fsdp's rank 0 at 0.889 of the
     # prediction beside rank 1's 0.953 (alone: 3 of 3 runs within 10% on both ranks).
@@ -83,4 +84,5 @@ def _measure(case: Case, rank: int) -> dict[str, float]:
     return {
         "measured_bytes": float(measured), "predicted_bytes": float(stage.peak_memory_bytes),
         "regathered": float(again),  # gathered again in backward: the first 3 steps
+        "beside": float(beside),  # of them, beside a linear's input-gradient matmul
     }  # fmt: skip

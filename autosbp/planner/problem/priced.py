@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autosbp.capturing.graph import OpGraph, OpNode, Role
+from autosbp.overlap import regathers_beside_input_gradient
 from autosbp.planner.memory.device_bytes import candidate_bytes, pair_bytes, wire_pair_bytes
 from autosbp.planner.memory.kept import Kept, kept_for_backward
 from autosbp.planner.space.recomputation import recomputed
@@ -224,10 +225,16 @@ class Priced:
             found = EdgeKept(held(uses), forward, held(kept.recomputed_uses.get(twin, ())))
             twins = sv.regather_input
             if twins is not None and self.graph.node(u).role is not Role.PARAMETER:
+                op = self.graph.node(v).op
+
+                def beside_s(index: int) -> np.ndarray | None:  # its input-gradient matmul
+                    overlaps = regathers_beside_input_gradient(op, index)
+                    return sv.forward_s if overlaps else None
+
                 terms = regather_terms(
                     su.candidates, sv.candidates, twins, frozenset(i for _, i in twin[2]), uses,
                     [outputs[use.out_idx] for use in uses], found.bytes, self.pricer,
-                    recomputed(self.graph, v, recompute), self.sequence_parallel,
+                    recomputed(self.graph, v, recompute), self.sequence_parallel, beside_s,
                 )  # fmt: skip
                 if terms is not None:
                     found = replace(found, twin_s=terms[0], twin_bytes=terms[1])

@@ -14,8 +14,9 @@ an input it read through a conversion that exchanges data (an all-gather S -> B,
 converted copy stays until its backward, per micro-batch in flight (`memory.device_bytes.
 use_bytes`). Its re-gathering twin keeps instead what the value was as produced (the shard: its
 bytes where the use is its value's only holder, else nothing beyond what its holders keep) and,
-in its backward, runs the use's forward conversion once more, exposed (the runtime waits for it
-before the op's backward). A twin re-gathers one input: a pair of its edge where that input's
+in its backward, runs the use's forward conversion once more: exposed (the runtime waits for it
+before the op's backward), but a linear's activation, gathered beside the linear's input-gradient
+matmul (`overlap.hidden_regather_s`, as `runtime.parallel.regather` runs it). A twin re-gathers one input: a pair of its edge where that input's
 conversion exchanges nothing (a view, a slice: nothing to re-gather) is forbidden, as is every
 pair of that edge where its consumer is recomputed (the run converts again anyway) or keeps
 nothing of it in the configuration's recomputation; so a twin is chosen only where it
@@ -25,13 +26,14 @@ not in the space).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
 
 from autosbp.capturing.flops import op_family
 from autosbp.capturing.graph import OpNode, TensorMeta
+from autosbp.overlap import hidden_regather_s
 from autosbp.planner.memory.device_bytes import distinct_layouts, pair_bytes
 from autosbp.planner.memory.kept import KeptUse
 from autosbp.planner.timing.boxing_prices import BoxingPricer
@@ -88,15 +90,18 @@ def regather_terms(
     pricer: BoxingPricer,
     recomputed: bool,
     forced: bool = False,
+    beside_s: Callable[[int], np.ndarray | None] = lambda index: None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Per pair (producer candidate i, consumer candidate j) of an edge carrying the consumer's
     inputs `carried`, where `twins[j]` is the input candidate j re-gathers (-1: none): what the
-    twins add to the pair's time (the conversion run again; inf: the pair is forbidden, the
-    module header) and the bytes every pair keeps with one micro-batch in flight (`kept_bytes`,
-    the kept `uses`' as read, with a twin's re-gathered use kept as produced). `forced`
-    (sequence parallelism, `megatron:...,sp=1`): a candidate that has a twin may not keep what
-    the twin would re-gather (those pairs forbidden). None where no twin re-gathers an input
-    this edge carries (its pairs price as their base's)."""
+    twins add to the pair's time (the conversion run again, less what the consumer's compute
+    `beside_s(input)` hides of it, per consumer candidate, where the runtime gathers that input
+    beside its input-gradient matmul (`overlap.hidden_regather_s`; None: exposed); inf: the pair
+    is forbidden, the module header) and the bytes every pair keeps with one micro-batch in
+    flight (`kept_bytes`, the kept `uses`' as read, with a twin's re-gathered use kept as
+    produced). `forced` (sequence parallelism, `megatron:...,sp=1`): a candidate that has a twin
+    may not keep what the twin would re-gather (those pairs forbidden). None where no twin
+    re-gathers an input this edge carries (its pairs price as their base's)."""
     shape = (len(producer), len(consumer))
     families = [i for i in sorted(set(twins.tolist()) - {-1}) if i in carried]
     if not families:
@@ -116,6 +121,7 @@ def regather_terms(
             )
         kept = [(use, meta) for use, meta in zip(uses, metas, strict=True) if use.in_idx == i]
         exchanged_any = np.zeros(shape, dtype=bool)
+        beside = beside_s(i)
         for use, meta in [] if recomputed else kept:
             srcs, src_of = distinct_layouts([sig.outputs[use.out_idx] for sig in producer])
             dsts, dst_of = distinct_layouts([sig.inputs[use.in_idx] for sig in consumer])
@@ -131,6 +137,9 @@ def regather_terms(
                 *layouts, (replace(use, converted=False),), (meta,), pricer.mesh.shape
             )
             held += np.where(exchanged, produced - as_read, 0.0)
+            if beside is not None:
+                efficiency = pricer.prices.overlap_efficiency
+                forward = forward - hidden_regather_s(forward, beside[None, :], efficiency)
             again += np.where(exchanged, forward, 0.0)
             exchanged_any |= exchanged
         forbid |= columns[None, :] & ~exchanged_any

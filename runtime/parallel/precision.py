@@ -18,8 +18,8 @@ The recipe (FSDP2's `MixedPrecisionPolicy`, Megatron-Core's `main_grad`):
   the fp32 gradient, and the shards gather into the compute copies
   (`runtime.parallel.sharded_update`; Megatron-Core's distributed optimizer).
 - The ops read a compute copy: a leaf in the compute dtype (bf16, fp16) of the same layout,
-  written from the master (or gathered from its shards) after every update (`refresh`). Parameter gathers (FSDP) gather the
-  compute copies: in the compute dtype, as FSDP2 does.
+  written from the master (or gathered from its shards) after every update (`refresh`).
+  Parameter gathers (FSDP) gather the compute copies: in the compute dtype, as FSDP2 does.
 - Autograd accumulates a micro-batch's gradient of a compute copy in the compute dtype (within
   one backward: a weight read twice sums its two parts there); at the end of that backward the
   bridge adds it into the master's fp32 gradient and frees it. So the gradient is accumulated

@@ -200,8 +200,8 @@ class _RegatheredLinear(torch.autograd.Function):
     """linear(x, weight, bias) keeping of x only its handle: in backward the copy is gathered
     again while the input's gradient (grad @ weight, which does not read x) is computed, and
     waited for just before the weight's (Megatron-LM's column-parallel linear under sequence
-    parallelism). Without a handle (x in no re-gathered copy: a plan the builder refuses) x is
-    kept as autograd would keep it."""
+    parallelism). Without a handle (an x in no registered copy, which `beside_input_gradient`'s
+    builder never passes) x is kept as autograd would keep it."""
 
     @staticmethod
     def forward(

@@ -152,10 +152,10 @@ class ShardedUpdate:
 
     def gather_weights(self) -> None:
         """After the optimizer's step: the updated shards converted back into the weights
-        the ops read (in their dtype), the buckets' (`weight_gather`) first (those gathered in place all started
-        at once, then the buffered ones bucket by bucket, in graph order), then every other in
-        graph order, each conversion's collectives issued without waiting for the previous,
-        all waited for before returning."""
+        the ops read (in their dtype), the buckets' (`weight_gather`) first (those gathered in
+        place all started at once, then the buffered ones bucket by bucket, in graph order),
+        then every other in graph order, each conversion's collectives issued without waiting
+        for the previous, all waited for before returning."""
         works: list[dist.Work] = []
         with torch.no_grad():
             for bucket in self._buckets:

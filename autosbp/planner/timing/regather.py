@@ -16,12 +16,12 @@ use_bytes`). Its re-gathering twin keeps instead what the value was as produced 
 bytes where the use is its value's only holder, else nothing beyond what its holders keep) and,
 in its backward, runs the use's forward conversion once more: exposed (the runtime waits for it
 before the op's backward), but a linear's activation, gathered beside the linear's input-gradient
-matmul (`overlap.hidden_regather_s`, as `runtime.parallel.regather` runs it). A twin re-gathers one input: a pair of its edge where that input's
-conversion exchanges nothing (a view, a slice: nothing to re-gather) is forbidden, as is every
-pair of that edge where its consumer is recomputed (the run converts again anyway) or keeps
-nothing of it in the configuration's recomputation; so a twin is chosen only where it
-re-gathers, and never stands for its base's plan (a consumer re-gathering two inputs at once is
-not in the space).
+matmul (`overlap.hidden_regather_s`, as `runtime.parallel.regather` runs it). A twin
+re-gathers one input: a pair of its edge where that input's conversion exchanges nothing (a view,
+a slice: nothing to re-gather) is forbidden, as is every pair of that edge where its consumer is
+recomputed (the run converts again anyway) or keeps nothing of it in the configuration's
+recomputation; so a twin is chosen only where it re-gathers, and never stands for its base's
+plan (a consumer re-gathering two inputs at once is not in the space).
 """
 
 from __future__ import annotations

@@ -269,14 +269,16 @@ class Engine:
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
-        """Parameter/buffer name -> this rank's local tensor (its stage's only)."""
+        """Parameter/buffer name -> this rank's local tensor (its stage's only); a master held
+        as its ZeRO shard is a NaN here (`parameters`): read values by `held_state`."""
         return self.shards.state
 
     @property
     def parameters(self) -> dict[str, torch.Tensor]:
         """Parameter name -> this rank's local shard (its stage's only), in graph order. Under
         a mixed recipe with the optimizer's states sharded, a parameter's fp32 master is its
-        shard, and the tensor here keeps no storage: `held_state` says where each value is."""
+        shard, and the tensor here holds one NaN (`Weights.release`): `held_state` says where
+        each value is."""
         return self.shards.parameters
 
     @property

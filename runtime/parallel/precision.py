@@ -14,8 +14,8 @@ The recipe (FSDP2's `MixedPrecisionPolicy`, Megatron-Core's `main_grad`):
 - A parameter's master is an fp32 leaf in the parameter's layout: what the optimizer steps,
   what checkpoints save and what `Engine.full_state_dict` assembles. Where the plan splits
   the optimizer's states (ZeRO-1/2), the master is the optimizer's fp32 shard instead, cut
-  from it at the start: the leaf in the parameter's layout keeps no storage (`release`), only
-  the fp32 gradient, and the shards gather into the compute copies
+  from it at the start: the leaf in the parameter's layout gives up its storage (`release`),
+  keeping only the fp32 gradient, and the shards gather into the compute copies
   (`runtime.parallel.sharded_update`; Megatron-Core's distributed optimizer).
 - The ops read a compute copy: a leaf in the compute dtype (bf16, fp16) of the same layout,
   written from the master (or gathered from its shards) after every update (`refresh`).
@@ -36,6 +36,7 @@ dynamic scale's constants).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -107,14 +108,16 @@ class Weights:
 
     def release(self, names: Iterable[str]) -> None:
         """The masters of `names`, held from now on only as the distributed optimizer's fp32
-        shards (which gather into the compute copies: `sharded_update`), keep no storage here:
-        each stays the leaf whose `grad` is the fp32 gradient the sync sums (FSDP's freed
-        unsharded parameter). Their values are read from the shards, and `refresh` skips them."""
+        shards (which gather into the compute copies: `sharded_update`), give up their storage:
+        each stays the leaf whose `grad` is the fp32 gradient the sync sums, its value one NaN
+        expanded to its shape (4 bytes: a read is NaN, a write an error, never a read of freed
+        memory). Their values are read from the shards, and `refresh` skips them."""
         names = frozenset(names)
         for name in names:
             master = self.masters[name]
             assert self.compute[name] is not master, "an fp32 recipe's master is its weight"
-            master.untyped_storage().resize_(0)
+            nan = torch.full((), math.nan, dtype=master.dtype, device=master.device)
+            master.data = nan.expand(master.shape)
         self.released |= names
 
     def refresh(self, names: Iterable[str] | None = None) -> None:

@@ -35,7 +35,7 @@ Invariants:
   After backward only the gather q -> p remains.
 - Under a mixed recipe (`runtime.parallel.precision`) the shard is the fp32 master: the
   updated shards are gathered into the compute copies, in the compute dtype (half the bytes of
-  fp32), and the whole master in p keeps no storage (`Weights.release`), only its fp32
+  fp32), and the whole master in p gives up its storage (`Weights.release`), but its fp32
   gradient, which the sync sums: 2 + 4 bytes per element of p beside the shard's, where an
   unsharded mixed parameter holds 2 + 4 + 4 (Megatron-Core's distributed optimizer).
 - The shard is the weight's piece in q at the start (the conversion p -> q: a local slice

@@ -94,8 +94,8 @@ def candidate_bytes(
         if state is None:
             return float(local * parameter_bytes_per_element(meta.dtype, optimizer))
         shard = math.prod(local_shape(meta.shape, state, mesh_shape))
-        # The weight in p; the fp32 master is the shard (a mixed recipe's whole master keeps
-        # no storage: `runtime.parallel.precision.Weights.release`). ZeRO-2 holds no gradient
+        # The weight in p; the fp32 master is the shard (a mixed recipe's whole master gives
+        # up its storage: `runtime.parallel.precision.Weights.release`). ZeRO-2 holds no gradient
         # in p across a step:
         held = meta.dtype.itemsize
         held += gradient_bytes(meta.dtype) if gradient is None else 0

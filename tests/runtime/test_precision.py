@@ -87,7 +87,7 @@ _worlds = cases_by_world(run_precision_cases, _cases, timeout_s=600.0)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_mixed_precision_steps_match_the_recipe_on_one_device(case: tuple) -> None:
-    n, _, _, _, dtype, reduce, collectives = case
+    n, _, _, strategy, dtype, reduce, collectives = case
     per_rank = _worlds(n)[_id(case)]
     checks, facts = per_rank[0]
     assert len(checks) == STEPS  # compared; fp16 skips its scale's overflows before them
@@ -102,6 +102,9 @@ def test_mixed_precision_steps_match_the_recipe_on_one_device(case: tuple) -> No
         assert seen["states"] <= {"float32"} and seen["gradients"] <= {"float32"}
         assert seen["compute"] <= {compute}
         assert seen["user_model"] == {"float32"}  # the user's model is never cast
+        # ZeRO's fp32 masters are its shards: the whole ones released (a read gives NaN)
+        assert seen["released"] and seen["released_read_nan"]
+        assert seen["sharded"] or "zero=" not in strategy
     for kind in collectives:  # every gradient collective the layout runs, in the reduce dtype
         assert f"{kind}:{wire}" in seen_wires, seen_wires
     assert all(w.endswith(wire) for w in seen_wires), seen_wires

@@ -116,9 +116,8 @@ def run_precision_cases(rank: int, world_size: int, cases: list[dict[str, Any]])
             "user_model": {_name(p.dtype) for p in model.parameters()},
             # masters held as ZeRO's shards (`Weights.release`): this rank's parameters whose
             # plan shards their states, each one NaN where it was
-            "released": engine.weights.released == {
-                name for name in engine.parameters if name in engine.update.names
-            },
+            "released": engine.weights.released
+            == {name for name in engine.parameters if name in engine.update.names},
             "sharded": bool(engine.update.names),
             "released_read_nan": all(
                 bool(torch.isnan(engine.parameters[name]).all()) for name in engine.weights.released

@@ -84,14 +84,15 @@ class _Source:
     again: torch.Tensor | None = None
     started: Started | None = None  # the last step in flight (`start`)
 
-    def start(self) -> None:
-        """Begin converting the piece again, unless it is or is being: the steps before the
-        last run here, the last is left in flight (`unpack` waits for it)."""
+    def start(self) -> bool:
+        """Begin converting the piece again, unless it is or is being (False): the steps before
+        the last run here, the last is left in flight (`unpack` waits for it)."""
         if self.again is not None or self.started is not None:
-            return
+            return False
         with torch.no_grad():
             x = execute_boxing(self.piece, self.steps[:-1], self.owner.groups)
             self.started = start_step(x, self.steps[-1], self.owner.groups)
+        return True
 
     def unpack(self, size: torch.Size, stride: tuple[int, ...], offset: int) -> torch.Tensor:
         if self.again is None:
@@ -219,8 +220,7 @@ class _RegatheredLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         weight, *kept = ctx.saved_tensors
         handle: _Handle | None = ctx.handle
-        if handle is not None and handle.source.again is None and handle.source.started is None:
-            handle.source.start()  # travels while the input's gradient is computed
+        if handle is not None and handle.source.start():  # travels beside grad_input's matmul
             handle.source.owner.counts.beside += 1
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         x = kept[0] if handle is None else _unpack(handle)
